@@ -1,0 +1,417 @@
+"""NVFP4: the 4-bit floating-point format that rollouts run in, in one file.
+
+An NVFP4 tensor stores every value as a 4-bit float (E2M1) times two scales:
+
+    x  ~=  code_value * block_scale * global_scale
+
+- E2M1 code: 1 sign bit (bit 3) and 3 magnitude bits. The 8 magnitudes are
+
+      code  0    1    2    3    4    5    6    7
+      value 0    0.5  1    1.5  2    3    4    6
+
+  so the grid is fine near zero and coarse near the top: relative spacing 1/3 to 1/2.
+- Blocks of 16 consecutive elements along the last (reduction, K) dimension share one block scale,
+  stored as an FP8 E4M3 number (4 exponent bits, 3 mantissa bits, max 448, no infinities).
+- One FP32 global (tensor) scale per tensor, a *decode* scale: global_scale = amax(|x|) / (6 * 448),
+  chosen so that the largest block scale lands on E4M3's maximum.
+- Two codes per byte along the last dimension: element 2i in the low nibble, 2i+1 in the high one.
+
+Quantizing a tensor x of shape (..., K), K a multiple of 16 (G = K / 16 blocks per row):
+
+    global_scale = amax(|x|) / 2688                                     # fp32 scalar
+    block_scale  = e4m3(clamp(block_amax / 6 / global_scale, 0, 448))   # (..., G), RNE
+    code         = e2m1(x / (float(block_scale) * global_scale))        # (..., K), RNE, saturating at 6
+    dequantize   = code_value * float(block_scale) * global_scale       # fp32, then cast
+
+All fp32 operations are correctly rounded IEEE divisions and multiplications in exactly this order,
+so the torch reference and the Triton kernel agree bit for bit (tested).
+
+Rounding to E2M1 is round-to-nearest with ties to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
+1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), and everything beyond 6 saturates to 6. The block scale is
+rounded to nearest-even by the E4M3 cast, so |x| / (block_scale * global_scale) can slightly exceed 6
+for a block's largest element: it saturates, which is the only clipping this format does.
+
+Edge cases, one behaviour each:
+- zero blocks: a block whose scale rounds to 0 (an all-zero block, or one more than ~2^17 times
+  smaller than the tensor's largest value) stores block_scale 0 and codes 0: it dequantizes to 0.
+- an all-zero tensor: amax is 0, so the global scale would be 0; it is set to 1.0 instead and every
+  block is a zero block. Any positive value would do; 1.0 keeps dequantize exact.
+- subnormal inputs (bf16/fp32 denormals) are ordinary small numbers here: they are quantized like any
+  other value (no flush to zero before scaling), and land on zero only when the grid says so.
+- negative values that round to magnitude 0 are stored as +0 (code 0, never 8): one zero.
+- NaN and +-Inf propagate as NaN, never as a silent finite value: a block that holds one gets the
+  E4M3 NaN as its block scale (its 16 values dequantize to NaN), and a computed global scale of a
+  tensor that holds one is NaN (the whole tensor dequantizes to NaN). train.py stops on NaN losses.
+
+Fast path: on CUDA tensors `quantize` runs a Triton kernel (one read of x, one write of codes and
+scales; the global amax is one more read, done by torch). Its slow twin, `quantize_reference`, is
+plain PyTorch and is what runs on the CPU; tests compare them bit for bit, on the CPU under
+TRITON_INTERPRET=1 and on the GPU. `fake_quantize` (quantize then dequantize, with a straight-through
+gradient) has a fused Triton kernel as well, bit-identical to dequantize(quantize(x)).
+
+Deliberately left out: MX formats (E8M0 scales, 32-element blocks), stochastic rounding, per-row
+global scales, and the swizzled 128x4 block-scale layout Blackwell tensor cores want (rac.py lays
+out what its kernels need).
+"""
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the torch twin runs
+    triton = None
+
+# Shape letters: K = last (reduction) dim, G = K / 16 blocks, M = product of leading dims.
+
+BLOCK_SIZE = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+# Magnitudes of the 8 E2M1 codes; code c (0..15) decodes to sign(c & 8) * E2M1_VALUES[c & 7].
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between neighbouring magnitudes. A value exactly on a midpoint goes to the even code:
+# up when the code below is odd (ROUND_UP_AT_TIE), down when it is even.
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+ROUND_UP_AT_TIE = (False, True, False, True, False, True, False)
+
+
+@dataclass
+class NVFP4Tensor:
+    """A quantized tensor: packed codes plus the two levels of scale. `shape` is the logical shape."""
+    data: torch.Tensor          # uint8 (..., K/2): two E2M1 codes per byte, low nibble first
+    block_scale: torch.Tensor   # float8_e4m3fn (..., K/16)
+    global_scale: torch.Tensor  # float32 scalar: decode scale
+
+    @property
+    def shape(self):
+        return (*self.data.shape[:-1], self.data.shape[-1] * 2)
+
+    @property
+    def device(self):
+        return self.data.device
+
+    def dequantize(self, dtype=torch.bfloat16):
+        return dequantize(self, dtype)
+
+
+# ----------------------------------------------------------------------------- codes and packing
+def encode_e2m1(x):
+    """Round already-scaled values to E2M1 codes (uint8 in 0..15), ties to even, saturating at +-6."""
+    mag = x.abs()
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for mid, up in zip(E2M1_MIDPOINTS, ROUND_UP_AT_TIE):
+        code += (mag >= mid) if up else (mag > mid)
+    sign = (x < 0) & (code > 0)  # magnitude 0 is always stored as +0
+    return code | (sign.to(torch.uint8) << 3)
+
+
+def decode_e2m1(code, dtype=torch.float32):
+    """E2M1 codes (uint8 in 0..15) to their values."""
+    table = torch.tensor(E2M1_VALUES, dtype=dtype, device=code.device)
+    value = table[(code & 7).long()]
+    return torch.where((code & 8) != 0, -value, value)
+
+
+def pack_codes(code):
+    """(..., K) codes in 0..15 -> (..., K/2) bytes, element 2i in the low nibble, 2i+1 in the high."""
+    if code.shape[-1] % 2:
+        raise ValueError(f"pack_codes: last dim must be even, got shape {tuple(code.shape)}")
+    code = code.to(torch.uint8)
+    return code[..., 0::2] | (code[..., 1::2] << 4)
+
+
+def unpack_codes(packed):
+    """(..., K/2) bytes -> (..., K) codes; the exact inverse of pack_codes."""
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+# ----------------------------------------------------------------------------- input checks
+def _check_input(x, name="quantize"):
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"{name}: expected a float32/float16/bfloat16 tensor, got dtype {x.dtype}")
+    if x.dim() == 0 or x.numel() == 0:
+        raise ValueError(f"{name}: expected a non-empty tensor with at least one dim, got shape {tuple(x.shape)}")
+    if x.shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"{name}: last dim must be a multiple of the block size {BLOCK_SIZE}, "
+                         f"got shape {tuple(x.shape)}")
+
+
+def compute_global_scale(x):
+    """amax(|x|) / (6 * 448) as a float32 scalar; 1.0 for an all-zero tensor; NaN if x has NaN/Inf."""
+    amax = torch.linalg.vector_norm(x, ord=float("inf")).float()  # one read, no |x| temporary
+    scale = amax / (E2M1_MAX * E4M3_MAX)
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+def _resolve_global_scale(x, global_scale):
+    if global_scale is None:
+        return compute_global_scale(x)
+    if not isinstance(global_scale, torch.Tensor):
+        global_scale = torch.tensor(float(global_scale))
+    if global_scale.numel() != 1:
+        raise ValueError(f"global_scale must be a scalar, got shape {tuple(global_scale.shape)}")
+    if global_scale.device != x.device:
+        raise ValueError(f"global_scale is on {global_scale.device} but x is on {x.device}")
+    return global_scale.reshape(()).float()
+
+
+# ----------------------------------------------------------------------------- reference (slow twin)
+def quantize_reference(x, global_scale=None):
+    """Plain-PyTorch NVFP4 quantization; the definition the Triton kernel must match bit for bit."""
+    _check_input(x)
+    global_scale = _resolve_global_scale(x, global_scale)
+    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK_SIZE)           # (..., G, 16)
+    block_amax = blocks.abs().amax(dim=-1)                              # (..., G)
+    bad = ~torch.isfinite(blocks).all(dim=-1)                           # blocks holding NaN/Inf
+    scale = (block_amax / E2M1_MAX / global_scale).clamp(0.0, E4M3_MAX)
+    block_scale = scale.to(torch.float8_e4m3fn)
+    block_scale = torch.where(bad, torch.full_like(scale, float("nan")), block_scale.float()).to(torch.float8_e4m3fn)
+    denom = block_scale.float() * global_scale                          # (..., G)
+    scaled = blocks / denom.unsqueeze(-1)
+    ok = (denom > 0) & torch.isfinite(denom)                            # zero and NaN blocks store code 0
+    scaled = torch.where(ok.unsqueeze(-1), scaled, torch.zeros_like(scaled))
+    code = encode_e2m1(scaled).reshape(x.shape)
+    return NVFP4Tensor(pack_codes(code), block_scale, global_scale)
+
+
+def dequantize_reference(q, dtype=torch.bfloat16):
+    values = decode_e2m1(unpack_codes(q.data))                          # (..., K)
+    values = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE)         # (..., G, 16)
+    out = values * q.block_scale.float().unsqueeze(-1) * q.global_scale
+    return out.reshape(q.shape).to(dtype)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+# One program quantizes BLOCKS consecutive 16-element blocks of the flattened (M*G, 16) input: a
+# contiguous, coalesced (BLOCKS, 16) tile. Per block: amax -> E4M3 scale; per element: divide by the
+# scale (div_rn: correctly rounded, like torch), count the E2M1 midpoints passed (the code), pack
+# neighbours into one byte. With FAKE=True the same program writes code_value * scale instead (the
+# fused fake-quantize used by QAT), in the input's dtype.
+if triton is not None:
+    @triton.jit
+    def _e2m1_code(scaled):
+        """Scaled fp32 values -> E2M1 codes (int32 0..15), ties to even, saturating; see encode_e2m1."""
+        mag = tl.abs(scaled)
+        code = (mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32) \
+            + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32) \
+            + (mag > 5.0).to(tl.int32)
+        sign = (scaled < 0) & (code > 0)
+        return code | (sign.to(tl.int32) << 3)
+
+    @triton.jit
+    def _e2m1_value(code):
+        """E2M1 codes (int32) -> fp32 values, by arithmetic instead of a table lookup."""
+        mag = code & 7
+        # 0..4 -> 0, 0.5, 1, 1.5, 2 (steps of 0.5); 5, 6, 7 -> 3, 4, 6
+        value = tl.where(mag <= 4, mag.to(tl.float32) * 0.5,
+                         tl.where(mag == 7, 6.0, (mag - 2).to(tl.float32)))
+        return tl.where((code & 8) != 0, -value, value)
+
+    @triton.jit
+    def _e4m3_round(v):
+        """Round fp32 v in [0, 448] to E4M3, nearest-even; returns (value as fp32, E4M3 bit pattern).
+
+        Done with integer arithmetic rather than a float8 cast so that every backend (GPU, and the
+        CPU interpreter, whose fp8 casts differ) rounds identically to torch's cast. Normal range
+        (v >= 2^-6): round the fp32 mantissa to 3 bits, ties to even, by adding 0x7FFFF plus the kept
+        lsb and truncating. Subnormal range: multiples of 2^-9, rounded with the 2^23 magic number.
+        """
+        bits = v.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+        subnormal = ((v * 512.0 + 8388608.0) - 8388608.0) * 0.001953125
+        value = tl.where(v >= 0.015625, normal, subnormal)
+        vbits = value.to(tl.int32, bitcast=True)
+        normal_byte = ((((vbits >> 23) & 0xFF) - 120) << 3) | ((vbits >> 20) & 7)
+        subnormal_byte = (value * 512.0).to(tl.int32)
+        byte = tl.where(value >= 0.015625, normal_byte, subnormal_byte)
+        return value, byte
+
+    @triton.jit
+    def _e4m3_value(byte):
+        """E4M3 bit patterns (int32 0..255) -> fp32, by bit arithmetic (see _e4m3_round for why)."""
+        exponent, mantissa = (byte >> 3) & 0xF, byte & 7
+        normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
+        value = tl.where((byte & 0x80) != 0, -value, value)
+        return tl.where((byte & 0x7F) == 0x7F, float("nan"), value)
+
+    @triton.jit
+    def _store_values(out_ptr, offs, value, mask, OUT_BF16: tl.constexpr):
+        """Store fp32 values in the output's dtype. BF16 is rounded to nearest-even by integer
+        arithmetic (and stored through an int16 view) because the CPU interpreter's own fp32->bf16
+        cast truncates; on the GPU both give the same bits as torch's .to(torch.bfloat16)."""
+        if OUT_BF16:
+            bits = value.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            bits = tl.where(value == value, bits, 0x7FC0)                       # keep NaN a NaN
+            tl.store(out_ptr + offs, bits.to(tl.int16), mask=mask)
+        else:
+            tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _quantize_kernel(
+        # pointers
+        x_ptr, data_ptr, scale_ptr, global_scale_ptr, out_ptr,
+        # sizes
+        n_blocks,
+        # meta-parameters
+        BLOCKS: tl.constexpr, FAKE: tl.constexpr, OUT_BF16: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)               # block indices
+        cols = tl.arange(0, 16)
+        in_range = rows < n_blocks
+        offs = rows[:, None] * 16 + cols[None, :]                               # (BLOCKS, 16)
+        x = tl.load(x_ptr + offs, mask=in_range[:, None], other=0.0).to(tl.float32)
+        global_scale = tl.load(global_scale_ptr)
+
+        finite = tl.abs(x) < float("inf")                                       # False for NaN too
+        bad = tl.max((~finite).to(tl.int32), axis=1) > 0                        # (BLOCKS,)
+        block_amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
+        scale = tl.math.div_rn(tl.math.div_rn(block_amax, 6.0), global_scale)
+        scale = tl.minimum(tl.maximum(scale, 0.0), 448.0)
+        scale = tl.where(scale == scale, scale, 0.0)                            # NaN global scale
+        block_scale, scale_byte = _e4m3_round(scale)
+        block_scale = tl.where(bad, float("nan"), block_scale)
+        scale_byte = tl.where(bad, 0x7F, scale_byte)                            # the E4M3 NaN
+        denom = block_scale * global_scale                                      # (BLOCKS,)
+        ok = (denom > 0) & (denom < float("inf"))
+        safe = tl.where(ok, denom, 1.0)
+        scaled = tl.math.div_rn(x, safe[:, None])
+        scaled = tl.where(ok[:, None], scaled, 0.0)
+        code = _e2m1_code(scaled)                                               # (BLOCKS, 16)
+
+        if FAKE:
+            value = _e2m1_value(code) * block_scale[:, None] * global_scale
+            _store_values(out_ptr, offs, value, in_range[:, None], OUT_BF16)
+        else:
+            low, high = tl.split(tl.reshape(code, (BLOCKS, 8, 2)))              # even, odd elements
+            packed = (low | (high << 4)).to(tl.uint8)                           # (BLOCKS, 8)
+            pack_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
+            tl.store(data_ptr + pack_offs, packed, mask=in_range[:, None])
+            tl.store(scale_ptr + rows, scale_byte.to(tl.uint8), mask=in_range)
+
+    @triton.jit
+    def _dequantize_kernel(
+        data_ptr, scale_ptr, global_scale_ptr, out_ptr,
+        n_blocks,
+        BLOCKS: tl.constexpr, OUT_BF16: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        in_range = rows < n_blocks
+        packed = tl.load(data_ptr + rows[:, None] * 8 + tl.arange(0, 8)[None, :],
+                         mask=in_range[:, None], other=0).to(tl.int32)           # (BLOCKS, 8)
+        code = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCKS, 16))      # interleave low, high
+        block_scale = _e4m3_value(tl.load(scale_ptr + rows, mask=in_range, other=0).to(tl.int32))
+        value = _e2m1_value(code) * block_scale[:, None] * tl.load(global_scale_ptr)
+        offs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
+        _store_values(out_ptr, offs, value, in_range[:, None], OUT_BF16)
+
+
+_BLOCKS_PER_PROGRAM = 64  # 1024 elements a program: 2 KB of bf16 in flight, enough to saturate HBM
+
+
+def _output_view(out):
+    return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+
+
+def _require_triton():
+    if triton is None:
+        raise RuntimeError("the Triton kernels need the `triton` package; use quantize_reference instead")
+
+
+def quantize_triton(x, global_scale=None):
+    """The Triton quantize kernel (on CUDA, or on the CPU under TRITON_INTERPRET=1)."""
+    _require_triton()
+    _check_input(x)
+    global_scale = _resolve_global_scale(x, global_scale)
+    x = x.contiguous()
+    n_blocks = x.numel() // BLOCK_SIZE
+    data = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
+    block_scale = torch.empty((*x.shape[:-1], x.shape[-1] // BLOCK_SIZE), dtype=torch.float8_e4m3fn,
+                              device=x.device)
+    grid = (triton.cdiv(n_blocks, _BLOCKS_PER_PROGRAM),)
+    _quantize_kernel[grid](x, data, block_scale.view(torch.uint8), global_scale, x, n_blocks,
+                           BLOCKS=_BLOCKS_PER_PROGRAM, FAKE=False, OUT_BF16=False)
+    return NVFP4Tensor(data, block_scale, global_scale)
+
+
+def fake_quantize_triton(x, global_scale=None):
+    """dequantize(quantize(x), x.dtype) in one fused kernel pass (no straight-through wrapper)."""
+    _require_triton()
+    _check_input(x, "fake_quantize")
+    global_scale = _resolve_global_scale(x, global_scale)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n_blocks = x.numel() // BLOCK_SIZE
+    grid = (triton.cdiv(n_blocks, _BLOCKS_PER_PROGRAM),)
+    _quantize_kernel[grid](x, x, x, global_scale, _output_view(out), n_blocks,
+                           BLOCKS=_BLOCKS_PER_PROGRAM, FAKE=True, OUT_BF16=out.dtype == torch.bfloat16)
+    return out
+
+
+def dequantize_triton(q, dtype=torch.bfloat16):
+    _require_triton()
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    n_blocks = out.numel() // BLOCK_SIZE
+    grid = (triton.cdiv(n_blocks, _BLOCKS_PER_PROGRAM),)
+    _dequantize_kernel[grid](q.data.contiguous(), q.block_scale.contiguous().view(torch.uint8),
+                             q.global_scale, _output_view(out), n_blocks,
+                             BLOCKS=_BLOCKS_PER_PROGRAM, OUT_BF16=dtype == torch.bfloat16)
+    return out
+
+
+# ----------------------------------------------------------------------------- public API
+def _use_triton(x):
+    # The one place the fast path is chosen: Triton on CUDA tensors, the torch twin elsewhere.
+    return triton is not None and x.is_cuda
+
+
+def quantize(x, global_scale=None):
+    """Quantize a float tensor (..., K), K % 16 == 0, to NVFP4.
+
+    global_scale: optional caller-supplied decode scale (float or scalar tensor), so that several
+    tensors (fused q/k/v, gate/up) can share one; values beyond 6 * 448 * global_scale saturate.
+    """
+    _check_input(x)
+    if _use_triton(x):
+        return quantize_triton(x, global_scale)
+    return quantize_reference(x, global_scale)
+
+
+def dequantize(q, dtype=torch.bfloat16):
+    """NVFP4Tensor -> dense tensor of `dtype`: code_value * block_scale * global_scale in fp32."""
+    if not isinstance(q, NVFP4Tensor):
+        raise ValueError(f"dequantize: expected an NVFP4Tensor, got {type(q).__name__}")
+    if q.block_scale.device != q.data.device or q.global_scale.device != q.data.device:
+        raise ValueError(f"dequantize: data on {q.data.device}, block_scale on {q.block_scale.device}, "
+                         f"global_scale on {q.global_scale.device}: all must be on one device")
+    if _use_triton(q.data):
+        return dequantize_triton(q, dtype)
+    return dequantize_reference(q, dtype)
+
+
+class _FakeQuantize(torch.autograd.Function):
+    """Forward: dequantize(quantize(x)) in x's dtype. Backward: identity (straight-through)."""
+
+    @staticmethod
+    def forward(ctx, x, global_scale):
+        if _use_triton(x):
+            return fake_quantize_triton(x, global_scale)
+        return dequantize_reference(quantize_reference(x, global_scale), x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out, None
+
+
+def fake_quantize(x, global_scale=None):
+    """Quantize then dequantize, in x's dtype, with a straight-through (identity) gradient."""
+    _check_input(x, "fake_quantize")
+    return _FakeQuantize.apply(x, global_scale)

@@ -13,7 +13,8 @@ An NVFP4 tensor stores every value as a 4-bit float (E2M1) times two scales:
 - Blocks of 16 consecutive elements along the last (reduction, K) dimension share one block scale,
   stored as an FP8 E4M3 number (4 exponent bits, 3 mantissa bits, max 448, no infinities).
 - One FP32 global (tensor) scale per tensor, a *decode* scale: global_scale = amax(|x|) / (6 * 448),
-  chosen so that the largest block scale lands on E4M3's maximum.
+  chosen so that the largest block scale lands on E4M3's maximum. A stack of matrices (the experts'
+  weights, (E, N, K)) may instead carry one global scale per matrix, shape (E,): `per_matrix=True`.
 - Two codes per byte along the last dimension: element 2i in the low nibble, 2i+1 in the high one.
 
 Quantizing a tensor x of shape (..., K), K a multiple of 16 (G = K / 16 blocks per row):
@@ -81,7 +82,7 @@ class NVFP4Tensor:
     """A quantized tensor: packed codes plus the two levels of scale. `shape` is the logical shape."""
     data: torch.Tensor          # uint8 (..., K/2): two E2M1 codes per byte, low nibble first
     block_scale: torch.Tensor   # float8_e4m3fn (..., K/16)
-    global_scale: torch.Tensor  # float32 scalar: decode scale
+    global_scale: torch.Tensor  # float32 decode scale: a scalar, or one per matrix (shape[:-2])
 
     @property
     def shape(self):
@@ -140,9 +141,15 @@ def _check_input(x, name="quantize"):
                          f"got shape {tuple(x.shape)}")
 
 
-def compute_global_scale(x):
-    """amax(|x|) / (6 * 448) as a float32 scalar; 1.0 for an all-zero tensor; NaN if x has NaN/Inf."""
-    amax = torch.linalg.vector_norm(x, ord=float("inf")).float()  # one read, no |x| temporary
+def compute_global_scale(x, per_matrix=False):
+    """amax(|x|) / (6 * 448) in float32; 1.0 where x is all zero; NaN where x holds NaN/Inf.
+
+    A scalar, or with per_matrix=True one scale per matrix of a stack (..., N, K): shape x.shape[:-2].
+    """
+    if per_matrix and x.dim() < 3:
+        raise ValueError(f"per_matrix global scales need a stack of matrices (..., N, K), got shape {tuple(x.shape)}")
+    dims = (-2, -1) if per_matrix else None
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=dims).float()  # one read, no |x| temporary
     scale = amax / (E2M1_MAX * E4M3_MAX)
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
@@ -152,12 +159,20 @@ def _resolve_global_scale(x, global_scale):
     if global_scale is None:
         return compute_global_scale(x)
     if not isinstance(global_scale, torch.Tensor):
-        global_scale = torch.tensor(float(global_scale))
-    if global_scale.numel() != 1:
-        raise ValueError(f"global_scale must be a scalar, got shape {tuple(global_scale.shape)}")
+        global_scale = torch.tensor(float(global_scale), device=x.device)
     if global_scale.device != x.device:
         raise ValueError(f"global_scale is on {global_scale.device} but x is on {x.device}")
-    return global_scale.reshape(()).float()
+    if global_scale.numel() == 1:
+        return global_scale.reshape(()).float()
+    if x.dim() >= 3 and tuple(global_scale.shape) == tuple(x.shape[:-2]):
+        return global_scale.float()
+    raise ValueError(f"global_scale must be a scalar or one per matrix (shape {tuple(x.shape[:-2])}), "
+                     f"got shape {tuple(global_scale.shape)} for x of shape {tuple(x.shape)}")
+
+
+def _broadcastable(global_scale, extra_dims):
+    """View a per-matrix global scale (shape[:-2]) so it broadcasts over `extra_dims` trailing dims."""
+    return global_scale.reshape(*global_scale.shape, *([1] * extra_dims))
 
 
 # ----------------------------------------------------------------------------- reference (slow twin)
@@ -168,10 +183,11 @@ def quantize_reference(x, global_scale=None):
     blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK_SIZE)           # (..., G, 16)
     block_amax = blocks.abs().amax(dim=-1)                              # (..., G)
     bad = ~torch.isfinite(blocks).all(dim=-1)                           # blocks holding NaN/Inf
-    scale = (block_amax / E2M1_MAX / global_scale).clamp(0.0, E4M3_MAX)
+    gs = _broadcastable(global_scale, 2)                                # (..., 1, 1) or ()
+    scale = (block_amax / E2M1_MAX / gs).clamp(0.0, E4M3_MAX)
     block_scale = scale.to(torch.float8_e4m3fn)
     block_scale = torch.where(bad, torch.full_like(scale, float("nan")), block_scale.float()).to(torch.float8_e4m3fn)
-    denom = block_scale.float() * global_scale                          # (..., G)
+    denom = block_scale.float() * gs                                    # (..., G)
     scaled = blocks / denom.unsqueeze(-1)
     ok = (denom > 0) & torch.isfinite(denom)                            # zero and NaN blocks store code 0
     scaled = torch.where(ok.unsqueeze(-1), scaled, torch.zeros_like(scaled))
@@ -182,7 +198,7 @@ def quantize_reference(x, global_scale=None):
 def dequantize_reference(q, dtype=torch.bfloat16):
     values = decode_e2m1(unpack_codes(q.data))                          # (..., K)
     values = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE)         # (..., G, 16)
-    out = values * q.block_scale.float().unsqueeze(-1) * q.global_scale
+    out = values * q.block_scale.float().unsqueeze(-1) * _broadcastable(q.global_scale, 3)
     return out.reshape(q.shape).to(dtype)
 
 
@@ -258,7 +274,7 @@ if triton is not None:
         # pointers
         x_ptr, data_ptr, scale_ptr, global_scale_ptr, out_ptr,
         # sizes
-        n_blocks,
+        n_blocks, blocks_per_scale,
         # meta-parameters
         BLOCKS: tl.constexpr, FAKE: tl.constexpr, OUT_BF16: tl.constexpr,
     ):
@@ -268,7 +284,7 @@ if triton is not None:
         in_range = rows < n_blocks
         offs = rows[:, None] * 16 + cols[None, :]                               # (BLOCKS, 16)
         x = tl.load(x_ptr + offs, mask=in_range[:, None], other=0.0).to(tl.float32)
-        global_scale = tl.load(global_scale_ptr)
+        global_scale = tl.load(global_scale_ptr + rows // blocks_per_scale, mask=in_range, other=1.0)
 
         finite = tl.abs(x) < float("inf")                                       # False for NaN too
         bad = tl.max((~finite).to(tl.int32), axis=1) > 0                        # (BLOCKS,)
@@ -279,7 +295,7 @@ if triton is not None:
         block_scale, scale_byte = _e4m3_round(scale)
         block_scale = tl.where(bad, float("nan"), block_scale)
         scale_byte = tl.where(bad, 0x7F, scale_byte)                            # the E4M3 NaN
-        denom = block_scale * global_scale                                      # (BLOCKS,)
+        denom = block_scale * global_scale                                     # (BLOCKS,)
         ok = (denom > 0) & (denom < float("inf"))
         safe = tl.where(ok, denom, 1.0)
         scaled = tl.math.div_rn(x, safe[:, None])
@@ -287,7 +303,7 @@ if triton is not None:
         code = _e2m1_code(scaled)                                               # (BLOCKS, 16)
 
         if FAKE:
-            value = _e2m1_value(code) * block_scale[:, None] * global_scale
+            value = _e2m1_value(code) * block_scale[:, None] * global_scale[:, None]
             _store_values(out_ptr, offs, value, in_range[:, None], OUT_BF16)
         else:
             low, high = tl.split(tl.reshape(code, (BLOCKS, 8, 2)))              # even, odd elements
@@ -299,7 +315,7 @@ if triton is not None:
     @triton.jit
     def _dequantize_kernel(
         data_ptr, scale_ptr, global_scale_ptr, out_ptr,
-        n_blocks,
+        n_blocks, blocks_per_scale,
         BLOCKS: tl.constexpr, OUT_BF16: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -309,12 +325,17 @@ if triton is not None:
                          mask=in_range[:, None], other=0).to(tl.int32)           # (BLOCKS, 8)
         code = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCKS, 16))      # interleave low, high
         block_scale = _e4m3_value(tl.load(scale_ptr + rows, mask=in_range, other=0).to(tl.int32))
-        value = _e2m1_value(code) * block_scale[:, None] * tl.load(global_scale_ptr)
+        global_scale = tl.load(global_scale_ptr + rows // blocks_per_scale, mask=in_range, other=1.0)
+        value = _e2m1_value(code) * block_scale[:, None] * global_scale[:, None]
         offs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
         _store_values(out_ptr, offs, value, in_range[:, None], OUT_BF16)
 
 
 _BLOCKS_PER_PROGRAM = 64  # 1024 elements a program: 2 KB of bf16 in flight, enough to saturate HBM
+
+
+def _blocks_per_scale(n_blocks, global_scale):
+    return n_blocks // global_scale.numel()  # blocks of one matrix (all of them for a scalar)
 
 
 def _output_view(out):
@@ -337,7 +358,8 @@ def quantize_triton(x, global_scale=None):
     block_scale = torch.empty((*x.shape[:-1], x.shape[-1] // BLOCK_SIZE), dtype=torch.float8_e4m3fn,
                               device=x.device)
     grid = (triton.cdiv(n_blocks, _BLOCKS_PER_PROGRAM),)
-    _quantize_kernel[grid](x, data, block_scale.view(torch.uint8), global_scale, x, n_blocks,
+    _quantize_kernel[grid](x, data, block_scale.view(torch.uint8), global_scale, x,
+                           n_blocks, _blocks_per_scale(n_blocks, global_scale),
                            BLOCKS=_BLOCKS_PER_PROGRAM, FAKE=False, OUT_BF16=False)
     return NVFP4Tensor(data, block_scale, global_scale)
 
@@ -351,7 +373,8 @@ def fake_quantize_triton(x, global_scale=None):
     out = torch.empty_like(x)
     n_blocks = x.numel() // BLOCK_SIZE
     grid = (triton.cdiv(n_blocks, _BLOCKS_PER_PROGRAM),)
-    _quantize_kernel[grid](x, x, x, global_scale, _output_view(out), n_blocks,
+    _quantize_kernel[grid](x, x, x, global_scale, _output_view(out),
+                           n_blocks, _blocks_per_scale(n_blocks, global_scale),
                            BLOCKS=_BLOCKS_PER_PROGRAM, FAKE=True, OUT_BF16=out.dtype == torch.bfloat16)
     return out
 
@@ -362,7 +385,8 @@ def dequantize_triton(q, dtype=torch.bfloat16):
     n_blocks = out.numel() // BLOCK_SIZE
     grid = (triton.cdiv(n_blocks, _BLOCKS_PER_PROGRAM),)
     _dequantize_kernel[grid](q.data.contiguous(), q.block_scale.contiguous().view(torch.uint8),
-                             q.global_scale, _output_view(out), n_blocks,
+                             q.global_scale.contiguous(), _output_view(out),
+                             n_blocks, _blocks_per_scale(n_blocks, q.global_scale),
                              BLOCKS=_BLOCKS_PER_PROGRAM, OUT_BF16=dtype == torch.bfloat16)
     return out
 
@@ -378,6 +402,8 @@ def quantize(x, global_scale=None):
 
     global_scale: optional caller-supplied decode scale (float or scalar tensor), so that several
     tensors (fused q/k/v, gate/up) can share one; values beyond 6 * 448 * global_scale saturate.
+    For a stack of matrices (..., N, K) it may be a tensor of shape x.shape[:-2]: one per matrix
+    (see compute_global_scale(x, per_matrix=True)), as the experts' stacked weights use.
     """
     _check_input(x)
     if _use_triton(x):

@@ -336,3 +336,30 @@ def test_mixed_devices_raise_a_clear_value_error():
     with pytest.raises(ValueError, match="scalar"):
         nvfp4.quantize(x, torch.ones(2))
     assert math.isfinite(nvfp4.quantize(x).global_scale.item())
+
+
+# ------------------------------------------------------------------ per-matrix global scales (experts)
+def test_per_matrix_global_scale_equals_quantizing_each_matrix_alone(kernel_device):
+    torch.manual_seed(3)
+    w = torch.randn(5, 8, 32) * torch.tensor([0.01, 1.0, 30.0, 0.5, 2.0]).view(5, 1, 1)
+    gs = nvfp4.compute_global_scale(w, per_matrix=True)
+    assert gs.shape == (5,)
+    stacked = nvfp4.quantize_reference(w, gs)
+    for e in range(5):
+        alone = nvfp4.quantize_reference(w[e])
+        assert torch.equal(stacked.data[e], alone.data)
+        assert torch.equal(_bits(stacked.block_scale[e]), _bits(alone.block_scale))
+        assert stacked.global_scale[e] == alone.global_scale
+    fast = nvfp4.quantize_triton(w.to(kernel_device), gs.to(kernel_device))
+    _assert_same_quantization(stacked, fast)
+    deq = nvfp4.dequantize_reference(stacked, torch.float32)
+    assert _same_bits(nvfp4.dequantize_triton(fast, torch.float32), deq)
+    assert _same_bits(nvfp4.fake_quantize_triton(w.to(kernel_device), gs.to(kernel_device)), deq)
+
+
+def test_global_scale_of_the_wrong_shape_is_rejected():
+    w = torch.randn(4, 8, 32)
+    with pytest.raises(ValueError, match="one per matrix"):
+        nvfp4.quantize(w, torch.ones(8))
+    with pytest.raises(ValueError, match="stack of matrices"):
+        nvfp4.compute_global_scale(torch.randn(8, 32), per_matrix=True)

@@ -441,3 +441,22 @@ def fake_quantize(x, global_scale=None):
     """Quantize then dequantize, in x's dtype, with a straight-through (identity) gradient."""
     _check_input(x, "fake_quantize")
     return _FakeQuantize.apply(x, global_scale)
+
+
+# ----------------------------------------------------------------------------- weights: one rule for both sides
+def weight_global_scale(w):
+    """The global-scale rule for weights, shared by the trainer (qat.py) and the rollout (rac.py):
+    one scale per tensor for a linear layer's (N, K) weight, one per expert for stacked (E, N, K)
+    expert weights (the fused gate/up rows of an expert share theirs)."""
+    return compute_global_scale(w, per_matrix=w.dim() >= 3)
+
+
+def quantize_weight(w):
+    """The rollout's packed weight: quantize(w, weight_global_scale(w))."""
+    return quantize(w, weight_global_scale(w))
+
+
+def fake_quantize_weight(w):
+    """The trainer's QAT weight: bit-identical to dequantize(quantize_weight(w), w.dtype), with a
+    straight-through gradient to w."""
+    return fake_quantize(w, weight_global_scale(w).detach())

@@ -363,3 +363,10 @@ def test_global_scale_of_the_wrong_shape_is_rejected():
         nvfp4.quantize(w, torch.ones(8))
     with pytest.raises(ValueError, match="stack of matrices"):
         nvfp4.compute_global_scale(torch.randn(8, 32), per_matrix=True)
+
+
+def test_weight_rule_is_shared_by_fake_and_real_quantization():
+    for w in (torch.randn(24, 64, dtype=torch.bfloat16), torch.randn(3, 16, 32, dtype=torch.bfloat16)):
+        q = nvfp4.quantize_weight(w)
+        assert q.global_scale.shape == w.shape[:-2]
+        assert _same_bits(nvfp4.fake_quantize_weight(w), nvfp4.dequantize(q, w.dtype))

@@ -148,9 +148,14 @@ def compute_global_scale(x, per_matrix=False):
     """
     if per_matrix and x.dim() < 3:
         raise ValueError(f"per_matrix global scales need a stack of matrices (..., N, K), got shape {tuple(x.shape)}")
-    dims = (-2, -1) if per_matrix else None
-    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=dims).float()  # one read, no |x| temporary
-    scale = amax / (E2M1_MAX * E4M3_MAX)
+    if _use_triton(x) and not per_matrix:
+        amax = _amax_triton(x)
+    else:
+        dims = (-2, -1) if per_matrix else None
+        amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=dims).float()  # no |x| temporary
+    # divide by a tensor, not a Python scalar: CUDA turns scalar division into a reciprocal multiply,
+    # which would differ from the CPU in the last bit
+    scale = amax / torch.full_like(amax, E2M1_MAX * E4M3_MAX)
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
@@ -184,7 +189,8 @@ def quantize_reference(x, global_scale=None):
     block_amax = blocks.abs().amax(dim=-1)                              # (..., G)
     bad = ~torch.isfinite(blocks).all(dim=-1)                           # blocks holding NaN/Inf
     gs = _broadcastable(global_scale, 2)                                # (..., 1, 1) or ()
-    scale = (block_amax / E2M1_MAX / gs).clamp(0.0, E4M3_MAX)
+    six = torch.full_like(block_amax, E2M1_MAX)  # a tensor divisor: true division on CUDA too
+    scale = (block_amax / six / gs).clamp(0.0, E4M3_MAX)
     block_scale = scale.to(torch.float8_e4m3fn)
     block_scale = torch.where(bad, torch.full_like(scale, float("nan")), block_scale.float()).to(torch.float8_e4m3fn)
     denom = block_scale.float() * gs                                    # (..., G)
@@ -211,11 +217,18 @@ def dequantize_reference(q, dtype=torch.bfloat16):
 if triton is not None:
     @triton.jit
     def _e2m1_code(scaled):
-        """Scaled fp32 values -> E2M1 codes (int32 0..15), ties to even, saturating; see encode_e2m1."""
-        mag = tl.abs(scaled)
-        code = (mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32) \
-            + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32) \
-            + (mag > 5.0).to(tl.int32)
+        """Scaled fp32 values -> E2M1 codes (int32 0..15), ties to even, saturating; = encode_e2m1.
+
+        Bit arithmetic instead of seven comparisons: for 1 <= |q| <= 6, E2M1 is fp32 with one mantissa
+        bit, so rounding the fp32 mantissa to 1 bit (ties to even, by adding 0x1FFFFF plus the kept
+        lsb) and reading exponent+mantissa gives the code directly (1.0 -> 2, ..., 6.0 -> 7). Below 1
+        the grid is multiples of 0.5: round 2|q| to an integer with the 2^23 magic number (nearest-even).
+        """
+        mag = tl.minimum(tl.abs(scaled), 6.0)
+        bits = mag.to(tl.int32, bitcast=True)
+        big = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
+        small = ((mag * 2.0 + 8388608.0) - 8388608.0).to(tl.int32)
+        code = tl.where(mag >= 1.0, big, small)
         sign = (scaled < 0) & (code > 0)
         return code | (sign.to(tl.int32) << 3)
 
@@ -257,17 +270,39 @@ if triton is not None:
         return tl.where((byte & 0x7F) == 0x7F, float("nan"), value)
 
     @triton.jit
-    def _store_values(out_ptr, offs, value, mask, OUT_BF16: tl.constexpr):
-        """Store fp32 values in the output's dtype. BF16 is rounded to nearest-even by integer
-        arithmetic (and stored through an int16 view) because the CPU interpreter's own fp32->bf16
-        cast truncates; on the GPU both give the same bits as torch's .to(torch.bfloat16)."""
-        if OUT_BF16:
-            bits = value.to(tl.int32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            bits = tl.where(value == value, bits, 0x7FC0)                       # keep NaN a NaN
-            tl.store(out_ptr + offs, bits.to(tl.int16), mask=mask)
+    def _to_bf16_bits(value):
+        """fp32 -> bf16 bit pattern (int32, low 16 bits), nearest-even, by integer arithmetic: the CPU
+        interpreter's own fp32->bf16 cast truncates; on the GPU this equals torch's .to(bfloat16)."""
+        bits = value.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where(value == value, bits, 0x7FC0) & 0xFFFF                  # keep NaN a NaN
+
+    # Both kernels work on element *pairs*: a program holds a (BLOCKS, 8) tile of even elements
+    # (2j) and one of odd elements (2j+1) of BLOCKS 16-element blocks. For bf16 a pair is one 32-bit
+    # word (element 2j in the low half, little-endian), so the input is read with wide int32 loads
+    # and split into two exact fp32 tiles by shifts, and the packed byte of a pair is simply
+    # code(even) | code(odd) << 4: no reshapes or shuffles inside the kernel.
+    @triton.jit
+    def _load_pairs(x_ptr, rows, pairs, mask, X_BF16: tl.constexpr):
+        if X_BF16:
+            words = tl.load(x_ptr + rows[:, None] * 8 + pairs[None, :], mask=mask, other=0)  # int32 view
+            even = (words << 16).to(tl.float32, bitcast=True)
+            odd = (words & -65536).to(tl.float32, bitcast=True)
         else:
-            tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=mask)
+            offs = rows[:, None] * 16 + 2 * pairs[None, :]
+            even = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            odd = tl.load(x_ptr + offs + 1, mask=mask, other=0.0).to(tl.float32)
+        return even, odd
+
+    @triton.jit
+    def _store_pairs(out_ptr, rows, pairs, even, odd, mask, OUT_BF16: tl.constexpr):
+        if OUT_BF16:
+            words = _to_bf16_bits(even) | (_to_bf16_bits(odd) << 16)            # int32 view
+            tl.store(out_ptr + rows[:, None] * 8 + pairs[None, :], words, mask=mask)
+        else:
+            offs = rows[:, None] * 16 + 2 * pairs[None, :]
+            tl.store(out_ptr + offs, even.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + offs + 1, odd.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _quantize_kernel(
@@ -276,70 +311,105 @@ if triton is not None:
         # sizes
         n_blocks, blocks_per_scale,
         # meta-parameters
-        BLOCKS: tl.constexpr, FAKE: tl.constexpr, OUT_BF16: tl.constexpr,
+        BLOCKS: tl.constexpr, FAKE: tl.constexpr, X_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
+        PER_MATRIX: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rows = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)               # block indices
-        cols = tl.arange(0, 16)
+        pairs = tl.arange(0, 8)
         in_range = rows < n_blocks
-        offs = rows[:, None] * 16 + cols[None, :]                               # (BLOCKS, 16)
-        x = tl.load(x_ptr + offs, mask=in_range[:, None], other=0.0).to(tl.float32)
-        global_scale = tl.load(global_scale_ptr + rows // blocks_per_scale, mask=in_range, other=1.0)
+        mask = in_range[:, None]
+        even, odd = _load_pairs(x_ptr, rows, pairs, mask, X_BF16)               # (BLOCKS, 8) each
+        if PER_MATRIX:
+            global_scale = tl.load(global_scale_ptr + rows // blocks_per_scale, mask=in_range, other=1.0)
+        else:
+            global_scale = tl.load(global_scale_ptr)
 
-        finite = tl.abs(x) < float("inf")                                       # False for NaN too
-        bad = tl.max((~finite).to(tl.int32), axis=1) > 0                        # (BLOCKS,)
-        block_amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
+        # block amax and NaN/Inf detection (tl.max does not promise to propagate NaN)
+        even_ok, odd_ok = tl.abs(even) < float("inf"), tl.abs(odd) < float("inf")  # False for NaN
+        bad = tl.max((~even_ok | ~odd_ok).to(tl.int32), axis=1) > 0            # (BLOCKS,)
+        block_amax = tl.maximum(tl.max(tl.where(even_ok, tl.abs(even), 0.0), axis=1),
+                                tl.max(tl.where(odd_ok, tl.abs(odd), 0.0), axis=1))
         scale = tl.math.div_rn(tl.math.div_rn(block_amax, 6.0), global_scale)
         scale = tl.minimum(tl.maximum(scale, 0.0), 448.0)
         scale = tl.where(scale == scale, scale, 0.0)                            # NaN global scale
         block_scale, scale_byte = _e4m3_round(scale)
         block_scale = tl.where(bad, float("nan"), block_scale)
         scale_byte = tl.where(bad, 0x7F, scale_byte)                            # the E4M3 NaN
-        denom = block_scale * global_scale                                     # (BLOCKS,)
-        ok = (denom > 0) & (denom < float("inf"))
-        safe = tl.where(ok, denom, 1.0)
-        scaled = tl.math.div_rn(x, safe[:, None])
-        scaled = tl.where(ok[:, None], scaled, 0.0)
-        code = _e2m1_code(scaled)                                               # (BLOCKS, 16)
+        denom = block_scale * global_scale                                      # (BLOCKS,)
+        ok = (denom > 0) & (denom < float("inf"))                               # zero and NaN blocks: code 0
+        safe = tl.where(ok, denom, 1.0)[:, None]
+        code_even = _e2m1_code(tl.where(ok[:, None], tl.math.div_rn(even, safe), 0.0))
+        code_odd = _e2m1_code(tl.where(ok[:, None], tl.math.div_rn(odd, safe), 0.0))
 
         if FAKE:
-            value = _e2m1_value(code) * block_scale[:, None] * global_scale[:, None]
-            _store_values(out_ptr, offs, value, in_range[:, None], OUT_BF16)
+            if PER_MATRIX:
+                global_scale = global_scale[:, None]
+            value_even = _e2m1_value(code_even) * block_scale[:, None] * global_scale
+            value_odd = _e2m1_value(code_odd) * block_scale[:, None] * global_scale
+            _store_pairs(out_ptr, rows, pairs, value_even, value_odd, mask, OUT_BF16)
         else:
-            low, high = tl.split(tl.reshape(code, (BLOCKS, 8, 2)))              # even, odd elements
-            packed = (low | (high << 4)).to(tl.uint8)                           # (BLOCKS, 8)
-            pack_offs = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
-            tl.store(data_ptr + pack_offs, packed, mask=in_range[:, None])
+            packed = (code_even | (code_odd << 4)).to(tl.uint8)                 # (BLOCKS, 8)
+            tl.store(data_ptr + rows[:, None] * 8 + pairs[None, :], packed, mask=mask)
             tl.store(scale_ptr + rows, scale_byte.to(tl.uint8), mask=in_range)
 
     @triton.jit
     def _dequantize_kernel(
         data_ptr, scale_ptr, global_scale_ptr, out_ptr,
         n_blocks, blocks_per_scale,
-        BLOCKS: tl.constexpr, OUT_BF16: tl.constexpr,
+        BLOCKS: tl.constexpr, OUT_BF16: tl.constexpr, PER_MATRIX: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rows = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        pairs = tl.arange(0, 8)
         in_range = rows < n_blocks
-        packed = tl.load(data_ptr + rows[:, None] * 8 + tl.arange(0, 8)[None, :],
-                         mask=in_range[:, None], other=0).to(tl.int32)           # (BLOCKS, 8)
-        code = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCKS, 16))      # interleave low, high
+        mask = in_range[:, None]
+        packed = tl.load(data_ptr + rows[:, None] * 8 + pairs[None, :], mask=mask, other=0).to(tl.int32)
         block_scale = _e4m3_value(tl.load(scale_ptr + rows, mask=in_range, other=0).to(tl.int32))
-        global_scale = tl.load(global_scale_ptr + rows // blocks_per_scale, mask=in_range, other=1.0)
-        value = _e2m1_value(code) * block_scale[:, None] * global_scale[:, None]
-        offs = rows[:, None] * 16 + tl.arange(0, 16)[None, :]
-        _store_values(out_ptr, offs, value, in_range[:, None], OUT_BF16)
+        if PER_MATRIX:
+            global_scale = tl.load(global_scale_ptr + rows // blocks_per_scale, mask=in_range, other=1.0)[:, None]
+        else:
+            global_scale = tl.load(global_scale_ptr)
+        value_even = _e2m1_value(packed & 0xF) * block_scale[:, None] * global_scale
+        value_odd = _e2m1_value(packed >> 4) * block_scale[:, None] * global_scale
+        _store_pairs(out_ptr, rows, pairs, value_even, value_odd, mask, OUT_BF16)
 
 
-_BLOCKS_PER_PROGRAM = 64  # 1024 elements a program: 2 KB of bf16 in flight, enough to saturate HBM
+    @triton.jit
+    def _amax_kernel(x_ptr, amax_ptr, numel, BLOCK: tl.constexpr):
+        """amax(|x|) by one read of x: a tile max per program, then an atomic max into amax_ptr
+        (zero-initialised). NaN is counted as +Inf, so a non-finite tensor still yields a non-finite
+        amax (and hence a NaN global scale)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.abs(tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32))
+        x = tl.where(x == x, x, float("inf"))
+        tl.atomic_max(amax_ptr, tl.max(x, axis=0))
 
 
-def _blocks_per_scale(n_blocks, global_scale):
-    return n_blocks // global_scale.numel()  # blocks of one matrix (all of them for a scalar)
+_BLOCKS_PER_PROGRAM = 128  # 2048 elements a program: 4 KB of bf16 in flight
 
 
-def _output_view(out):
-    return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+def _launch_args(x_or_out, global_scale):
+    """Sizes and flags shared by the quantize and dequantize launches."""
+    n_blocks = x_or_out.numel() // BLOCK_SIZE
+    per_matrix = global_scale.numel() > 1
+    grid = (triton.cdiv(n_blocks, _BLOCKS_PER_PROGRAM),)
+    return grid, n_blocks, n_blocks // global_scale.numel(), per_matrix
+
+
+_AMAX_BLOCK = 8192
+
+
+def _amax_triton(x):
+    x = x.contiguous()
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    _amax_kernel[(triton.cdiv(x.numel(), _AMAX_BLOCK),)](x, amax, x.numel(), BLOCK=_AMAX_BLOCK)
+    return amax
+
+
+def _pair_view(t):
+    """A bf16 tensor as int32 words of element pairs (the kernels' wide-load layout)."""
+    return t.view(torch.int32) if t.dtype == torch.bfloat16 else t
 
 
 def _require_triton():
@@ -347,20 +417,27 @@ def _require_triton():
         raise RuntimeError("the Triton kernels need the `triton` package; use quantize_reference instead")
 
 
+def _contiguous_pairs(x):
+    x = x.contiguous()
+    if x.dtype == torch.bfloat16 and x.data_ptr() % 4:
+        x = x.clone()  # int32 pair loads need 4-byte alignment (an odd-offset view)
+    return x
+
+
 def quantize_triton(x, global_scale=None):
     """The Triton quantize kernel (on CUDA, or on the CPU under TRITON_INTERPRET=1)."""
     _require_triton()
     _check_input(x)
-    global_scale = _resolve_global_scale(x, global_scale)
-    x = x.contiguous()
-    n_blocks = x.numel() // BLOCK_SIZE
+    global_scale = _resolve_global_scale(x, global_scale).contiguous()
+    x = _contiguous_pairs(x)
     data = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
     block_scale = torch.empty((*x.shape[:-1], x.shape[-1] // BLOCK_SIZE), dtype=torch.float8_e4m3fn,
                               device=x.device)
-    grid = (triton.cdiv(n_blocks, _BLOCKS_PER_PROGRAM),)
-    _quantize_kernel[grid](x, data, block_scale.view(torch.uint8), global_scale, x,
-                           n_blocks, _blocks_per_scale(n_blocks, global_scale),
-                           BLOCKS=_BLOCKS_PER_PROGRAM, FAKE=False, OUT_BF16=False)
+    grid, n_blocks, blocks_per_scale, per_matrix = _launch_args(x, global_scale)
+    _quantize_kernel[grid](_pair_view(x), data, block_scale.view(torch.uint8), global_scale, data,
+                           n_blocks, blocks_per_scale,
+                           BLOCKS=_BLOCKS_PER_PROGRAM, FAKE=False, X_BF16=x.dtype == torch.bfloat16,
+                           OUT_BF16=False, PER_MATRIX=per_matrix)
     return NVFP4Tensor(data, block_scale, global_scale)
 
 
@@ -368,26 +445,27 @@ def fake_quantize_triton(x, global_scale=None):
     """dequantize(quantize(x), x.dtype) in one fused kernel pass (no straight-through wrapper)."""
     _require_triton()
     _check_input(x, "fake_quantize")
-    global_scale = _resolve_global_scale(x, global_scale)
-    x = x.contiguous()
+    global_scale = _resolve_global_scale(x, global_scale).contiguous()
+    x = _contiguous_pairs(x)
     out = torch.empty_like(x)
-    n_blocks = x.numel() // BLOCK_SIZE
-    grid = (triton.cdiv(n_blocks, _BLOCKS_PER_PROGRAM),)
-    _quantize_kernel[grid](x, x, x, global_scale, _output_view(out),
-                           n_blocks, _blocks_per_scale(n_blocks, global_scale),
-                           BLOCKS=_BLOCKS_PER_PROGRAM, FAKE=True, OUT_BF16=out.dtype == torch.bfloat16)
+    grid, n_blocks, blocks_per_scale, per_matrix = _launch_args(x, global_scale)
+    is_bf16 = x.dtype == torch.bfloat16
+    _quantize_kernel[grid](_pair_view(x), x, x, global_scale, _pair_view(out),
+                           n_blocks, blocks_per_scale,
+                           BLOCKS=_BLOCKS_PER_PROGRAM, FAKE=True, X_BF16=is_bf16, OUT_BF16=is_bf16,
+                           PER_MATRIX=per_matrix)
     return out
 
 
 def dequantize_triton(q, dtype=torch.bfloat16):
     _require_triton()
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
-    n_blocks = out.numel() // BLOCK_SIZE
-    grid = (triton.cdiv(n_blocks, _BLOCKS_PER_PROGRAM),)
+    global_scale = q.global_scale.contiguous()
+    grid, n_blocks, blocks_per_scale, per_matrix = _launch_args(out, global_scale)
     _dequantize_kernel[grid](q.data.contiguous(), q.block_scale.contiguous().view(torch.uint8),
-                             q.global_scale.contiguous(), _output_view(out),
-                             n_blocks, _blocks_per_scale(n_blocks, q.global_scale),
-                             BLOCKS=_BLOCKS_PER_PROGRAM, OUT_BF16=dtype == torch.bfloat16)
+                             global_scale, _pair_view(out), n_blocks, blocks_per_scale,
+                             BLOCKS=_BLOCKS_PER_PROGRAM, OUT_BF16=dtype == torch.bfloat16,
+                             PER_MATRIX=per_matrix)
     return out
 
 

@@ -1,0 +1,512 @@
+"""A small Qwen3-MoE-style transformer that also loads real Hugging Face Qwen3-MoE checkpoints.
+
+One decoder layer, pre-norm with residuals:
+
+    x = x + Attention(RMSNorm(x))         GQA, q/k RMSNorm per head, RoPE, causal
+    x = x + MoEBlock(RMSNorm(x))          top-k router over E SwiGLU experts
+
+Formulas (the numerics follow Hugging Face's Qwen3MoeForCausalLM, so logits match in fp32):
+
+    RMSNorm(x)   = w * (x / sqrt(mean(x^2) + eps))          computed in fp32, cast back before * w
+    RoPE         = x * cos + rotate_half(x) * sin           rotate_half([a, b]) = [-b, a] (halves, not pairs)
+                   angle[pos, j] = pos * theta^(-2j / hd), the hd/2 angles repeated twice
+    Attention    q = RoPE(RMSNorm_q(W_q x)), k = RoPE(RMSNorm_k(W_k x)), v = W_v x (norms over hd, before RoPE)
+                 y = W_o softmax(q k^T / sqrt(hd) + mask) v     Hkv key/value heads shared by H/Hkv query heads
+    Router       p = softmax(W_gate x) in fp32, (w, ids) = top-A of p, w <- w / sum(w) if norm_topk_prob
+    Expert e     f_e(x) = W_down_e (silu(W_gate_e x) * (W_up_e x))
+    MoE          y = sum_a w_a f_{ids_a}(x)
+
+Experts run sparsely: the T*A (token, expert) assignments are sorted by expert once (`route_tokens`), each
+expert multiplies one contiguous slice of rows, and the rows are put back in token order and summed with
+their router weights. On CUDA in BF16 the per-expert GEMMs are one `torch._grouped_mm` call; elsewhere a
+plain loop over the active experts, which is also the slow twin the fast path is tested against.
+
+Routes can be forced (R3, "rollout routing replay"): the trainer replays the experts the rollout chose,
+while the mixing weights still come from its own router, so the router keeps receiving gradients.
+
+The KV cache belongs to rollout.py; each Attention layer only calls `k, v = kv_cache.update(layer_idx, k, v)`.
+
+Left out on purpose: quantization of any kind (qat.py and rac.py swap these layers in place), dropout,
+attention bias, sliding-window attention, RoPE scaling, dense-MLP layers between MoE layers
+(`mlp_only_layers`, `decoder_sparse_step`), and the auxiliary load-balancing loss.
+
+Shape letters used in comments:
+    B batch, T tokens (queries), S keys (cached + new), D model dim, H query heads, Hkv key/value heads,
+    hd head dim, E experts, A active experts per token, I expert hidden dim, V vocab, L layers,
+    N = T*A (token, expert) assignments
+"""
+import dataclasses
+import glob
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+# ----------------------------------------------------------------------------------------------- config
+@dataclass
+class MoEConfig:
+    vocab_size: int = 64          # V; the tiny preset's char tokenizer sets it (override per task)
+    dim: int = 64                 # D, width of the residual stream
+    n_layers: int = 2             # L decoder layers, every one of them MoE
+    n_heads: int = 4              # H query heads
+    n_kv_heads: int = 2           # Hkv key/value heads; H/Hkv query heads share each (GQA); = H is plain MHA
+    head_dim: int = 16            # hd; Qwen3 sets it independently of dim / n_heads
+    n_experts: int = 8            # E routed experts per layer
+    n_active: int = 2             # A experts each token is sent to (the router's top-k)
+    expert_dim: int = 64          # I, hidden width of one SwiGLU expert
+    rope_theta: float = 10000.0   # RoPE base; larger values stretch the longest wavelength
+    rms_eps: float = 1e-6         # epsilon inside every RMSNorm
+    norm_topk_prob: bool = True   # renormalize the A chosen router probabilities to sum to 1
+    tie_embeddings: bool = False  # LM head reuses the embedding matrix
+    max_seq_len: int = 256        # longest prompt + completion a forward may see (also sizes KV caches)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
+                     "n_active", "expert_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"MoEConfig: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
+                             "each key/value head must serve the same number of query heads")
+        if self.n_active > self.n_experts:
+            raise ValueError(f"MoEConfig: n_active={self.n_active} experts per token "
+                             f"exceeds n_experts={self.n_experts}")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"MoEConfig: head_dim={self.head_dim} must be even, RoPE rotates pairs of halves")
+        if not (self.rope_theta > 0 and self.rms_eps > 0):
+            raise ValueError(f"MoEConfig: rope_theta={self.rope_theta} and rms_eps={self.rms_eps} must be positive")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "MoEConfig":
+        """A named preset with some fields replaced, e.g. from_preset("tiny", vocab_size=len(tokenizer))."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+PRESETS = {
+    # CPU: RL on the synthetic task finishes in minutes on two cores. ~0.2M parameters with V=64.
+    "tiny": MoEConfig(),
+    # The default GPU experiment: ~107M parameters in total, ~19M active per token (+ embeddings).
+    # Every width is a multiple of 64, so NVFP4's 16-element blocks and GEMM tiles divide it evenly.
+    "small": MoEConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, n_experts=32, n_active=4,
+                       expert_dim=256, max_seq_len=1024),
+    # The real shapes of Qwen/Qwen3-30B-A3B (30.5B parameters, 3.3B active), for benchmarks and load_hf.
+    "qwen3-30b-a3b": MoEConfig(vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+                               n_experts=128, n_active=8, expert_dim=768, rope_theta=1e6, norm_topk_prob=True,
+                               max_seq_len=40960),
+}
+
+
+# ----------------------------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # The statistics are taken in fp32 even for BF16 activations; the cast back happens before the
+        # scale, as in Hugging Face's implementation, so the two round identically.
+        x_float = x.float()
+        x_normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x_normed.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotary angles for each position: positions (B, T) -> two (B, 1, T, hd) tensors."""
+    # Recomputed each forward (hd/2 numbers) rather than stored as a buffer: a buffer would be rounded to
+    # BF16 by model.to(torch.bfloat16), and BF16 frequencies are wrong after a few hundred positions.
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions[..., None].float() * inv_freq                   # (B, T, hd/2)
+    angles = torch.cat((angles, angles), dim=-1)                       # (B, T, hd) halves layout
+    return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x (B, H, T, hd): dimension j pairs with j + hd/2 (Hugging Face's rotate_half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention with Qwen3's per-head RMSNorm on q and k (applied before RoPE).
+
+    q_proj, k_proj, v_proj and o_proj are only ever called as `self.q_proj(x)`, so quantized modules with
+    the same call can replace them in place.
+    """
+
+    def __init__(self, config: MoEConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx  # the key rollout.py's KV cache files this layer's keys and values under
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None = None, kv_cache=None) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)     # (B, H, T, hd)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)               # (B, Hkv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)                                             # (B, Hkv, S, hd)
+        # Expanding the shared key/value heads (rather than SDPA's enable_gqa) keeps every SDPA backend,
+        # including the masked memory-efficient one, available; the copy is small next to the experts.
+        repeats = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)             # (B, H, S, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))           # (B, T, D)
+
+
+# ----------------------------------------------------------------------------------------------- experts
+class Routing(NamedTuple):
+    """The T*A (token, expert) assignments grouped by expert. Assignment n = t*A + a is token t's a-th choice."""
+    order: Tensor          # (N,) int64: assignments sorted by expert (stable, so token order within an expert)
+    token_ids: Tensor      # (N,) int64: the token of each sorted row, for gathering the inputs
+    inverse_order: Tensor  # (N,) int64: where assignment n sits in the sorted rows, for putting outputs back
+    counts: Tensor         # (E,) int64: rows per expert
+    offsets: Tensor        # (E,) int32: end of each expert's slice (cumulative counts), torch._grouped_mm's `offs`
+
+
+def route_tokens(expert_ids: Tensor, n_experts: int) -> Routing:
+    """Sort the assignments expert_ids (T, A) by expert, once per layer; shared with quantized expert modules."""
+    n_active = expert_ids.shape[-1]
+    flat_ids = expert_ids.reshape(-1)                                                      # (N,)
+    sorted_ids, order = torch.sort(flat_ids, stable=True)
+    inverse_order = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    # searchsorted on the sorted ids keeps every size static: no host sync, nothing torch.compile must guess.
+    ends = torch.searchsorted(sorted_ids, torch.arange(n_experts, device=flat_ids.device), right=True)  # (E,)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    return Routing(order, order // n_active, inverse_order, counts, ends.to(torch.int32))
+
+
+def combine_expert_outputs(y_sorted: Tensor, routing: Routing, expert_weights: Tensor) -> Tensor:
+    """y_sorted (N, D) rows in expert order -> (T, D): y[t] = sum_a expert_weights[t, a] * row of (t, a)."""
+    T, A = expert_weights.shape
+    y = y_sorted[routing.inverse_order].view(T, A, -1)                                      # (T, A, D)
+    # A gather and a batched (1, A) @ (A, D) product instead of index_add_: deterministic on the GPU (no
+    # atomics) and one rounding per token. The weights are cast to the activation dtype first, as in HF.
+    return torch.bmm(expert_weights.to(y.dtype).unsqueeze(1), y).squeeze(1)                # (T, D)
+
+
+def expert_swiglu_loop(x_sorted: Tensor, counts: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+    """Slow twin: x_sorted (N, D) grouped by expert -> (N, D), one pair of matmuls per active expert."""
+    outputs, start = [], 0
+    for e, n in enumerate(counts.tolist()):  # one host sync per layer
+        if n == 0:
+            continue
+        gate, up = F.linear(x_sorted[start:start + n], gate_up_proj[e]).chunk(2, dim=-1)   # (n, I) each
+        outputs.append(F.linear(F.silu(gate) * up, down_proj[e]))                           # (n, D)
+        start += n
+    return torch.cat(outputs) if outputs else x_sorted.new_zeros(x_sorted.shape)
+
+
+def expert_swiglu_grouped(x_sorted: Tensor, offsets: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+    """Fast path: the same computation as expert_swiglu_loop, as two grouped GEMMs without a host sync."""
+    # torch._grouped_mm(a, b, offs) multiplies rows offs[e-1]:offs[e] of a by b[e]; b is (E, K, N), so the
+    # stored (E, out, in) weights are passed transposed, which is also the column-major layout it wants.
+    gate_up = torch._grouped_mm(x_sorted, gate_up_proj.transpose(-2, -1), offs=offsets)    # (N, 2I)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)  # (N, D)
+
+
+def use_grouped_mm(x: Tensor, expert_dim: int) -> bool:
+    """The one place the expert GEMM path is chosen; on CUDA, a fallback to the loop is said once."""
+    # torch._grouped_mm's kernels take BF16 on CUDA (SM80+) with 16-byte aligned rows, i.e. D and I
+    # divisible by 8 (true of every preset). Everything else takes the loop.
+    if not x.is_cuda:
+        return False
+    if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[-1] % 8 == 0 and expert_dim % 8 == 0:
+        return True
+    warnings.warn(f"moe.py: experts run as a per-expert loop on CUDA (dtype {x.dtype}, D={x.shape[-1]}, "
+                  f"I={expert_dim}); torch._grouped_mm needs BF16 and D, I divisible by 8")
+    return False
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored as two stacked weights, in Hugging Face's fused layout:
+    gate_up_proj (E, 2I, D), rows [0:I] gate and [I:2I] up; down_proj (E, D, I).
+
+    forward is route, gather, expert GEMMs, combine; a quantized replacement keeps route_tokens and
+    combine_expert_outputs and swaps only the GEMMs in the middle.
+    """
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.n_experts = config.n_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(config.n_experts, 2 * config.expert_dim, config.dim))
+        self.down_proj = nn.Parameter(torch.empty(config.n_experts, config.dim, config.expert_dim))
+
+    def forward(self, x: Tensor, expert_ids: Tensor, expert_weights: Tensor) -> Tensor:
+        """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) fp32 -> (T, D) in x.dtype."""
+        routing = route_tokens(expert_ids, self.n_experts)
+        x_sorted = x[routing.token_ids]                                                     # (N, D)
+        if use_grouped_mm(x, self.down_proj.shape[-1]):
+            y_sorted = expert_swiglu_grouped(x_sorted, routing.offsets, self.gate_up_proj, self.down_proj)
+        else:
+            y_sorted = expert_swiglu_loop(x_sorted, routing.counts, self.gate_up_proj, self.down_proj)
+        return combine_expert_outputs(y_sorted, routing, expert_weights)
+
+
+class MoEBlock(nn.Module):
+    """Router plus experts. forward(x, forced_routes) -> (y, routes), routes (..., A) int64."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.n_active, self.norm_topk_prob = config.n_active, config.norm_topk_prob
+        self.gate = nn.Linear(config.dim, config.n_experts, bias=False)  # the router (HF's name)
+        self.experts = Experts(config)
+
+    def forward(self, x: Tensor, forced_routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        lead_shape, D = x.shape[:-1], x.shape[-1]
+        x = x.reshape(-1, D)                                                               # (T, D)
+        # The softmax runs in fp32, as in HF: in BF16, close probabilities round to one value and top-k
+        # would choose among the ties arbitrarily.
+        probs = torch.softmax(self.gate(x).float(), dim=-1)                                # (T, E)
+        if forced_routes is None:
+            weights, routes = probs.topk(self.n_active, dim=-1)                            # (T, A) each
+        else:
+            # Replayed routes decide which experts run; their weights still come from this router's own
+            # probabilities, so the router is trained exactly as if it had chosen them.
+            routes = forced_routes.reshape(-1, self.n_active)
+            weights = probs.gather(-1, routes)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        y = self.experts(x, routes, weights)
+        return y.view(*lead_shape, D), routes.view(*lead_shape, self.n_active)
+
+
+# ----------------------------------------------------------------------------------------------- model
+class Block(nn.Module):
+    def __init__(self, config: MoEConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.dim, config.rms_eps)
+        self.attn = Attention(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.dim, config.rms_eps)
+        self.mlp = MoEBlock(config)
+
+    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None, forced_routes=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, kv_cache)
+        moe_out, routes = self.mlp(self.mlp_norm(x), forced_routes)
+        return x + moe_out, routes
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.rms_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02):
+        """Random init for training from scratch, as Hugging Face initializes Qwen3-MoE: N(0, std) for
+        every matrix (embeddings, projections, router, experts), ones for the norms."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+            elif isinstance(module, Experts):
+                module.gate_up_proj.normal_(0.0, std)
+                module.down_proj.normal_(0.0, std)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (a tied head counted once); active=True counts only A of the E experts per layer."""
+        total = sum(p.numel() for p in self.parameters())
+        if active:
+            c = self.config
+            total -= c.n_layers * (c.n_experts - c.n_active) * 3 * c.dim * c.expert_dim
+        return total
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, attn_mask: Tensor | None = None,
+                kv_cache=None, forced_routes: Tensor | None = None, return_routes: bool = False):
+        """tokens (B, T) int64 -> logits (B, T, V) in the model's dtype (upcast before a log-softmax).
+
+        positions (B, T): RoPE positions, default 0..T-1.
+        attn_mask: bool, broadcastable to (B, 1, T, S), True = may attend. It replaces the causal default,
+            so it must itself be causal; a query row allowed no key at all is undefined, so let padding
+            attend to itself. Required, with positions, when a kv_cache is given.
+        kv_cache: any object with update(layer_idx, k, v) -> (k, v), see Attention.
+        forced_routes (L, B, T, A) int64: replay these experts instead of each router's top-k.
+        return_routes: also return the chosen experts, (L, B, T, A) int64.
+        """
+        c = self.config
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tokens must be an integer tensor of shape (B, T), "
+                             f"got {tuple(tokens.shape)} {tokens.dtype}")
+        B, T = tokens.shape
+        if T > c.max_seq_len:
+            raise ValueError(f"{T} tokens exceed max_seq_len={c.max_seq_len}")
+        if kv_cache is not None and (attn_mask is None or positions is None):
+            raise ValueError("with a kv_cache, pass attn_mask (B, 1, T, S) and positions (B, T): the model cannot "
+                             "know which cached keys each query may see, nor where the new tokens sit")
+        if attn_mask is not None and (attn_mask.dtype != torch.bool or attn_mask.dim() != 4):
+            raise ValueError(f"attn_mask must be bool, broadcastable to (B, 1, T, S), got {tuple(attn_mask.shape)} "
+                             f"{attn_mask.dtype}")
+        if positions is None:
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
+        elif positions.shape != (B, T):
+            raise ValueError(f"positions must have the shape of tokens {(B, T)}, got {tuple(positions.shape)}")
+        if forced_routes is not None:
+            expected = (c.n_layers, B, T, c.n_active)
+            if tuple(forced_routes.shape) != expected:
+                raise ValueError(f"forced_routes must be (L, B, T, A) = {expected}, got {tuple(forced_routes.shape)}")
+            if forced_routes.min() < 0 or forced_routes.max() >= c.n_experts:  # one host sync; bad ids corrupt silently
+                raise ValueError(f"forced_routes must hold expert ids in [0, {c.n_experts})")
+            forced_routes = forced_routes.long()
+
+        x = self.embed(tokens)                                                             # (B, T, D)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)              # (B, 1, T, hd) each
+        routes = []
+        for i, layer in enumerate(self.layers):
+            x, layer_routes = layer(x, cos, sin, attn_mask, kv_cache,
+                                    None if forced_routes is None else forced_routes[i])
+            routes.append(layer_routes)                                                    # (B, T, A)
+        logits = self.lm_head(self.norm(x))                                                # (B, T, V)
+        return (logits, torch.stack(routes)) if return_routes else logits
+
+
+# ----------------------------------------------------------------------------------------------- loading
+_HF_RENAMES = [  # (checkpoint name pattern, this module's name); experts are handled separately
+    (r"model\.embed_tokens\.weight", "embed.weight"),
+    (r"model\.norm\.weight", "norm.weight"),
+    (r"lm_head\.weight", "lm_head.weight"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.([qkvo]_proj|[qk]_norm)\.weight", r"layers.\1.attn.\2.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.gate\.weight", r"layers.\1.mlp.gate.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", r"layers.\1.mlp.experts.\2"),  # fused
+]
+_HF_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def config_from_hf(hf_config) -> MoEConfig:
+    """MoEConfig from a transformers Qwen3MoeConfig; anything this module does not implement is an error."""
+    if hf_config.model_type != "qwen3_moe":
+        raise ValueError(f"load_hf reads Qwen3-MoE checkpoints (model_type 'qwen3_moe'), got {hf_config.model_type!r}")
+    # transformers 5 keeps RoPE settings in rope_parameters (rope_scaling is an alias of it); 4.x had a
+    # rope_theta attribute and rope_scaling None unless scaled.
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    unsupported = {
+        "mlp_only_layers (dense MLP layers)": list(getattr(hf_config, "mlp_only_layers", None) or []),
+        "decoder_sparse_step != 1": getattr(hf_config, "decoder_sparse_step", 1) != 1,
+        "attention_bias": getattr(hf_config, "attention_bias", False),
+        "use_sliding_window": getattr(hf_config, "use_sliding_window", False),
+        "hidden_act other than silu": getattr(hf_config, "hidden_act", "silu") != "silu",
+        f"rope_type {rope_type!r}": rope_type != "default",
+    }
+    problems = [name for name, present in unsupported.items() if present]
+    if problems:
+        raise ValueError(f"this Qwen3-MoE checkpoint uses features moe.py does not implement: {', '.join(problems)}")
+    return MoEConfig(
+        vocab_size=hf_config.vocab_size, dim=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
+        n_heads=hf_config.num_attention_heads, n_kv_heads=hf_config.num_key_value_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+        n_experts=hf_config.num_experts, n_active=hf_config.num_experts_per_tok,
+        expert_dim=hf_config.moe_intermediate_size,
+        rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
+        rms_eps=hf_config.rms_norm_eps, norm_topk_prob=bool(hf_config.norm_topk_prob),
+        tie_embeddings=bool(hf_config.tie_word_embeddings), max_seq_len=hf_config.max_position_embeddings,
+    )
+
+
+def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tensor], list[str]]:
+    """Every tensor of a checkpoint directory under this module's names (per-expert weights fused per
+    layer), and the checkpoint names that map to nothing here."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {directory}")
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):  # sharded: read only the shards the index names
+        with open(index) as f:
+            files = sorted({os.path.join(directory, name) for name in json.load(f)["weight_map"].values()})
+
+    tensors, per_expert, unexpected = {}, {}, []
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if match := _HF_PER_EXPERT.fullmatch(name):
+                    layer, expert, proj = int(match[1]), int(match[2]), match[3]
+                    per_expert[(layer, expert, proj)] = f.get_tensor(name).to(dtype)
+                    continue
+                for pattern, ours in _HF_RENAMES:
+                    if re.fullmatch(pattern, name):
+                        tensors[re.sub(pattern, ours, name)] = f.get_tensor(name).to(dtype)
+                        break
+                else:
+                    unexpected.append(name)
+
+    # Hub checkpoints (and save_pretrained) store one gate/up/down matrix per expert; stack them into the
+    # fused (E, 2I, D) and (E, D, I) tensors. A missing expert leaves the fused name missing.
+    for layer in sorted({layer for layer, _, _ in per_expert}):
+        experts = sorted({e for other_layer, e, _ in per_expert if other_layer == layer})
+        parts = [[per_expert.pop((layer, e, p), None) for e in experts] for p in ("gate_proj", "up_proj", "down_proj")]
+        if experts != list(range(len(experts))) or any(t is None for part in parts for t in part):
+            unexpected.append(f"model.layers.{layer}.mlp.experts.*: incomplete per-expert tensors")
+            continue
+        gate, up, down = (torch.stack(part) for part in parts)
+        tensors[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat((gate, up), dim=1)  # (E, 2I, D)
+        tensors[f"layers.{layer}.mlp.experts.down_proj"] = down                               # (E, D, I)
+    return tensors, unexpected
+
+
+def load_hf(path_or_repo_id: str, dtype: torch.dtype = torch.float32):
+    """Load a Hugging Face Qwen3-MoE checkpoint -> (MoETransformer, tokenizer or None).
+
+    Reads a local directory, or downloads a hub repository with huggingface_hub. Both expert layouts
+    load: per-expert matrices (`mlp.experts.{e}.gate_proj.weight`, as on the hub and as save_pretrained
+    writes) and transformers' fused in-memory tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    directory = path_or_repo_id
+    if not os.path.isdir(directory):
+        from huggingface_hub import snapshot_download
+        directory = snapshot_download(path_or_repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt"])
+    config = config_from_hf(AutoConfig.from_pretrained(directory, trust_remote_code=False))
+
+    tensors, unexpected = _read_hf_tensors(directory, dtype)
+    if config.tie_embeddings:  # a tied head is usually absent from the file and, if present, a copy
+        tensors.pop("lm_head.weight", None)
+    with torch.device("meta"):  # no memory for weights that are about to be replaced
+        model = MoETransformer(config)
+    expected = {name: p.shape for name, p in model.state_dict().items()
+                if not (config.tie_embeddings and name == "lm_head.weight")}
+    unexpected += [name for name in tensors if name not in expected]
+    missing = [name for name in expected if name not in tensors]
+    wrong_shape = [f"{name}: {tuple(tensors[name].shape)} != {tuple(shape)}"
+                   for name, shape in expected.items() if name in tensors and tensors[name].shape != shape]
+    if missing or unexpected or wrong_shape:
+        raise ValueError(f"checkpoint {path_or_repo_id} does not match a {config}:\n"
+                         f"  missing: {missing}\n  unexpected: {unexpected}\n  wrong shape: {wrong_shape}")
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+
+    has_tokenizer = any(os.path.exists(os.path.join(directory, name))
+                        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+    tokenizer = AutoTokenizer.from_pretrained(directory) if has_tokenizer else None
+    return model, tokenizer

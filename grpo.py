@@ -1,0 +1,339 @@
+"""GRPO on tensors: group advantages, the clipped token-level loss, truncated importance sampling,
+and the train/rollout mismatch metrics.
+
+Every function here is a pure function of tensors. None of them calls a model: `train.py` runs the
+models and hands the log-probs over.
+
+Group advantages (GRPO). Each prompt is sampled G times; a completion's advantage is its reward
+measured against its own group:
+
+    A_i = (r_i - mean_g(r)) / (std_g(r) + eps)          std with unbiased=False (population std)
+
+A group whose rewards are all equal carries no signal and gets exactly A = 0 (hence no gradient).
+
+Policy loss (PPO clip with DAPO's asymmetric "clip-higher" and token-level normalization):
+
+    ratio_t = exp(logp_t - logp_old_t)
+    pg_t    = -min(ratio_t * A, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A)
+    loss    = sum_{valid t in batch} w_t * pg_t / (number of valid tokens in the batch)
+              + kl_coef * sum_{valid t} k3_t / (number of valid tokens)
+
+Every valid token of the batch weighs the same, whatever the length of its sequence (DAPO), unlike
+the per-sequence mean of the original GRPO, which lets tokens of short answers weigh more.
+
+Three policies meet here, and the names keep them apart:
+- `rollout_logprobs`: log pi_rollout, scored by the rollout engine (NVFP4, FP8 or BF16) while it
+  sampled. Those are the probabilities the tokens were *actually* drawn from.
+- `old_logprobs`: log pi_train, the trainer's log-probs of the same tokens under the *same weights*
+  that the rollout used (computed before the first optimizer step on this batch). With perfect
+  numerics old == rollout; the gap between them is the train/rollout mismatch this project studies.
+- `logprobs`: the trainer's current log-probs, carrying the gradient.
+
+Truncated importance sampling (TIS, FlashRL). The PPO ratio corrects for pi_theta vs pi_train, but the
+tokens were sampled from pi_rollout, not pi_train. TIS reweights each token's loss by the detached
+
+    w_t = min(exp(logp_old_t - logp_rollout_t), tis_cap) = min(pi_train / pi_rollout, C)
+
+(C = 2 in verl and slime). Without `tis_cap`, w_t = 1.
+
+KL to a reference model (off by default, as in DAPO and most recent GRPO recipes): the K3 estimator
+
+    k3_t = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1   >= 0
+
+Mismatch metrics (what the field logs every step; completion tokens only), with
+
+    d_t = logp_train_t - logp_rollout_t     (= log of the importance ratio pi_train / pi_rollout)
+
+- |d| mean, max, p95, p99 and the signed mean of d;
+- KL(pi_rollout || pi_train), estimated two ways from tokens sampled by the rollout:
+  K1 = mean(-d), and K3 = mean(exp(d) - 1 - d). K3 is unbiased for the same KL because
+  E_rollout[exp(d)] = 1, and it is >= 0 token by token, so it has much less variance (verl's
+  `rollout_corr/k3_kl` uses the same d and the same direction);
+- trainer and rollout perplexity, exp(-mean logp) over all tokens;
+- importance ratio exp(d): min, mean, max, before and after truncation at the TIS cap;
+- for MoE: the fraction of (token, layer) pairs whose set of chosen experts differs (`routing_disagreement`).
+
+Shape legend:
+    N  sequences in the batch = P prompts x G samples, prompt-major: rows p*G .. p*G+G-1 are one group
+    P  prompts;  G  samples per prompt (group size)
+    T  completion length (padded);  mask (N, T) marks valid completion tokens (bool or 0/1 float)
+    V  vocabulary size
+    L  MoE layers;  A  active experts per token (top-k)
+
+Deliberately left out: value functions and GAE (GRPO has no critic), sequence-level importance ratios
+(GSPO), dual-clip PPO, rejection/masking of tokens by ratio (the field's "IcePop"/RS variants) and
+entropy bonuses. Loss statistics are 0-d detached tensors (no GPU sync per micro-batch); the mismatch
+metrics are plain Python floats, computed once per step.
+"""
+import math
+
+import torch
+
+
+# -----------------------------------------------------------------------------
+# Advantages
+
+def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages: A_i = (r_i - mean_group(r)) / (std_group(r) + eps), shape (N,) -> (N,) fp32.
+
+    std is the population std (unbiased=False): with G=2 and rewards {0, 1} the advantages are exactly
+    +-1, and the scale does not carry Bessel's sqrt(G/(G-1)) factor (TRL and verl use the unbiased std;
+    the two differ only by that constant factor per G). With normalize_std=False the advantage is the
+    centred reward only (Dr. GRPO), which does not up-weight groups that are nearly all-right or
+    all-wrong. Groups with no reward spread (max == min) get exactly zero, not a rounding residue.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of "
+                         f"group_size={group_size}")
+    grouped = rewards.float().reshape(-1, group_size)                       # (P, G)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)                   # (P, G)
+    if normalize_std:
+        std = grouped.std(dim=1, unbiased=False, keepdim=True)              # (P, 1)
+        centred = centred / (std + eps)
+    has_spread = grouped.amax(dim=1, keepdim=True) > grouped.amin(dim=1, keepdim=True)
+    return torch.where(has_spread, centred, torch.zeros_like(centred)).view(-1)   # (N,)
+
+
+# -----------------------------------------------------------------------------
+# Log-probs and entropy from logits
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] in fp32: (N, T, V), (N, T) -> (N, T) fp32, differentiable.
+
+    Computed as logits[token] - logsumexp(logits) on an fp32 copy, which is log_softmax followed by a
+    gather without materializing the (N, T, V) log_softmax output. fp32 matters: BF16 keeps 8 mantissa
+    bits, so a log-prob near -5 is rounded by up to 0.016, the order of the train/rollout mismatch
+    being measured. The fp32 copy of
+    the logits (N*T*V*4 bytes) is kept for backward; callers bound it by micro-batching over N.
+    """
+    if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
+        raise ValueError(f"expected logits (N, T, V) and tokens (N, T), got logits "
+                         f"{tuple(logits.shape)} and tokens {tuple(tokens.shape)}")
+    logits = logits.float()
+    picked = logits.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)     # (N, T)
+    return picked - torch.logsumexp(logits, dim=-1)                         # (N, T)
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor,
+                        chunk_tokens: int = 1024) -> torch.Tensor:
+    """Mean token entropy over valid tokens, H = -sum_v p_v log p_v, for logging: 0-d fp32 tensor.
+
+    The logits are walked `chunk_tokens` positions at a time and only the valid rows of a chunk are
+    upcast, so the extra memory is a few chunk_tokens x V fp32 buffers, never a full fp32 copy of the
+    logits. Tokens with p = 0 (logits of -inf) contribute 0, not NaN. An empty mask gives NaN.
+    No gradient: an entropy bonus is deliberately not part of the loss.
+    """
+    if logits.dim() != 3 or mask.shape != logits.shape[:2]:
+        raise ValueError(f"expected logits (N, T, V) and mask (N, T), got logits "
+                         f"{tuple(logits.shape)} and mask {tuple(mask.shape)}")
+    flat_logits = logits.reshape(-1, logits.shape[-1])                      # (N*T, V)
+    flat_valid = mask.reshape(-1).bool()                                    # (N*T,)
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)
+    for start in range(0, flat_logits.shape[0], chunk_tokens):
+        rows = flat_logits[start:start + chunk_tokens][flat_valid[start:start + chunk_tokens]]
+        logp = torch.log_softmax(rows.float(), dim=-1)                      # (rows, V)
+        p = logp.exp()
+        p_log_p = torch.where(p > 0, p * logp, torch.zeros_like(p))
+        total -= p_log_p.sum(dim=-1).double().sum()
+    return (total / flat_valid.sum()).float()                              # 0/0 = NaN when empty
+
+
+# -----------------------------------------------------------------------------
+# The loss
+
+def _check_same_shape(reference_name: str, reference: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, tensor in others.items():
+        if tensor is not None and tensor.shape != reference.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)} but {reference_name} has shape "
+                             f"{tuple(reference.shape)}; they must match (N, T)")
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
+                rollout_logprobs: torch.Tensor | None = None, tis_cap: float | None = None,
+                ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
+                num_valid_tokens: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level clipped GRPO loss (see the module docstring for every formula).
+
+    logprobs (N, T) carries the gradient; old_logprobs, rollout_logprobs, ref_logprobs (N, T) and
+    advantages (N,) are treated as constants (detached here). mask (N, T) marks valid tokens.
+
+    clip_low/clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher keeps
+    low-probability tokens that got a positive advantage growing, which slows entropy collapse).
+    tis_cap: if given, multiply each token's policy-gradient term by min(pi_train/pi_rollout, tis_cap),
+    with pi_train = exp(old_logprobs) (the trainer under the weights that sampled) and
+    pi_rollout = exp(rollout_logprobs) (what the rollout engine reported). Needs rollout_logprobs.
+    kl_coef > 0: add kl_coef * K3(pi_theta || pi_ref) per token. Needs ref_logprobs.
+    num_valid_tokens: the DAPO denominator. Defaults to the valid tokens in this call; when a batch is
+    split into micro-batches for gradient accumulation, pass the whole batch's count so the summed
+    micro-batch losses equal the full-batch loss.
+
+    Returns (loss, stats). loss is a 0-d tensor; stats are 0-d detached fp32 tensors (float() them to
+    log): pg_loss, ratio_mean, ratio_max, clip_frac (tokens whose gradient the clip removed),
+    clip_frac_low (ratio < 1-clip_low with A < 0), clip_frac_high (ratio > 1+clip_high with A > 0),
+    approx_kl_old (K3 of pi_theta vs pi_old: how far the update has moved), and, when on,
+    tis_weight_mean, tis_clip_frac (tokens whose ratio exceeded the cap), kl.
+    """
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be (N, T), got shape {tuple(logprobs.shape)}")
+    _check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs, mask=mask,
+                      rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs)
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages must be (N,) = ({logprobs.shape[0]},), got shape "
+                         f"{tuple(advantages.shape)}")
+    if tis_cap is not None and rollout_logprobs is None:
+        raise ValueError("tis_cap needs rollout_logprobs (the rollout engine's log-probs)")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+
+    is_valid = mask.bool()                                                  # (N, T)
+    valid = is_valid.float()
+    denominator = float(num_valid_tokens) if num_valid_tokens is not None else valid.sum().clamp(min=1.0)
+
+    def on_valid(log_diff: torch.Tensor) -> torch.Tensor:
+        # Padding may hold anything (-inf, NaN, stale values). Zeroing log-differences there *before*
+        # exp keeps every product finite, so padding cannot leak NaN into the sum or the gradient.
+        return torch.where(is_valid, log_diff, torch.zeros_like(log_diff))
+
+    def batch_mean(per_token: torch.Tensor) -> torch.Tensor:
+        return (per_token * valid).sum() / denominator
+
+    logprobs = logprobs.float()
+    old_logprobs = old_logprobs.detach().float()
+    adv = advantages.detach().float().unsqueeze(1)                          # (N, 1)
+
+    log_ratio = on_valid(logprobs - old_logprobs)                           # (N, T)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    pg_per_token = -torch.minimum(unclipped, clipped)                       # (N, T)
+
+    stats: dict[str, torch.Tensor] = {}
+    if tis_cap is not None:
+        train_over_rollout = torch.exp(on_valid(old_logprobs - rollout_logprobs.detach().float()))
+        tis_weight = train_over_rollout.clamp(max=tis_cap)                  # (N, T), constant
+        pg_per_token = pg_per_token * tis_weight
+        stats["tis_weight_mean"] = _masked_mean(tis_weight, valid)
+        stats["tis_clip_frac"] = _masked_mean((train_over_rollout > tis_cap).float(), valid)
+
+    pg_loss = batch_mean(pg_per_token)
+    loss = pg_loss
+    if kl_coef > 0:
+        ref_log_ratio = on_valid(ref_logprobs.detach().float() - logprobs)  # (N, T)
+        k3 = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0
+        loss = loss + kl_coef * batch_mean(k3)
+        stats["kl"] = _masked_mean(k3.detach(), valid)
+
+    with torch.no_grad():
+        ratio_d, log_ratio_d = ratio.detach(), log_ratio.detach()
+        clipped_low = (ratio_d < 1.0 - clip_low) & (adv < 0)
+        clipped_high = (ratio_d > 1.0 + clip_high) & (adv > 0)
+        stats["pg_loss"] = pg_loss.detach()
+        stats["ratio_mean"] = _masked_mean(ratio_d, valid)
+        stats["ratio_max"] = _masked_max(ratio_d, valid)
+        stats["clip_frac_low"] = _masked_mean(clipped_low.float(), valid)
+        stats["clip_frac_high"] = _masked_mean(clipped_high.float(), valid)
+        stats["clip_frac"] = stats["clip_frac_low"] + stats["clip_frac_high"]
+        stats["approx_kl_old"] = _masked_mean(torch.exp(-log_ratio_d) + log_ratio_d - 1.0, valid)
+    return loss, stats
+
+
+def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean over valid entries, 0 when there are none (training stats stay finite; no device sync)."""
+    return ((values * valid).sum() / valid.sum().clamp(min=1.0)).detach().float()
+
+
+def _masked_max(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Max over valid entries of a non-negative tensor, 0 when there are none (no device sync)."""
+    return torch.where(valid.bool(), values, torch.zeros_like(values)).amax().detach().float()
+
+
+# -----------------------------------------------------------------------------
+# Train/rollout mismatch
+
+def mismatch_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                     mask: torch.Tensor, tis_cap: float | None = None) -> dict[str, float]:
+    """Train/rollout log-prob mismatch over valid completion tokens, as Python floats.
+
+    trainer_logprobs: log pi_train of the sampled tokens under the weights that sampled them;
+    rollout_logprobs: log pi_rollout reported by the rollout engine. d = trainer - rollout, and:
+
+        abs_diff_mean, abs_diff_max, abs_diff_p95, abs_diff_p99   |d| (quantiles linearly interpolated)
+        diff_mean        mean d (signed; > 0: the trainer finds the sampled tokens more likely)
+        kl_k1            mean(-d)              } both estimate KL(pi_rollout || pi_train),
+        kl_k3            mean(exp(d) - 1 - d)  } the tokens being samples of pi_rollout
+        trainer_ppl      exp(-mean logp_train)
+        rollout_ppl      exp(-mean logp_rollout)
+        is_ratio_min/mean/max    of exp(d) = pi_train / pi_rollout
+        tis_ratio_min/mean/max   of min(exp(d), tis_cap), and tis_clip_frac (only with tis_cap)
+        num_tokens
+
+    Computed in float64 and read back with one device sync. With no valid token every metric is NaN
+    (num_tokens 0) instead of raising, so a degenerate step shows up as a gap in the plots.
+    """
+    _check_same_shape("trainer_logprobs", trainer_logprobs, rollout_logprobs=rollout_logprobs, mask=mask)
+    valid = mask.bool()
+    trainer = trainer_logprobs.detach()[valid].double()                     # (M,)
+    rollout = rollout_logprobs.detach()[valid].double()                     # (M,)
+    names = ["abs_diff_mean", "abs_diff_max", "abs_diff_p95", "abs_diff_p99", "diff_mean", "kl_k1",
+             "kl_k3", "trainer_ppl", "rollout_ppl", "is_ratio_min", "is_ratio_mean", "is_ratio_max"]
+    if tis_cap is not None:
+        names += ["tis_ratio_min", "tis_ratio_mean", "tis_ratio_max", "tis_clip_frac"]
+    num_tokens = trainer.numel()
+    if num_tokens == 0:
+        return {**{name: math.nan for name in names}, "num_tokens": 0}
+
+    diff = trainer - rollout
+    abs_diff_sorted = diff.abs().sort().values
+    ratio = diff.exp()
+    values = [abs_diff_sorted.mean(), abs_diff_sorted[-1], _quantile_sorted(abs_diff_sorted, 0.95),
+              _quantile_sorted(abs_diff_sorted, 0.99), diff.mean(), (-diff).mean(),
+              (ratio - 1.0 - diff).mean(), torch.exp(-trainer.mean()), torch.exp(-rollout.mean()),
+              ratio.min(), ratio.mean(), ratio.max()]
+    if tis_cap is not None:
+        truncated = ratio.clamp(max=tis_cap)
+        values += [truncated.min(), truncated.mean(), truncated.max(), (ratio > tis_cap).double().mean()]
+    metrics = dict(zip(names, torch.stack(values).tolist()))
+    metrics["num_tokens"] = num_tokens
+    return metrics
+
+
+def _quantile_sorted(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
+    """q-quantile of an ascending 1-D tensor with linear interpolation (numpy's default). torch.quantile
+    refuses inputs above 2**24 elements, which a large batch of tokens can exceed."""
+    position = q * (sorted_values.numel() - 1)
+    below = int(math.floor(position))
+    above = min(below + 1, sorted_values.numel() - 1)
+    fraction = position - below
+    return sorted_values[below] + (sorted_values[above] - sorted_values[below]) * fraction
+
+
+def routing_disagreement(trainer_routes: torch.Tensor, rollout_routes: torch.Tensor,
+                         token_mask: torch.Tensor, any_layer: bool = False) -> float:
+    """Fraction of (valid token, layer) pairs where trainer and rollout chose different expert *sets*.
+
+    routes: (L, N, T, A) integer expert ids, top-k per token and layer; token_mask (N, T). The order
+    within the top-k is irrelevant (both are sorted along A first): only which experts run matters.
+    With any_layer=True, returns instead the fraction of valid tokens that differ in at least one
+    layer (R3 reports ~10% per (token, layer) but ~94% per token between two engines). NaN when no
+    token is valid.
+    """
+    if trainer_routes.dim() != 4 or trainer_routes.shape != rollout_routes.shape:
+        raise ValueError(f"expected trainer and rollout routes of one shape (L, N, T, A), got "
+                         f"{tuple(trainer_routes.shape)} and {tuple(rollout_routes.shape)}")
+    if token_mask.shape != trainer_routes.shape[1:3]:
+        raise ValueError(f"token_mask has shape {tuple(token_mask.shape)} but routes "
+                         f"{tuple(trainer_routes.shape)} need (N, T) = {tuple(trainer_routes.shape[1:3])}")
+    trainer_sets = trainer_routes.sort(dim=-1).values                       # (L, N, T, A)
+    rollout_sets = rollout_routes.sort(dim=-1).values
+    differs = (trainer_sets != rollout_sets).any(dim=-1)                    # (L, N, T)
+    valid = token_mask.bool()                                               # (N, T)
+    if not bool(valid.any()):
+        return math.nan
+    if any_layer:
+        return differs.any(dim=0)[valid].float().mean().item()
+    return differs[:, valid].float().mean().item()

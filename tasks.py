@@ -1,0 +1,357 @@
+"""Tasks with verifiable rewards: a built-in synthetic arithmetic task with its own character
+tokenizer, and GSM8K-style math loaded through `datasets`.
+
+A task hands out problems, scores completions with an exact verifier (reward in [0, 1], never raising,
+never evaluating model output as code) and, for the supervised warm-start, writes demonstrations.
+Every task has the same small interface:
+
+    task.name                                   "arith" | "gsm8k"
+    task.tokenizer                              CharTokenizer, or None (use the model's own tokenizer)
+    task.sample(n, split, rng) -> [Problem]     split "train" | "test", disjoint populations
+    task.demonstration(problem, rng) -> str     completion text for supervised warm-start
+    task.reward(problem, completion) -> float   exact verifier, 0.0 or 1.0
+    Problem(prompt, answer, solution="")        answer: what the verifier compares against
+
+`rng` is a random.Random; when omitted, the task's own generator (seeded by `seed`) is used.
+
+The synthetic task: multi-digit addition with a column scratchpad
+------------------------------------------------------------------
+    prompt      "347+589="
+    completion  "7+9+0=16;4+8+1=13;3+5+1=09>936"        then EOS
+
+One step per column, least significant first: digit of a, digit of b, carry in, and the two-digit
+column sum whose tens digit is the next carry. The answer after ">" is the units digits of the steps
+read back in reverse, plus the last carry. The reward is 1 when the text after the last ">" is exactly
+the sum's digits (surrounding whitespace and leading zeros tolerated), else 0: outcome reward only, the
+scratchpad is not graded. Operands are uniform in [0, 10**difficulty), so a prompt has at most
+2*difficulty + 2 characters and a completion at most 10*difficulty + 1 (31 at difficulty 3, 41 at 4).
+
+Why addition with a scratchpad rather than Countdown ("reach 24 from 3 7 8 1 with + - * /"):
+- Every character of the completion is a function of a handful of earlier characters (two digits
+  copied from the prompt, one carry copied from the previous step, one sum from a 200-entry table).
+  A ~100k-parameter transformer learns that on a CPU in a minute or two; Countdown needs search, and
+  a tiny model's pass@1 there stays at ~0, which leaves RL with no signal (all-zero groups).
+- Difficulty is one smooth knob (digits) and completions stay short: cheap rollouts.
+- The warm-start can be made imperfect in a controlled way (below): each injected error provably makes
+  the final answer wrong, so the demonstrations are wrong at exactly `demo_error_rate`, and a model
+  that imitates them reproduces that error rate; RL then has a clear, verifiable margin to recover.
+- One correct answer: the verifier is a string comparison, with nothing to parse or evaluate.
+
+Imperfect demonstrations. With probability `demo_error_rate` a demonstration contains one mistake of
+one of two human-like kinds, and every later step follows consistently from what was written:
+- dropped carry: a column with carry-in 1 is written with carry-in 0 (and its sum one lower);
+- slip: the units digit of one column sum is written as a different digit.
+A column sum changed from s to s' changes the final answer by (s' - s) * 10**column != 0, so the
+demonstration's answer is always wrong. A model fitted to these demonstrations makes such a mistake
+in about that fraction of *sampled* completions (temperature 1), so its sampled pass@1 is about
+1 - demo_error_rate; RL on the verifier pushes it back towards 1. Greedy decoding hides much of this
+noise (the correct digit stays the most likely one), so evaluate pass@1 by sampling, as RL does.
+
+Held-out split: by hash. A problem belongs to "test" when blake2b of its unordered operand pair
+falls in the lowest TEST_FRACTION of the hash range, else to "train"; a+b and b+a always fall on the
+same side. The split is a property of the problem alone (not of the seed), so every run and every
+recipe is evaluated on the same held-out population, and disjointness holds by construction.
+
+GSM8K: grade-school math word problems with numeric answers (reference solutions end in "#### 72").
+Loaded from the Hugging Face hub (default "openai/gsm8k", config "main", its train/test splits) or from
+a local .jsonl/.json/.parquet file with fields question/answer (split by the same hash rule on the
+question unless a separate test file is given). The answer of a completion is the number after the last
+"####" if there is one, else the last number inside the last \\boxed{...}, else the last number in
+the text; commas are dropped and it is compared numerically (|x - y| <= 1e-6) with exact decimals.
+
+Left out on purpose: partial or format rewards (the outcome is the reward), chat templates (train.py
+owns prompting of real models), Countdown and other synthetic tasks.
+"""
+import hashlib
+import os
+import random
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str         # text given to the model
+    answer: str         # what the verifier needs: canonical answer string ("936", "72")
+    solution: str = ""  # reference solution text, where the task has one (GSM8K); "" otherwise
+
+
+TEST_FRACTION = 0.1     # share of each task's problem population held out for evaluation
+
+
+def _in_test_split(key: str) -> bool:
+    """Stable (process- and platform-independent, unlike hash()) membership of the held-out split."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < TEST_FRACTION * 2**64
+
+
+# -----------------------------------------------------------------------------
+# Character tokenizer
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet, after three special tokens.
+
+    ids: 0 PAD, 1 BOS, 2 EOS, then the alphabet in order. `encode` maps text to ids with no specials
+    (a sequence is [bos_id] + encode(prompt) + encode(completion) + [eos_id]); it raises ValueError on
+    a character outside the alphabet, since the tasks only ever encode their own text. `decode` never
+    raises on integer ids: it stops at the first EOS, skips PAD and BOS, and renders ids outside the
+    vocabulary as UNKNOWN.
+    """
+    PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+    UNKNOWN = "\ufffd"      # the Unicode replacement character: never part of an alphabet
+
+    def __init__(self, alphabet: str):
+        if len(set(alphabet)) != len(alphabet) or self.UNKNOWN in alphabet:
+            raise ValueError(f"alphabet must be distinct characters without {self.UNKNOWN!r}: {alphabet!r}")
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self.alphabet = alphabet
+        self.vocab_size = 3 + len(alphabet)
+        self._id_of = {char: 3 + i for i, char in enumerate(alphabet)}
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self._id_of[char] for char in text]
+        except KeyError as error:
+            raise ValueError(f"character {error.args[0]!r} is not in the alphabet "
+                             f"{self.alphabet!r}") from None
+
+    def decode(self, ids) -> str:
+        chars = []
+        for token in ids:
+            token = int(token)
+            if token == self.eos_id:
+                break
+            if token in (self.pad_id, self.bos_id):
+                continue
+            chars.append(self.alphabet[token - 3] if 3 <= token < self.vocab_size else self.UNKNOWN)
+        return "".join(chars)
+
+
+# -----------------------------------------------------------------------------
+# The synthetic task: addition with a column scratchpad
+
+class ArithmeticTask:
+    """Addition of two numbers in [0, 10**difficulty) with a column scratchpad (see the module docstring)."""
+    name = "arith"
+
+    def __init__(self, difficulty: int = 3, demo_error_rate: float = 0.5, seed: int = 0):
+        if difficulty < 1:
+            raise ValueError(f"difficulty (digits per operand) must be >= 1, got {difficulty}")
+        if not 0.0 <= demo_error_rate <= 1.0:
+            raise ValueError(f"demo_error_rate must be in [0, 1], got {demo_error_rate}")
+        self.difficulty = difficulty             # digits per operand: columns of the scratchpad
+        self.demo_error_rate = demo_error_rate   # share of demonstrations with one mistake
+        self.rng = random.Random(seed)           # used only when a caller passes no rng
+        self.tokenizer = CharTokenizer("0123456789+=;>")
+        self.max_prompt_chars = 2 * difficulty + 2
+        self.max_completion_chars = 10 * difficulty + 1   # d steps of 8, d-1 ';', '>', d+1 digits
+
+    def sample(self, n: int, split: str, rng: random.Random | None = None) -> list[Problem]:
+        """n problems drawn uniformly (with replacement) from the split's population."""
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        rng = rng or self.rng
+        want_test = split == "test"
+        problems, attempts = [], 0
+        while len(problems) < n:
+            attempts += 1
+            if attempts > 1000 * n + 10_000:   # only reachable if a split were empty
+                raise RuntimeError(f"could not draw {n} {split} problems at difficulty {self.difficulty}")
+            a, b = rng.randrange(10**self.difficulty), rng.randrange(10**self.difficulty)
+            if _in_test_split(f"{min(a, b)}+{max(a, b)}") == want_test:
+                problems.append(Problem(prompt=f"{a}+{b}=", answer=str(a + b)))
+        return problems
+
+    def demonstration(self, problem: Problem, rng: random.Random | None = None) -> str:
+        """Scratchpad completion for supervised warm-start; wrong with probability demo_error_rate."""
+        rng = rng or self.rng
+        a_text, b_text = problem.prompt.rstrip("=").split("+")
+        columns = self.difficulty
+        a_digits = [int(c) for c in a_text.zfill(columns)[::-1]]   # least significant first
+        b_digits = [int(c) for c in b_text.zfill(columns)[::-1]]
+
+        error_column, error_kind = -1, None
+        if rng.random() < self.demo_error_rate:
+            # Which columns receive a carry is decided by the correct computation up to that point,
+            # and the error is the first deviation, so this list is exact.
+            carried, carry = [], 0
+            for column in range(columns):
+                if carry:
+                    carried.append(column)
+                carry = (a_digits[column] + b_digits[column] + carry) // 10
+            if carried and rng.random() < 0.5:
+                error_column, error_kind = rng.choice(carried), "dropped_carry"
+            else:
+                error_column, error_kind = rng.randrange(columns), "slip"
+
+        steps, answer_digits, carry = [], [], 0
+        for column in range(columns):
+            a, b = a_digits[column], b_digits[column]
+            carry_in = 0 if (column == error_column and error_kind == "dropped_carry") else carry
+            column_sum = a + b + carry_in
+            if column == error_column and error_kind == "slip":
+                wrong_units = rng.choice([d for d in range(10) if d != column_sum % 10])
+                column_sum = 10 * (column_sum // 10) + wrong_units
+            steps.append(f"{a}+{b}+{carry_in}={column_sum:02d}")
+            answer_digits.append(column_sum % 10)
+            carry = column_sum // 10
+        answer = "".join(str(d) for d in ([carry] + answer_digits[::-1])).lstrip("0") or "0"
+        return ";".join(steps) + ">" + answer
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        """1.0 iff the digits after the last '>' equal the sum (whitespace, leading zeros tolerated)."""
+        if not isinstance(completion, str):
+            return 0.0
+        _, separator, claimed = completion.rpartition(">")
+        claimed = claimed.strip()
+        # No int(): CPython refuses to parse more than 4300 digits, and model output can be that long.
+        if not separator or not claimed or not (claimed.isascii() and claimed.isdigit()):
+            return 0.0
+        return 1.0 if (claimed.lstrip("0") or "0") == problem.answer else 0.0
+
+
+# -----------------------------------------------------------------------------
+# GSM8K-style math through `datasets`
+
+GSM8K_INSTRUCTION = ('Solve the problem step by step. '
+                     'Finish with the final answer on its own line as "#### <number>".')
+
+_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")   # ASCII digits only: \d would accept any script
+
+
+_MAX_NUMBER_CHARS = 100   # longer digit runs are not answers (and would overflow Decimal's exponent range)
+
+
+def _to_decimal(number_text: str) -> Decimal | None:
+    if len(number_text) > _MAX_NUMBER_CHARS:
+        return None
+    try:
+        return Decimal(number_text.replace(",", ""))
+    except InvalidOperation:
+        return None
+
+
+def _boxed_content(text: str) -> str | None:
+    """Text inside the last \\boxed{...}, braces balanced; None if absent or unclosed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            if depth == 0:
+                return text[begin:i]
+            depth -= 1
+    return None
+
+
+def extract_answer(text: str) -> Decimal | None:
+    """The numeric answer of a completion: the first number after the last "####" if that marker is
+    present, else the last number in the last \\boxed{...}, else the last number in the text."""
+    if not isinstance(text, str):
+        return None
+    if "####" in text:
+        match = _NUMBER.search(text.rpartition("####")[2])
+        return _to_decimal(match.group()) if match else None
+    boxed = _boxed_content(text)
+    scope = boxed if boxed is not None else text
+    last = None
+    for last in _NUMBER.finditer(scope):
+        pass
+    return _to_decimal(last.group()) if last else None
+
+
+class GSM8KTask:
+    """Grade-school math from the hub or a local file (see the module docstring). Loads on creation."""
+    name = "gsm8k"
+    tokenizer = None   # a real model brings its own tokenizer
+
+    def __init__(self, source: str = "openai/gsm8k", config: str | None = "main",
+                 test_source: str | None = None, seed: int = 0):
+        self.rng = random.Random(seed)   # used only when a caller passes no rng
+        rows = _load_rows(source, config, "train")
+        if test_source is not None:
+            train_rows, test_rows = rows, _load_rows(test_source, config, "test")
+        elif _is_local(source):
+            train_rows = [row for row in rows if not _in_test_split(row["question"])]
+            test_rows = [row for row in rows if _in_test_split(row["question"])]
+        else:
+            train_rows, test_rows = rows, _load_rows(source, config, "test")
+        self.problems = {"train": [_gsm8k_problem(row) for row in train_rows],
+                         "test": [_gsm8k_problem(row) for row in test_rows]}
+
+    def sample(self, n: int, split: str, rng: random.Random | None = None) -> list[Problem]:
+        """n problems of the split, without replacement when the split has at least n, else with."""
+        if split not in self.problems:
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        pool, rng = self.problems[split], rng or self.rng
+        if not pool:
+            raise ValueError(f"the {split} split is empty")
+        return rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
+
+    def demonstration(self, problem: Problem, rng: random.Random | None = None) -> str:
+        """The dataset's own solution (calculator annotations removed), ending in "#### <answer>"."""
+        return problem.solution
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        claimed, expected = extract_answer(completion), _to_decimal(problem.answer)
+        if claimed is None or expected is None:
+            return 0.0
+        return 1.0 if abs(claimed - expected) <= Decimal("1e-6") else 0.0
+
+
+_LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def _is_local(source: str) -> bool:
+    """A local file is named by its extension; anything else goes to `datasets.load_dataset` as is
+    (a hub name, or a local dataset directory)."""
+    return os.path.splitext(source)[1].lower() in _LOCAL_FORMATS
+
+
+def _load_rows(source: str, config: str | None, split: str) -> list[dict]:
+    import datasets   # imported here: the synthetic task must not need it
+
+    if _is_local(source):
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"no such dataset file: {source}")
+        builder = _LOCAL_FORMATS[os.path.splitext(source)[1].lower()]
+        dataset = datasets.load_dataset(builder, data_files=source, split="train")
+    else:
+        dataset = datasets.load_dataset(source, config, split=split)
+    missing = {"question", "answer"} - set(dataset.column_names)
+    if missing:
+        raise ValueError(f"{source} lacks the field(s) {sorted(missing)}; has {dataset.column_names}")
+    return [{"question": row["question"], "answer": row["answer"]} for row in dataset]
+
+
+_CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")   # GSM8K's "<<48/2=24>>" tool traces
+
+
+def _gsm8k_problem(row: dict) -> Problem:
+    solution = _CALCULATOR_ANNOTATION.sub("", row["answer"]).strip()
+    reference = extract_answer(solution)
+    if "####" not in solution or reference is None:
+        raise ValueError(f"reference solution has no '#### <number>' answer: {row['answer'][-80:]!r}")
+    return Problem(prompt=f"{row['question'].strip()}\n\n{GSM8K_INSTRUCTION}",
+                   answer=_canonical(reference), solution=solution)
+
+
+def _canonical(number: Decimal) -> str:
+    text = format(number, "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+# -----------------------------------------------------------------------------
+
+TASKS = {"arith": ArithmeticTask, "gsm8k": GSM8KTask}
+
+
+def make_task(name: str, **kwargs):
+    """The task called `name` ("arith" or "gsm8k"), built with its constructor's keyword arguments."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; available: {sorted(TASKS)}")
+    return TASKS[name](**kwargs)

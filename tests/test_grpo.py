@@ -1,0 +1,296 @@
+"""grpo.py: every formula against hand-computed numbers, on tiny CPU tensors."""
+import math
+
+import pytest
+import torch
+
+from grpo import (entropy_from_logits, group_advantages, mismatch_metrics, policy_loss,
+                  routing_disagreement, token_logprobs)
+
+
+# -----------------------------------------------------------------------------
+# group_advantages
+
+def test_group_advantages_population_std_and_zero_spread_group():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0,      # mean 0.5, population std 0.5
+                            0.7, 0.7, 0.7, 0.7])     # no spread: exactly zero
+    adv = group_advantages(rewards, group_size=4, eps=0.0)
+    assert torch.equal(adv, torch.tensor([1.0, -1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0]))
+    assert adv.dtype == torch.float32
+
+    # G = 3, rewards (0, 0, 1): mean 1/3, population std sqrt(2)/3
+    adv = group_advantages(torch.tensor([0.0, 0.0, 1.0]), group_size=3, eps=0.0)
+    expected = torch.tensor([-1 / 3, -1 / 3, 2 / 3]) / (math.sqrt(2) / 3)
+    torch.testing.assert_close(adv, expected)
+
+
+def test_group_advantages_without_std_is_centred_reward():
+    rewards = torch.tensor([0.0, 0.5, 1.0, 0.2, 0.2, 0.2])
+    adv = group_advantages(rewards, group_size=3, normalize_std=False)
+    torch.testing.assert_close(adv, torch.tensor([-0.5, 0.0, 0.5, 0.0, 0.0, 0.0]))
+
+
+def test_group_advantages_eps_bounds_tiny_spread():
+    adv = group_advantages(torch.tensor([0.0, 1e-9]), group_size=2, eps=1e-6)
+    assert adv.abs().max() < 1e-2   # a near-tie is not blown up into +-1
+
+
+def test_group_advantages_shape_errors():
+    with pytest.raises(ValueError, match=r"\(7,\).*group_size=4"):
+        group_advantages(torch.zeros(7), group_size=4)
+    with pytest.raises(ValueError, match=r"\(2, 4\)"):
+        group_advantages(torch.zeros(2, 4), group_size=4)
+
+
+# -----------------------------------------------------------------------------
+# policy_loss
+
+def _one_token_each(ratios, advantages):
+    """N sequences of one valid token each, with the given ratios pi_theta / pi_old."""
+    old = torch.full((len(ratios), 1), -1.0)
+    logprobs = (old + torch.log(torch.tensor(ratios)).unsqueeze(1)).requires_grad_()
+    return logprobs, old, torch.tensor(advantages), torch.ones(len(ratios), 1, dtype=torch.bool)
+
+
+def test_policy_loss_clip_on_both_sides_for_both_signs():
+    # (ratio, A):  (1.5, +1) clipped at 1+0.28   -> -1.28, no gradient
+    #              (0.5, +1) below 1-0.2, A > 0  -> -0.5, gradient flows (min keeps the unclipped)
+    #              (0.5, -2) clipped at 1-0.2    -> +1.6, no gradient
+    #              (1.5, -2) above 1+0.28, A < 0 -> +3.0, gradient flows
+    logprobs, old, adv, mask = _one_token_each([1.5, 0.5, 0.5, 1.5], [1.0, 1.0, -2.0, -2.0])
+    loss, stats = policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    torch.testing.assert_close(loss, torch.tensor((-1.28 - 0.5 + 1.6 + 3.0) / 4))
+    loss.backward()
+    # d/dlogp of -ratio * A / 4 = -ratio * A / 4 on the unclipped tokens
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0], [-0.5 / 4], [0.0], [3.0 / 4]]))
+    assert stats["clip_frac_high"].item() == pytest.approx(0.25)
+    assert stats["clip_frac_low"].item() == pytest.approx(0.25)
+    assert stats["clip_frac"].item() == pytest.approx(0.5)
+    assert stats["ratio_mean"].item() == pytest.approx(1.0)
+    assert stats["ratio_max"].item() == pytest.approx(1.5)
+    assert all(value.dim() == 0 and not value.requires_grad for value in stats.values())
+
+
+def test_policy_loss_at_ratio_one_is_minus_advantage():
+    logprobs, old, adv, mask = _one_token_each([1.0, 1.0], [2.0, -0.5])
+    loss, stats = policy_loss(logprobs, old, adv, mask)
+    torch.testing.assert_close(loss, torch.tensor((-2.0 + 0.5) / 2))
+    assert stats["clip_frac"].item() == 0.0
+    assert stats["approx_kl_old"].item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_dapo_token_level_normalization_across_lengths():
+    # Sequence 0: 1 valid token, A = +1; sequence 1: 3 valid tokens, A = -1; ratio 1 everywhere.
+    # Token-level: (-1 + 1 + 1 + 1) / 4 = 0.5. (A per-sequence mean would give (-1 + 1) / 2 = 0.)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    logprobs = torch.zeros(2, 3, requires_grad=True)
+    loss, _ = policy_loss(logprobs, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), mask)
+    assert loss.item() == pytest.approx(0.5)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.25, 0.0, 0.0], [0.25, 0.25, 0.25]]))
+
+
+def test_num_valid_tokens_makes_micro_batches_sum_to_full_batch():
+    torch.manual_seed(0)
+    logprobs, old = -torch.rand(4, 5), -torch.rand(4, 5)
+    mask = torch.rand(4, 5) > 0.3
+    adv = torch.randn(4)
+    full, _ = policy_loss(logprobs, old, adv, mask)
+    total = mask.sum().item()
+    halves = [policy_loss(logprobs[rows], old[rows], adv[rows], mask[rows], num_valid_tokens=total)[0]
+              for rows in (slice(0, 2), slice(2, 4))]
+    torch.testing.assert_close(halves[0] + halves[1], full)
+
+
+def test_padding_garbage_never_reaches_loss_or_gradient():
+    mask = torch.tensor([[True, False], [True, True]])
+    logprobs = torch.tensor([[-1.0, float("nan")], [-0.5, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, float("-inf")], [-0.5, -2.0]])
+    rollout = torch.tensor([[-1.0, 50.0], [-0.5, -2.0]])
+    ref = torch.tensor([[-1.0, float("inf")], [-0.5, -2.0]])
+    loss, stats = policy_loss(logprobs, old, torch.tensor([1.0, -1.0]), mask,
+                              rollout_logprobs=rollout, tis_cap=2.0, ref_logprobs=ref, kl_coef=0.1)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.isfinite(logprobs.grad).all() and logprobs.grad[0, 1] == 0
+    assert all(torch.isfinite(value) for value in stats.values())
+
+
+def test_truncated_importance_sampling_weights():
+    # old - rollout = log 3 -> weight min(3, 2) = 2;  log 0.5 -> weight 0.5. Ratio 1, A = +1.
+    logprobs, old, adv, mask = _one_token_each([1.0, 1.0], [1.0, 1.0])
+    rollout = old - torch.log(torch.tensor([[3.0], [0.5]]))
+    loss, stats = policy_loss(logprobs, old, adv, mask, rollout_logprobs=rollout, tis_cap=2.0)
+    torch.testing.assert_close(loss, torch.tensor(-(2.0 + 0.5) / 2))
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-2.0 / 2], [-0.5 / 2]]))
+    assert stats["tis_weight_mean"].item() == pytest.approx(1.25)
+    assert stats["tis_clip_frac"].item() == pytest.approx(0.5)
+
+    # Without a cap, rollout log-probs are ignored.
+    plain, _ = policy_loss(logprobs, old, adv, mask, rollout_logprobs=rollout)
+    torch.testing.assert_close(plain, torch.tensor(-1.0))
+
+
+def test_k3_kl_to_reference():
+    # ref - logp = log 2: k3 = 2 - log 2 - 1; d k3 / d logp = 1 - exp(ref - logp) = -1. A = 0.
+    logprobs = torch.full((1, 1), math.log(0.25), requires_grad=True)
+    ref = torch.full((1, 1), math.log(0.5))
+    loss, stats = policy_loss(logprobs, logprobs.detach(), torch.zeros(1), torch.ones(1, 1),
+                              ref_logprobs=ref, kl_coef=0.1)
+    k3 = 2.0 - math.log(2.0) - 1.0
+    assert loss.item() == pytest.approx(0.1 * k3, rel=1e-6)
+    assert stats["kl"].item() == pytest.approx(k3, rel=1e-6)
+    loss.backward()
+    assert logprobs.grad.item() == pytest.approx(-0.1, rel=1e-6)
+
+
+def test_gradient_flows_only_through_logprobs():
+    torch.manual_seed(0)
+    shape = (4, 3)
+    logprobs = (-torch.rand(shape)).requires_grad_()
+    others = {name: (-torch.rand(shape)).requires_grad_() for name in ("old", "rollout", "ref")}
+    adv = torch.randn(4, requires_grad=True)
+    loss, _ = policy_loss(logprobs, others["old"], adv, torch.ones(shape), rollout_logprobs=others["rollout"],
+                          tis_cap=2.0, ref_logprobs=others["ref"], kl_coef=0.05)
+    loss.backward()
+    assert logprobs.grad is not None and logprobs.grad.abs().sum() > 0
+    assert adv.grad is None and all(tensor.grad is None for tensor in others.values())
+
+
+def test_policy_loss_argument_errors():
+    lp, mask = torch.zeros(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"old_logprobs has shape \(2, 4\).*\(2, 3\)"):
+        policy_loss(lp, torch.zeros(2, 4), torch.zeros(2), mask)
+    with pytest.raises(ValueError, match=r"advantages must be \(N,\) = \(2,\), got shape \(3,\)"):
+        policy_loss(lp, lp, torch.zeros(3), mask)
+    with pytest.raises(ValueError, match=r"mask has shape \(3, 2\)"):
+        policy_loss(lp, lp, torch.zeros(2), torch.ones(3, 2))
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        policy_loss(lp, lp, torch.zeros(2), mask, tis_cap=2.0)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(lp, lp, torch.zeros(2), mask, kl_coef=0.1)
+
+
+# -----------------------------------------------------------------------------
+# token_logprobs, entropy_from_logits
+
+def test_token_logprobs_matches_log_softmax_gather_in_fp32():
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 5, 11) * 4).bfloat16().requires_grad_()
+    tokens = torch.randint(0, 11, (2, 5))
+    logp = token_logprobs(logits, tokens)
+    assert logp.dtype == torch.float32 and logp.shape == (2, 5)
+    expected = torch.log_softmax(logits.detach().float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(logp.detach(), expected)
+    logp.sum().backward()
+    assert logits.grad is not None and logits.grad.shape == logits.shape
+    with pytest.raises(ValueError, match=r"\(2, 5, 11\).*\(2, 4\)"):
+        token_logprobs(logits, tokens[:, :4])
+
+
+def test_entropy_from_logits():
+    vocab = 8
+    logits = torch.zeros(2, 3, vocab)                   # uniform: entropy log V
+    logits[1, 2] = torch.tensor([0.0] + [float("-inf")] * (vocab - 1))   # one-hot: entropy 0
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    logits[0, 2] = torch.randn(vocab) * 10              # masked out: must not count
+    expected = (3 * math.log(vocab) + 0.0) / 4
+    assert entropy_from_logits(logits, mask).item() == pytest.approx(expected, rel=1e-6)
+    chunked_bf16 = entropy_from_logits(logits.bfloat16(), mask, chunk_tokens=1)
+    assert chunked_bf16.item() == pytest.approx(expected, rel=1e-5)
+    assert math.isnan(entropy_from_logits(logits, torch.zeros(2, 3)).item())
+
+
+# -----------------------------------------------------------------------------
+# mismatch_metrics
+
+def test_mismatch_metrics_identical_logprobs():
+    logp = -torch.rand(3, 4) * 3
+    metrics = mismatch_metrics(logp, logp.clone(), torch.ones(3, 4), tis_cap=2.0)
+    for name in ("abs_diff_mean", "abs_diff_max", "abs_diff_p95", "abs_diff_p99", "diff_mean", "kl_k1",
+                 "kl_k3", "tis_clip_frac"):
+        assert metrics[name] == 0.0, name
+    for name in ("is_ratio_min", "is_ratio_mean", "is_ratio_max", "tis_ratio_min", "tis_ratio_max"):
+        assert metrics[name] == 1.0, name
+    assert metrics["trainer_ppl"] == metrics["rollout_ppl"] == pytest.approx(math.exp(-logp.mean().item()))
+    assert metrics["num_tokens"] == 12
+    assert all(isinstance(value, (int, float)) for value in metrics.values())
+
+
+def test_mismatch_metrics_known_delta_and_masking():
+    rollout = torch.full((2, 3), -1.0)
+    trainer = rollout + torch.tensor([[0.1, -0.2, 99.0], [0.3, 0.0, -99.0]])   # the +-99 are padding
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    m = mismatch_metrics(trainer, rollout, mask, tis_cap=1.2)
+    deltas = torch.tensor([0.1, -0.2, 0.3, 0.0], dtype=torch.float64)
+    assert m["num_tokens"] == 4
+    assert m["abs_diff_mean"] == pytest.approx(0.15)
+    assert m["abs_diff_max"] == pytest.approx(0.3)
+    assert m["abs_diff_p99"] == pytest.approx(torch.quantile(deltas.abs(), 0.99).item())
+    assert m["abs_diff_p95"] == pytest.approx(torch.quantile(deltas.abs(), 0.95).item())
+    assert m["diff_mean"] == pytest.approx(0.05)
+    assert m["kl_k1"] == pytest.approx(-0.05)
+    assert m["kl_k3"] == pytest.approx((deltas.exp() - 1 - deltas).mean().item())
+    assert m["trainer_ppl"] == pytest.approx(math.exp(1.0 - 0.05))
+    assert m["rollout_ppl"] == pytest.approx(math.e)
+    assert m["is_ratio_min"] == pytest.approx(math.exp(-0.2))
+    assert m["is_ratio_max"] == pytest.approx(math.exp(0.3))
+    assert m["is_ratio_mean"] == pytest.approx(deltas.exp().mean().item())
+    assert m["tis_ratio_max"] == pytest.approx(1.2)                       # exp(0.3) = 1.35 truncated
+    assert m["tis_ratio_mean"] == pytest.approx(deltas.exp().clamp(max=1.2).mean().item())
+    assert m["tis_clip_frac"] == pytest.approx(0.25)
+    assert "tis_ratio_max" not in mismatch_metrics(trainer, rollout, mask)
+
+
+def test_k3_estimates_kl_of_rollout_to_trainer():
+    # Tokens sampled from the rollout distribution q; trainer distribution p. K3 and K1 must estimate
+    # KL(q || p) = 0.391, not KL(p || q) = 0.666.
+    q = torch.tensor([0.9, 0.09, 0.01])
+    p = torch.tensor([0.5, 0.3, 0.2])
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.multinomial(q, 200_000, replacement=True, generator=generator).view(1, -1)
+    m = mismatch_metrics(p.log()[tokens], q.log()[tokens], torch.ones_like(tokens))
+    kl_q_p = (q * (q / p).log()).sum().item()
+    assert m["kl_k3"] == pytest.approx(kl_q_p, abs=0.01)
+    assert m["kl_k1"] == pytest.approx(kl_q_p, abs=0.01)
+
+
+def test_mismatch_metrics_empty_mask_is_nan_not_an_error():
+    m = mismatch_metrics(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), tis_cap=2.0)
+    assert m["num_tokens"] == 0
+    assert all(math.isnan(value) for name, value in m.items() if name != "num_tokens")
+
+
+def test_mismatch_metrics_shape_error():
+    with pytest.raises(ValueError, match=r"rollout_logprobs has shape \(2, 4\).*\(2, 3\)"):
+        mismatch_metrics(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
+
+
+# -----------------------------------------------------------------------------
+# routing_disagreement
+
+def test_routing_disagreement_ignores_order_within_top_k():
+    torch.manual_seed(0)
+    L, N, T, E, A = 3, 2, 4, 16, 4
+    trainer = torch.stack([torch.randperm(E)[:A] for _ in range(L * N * T)]).view(L, N, T, A)
+    rollout = trainer.flip(-1)                                  # same sets, other order
+    mask = torch.ones(N, T, dtype=torch.bool)
+    assert routing_disagreement(trainer, rollout, mask) == 0.0
+
+    # Layer 1 differs on every token: 1 of 3 layers. Padding differences are ignored.
+    rollout = rollout.clone()
+    rollout[1, ..., 0] = E + 1
+    mask[:, -1] = False
+    rollout[:, :, -1] = E + 2                                   # only in padding
+    assert routing_disagreement(trainer, rollout, mask) == pytest.approx(1 / 3)
+    assert routing_disagreement(trainer, rollout, mask, any_layer=True) == 1.0
+    assert math.isnan(routing_disagreement(trainer, rollout, torch.zeros(N, T)))
+
+
+def test_routing_disagreement_shape_errors():
+    routes = torch.zeros(2, 3, 4, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"\(2, 3, 4, 2\) and \(2, 3, 4, 3\)"):
+        routing_disagreement(routes, torch.zeros(2, 3, 4, 3, dtype=torch.long), torch.ones(3, 4))
+    with pytest.raises(ValueError, match=r"token_mask has shape \(3, 5\)"):
+        routing_disagreement(routes, routes, torch.ones(3, 5))

@@ -1,0 +1,519 @@
+"""The rollout sampler: G completions per prompt from a KV-cached model, with what RL needs to learn from them.
+
+What `generate` returns for every sampled token: its id, whether it belongs to the completion (mask), the
+log-prob the rollout model gave it, and for every MoE layer the experts it was routed to. Those are the
+inputs of the GRPO loss, of truncated importance sampling and of the train/rollout mismatch metrics.
+
+How it runs (the shape of gpt-fast's generate.py and nanochat's engine, written for this model):
+
+    prefill    each prompt runs once, all prompts in one left-padded batch; the attention layers write their
+               keys/values straight into the G cache rows of that prompt's samples (nanochat's "prefill once,
+               replicate the cache"), and the last position's logits give every sample its first token.
+    decode     one token per row and step against a static KV cache: every shape is fixed for the whole
+               loop, so on CUDA the step (model forward, sampling, bookkeeping) is captured once as a CUDA
+               graph and replayed; the Python loop only replays it. On the CPU the same step runs eagerly.
+
+Static cache. `KVCache` holds keys and values of every layer for N rows and S slots, allocated once per
+batch shape and kept (with its captured graph) in a small pool per model, so an RL loop that samples the
+same shapes every step allocates and captures once. The prompt width is rounded up to a multiple of 16 so
+that prompts of slightly different lengths share a shape. Each step attends over all S slots; the mask
+hides slots not yet written.
+
+Left padding. Prompt p of length n_p sits in the last n_p of Tp columns. Positions count from 0 at its
+first real token (RoPE sees exactly what it would see for the prompt alone), padded keys are masked out of
+every query, and a padded query attends only to itself (its output is never used). So each row computes
+what it would compute alone, up to float summation order.
+
+Sampling, per row and step, from the logits z (fp32) at temperature tau:
+
+    logprobs  = log_softmax(z / tau)                the FULL tempered distribution: this is returned
+    kept      = top-k, then top-p of the survivors  (renormalized), as Hugging Face applies them
+    token     = argmax_{v in kept} p_v / E_v,   E_v ~ Exp(1) i.i.d.   (exponential race = sampling from p
+                restricted to kept and renormalized; no torch.multinomial, hence no host sync)
+    returned  = logprobs[token]
+
+The returned log-prob is that of the full tempered distribution, not of the truncated one the token was
+drawn from: it is what the trainer recomputes (log_softmax(logits / tau) of the same tokens), so the two are
+directly comparable. With top-p/top-k < full, the truncated sampler's own probability is higher by the
+kept mass. temperature = 0 is greedy (argmax of z) and returns log_softmax(z), the untempered distribution.
+
+Ends. A row stops after it samples eos_id or after max_new_tokens tokens. The EOS token itself is part of
+the completion (mask 1, its log-prob is returned, it must be learned); every column after it holds pad_id
+with mask 0 and log-prob 0. The loop checks "all rows finished" only every FINISHED_CHECK_INTERVAL steps on
+CUDA (one host sync each), the completion is then trimmed to the longest row.
+
+Routes. For each layer, the experts chosen for every completion token, recorded when that token is fed to
+the model (so the last token is fed once more, after the loop's last sample, to record its routes), and
+for every prompt token from the prefill. `Rollout.sequences()` lays prompt + completion out as the trainer's
+rows, routes included, for routing replay (R3) or for measuring routing disagreement.
+
+Random numbers. One torch.Generator on the model's device, seeded with `seed` at each call: same model,
+prompts, arguments and seed -> same tokens, with or without the CUDA graph. The noise is drawn for the
+whole (N, V) batch at once, so a row's *sampled* tokens depend on its place in the batch; greedy tokens do
+not, and a sampled row's log-probs are those of its prompt alone (the tests check both).
+
+Left out on purpose: continuous batching (finished rows keep their slot until the batch ends), paged or
+shared-prefix attention across prompts, chunked prefill of one long prompt, speculative decoding, stop
+strings, repetition penalties, min-p.
+
+Shape letters:
+    P prompts in the batch, G samples per prompt, N = P*G rows (prompt-major: rows p*G .. p*G+G-1 are prompt p's),
+    Tp padded prompt width, T completion width, W = prompt + completion width (trainer rows), S cache slots,
+    V vocab, L layers, Hkv key/value heads, hd head dim, A experts per token
+"""
+import dataclasses
+import warnings
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from moe import MoETransformer
+
+PROMPT_WIDTH_MULTIPLE = 16        # prompt widths are rounded up to this, so nearby lengths share a graph
+FINISHED_CHECK_INTERVAL = 16      # CUDA: decode steps between host checks for "every row has finished"
+PREFILL_LOGITS_BUDGET = 1 << 27   # max logits elements (rows * Tp * V) one prefill forward may produce
+MAX_POOLED_STATES = 4             # decode states (cache + graph) kept per model, least recently used dropped
+
+
+# ----------------------------------------------------------------------------------------------- result
+class Sequences(NamedTuple):
+    """Prompt + completion as right-padded trainer rows: row n holds prompt n then its completion, then pad.
+
+    With right padding the trainer needs no mask or positions: `logits = model(tokens)` computes each row
+    exactly as it would alone. logprobs[:, j] is the rollout's log-prob of tokens[:, j] given tokens[:, :j],
+    so it lines up with `log_softmax(logits[:, :-1] / temperature).gather(-1, tokens[:, 1:, None])` shifted
+    by one: compare `logprobs[:, 1:]` where `loss_mask[:, 1:]`.
+    """
+    tokens: Tensor      # (N, W) int64, pad_id after the end of each row
+    valid_mask: Tensor  # (N, W) bool: prompt or completion token (not padding)
+    loss_mask: Tensor   # (N, W) bool: completion token (the ones the policy is trained on)
+    logprobs: Tensor    # (N, W) fp32: rollout log-prob of each completion token, 0 elsewhere
+    routes: Tensor | None  # (L, N, W, A) int64: experts of every valid token; padding repeats a valid token's
+
+
+@dataclass
+class Rollout:
+    """G sampled completions of P prompts, rows prompt-major (row p*G + g is sample g of prompt p)."""
+    prompt_ids: Tensor          # (N, Tp) int64, left-padded with pad_id
+    prompt_mask: Tensor         # (N, Tp) bool, True at real prompt tokens
+    prompt_lengths: Tensor      # (N,) int64
+    completion_ids: Tensor      # (N, T) int64; the EOS token is included, pad_id after it
+    completion_mask: Tensor     # (N, T) bool; True up to and including EOS
+    logprobs: Tensor            # (N, T) fp32: log_softmax(z / temperature)[token] (full distribution), 0 where masked
+    routes: Tensor | None       # (L, N, T, A) int64: experts per completion token and layer (meaningful where masked 1)
+    prompt_routes: Tensor | None  # (L, N, Tp, A) int64: experts per prompt token (meaningful where prompt_mask)
+    num_samples: int            # G
+    temperature: float          # the trainer must score the tokens at this temperature (0: untempered)
+    pad_id: int
+    used_cuda_graph: bool       # whether the decode loop replayed a captured CUDA graph
+
+    @property
+    def completion_lengths(self) -> Tensor:
+        """(N,) int64: tokens per completion, EOS included."""
+        return self.completion_mask.sum(dim=1)
+
+    def sequences(self) -> Sequences:
+        """The rows the trainer scores: prompt then completion, right-padded (see `Sequences`)."""
+        N, Tp = self.prompt_ids.shape
+        lengths = self.prompt_lengths + self.completion_lengths                            # (N,)
+        W = int(lengths.max())
+        # With left-padded prompts, [prompt_ids | completion_ids] holds each row's tokens contiguously
+        # from column Tp - prompt_length on: shifting every row left by its padding right-pads it.
+        tokens = torch.cat((self.prompt_ids, self.completion_ids), dim=1)                   # (N, Tp + T)
+        columns = torch.arange(W, device=tokens.device)
+        valid = columns < lengths[:, None]                                                   # (N, W)
+        source = ((Tp - self.prompt_lengths)[:, None] + columns).clamp(max=tokens.shape[1] - 1)
+        # padding columns read the row's last valid token's column, so gathered routes stay valid ids
+        source = torch.where(valid, source, (Tp - self.prompt_lengths + lengths - 1)[:, None])
+        loss_mask = valid & (columns >= self.prompt_lengths[:, None])
+        logprobs = torch.cat((torch.zeros_like(self.prompt_ids, dtype=torch.float32), self.logprobs), dim=1)
+        routes = None
+        if self.routes is not None:
+            all_routes = torch.cat((self.prompt_routes, self.routes), dim=2)                # (L, N, Tp + T, A)
+            index = source[None, :, :, None].expand(all_routes.shape[0], -1, -1, all_routes.shape[-1])
+            routes = all_routes.gather(2, index)                                             # (L, N, W, A)
+        return Sequences(
+            tokens=torch.where(valid, tokens.gather(1, source), self.pad_id),
+            valid_mask=valid,
+            loss_mask=loss_mask,
+            logprobs=torch.where(loss_mask, logprobs.gather(1, source), 0.0),
+            routes=routes,
+        )
+
+
+# ----------------------------------------------------------------------------------------------- cache
+class KVCache:
+    """Keys and values of every layer for N rows and S slots, written in place (moe.py's cache interface).
+
+    Two modes, one per phase:
+    - prefill (`prefill_rows` set): the prompt's keys (P', Hkv, Tp, hd) are copied to slots [0, Tp) of the
+      G rows of each prompt; the layer gets its own keys back (a prompt attends only to itself).
+    - decode: the new keys (N, Hkv, 1, hd) go to slot `length` (a device tensor, so a CUDA graph can replay
+      the write at the next slot); the layer gets all S slots back and the caller's mask hides the unwritten.
+    """
+
+    def __init__(self, n_layers: int, rows: int, n_kv_heads: int, slots: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (n_layers, rows, n_kv_heads, slots, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = torch.zeros(1, dtype=torch.int64, device=device)  # slots written; the next write goes here
+        self.prefill_rows: slice | None = None   # cache rows the current prefill chunk fills
+        self.samples_per_prompt = 1               # G: each prompt's keys are copied to this many rows
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.prefill_rows is not None:
+            T = k.shape[2]
+            G = self.samples_per_prompt
+            self.keys[layer_idx, self.prefill_rows, :, :T] = k.repeat_interleave(G, dim=0)
+            self.values[layer_idx, self.prefill_rows, :, :T] = v.repeat_interleave(G, dim=0)
+            return k, v
+        keys, values = self.keys[layer_idx], self.values[layer_idx]                         # (N, Hkv, S, hd)
+        keys.index_copy_(2, self.length, k.to(keys.dtype))
+        values.index_copy_(2, self.length, v.to(values.dtype))
+        return keys, values
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """logits (B, V) -> (tokens (B,) int64, logprobs (B,) fp32 of those tokens under log_softmax(z / tau)).
+
+    Sampling uses the top-k/top-p truncated distribution; the log-prob is the full tempered one (see the
+    module docstring). temperature 0: argmax, untempered log-prob. No host sync.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        logprobs = F.log_softmax(logits, dim=-1)                                           # (B, V)
+        tokens = logprobs.argmax(dim=-1)
+    else:
+        logprobs = F.log_softmax(logits / temperature, dim=-1)                             # (B, V)
+        kept = truncate(logprobs, top_k, top_p)                                             # -inf outside
+        noise = torch.empty_like(kept).exponential_(generator=generator)
+        # p / E with E ~ Exp(1) is an exponential race: argmax picks v with probability p_v / sum(p).
+        # exponential_ may return 0; the clamp keeps 0/0 (a truncated token) from becoming NaN.
+        tokens = (kept.exp() / noise.clamp_min(1e-20)).argmax(dim=-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def truncate(logprobs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Set to -inf every token outside the top-k, then outside the top-p mass of what is left (the smallest
+    set of most likely tokens whose probability reaches top_p; the most likely token always stays).
+    Tokens tied with the k-th keep their place. top_k 0 and top_p 1 switch each off."""
+    if 0 < top_k < logprobs.shape[-1]:
+        kth = logprobs.topk(top_k, dim=-1).values[..., -1:]                                 # (B, 1)
+        logprobs = logprobs.masked_fill(logprobs < kth, float("-inf"))
+    if top_p < 1.0:
+        logprobs = F.log_softmax(logprobs, dim=-1)  # renormalize over the top-k survivors
+        sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logprobs.exp()
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs                             # (B, V)
+        drop = torch.empty_like(mass_before, dtype=torch.bool).scatter_(-1, order, mass_before >= top_p)
+        logprobs = logprobs.masked_fill(drop, float("-inf"))
+    return logprobs
+
+
+# ----------------------------------------------------------------------------------------------- decode state
+@dataclass(eq=False)
+class DecodeState:
+    """Everything one decode step reads and writes, allocated once per batch shape: the step is a fixed
+    function of these buffers, which is what lets a CUDA graph replay it."""
+    cache: KVCache
+    prompt_width: int         # Tp: completion token t sits in cache slot Tp + t
+    pad_lengths: Tensor       # (N,) int64: left padding of each row (Tp - prompt length)
+    slots: Tensor             # (S,) int64: 0 .. S-1, for building the attention mask
+    next_input: Tensor        # (N, 1) int64: the token each row feeds next
+    alive: Tensor             # (N,) bool: the row's next_input is a completion token (it has not ended)
+    tokens: Tensor            # (N, Tmax + 1) int64: completion tokens; column Tmax is scratch
+    token_mask: Tensor        # (N, Tmax + 1) bool
+    token_logprobs: Tensor    # (N, Tmax + 1) fp32
+    routes: Tensor            # (L, N, Tmax, A) int64: experts of completion token t, recorded when it is fed
+    generator: torch.Generator
+    sampling: dict            # temperature, top_k, top_p, eos_id, pad_id (constants of the captured step)
+    graph: "torch.cuda.CUDAGraph | None" = None
+    capture_tried: bool = False
+
+
+def new_decode_state(model: MoETransformer, rows: int, prompt_width: int, max_new_tokens: int,
+                     sampling: dict) -> DecodeState:
+    c = model.config
+    device, dtype = model.embed.weight.device, model.embed.weight.dtype
+    slots = prompt_width + max_new_tokens
+    slots = -(-slots // 16) * 16  # whole 16-element rows keep the attention mask aligned for fused kernels
+    return DecodeState(
+        cache=KVCache(c.n_layers, rows, c.n_kv_heads, slots, c.head_dim, dtype, device),
+        prompt_width=prompt_width,
+        pad_lengths=torch.zeros(rows, dtype=torch.int64, device=device),
+        slots=torch.arange(slots, device=device),
+        next_input=torch.zeros(rows, 1, dtype=torch.int64, device=device),
+        alive=torch.zeros(rows, dtype=torch.bool, device=device),
+        tokens=torch.zeros(rows, max_new_tokens + 1, dtype=torch.int64, device=device),
+        token_mask=torch.zeros(rows, max_new_tokens + 1, dtype=torch.bool, device=device),
+        token_logprobs=torch.zeros(rows, max_new_tokens + 1, dtype=torch.float32, device=device),
+        routes=torch.zeros(c.n_layers, rows, max_new_tokens, c.n_active, dtype=torch.int64, device=device),
+        generator=torch.Generator(device=device),
+        sampling=sampling,
+    )
+
+
+def decode_step(model: MoETransformer, state: DecodeState) -> None:
+    """Feed every row's next_input, record its routes, sample the following token. Only device tensors and
+    in-place writes to `state`: capturable as a CUDA graph, no host sync."""
+    cache, s = state.cache, state.sampling
+    step = cache.length - state.prompt_width                        # (1,) which completion token is fed
+    positions = (cache.length - state.pad_lengths)[:, None]          # (N, 1)
+    attn_mask = (state.slots >= state.pad_lengths[:, None]) & (state.slots <= cache.length)  # (N, S)
+    logits, routes = model(state.next_input, positions, attn_mask[:, None, None], kv_cache=cache,
+                           return_routes=True)                       # (N, 1, V), (L, N, 1, A)
+    cache.length.add_(1)
+    state.routes.index_copy_(2, step, routes)
+
+    alive = state.alive
+    if s["eos_id"] is not None:
+        alive = alive & (state.next_input[:, 0] != s["eos_id"])     # a row that just fed EOS has ended
+    tokens, logprobs = sample_tokens(logits[:, -1], s["temperature"], s["top_k"], s["top_p"], state.generator)
+    tokens = torch.where(alive, tokens, s["pad_id"])
+    column = step + 1
+    state.tokens.index_copy_(1, column, tokens[:, None])
+    state.token_mask.index_copy_(1, column, alive[:, None])
+    state.token_logprobs.index_copy_(1, column, torch.where(alive, logprobs, 0.0)[:, None])
+    state.alive.copy_(alive)
+    state.next_input.copy_(tokens[:, None])
+
+
+def capture_decode_graph(model: MoETransformer, state: DecodeState) -> "torch.cuda.CUDAGraph":
+    """Warm up decode_step on a side stream (lazy initializations, Triton autotuning, cuBLAS workspaces all
+    happen here, outside the capture), then capture one step.
+
+    Called after a prefill: the warm-up writes cache slots Tp and Tp + 1, which every real step overwrites
+    before it attends to them, and garbage into the other buffers, which generate resets afterwards. Layers
+    that set themselves up from their first input (an uncalibrated RAC selector) have seen the prompts by
+    then, not this garbage.
+    """
+    state.cache.length.fill_(state.prompt_width)  # in-range slots and columns for the warm-up's writes
+    side = torch.cuda.Stream(state.cache.keys.device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            decode_step(model, state)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # The graph reads the generator's seed and offset at each replay and advances the offset, so reseeding
+    # between calls reproduces the same draws.
+    graph.register_generator_state(state.generator)
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        decode_step(model, state)
+    return graph
+
+
+# ----------------------------------------------------------------------------------------------- the pool
+# model -> (weights signature, {shape and sampling key: DecodeState}). Weak keys: a deleted model takes its
+# caches and graphs with it. The states never reference the model, or it could never be collected.
+_POOLS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def weights_signature(model: nn.Module) -> tuple:
+    """What a captured decode graph has baked in: the identity of every module, the address of every
+    tensor the modules hold (parameters, buffers, plain tensor attributes, dataclass fields such as an
+    NVFP4Tensor's), and the modules' plain Python settings (ints, floats, bools, strings: a RAC selector's
+    ratio, a training flag), which choose branches while the step is captured. If any of these changes (a
+    layer swapped, a weight re-created rather than copied in place, a setting changed) the pooled graphs
+    are stale and are dropped. Weights updated in place (rac.sync_weights, calibrate_rac) keep them."""
+    signature = []
+    for module in model.modules():
+        signature.append(id(module))
+        for name, value in [*module._parameters.items(), *module._buffers.items(), *vars(module).items()]:
+            if isinstance(value, (bool, int, float, str)):
+                signature.append((name, value))
+                continue
+            fields = [getattr(value, f.name) for f in dataclasses.fields(value)] \
+                if dataclasses.is_dataclass(value) and not isinstance(value, type) else [value]
+            signature.extend(t.data_ptr() for t in fields if isinstance(t, Tensor))
+    return tuple(signature)
+
+
+def get_decode_state(model: MoETransformer, rows: int, prompt_width: int, max_new_tokens: int, sampling: dict,
+                     cuda_graph: bool) -> DecodeState:
+    """The pooled state for these shapes and sampling settings, or a new one (its graph is captured by
+    generate, after the first prefill)."""
+    signature = weights_signature(model)
+    pool = _POOLS.get(model)
+    if pool is None or pool[0] != signature:
+        pool = [signature, OrderedDict()]
+        _POOLS[model] = pool
+    states = pool[1]
+    key = (rows, prompt_width, max_new_tokens, cuda_graph, tuple(sorted(sampling.items())))
+    if key in states:
+        states.move_to_end(key)
+        return states[key]
+    while len(states) >= MAX_POOLED_STATES:
+        states.popitem(last=False)
+    state = new_decode_state(model, rows, prompt_width, max_new_tokens, sampling)
+    states[key] = state
+    return state
+
+
+def try_capture(model: MoETransformer, state: DecodeState) -> None:
+    """Capture the decode graph once per state; if the step cannot be captured, say exactly why, once,
+    and leave the state to decode eagerly."""
+    state.capture_tried = True
+    try:
+        state.graph = capture_decode_graph(model, state)
+    except Exception as error:  # something in the step a graph cannot hold (a host sync, say): report it
+        warnings.warn(f"rollout.py: CUDA graph capture of the decode step failed, decoding eagerly "
+                      f"(cuda_graph=False skips the attempt): {type(error).__name__}: {error}")
+        torch.cuda.synchronize()
+
+
+def free_decode_states(model: nn.Module) -> None:
+    """Drop the model's pooled KV caches and CUDA graphs (they are also dropped with the model)."""
+    _POOLS.pop(model, None)
+
+
+# ----------------------------------------------------------------------------------------------- generate
+@torch.no_grad()
+def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: int, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, eos_id: int | None = None, pad_id: int = 0, seed: int = 0,
+             cuda_graph: bool = True) -> Rollout:
+    """Sample num_samples completions of each prompt (a list of token-id lists, any lengths) -> Rollout.
+
+    temperature 0 is greedy; top_k 0 and top_p 1 disable truncation. eos_id None: every row runs to
+    max_new_tokens. pad_id fills prompt padding and the columns after EOS (any valid token id). seed seeds the
+    device generator. cuda_graph: replay the decode step as a CUDA graph (CUDA only; False runs it eagerly).
+    Runs under no_grad (not inference_mode, so the results can serve as constants in the trainer's graph).
+    """
+    c = model.config
+    prompts = _check_arguments(c, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id, pad_id)
+    device = model.embed.weight.device
+    P, G = len(prompts), num_samples
+    N = P * G
+    lengths = [len(p) for p in prompts]
+    prompt_width = min(-(-max(lengths) // PROMPT_WIDTH_MULTIPLE) * PROMPT_WIDTH_MULTIPLE, c.max_seq_len)
+    sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), eos_id=eos_id,
+                    pad_id=int(pad_id))
+    use_graph = cuda_graph and device.type == "cuda"
+    state = get_decode_state(model, N, prompt_width, max_new_tokens, sampling, use_graph)
+
+    # ---- prefill: each prompt once, its keys/values copied to its G rows of the cache
+    prompt_ids = torch.full((P, prompt_width), pad_id, dtype=torch.int64)
+    for p, prompt in enumerate(prompts):
+        prompt_ids[p, prompt_width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
+    prompt_ids = prompt_ids.to(device)
+    pad_lengths = prompt_width - torch.tensor(lengths, dtype=torch.int64, device=device)   # (P,)
+    last_logits, prompt_routes = prefill(model, state.cache, prompt_ids, pad_lengths, G)   # (P, V), (L, P, Tp, A)
+    if use_graph and not state.capture_tried:
+        try_capture(model, state)
+
+    # ---- first token of every sample, from its prompt's last logits; reset the decode buffers
+    state.generator.manual_seed(seed)
+    tokens, logprobs = sample_tokens(last_logits.repeat_interleave(G, dim=0), temperature, top_k, top_p,
+                                     state.generator)                                        # (N,) each
+    state.pad_lengths.copy_(pad_lengths.repeat_interleave(G))
+    state.cache.length.fill_(prompt_width)
+    state.next_input.copy_(tokens[:, None])
+    state.alive.fill_(True)
+    state.tokens.fill_(pad_id)
+    state.tokens[:, 0] = tokens
+    state.token_mask.zero_()
+    state.token_mask[:, 0] = True
+    state.token_logprobs.zero_()
+    state.token_logprobs[:, 0] = logprobs
+
+    # ---- decode: step t feeds completion token t (recording its routes) and samples token t + 1
+    check_interval = FINISHED_CHECK_INTERVAL if device.type == "cuda" else 1
+    for step in range(max_new_tokens):
+        if state.graph is not None:
+            state.graph.replay()
+        else:
+            decode_step(model, state)
+        if eos_id is not None and (step + 1) % check_interval == 0 and step + 1 < max_new_tokens:
+            if not bool(state.alive.any()):  # the one host sync, every check_interval steps
+                break
+
+    # ---- trim to the longest completion (every kept token has been fed, so its routes are recorded)
+    width = int(state.token_mask[:, :max_new_tokens].sum(dim=1).max())
+    rows_prompt_ids = prompt_ids.repeat_interleave(G, dim=0)                                 # (N, Tp)
+    trim = prompt_width - max(lengths)  # columns of padding shared by every row
+    prompt_mask = torch.arange(prompt_width, device=device) >= state.pad_lengths[:, None]   # (N, Tp)
+    return Rollout(
+        prompt_ids=rows_prompt_ids[:, trim:],
+        prompt_mask=prompt_mask[:, trim:],
+        prompt_lengths=prompt_width - state.pad_lengths.clone(),
+        completion_ids=state.tokens[:, :width].clone(),
+        completion_mask=state.token_mask[:, :width].clone(),
+        logprobs=state.token_logprobs[:, :width].clone(),
+        routes=state.routes[:, :, :width].clone(),
+        prompt_routes=prompt_routes.repeat_interleave(G, dim=1)[:, :, trim:],
+        num_samples=G,
+        temperature=float(temperature),
+        pad_id=int(pad_id),
+        used_cuda_graph=state.graph is not None,
+    )
+
+
+def prefill(model: MoETransformer, cache: KVCache, prompt_ids: Tensor, pad_lengths: Tensor,
+            samples_per_prompt: int) -> tuple[Tensor, Tensor]:
+    """Run the left-padded prompts (P, Tp), filling slots [0, Tp) of each prompt's G cache rows.
+    Returns the last position's logits (P, V) and the prompt routes (L, P, Tp, A).
+
+    Prompts go through in chunks so that one forward never produces more than PREFILL_LOGITS_BUDGET logits
+    (the model computes logits at every position; only the last is needed)."""
+    P, Tp = prompt_ids.shape
+    G = samples_per_prompt
+    columns = torch.arange(Tp, device=prompt_ids.device)
+    chunk = max(1, PREFILL_LOGITS_BUDGET // (Tp * model.config.vocab_size))
+    last_logits, routes = [], []
+    try:
+        for start in range(0, P, chunk):
+            pad = pad_lengths[start:start + chunk, None]                                     # (P', 1)
+            positions = (columns - pad).clamp(min=0)                                        # (P', Tp)
+            query, key = columns[:, None], columns[None, :]                                 # (Tp, 1), (1, Tp)
+            real_key = key >= pad[:, :, None]                                               # (P', 1, Tp)
+            attn_mask = ((key <= query) & real_key) | (key == query)                        # (P', Tp, Tp)
+            cache.prefill_rows = slice(start * G, (start + pad.shape[0]) * G)
+            cache.samples_per_prompt = G
+            logits, chunk_routes = model(prompt_ids[start:start + chunk], positions, attn_mask[:, None],
+                                         kv_cache=cache, return_routes=True)
+            last_logits.append(logits[:, -1])                                               # (P', V)
+            routes.append(chunk_routes)                                                     # (L, P', Tp, A)
+    finally:
+        cache.prefill_rows = None
+    return torch.cat(last_logits), torch.cat(routes, dim=1)
+
+
+def _check_arguments(config, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id, pad_id):
+    """Validate generate's arguments; return the prompts as lists of ints."""
+    if isinstance(prompts, Tensor) or not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists (one list per prompt, any lengths)")
+    prompts = [[int(t) for t in (p.tolist() if isinstance(p, Tensor) else p)] for p in prompts]
+    V = config.vocab_size
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if min(prompt) < 0 or max(prompt) >= V:
+            raise ValueError(f"prompt {i} holds token ids outside [0, {V})")
+    if not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > config.max_seq_len:
+        raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"the model's max_seq_len={config.max_seq_len}")
+    if not temperature >= 0:  # also catches NaN
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if eos_id is not None and not 0 <= eos_id < V:
+        raise ValueError(f"eos_id must be None or a token id in [0, {V}), got {eos_id!r}")
+    if not 0 <= pad_id < V:
+        raise ValueError(f"pad_id must be a token id in [0, {V}) (finished rows feed it to the model), got {pad_id!r}")
+    return prompts

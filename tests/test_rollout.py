@@ -1,0 +1,284 @@
+"""rollout.py: the KV-cached sampler against cache-free decoding and the trainer's own forward.
+
+CPU, fp32, the tiny preset with a small vocabulary. The CUDA tests (graph replay against eager decoding,
+with rac.py's quantized layers when rac.py is importable) are skipped without a GPU.
+"""
+import importlib.util
+
+import pytest
+import torch
+import torch.nn as nn
+
+import moe
+import rollout
+from conftest import report_diff
+
+VOCAB = 32
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [19]]
+
+
+def tiny_model(seed=0, vocab=VOCAB, device="cpu", dtype=torch.float32):
+    torch.manual_seed(seed)
+    config = moe.MoEConfig.from_preset("tiny", vocab_size=vocab, max_seq_len=64)
+    # a wider init than the default, so the random model has peaked, seed-dependent next-token distributions
+    model = moe.MoETransformer(config)
+    model.init_weights(std=0.2)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def greedy_without_cache(model, prompt, max_new_tokens, eos_id=None):
+    """The slow twin: a full forward over the growing sequence for every new token."""
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([tokens]))
+        tokens.append(int(logits[0, -1].argmax()))
+        if tokens[-1] == eos_id:
+            break
+    return tokens[len(prompt):]
+
+
+def trainer_logprobs(model, seq, temperature):
+    """What the trainer computes: log_softmax(logits / temperature) of each next token, from a plain forward."""
+    logits = model(seq.tokens).float()
+    if temperature > 0:
+        logits = logits / temperature
+    logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, seq.tokens[:, 1:, None]).squeeze(-1)
+    return torch.where(seq.loss_mask[:, 1:], logprobs, 0.0)                                # aligned with [:, 1:]
+
+
+def completion_list(out, row):
+    n = int(out.completion_mask[row].sum())
+    return out.completion_ids[row, :n].tolist()
+
+
+# ----------------------------------------------------------------------------------------------- correctness
+def test_greedy_with_cache_equals_greedy_without_cache(model):
+    out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=12, temperature=0.0)
+    for p, prompt in enumerate(PROMPTS):
+        expected = greedy_without_cache(model, prompt, 12)
+        for g in range(2):
+            assert completion_list(out, p * 2 + g) == expected, f"prompt {p} sample {g}"
+
+
+def test_padded_batch_rows_equal_each_prompt_alone(model):
+    batch = rollout.generate(model, PROMPTS, num_samples=3, max_new_tokens=10, temperature=0.0)
+    for p, prompt in enumerate(PROMPTS):
+        alone = rollout.generate(model, [prompt], num_samples=1, max_new_tokens=10, temperature=0.0)
+        for g in range(3):
+            assert completion_list(batch, p * 3 + g) == completion_list(alone, 0)
+            torch.testing.assert_close(batch.logprobs[p * 3 + g], alone.logprobs[0], atol=1e-5, rtol=0)
+    # Sampled rows depend on their place in the batch (one noise draw for the whole batch), so sampled
+    # tokens are not compared; each sampled row's log-probs must still be those of its prompt alone.
+    sampled = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=10, temperature=1.0, seed=3)
+    for row in range(len(PROMPTS) * 2):
+        prompt, completion = PROMPTS[row // 2], completion_list(sampled, row)
+        logits = model(torch.tensor([prompt + completion])).float()
+        alone = torch.log_softmax(logits[0, len(prompt) - 1:-1], dim=-1).gather(-1, torch.tensor(completion)[:, None])
+        mx, _ = report_diff(sampled.logprobs[row, :len(completion)], alone.squeeze(-1), f"row {row}")
+        assert mx < 1e-5
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.6, 5, 0.9), (0.0, 0, 1.0)])
+def test_logprobs_equal_trainer_logprobs_of_the_full_tempered_distribution(model, temperature, top_k, top_p):
+    out = rollout.generate(model, PROMPTS, num_samples=3, max_new_tokens=12, temperature=temperature,
+                           top_k=top_k, top_p=top_p, eos_id=5, seed=1)
+    assert out.logprobs.dtype == torch.float32
+    seq = out.sequences()
+    expected = trainer_logprobs(model, seq, temperature)
+    mx, _ = report_diff(seq.logprobs[:, 1:], expected, f"T={temperature} k={top_k} p={top_p}")
+    assert mx < 1e-5
+    assert int(seq.loss_mask.sum()) == int(out.completion_mask.sum())
+    assert (seq.logprobs[seq.loss_mask] < 0).all()
+
+
+def test_eos_masks_and_recorded_routes(model):
+    eos = 7
+    out = rollout.generate(model, PROMPTS * 2, num_samples=4, max_new_tokens=16, temperature=1.5, eos_id=eos,
+                           pad_id=0, seed=2)
+    N, T = out.completion_ids.shape
+    lengths = out.completion_lengths
+    ended = [row for row in range(N) if eos in completion_list(out, row)]
+    assert 0 < len(ended) < N, "the test needs rows that end early and rows that do not"
+    for row in range(N):
+        n = int(lengths[row])
+        assert out.completion_mask[row, :n].all() and not out.completion_mask[row, n:].any()   # a prefix
+        completion = out.completion_ids[row, :n].tolist()
+        if row in ended:  # EOS is the last completion token, masked 1, with its log-prob
+            assert completion.index(eos) == n - 1 and out.logprobs[row, n - 1] < 0
+        else:
+            assert n == 16
+        assert (out.completion_ids[row, n:] == 0).all() and (out.logprobs[row, n:] == 0).all()
+    assert T == int(lengths.max())
+
+    # routes: the experts a plain forward over the full sequence chooses, for prompt and completion tokens
+    seq = out.sequences()
+    _, routes = model(seq.tokens, return_routes=True)                                       # (L, N, W, A)
+    valid = seq.valid_mask
+    assert seq.routes.shape == routes.shape
+    assert torch.equal(seq.routes[:, valid], routes[:, valid])
+    L, A = model.config.n_layers, model.config.n_active
+    assert out.routes.shape == (L, N, T, A) and out.prompt_routes.shape == (L, N, out.prompt_ids.shape[1], A)
+    # replaying them (R3) reproduces the forward on every valid token (padding columns route differently)
+    replayed = model(seq.tokens, forced_routes=seq.routes)
+    torch.testing.assert_close(replayed[valid], model(seq.tokens)[valid], atol=1e-5, rtol=0)
+
+
+def test_all_rows_ending_stops_the_loop_and_trims(model):
+    first = rollout.generate(model, PROMPTS[:1], num_samples=3, max_new_tokens=8, temperature=0.0)
+    eos = int(first.completion_ids[0, 0])
+    out = rollout.generate(model, PROMPTS[:1], num_samples=3, max_new_tokens=8, temperature=0.0, eos_id=eos)
+    assert out.completion_ids.tolist() == [[eos]] * 3 and out.completion_mask.all()
+
+
+def test_prompt_layout_and_sequences(model):
+    out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=6, temperature=1.0, pad_id=31, seed=4)
+    longest = max(map(len, PROMPTS))
+    assert out.prompt_ids.shape == (8, longest)
+    for row in range(8):
+        prompt = PROMPTS[row // 2]
+        assert out.prompt_ids[row, longest - len(prompt):].tolist() == prompt
+        assert (out.prompt_ids[row, :longest - len(prompt)] == 31).all()
+        assert out.prompt_mask[row].sum() == len(prompt) == out.prompt_lengths[row]
+    seq = out.sequences()
+    for row in range(8):
+        prompt, completion = PROMPTS[row // 2], completion_list(out, row)
+        n = len(prompt) + len(completion)
+        assert seq.tokens[row, :n].tolist() == prompt + completion and (seq.tokens[row, n:] == 31).all()
+        assert seq.valid_mask[row].sum() == n and seq.loss_mask[row, len(prompt):n].all()
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+def test_same_seed_same_tokens_different_seed_different(model):
+    kwargs = dict(num_samples=4, max_new_tokens=12, temperature=1.0, top_p=0.95)
+    a = rollout.generate(model, PROMPTS, seed=11, **kwargs)
+    b = rollout.generate(model, PROMPTS, seed=11, **kwargs)
+    c = rollout.generate(model, PROMPTS, seed=12, **kwargs)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    # the G samples of one prompt differ from each other
+    assert len({tuple(completion_list(a, g)) for g in range(4)}) > 1
+
+
+@pytest.mark.parametrize("truncation", [dict(top_k=1), dict(top_p=1e-6), dict(top_k=3, top_p=1e-6)])
+def test_top_k_one_and_tiny_top_p_are_greedy(model, truncation):
+    greedy = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=10, temperature=0.0)
+    out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=10, temperature=0.8, seed=5, **truncation)
+    assert torch.equal(out.completion_ids, greedy.completion_ids)
+
+
+def test_truncate_keeps_the_smallest_set_reaching_top_p_after_top_k():
+    logprobs = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log()
+    kept = lambda **kw: torch.isfinite(rollout.truncate(logprobs, **kw))[0].tolist()
+    assert kept(top_p=0.49) == [False, True, False, False]
+    assert kept(top_p=0.79) == [False, True, False, True]
+    assert kept(top_p=0.81) == [True, True, False, True]
+    assert kept(top_k=2) == [False, True, False, True]
+    assert kept(top_k=3, top_p=0.9) == [True, True, False, True]   # (0.5+0.3)/0.95 < 0.9: the third survivor stays
+    assert kept(top_k=3, top_p=0.8) == [False, True, False, True]
+
+
+def test_sampling_frequencies_follow_the_truncated_tempered_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0]).expand(40000, 5)
+    generator = torch.Generator().manual_seed(0)
+    tokens, logprobs = rollout.sample_tokens(logits, temperature=2.0, top_k=3, generator=generator)
+    full = torch.log_softmax(logits[0] / 2.0, dim=-1)
+    expected = torch.zeros(5)
+    expected[:3] = torch.softmax(logits[0, :3] / 2.0, dim=-1)
+    frequencies = torch.bincount(tokens, minlength=5).float() / tokens.numel()
+    mx, _ = report_diff(frequencies, expected, "sampled frequencies")
+    assert mx < 0.01
+    assert torch.equal(logprobs, full[tokens])   # the returned log-prob is the full tempered one
+
+
+# ----------------------------------------------------------------------------------------------- arguments, pool
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+    (dict(prompts=[]), "non-empty list"),
+    (dict(prompts=[[1, VOCAB]]), "outside"),
+    (dict(num_samples=0), "num_samples"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=60), "max_seq_len"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(eos_id=VOCAB), "eos_id"),
+    (dict(pad_id=-1), "pad_id"),
+])
+def test_bad_arguments_raise_clear_errors(model, kwargs, message):
+    arguments = dict(prompts=[[1, 2, 3, 4, 5]], num_samples=2, max_new_tokens=4)
+    arguments.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        rollout.generate(model, **arguments)
+
+
+def test_decode_state_is_reused_and_dropped_when_weights_are_replaced():
+    model = tiny_model(seed=1)
+    rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=5)
+    state = rollout.get_decode_state(model, 8, 16, 5, dict(temperature=1.0, top_k=0, top_p=1.0, eos_id=None,
+                                                           pad_id=0), cuda_graph=False)
+    rollout.generate(model, [[3, 4, 5]], num_samples=8, max_new_tokens=5, seed=9)  # same shapes: same buffers
+    assert rollout._POOLS[model][1][next(reversed(rollout._POOLS[model][1]))] is state
+    # a weight replaced (not copied in place) makes every pooled state stale
+    model.lm_head.weight = nn.Parameter(torch.randn_like(model.lm_head.weight))
+    out = rollout.generate(model, PROMPTS, num_samples=1, max_new_tokens=5, temperature=0.0)
+    assert state not in rollout._POOLS[model][1].values()
+    assert completion_list(out, 0) == greedy_without_cache(model, PROMPTS[0], 5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("rac") is None, reason="rac.py not present")
+def test_rollout_through_rac_fp8_layers_matches_their_forward():
+    # FP8 scales activations per token, so a decode step computes each token as the full forward does: the
+    # cached sampler with quantized layers must reproduce that forward's log-probs and routes
+    import rac
+    model = rac.convert_for_rollout(tiny_model(), "fp8")
+    out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=8, temperature=1.0, seed=0)
+    seq = out.sequences()
+    mx, _ = report_diff(seq.logprobs[:, 1:], trainer_logprobs(model, seq, 1.0), "fp8 rollout vs fp8 forward")
+    assert mx < 1e-3
+    _, routes = model(seq.tokens, return_routes=True)
+    assert torch.equal(seq.routes[:, seq.valid_mask], routes[:, seq.valid_mask])
+
+
+# ----------------------------------------------------------------------------------------------- CUDA
+def _graph_and_eager(model, **kwargs):
+    graph = rollout.generate(model, PROMPTS * 4, cuda_graph=True, **kwargs)
+    eager = rollout.generate(model, PROMPTS * 4, cuda_graph=False, **kwargs)
+    assert graph.used_cuda_graph and not eager.used_cuda_graph
+    return graph, eager
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cuda_graph_decode_equals_eager_decode(temperature):
+    model = tiny_model(device="cuda", dtype=torch.bfloat16)
+    graph, eager = _graph_and_eager(model, num_samples=4, max_new_tokens=40, temperature=temperature, top_p=0.9,
+                                    eos_id=3, seed=7)
+    assert torch.equal(graph.completion_ids, eager.completion_ids)
+    assert torch.equal(graph.logprobs, eager.logprobs) and torch.equal(graph.routes, eager.routes)
+    again = rollout.generate(model, PROMPTS * 4, num_samples=4, max_new_tokens=40, temperature=temperature,
+                             top_p=0.9, eos_id=3, seed=7)
+    assert torch.equal(again.completion_ids, graph.completion_ids)
+    # BF16 rollout against the BF16 trainer forward on the same tokens: small, not bit-exact (different kernels)
+    seq = graph.sequences()
+    mx, mean = report_diff(seq.logprobs[:, 1:][seq.loss_mask[:, 1:]],
+                           trainer_logprobs(model, seq, temperature)[seq.loss_mask[:, 1:]], "bf16 rollout vs trainer")
+    assert mean < 0.05
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(importlib.util.find_spec("rac") is None, reason="rac.py not present")
+@pytest.mark.parametrize("mode,rac_ratio", [("bf16", 0.0), ("fp8", 0.0), ("nvfp4", 0.0), ("nvfp4", 0.5)])
+def test_cuda_graph_captures_rac_rollout_layers(mode, rac_ratio):
+    import rac
+    model = tiny_model(device="cuda", dtype=torch.bfloat16)
+    rac.convert_for_rollout(model, mode, rac_ratio=rac_ratio)
+    graph, eager = _graph_and_eager(model, num_samples=4, max_new_tokens=24, temperature=1.0, seed=3)
+    assert torch.equal(graph.completion_ids, eager.completion_ids)
+    assert torch.equal(graph.logprobs, eager.logprobs)

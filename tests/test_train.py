@@ -1,0 +1,103 @@
+"""End-to-end tests of train.py on the CPU: tiny model, a few RL steps per recipe."""
+import json
+import os
+
+import pytest
+import torch
+
+import train
+
+
+def tiny_config(out_dir, **overrides):
+    settings = dict(preset="tiny", difficulty=2, steps=3, prompts_per_step=4, group_size=4, warmstart_steps=40,
+                    warmstart_batch=32, eval_prompts=16, eval_every=3, checkpoint_every=2, out_dir=str(out_dir),
+                    device="cpu", seed=0)
+    settings.update(overrides)
+    return train.TrainConfig(**settings)
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(out_dir):
+    """bf16, nvfp4 and quads from one cached warm-start (the first run writes it, the others load it)."""
+    torch.set_num_threads(1)
+    return {recipe: train.run(tiny_config(out_dir, recipe=recipe)) for recipe in ("bf16", "nvfp4", "quads")}
+
+
+def test_every_recipe_writes_metrics_checkpoint_and_figure(recipe_runs):
+    for recipe, run_dir in recipe_runs.items():
+        records = read_metrics(run_dir)
+        assert [r["step"] for r in records] == [1, 2, 3]
+        for key in ("reward", "loss", "mismatch/abs_diff_mean", "mismatch/abs_diff_max", "mismatch/kl_k3",
+                    "routing_disagreement", "rollout_tokens_per_s"):
+            assert key in records[0], f"{recipe}: {key} missing"
+        assert "pass@1" in records[-1] and "pass@1_bf16_trainer" in records[-1]
+        assert 0.0 <= records[-1]["pass@1"] <= 1.0
+        assert os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
+        assert os.path.exists(os.path.join(run_dir, "curves.png"))
+        with open(os.path.join(run_dir, "config.json")) as f:
+            assert json.load(f)["recipe"] == recipe
+
+
+def test_bf16_mismatch_is_near_zero_and_nvfp4_clearly_above(recipe_runs):
+    bf16 = max(r["mismatch/abs_diff_max"] for r in read_metrics(recipe_runs["bf16"]))
+    nvfp4 = min(r["mismatch/abs_diff_mean"] for r in read_metrics(recipe_runs["nvfp4"]))
+    print(f"bf16 max |dlogp| {bf16:.2e}; nvfp4 mean |dlogp| {nvfp4:.2e}")
+    assert bf16 < 1e-4          # same fp32 weights, cached vs cache-free forward: rounding only
+    assert nvfp4 > 100 * bf16   # W4A4 rollout against a BF16 trainer
+    assert nvfp4 > 1e-3
+
+
+def test_bf16_routes_agree_and_nvfp4_routes_sometimes_differ(recipe_runs):
+    assert max(r["routing_disagreement"] for r in read_metrics(recipe_runs["bf16"])) < 0.01
+    assert max(r["routing_disagreement"] for r in read_metrics(recipe_runs["nvfp4"])) > 0.0
+
+
+def test_resumed_run_reproduces_the_next_step(out_dir):
+    full = read_metrics(train.run(tiny_config(out_dir, recipe="quads", run_name="resume_full")))
+    train.run(tiny_config(out_dir, recipe="quads", run_name="resume_part", steps=2))
+    resumed = read_metrics(train.run(tiny_config(out_dir, recipe="quads", run_name="resume_part", resume=True)))
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for key in ("reward", "loss", "mismatch/abs_diff_mean", "grad_norm"):
+        assert resumed[2][key] == full[2][key], key
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_checkpoint(out_dir, monkeypatch):
+    run_dir = train.run(tiny_config(out_dir, recipe="bf16", run_name="nan_run", steps=2))
+    before = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)["step"]
+    real_loss = train.grpo.policy_loss
+
+    def poisoned(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(train.grpo, "policy_loss", poisoned)
+    with pytest.raises(FloatingPointError, match="non-finite loss"):
+        train.run(tiny_config(out_dir, recipe="bf16", run_name="nan_run", steps=4, resume=True))
+    assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)["step"] == before
+
+
+def test_cli_builds_the_config_from_the_dataclass():
+    cfg = train.parse_args(["--recipe", "nvfp4", "--tis", "2", "--r3", "--steps", "7", "--device", "cpu"])
+    assert (cfg.recipe, cfg.tis, cfg.r3, cfg.steps) == ("nvfp4", 2.0, True, 7)
+    assert cfg.run_name == "nvfp4+tis2+r3"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--recipe", "int3"], "--recipe must be one of"),
+    (["--compare", "bf16,fp2"], "unknown recipe 'fp2'"),
+    (["--rac-ratio", "1.5"], "rac-ratio"),
+    (["--group-size", "1"], "group-size"),
+])
+def test_bad_config_values_raise_clear_errors(flags, message):
+    with pytest.raises(ValueError, match=message):
+        train.parse_args(flags + ["--device", "cpu"])

@@ -1,0 +1,460 @@
+"""GRPO with NVFP4 rollouts and BF16 training, and the two-sided fix that keeps them aligned.
+
+    python train.py                                   # the default experiment (quads recipe)
+    python train.py --recipe nvfp4 --steps 300        # the naive recipe that drifts
+    python train.py --compare bf16,nvfp4,quads        # the paper's experiment, shared figures
+    python train.py --model path/to/qwen3-moe --task gsm8k --recipe quads
+
+One RL step, as the code below reads:
+
+    problems  = task.sample(P, "train")                              # tasks.py
+    rollout   = generate(rollout_model, prompts, G)                  # rollout.py, rollout precision
+    rewards   = task.reward(problem, completion)                     # tasks.py, exact verifier
+    old_logp  = trainer(tokens [, forced routes])                    # BF16 or QAT trainer
+    metrics   = mismatch(old_logp, rollout.logprobs), routing disagreement       # grpo.py
+    loss      = grpo.policy_loss(logp, old_logp, advantages [, tis])            # grpo.py
+    optimizer.step(); sync_weights(rollout_model, trainer)           # rac.py via nvfp4.quantize_weight
+    (recalibrate RAC, evaluate, log, checkpoint)
+
+Recipes (DESIGN.md): what the trainer's forward computes and what precision the rollout runs in.
+
+    recipe   trainer forward                 rollout linear layers
+    bf16     BF16                            BF16
+    fp8      BF16                            FP8 W8A8
+    nvfp4    BF16                            NVFP4 W4A4                (naive: drifts)
+    qat      NVFP4 weights (fake-quantized)  NVFP4 W4A4                (trainer side alone)
+    rac      BF16                            NVFP4 W4A4 + RAC          (rollout side alone)
+    quads    as qat                          as rac                    (both sides: the stable recipe)
+    w4a4     NVFP4 weights and activations   NVFP4 W4A4                (the symmetric alternative)
+
+One update per rollout batch (fully on-policy): the trainer's log-probs under the weights that sampled,
+`old_logp`, are computed in the same forward that carries the gradient, so the PPO ratio is 1 and the
+clip is inactive; what differs from the rollout engine is exactly the mismatch being studied, which
+`--tis C` corrects per token. Mismatch is measured on every step, on the completion tokens.
+
+Warm-start: a short supervised run on the task's (deliberately imperfect) demonstrations, cached under
+out_dir/warmstart/ by everything that determines it, so every recipe and every later run with the same
+settings starts from the same weights. Checkpoints are written atomically every `checkpoint_every`
+steps and on Ctrl-C; `--resume` continues with the same data order and sampling seeds (both are a
+function of the step), and a NaN/Inf loss stops the run, keeping the last good checkpoint.
+
+Device defaults: on a CPU the tiny preset and a short run (a few minutes on 2 cores); on a GPU the
+small preset and the full experiment. Every field below can be set from the command line.
+"""
+import argparse
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+import grpo
+import moe
+import qat
+import rac
+import rollout
+import tasks
+
+# recipe -> (trainer mode for qat.convert_for_training, rollout mode for rac.convert_for_rollout, RAC on)
+RECIPES = {
+    "bf16": ("bf16", "bf16", False),
+    "fp8": ("bf16", "fp8", False),
+    "nvfp4": ("bf16", "nvfp4", False),
+    "qat": ("qat", "nvfp4", False),
+    "rac": ("bf16", "nvfp4", True),
+    "quads": ("qat", "nvfp4", True),
+    "w4a4": ("w4a4", "nvfp4", False),
+}
+
+
+@dataclass
+class TrainConfig:
+    # what to run
+    recipe: str = "quads"          # one of RECIPES
+    compare: str = ""              # comma-separated recipes: each from the same warm-start and seed, shared figures
+    tis: float = 0.0               # truncated importance sampling cap C (0 = off; verl uses 2)
+    r3: bool = False               # replay the rollout's expert routes in the trainer (R3)
+    rac_ratio: float = 0.5         # fraction of activation blocks compensated by RAC (rac, quads recipes)
+    rac_refresh: int = 1           # recalibrate the RAC block selection every N weight syncs
+    # model and task
+    preset: str = ""               # moe.PRESETS name; "" = "tiny" on CPU, "small" on GPU
+    model: str = ""                # Hugging Face Qwen3-MoE directory or hub id (instead of a preset)
+    task: str = "arith"            # "arith" (built-in) or "gsm8k"
+    difficulty: int = 0            # digits per operand of the arith task; 0 = 2 on CPU, 3 on GPU
+    demo_error_rate: float = 0.5   # share of warm-start demonstrations with one mistake
+    # RL
+    steps: int = 0                 # RL steps; 0 = 60 on CPU, 200 on GPU
+    prompts_per_step: int = 0      # P; 0 = 16 on CPU, 32 on GPU
+    group_size: int = 8            # G samples per prompt
+    lr: float = 0.0                # 0 = 1e-4 on the tiny preset, 2e-5 otherwise
+    temperature: float = 1.0
+    max_new_tokens: int = 0        # 0 = the task's longest completion + 1 (EOS)
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    grad_clip: float = 1.0
+    # warm-start (supervised, on demonstrations)
+    warmstart_steps: int = 0       # 0 = 300 on CPU, 1500 on GPU
+    warmstart_batch: int = 64
+    warmstart_lr: float = 0.0      # 0 = 3e-3 on the tiny preset, 1e-3 otherwise
+    # evaluation, logging, safety
+    eval_every: int = 0            # 0 = steps // 5
+    eval_prompts: int = 0          # held-out prompts for pass@1; 0 = 128 on CPU, 512 on GPU
+    checkpoint_every: int = 25
+    out_dir: str = "runs"
+    run_name: str = ""             # default: the recipe (plus +tis/+r3)
+    resume: bool = False
+    seed: int = 0
+    device: str = ""               # "" = cuda if available, else cpu
+    cuda_graph: bool = True        # decode steps as a captured CUDA graph (GPU only)
+
+    def __post_init__(self):
+        self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        gpu = self.device.startswith("cuda")
+        self.preset = self.preset or ("" if self.model else ("small" if gpu else "tiny"))
+        self.difficulty = self.difficulty or (3 if gpu else 2)
+        self.steps = self.steps or (200 if gpu else 60)
+        self.prompts_per_step = self.prompts_per_step or (32 if gpu else 16)
+        tiny = self.preset == "tiny"
+        self.lr = self.lr or (1e-4 if tiny else 2e-5)
+        self.warmstart_steps = self.warmstart_steps or (1500 if gpu else 300)
+        self.warmstart_lr = self.warmstart_lr or (3e-3 if tiny else 1e-3)
+        self.eval_every = self.eval_every or max(1, self.steps // 5)
+        self.eval_prompts = self.eval_prompts or (512 if gpu else 128)
+        if self.recipe not in RECIPES:
+            raise ValueError(f"--recipe must be one of {sorted(RECIPES)}, got {self.recipe!r}")
+        for name in filter(None, self.compare.split(",")):
+            if name not in RECIPES:
+                raise ValueError(f"--compare: unknown recipe {name!r}; choose from {sorted(RECIPES)}")
+        if not 0.0 <= self.rac_ratio <= 1.0:
+            raise ValueError(f"--rac-ratio must be in [0, 1], got {self.rac_ratio}")
+        if self.tis < 0:
+            raise ValueError(f"--tis must be >= 0 (0 = off), got {self.tis}")
+        if self.model and self.task == "arith":
+            raise ValueError("--model loads a real checkpoint with its own tokenizer: use --task gsm8k")
+        if self.group_size < 2:
+            raise ValueError(f"--group-size must be >= 2 (GRPO compares samples of one prompt), got {self.group_size}")
+        self.run_name = self.run_name or (self.recipe + (f"+tis{self.tis:g}" if self.tis else "")
+                                          + ("+r3" if self.r3 else ""))
+
+
+# ----------------------------------------------------------------------------- building blocks
+def build_task(cfg):
+    if cfg.task == "arith":
+        return tasks.make_task("arith", difficulty=cfg.difficulty, demo_error_rate=cfg.demo_error_rate, seed=cfg.seed)
+    return tasks.make_task(cfg.task)
+
+
+def build_model(cfg, task):
+    """The BF16 policy before warm-start: a preset with the task's vocabulary, or a real checkpoint."""
+    torch.manual_seed(cfg.seed)
+    if cfg.model:
+        model, tokenizer = moe.load_hf(cfg.model)
+        task.tokenizer = tokenizer
+        return model.to(cfg.device), tokenizer
+    config = moe.MoEConfig.from_preset(cfg.preset, vocab_size=task.tokenizer.vocab_size)
+    model = moe.MoETransformer(config)
+    model.init_weights()
+    return model.to(cfg.device), task.tokenizer
+
+
+def autocast(cfg):
+    """BF16 compute with FP32 master weights on the GPU; plain FP32 on the CPU (exact, for tests)."""
+    if cfg.device.startswith("cuda"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def encode_prompts(tokenizer, problems):
+    return [tokenizer.encode(p.prompt) for p in problems]
+
+
+def max_new_tokens(cfg, task):
+    return cfg.max_new_tokens or getattr(task, "max_completion_chars", 256) + 1
+
+
+def atomic_save(obj, path):
+    """torch.save to a temporary file, then rename: a crash never leaves a half-written file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- warm-start
+def warmstart(cfg, model, task, tokenizer):
+    """Supervised fine-tuning on demonstrations (loss on completion + EOS tokens), cached on disk."""
+    key = json.dumps({k: getattr(cfg, k) for k in ("preset", "model", "task", "difficulty", "demo_error_rate",
+                                                   "warmstart_steps", "warmstart_batch", "warmstart_lr", "seed")},
+                     sort_keys=True)
+    path = os.path.join(cfg.out_dir, "warmstart", hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt")
+    if os.path.exists(path):
+        model.load_state_dict(torch.load(path, map_location=cfg.device, weights_only=True))
+        print(f"warm-start: loaded {path}")
+        return model
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    rng = random.Random(cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr, weight_decay=0.0, betas=(0.9, 0.95))
+    bar = tqdm(range(cfg.warmstart_steps), desc="warm-start", dynamic_ncols=True)
+    for step in bar:
+        lr = cfg.warmstart_lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / cfg.warmstart_steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        problems = task.sample(cfg.warmstart_batch, "train", rng)
+        rows, loss_starts = [], []
+        for p in problems:
+            prompt = tokenizer.encode(p.prompt)
+            rows.append(prompt + tokenizer.encode(task.demonstration(p, rng)) + [tokenizer.eos_id])
+            loss_starts.append(len(prompt))
+        width = max(map(len, rows))
+        tokens = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
+        target_mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, (row, start) in enumerate(zip(rows, loss_starts)):
+            tokens[i, :len(row)] = torch.tensor(row)
+            target_mask[i, start:len(row)] = True
+        tokens, target_mask = tokens.to(cfg.device), target_mask.to(cfg.device)
+        with autocast(cfg):
+            logits = model(tokens[:, :-1])
+        logp = grpo.token_logprobs(logits.float(), tokens[:, 1:])                # (N, W-1)
+        mask = target_mask[:, 1:]
+        loss = -(logp * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    atomic_save(model.state_dict(), path)
+    return model
+
+
+# ----------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def evaluate(cfg, model, task, tokenizer, problems):
+    """pass@1 by sampling one completion per held-out prompt at the training temperature."""
+    out = rollout.generate(model, encode_prompts(tokenizer, problems), 1, max_new_tokens(cfg, task),
+                           temperature=cfg.temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                           seed=cfg.seed + 12345, cuda_graph=cfg.cuda_graph)
+    rewards = score(task, tokenizer, problems, out, 1)
+    return rewards.mean().item()
+
+
+def score(task, tokenizer, problems, out, group_size):
+    completions = [tokenizer.decode(row[m].tolist()) for row, m in zip(out.completion_ids.cpu(), out.completion_mask.cpu())]
+    return torch.tensor([task.reward(problems[i // group_size], text) for i, text in enumerate(completions)])
+
+
+# ----------------------------------------------------------------------------- one RL run
+def run(cfg, base_state=None):
+    """Warm-start (or reuse), then GRPO for cfg.steps. Returns the run directory."""
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+    print(f"run {cfg.run_name}: {json.dumps(dataclasses.asdict(cfg))}")
+
+    task = build_task(cfg)
+    model, tokenizer = build_model(cfg, task)
+    if base_state is None:
+        model = warmstart(cfg, model, task, tokenizer)
+        base_state = copy.deepcopy(model.state_dict())
+    model.load_state_dict(base_state)
+    train_mode, rollout_mode, use_rac = RECIPES[cfg.recipe]
+    rac_ratio = cfg.rac_ratio if use_rac else 0.0
+
+    # the rollout engine and a BF16 copy for evaluating the trainer's own weights
+    rollout_dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
+    rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), rollout_mode, rac_ratio=rac_ratio)
+    eval_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), "bf16")
+    trainer = qat.convert_for_training(model, train_mode)
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
+
+    calib_rng = random.Random(cfg.seed + 777)
+    calib_problems = task.sample(16, "train", calib_rng)
+    calib_rows = [tokenizer.encode(p.prompt + task.demonstration(p, calib_rng)) for p in calib_problems]
+    calib_width = max(map(len, calib_rows))
+    calib_tokens = torch.tensor([r + [tokenizer.pad_id] * (calib_width - len(r)) for r in calib_rows],
+                                device=cfg.device)
+    eval_problems = task.sample(cfg.eval_prompts, "test", random.Random(cfg.seed + 999))
+
+    start_step = 0
+    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if cfg.resume and os.path.exists(ckpt_path):
+        ckpt = torch.load(ckpt_path, map_location=cfg.device, weights_only=True)
+        trainer.load_state_dict(ckpt["trainer"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        start_step = ckpt["step"]
+        _truncate_metrics(metrics_path, start_step)
+        print(f"resumed {run_dir} at step {start_step}")
+    elif os.path.exists(metrics_path):
+        os.remove(metrics_path)
+
+    def sync(step):
+        rac.sync_weights(rollout_model, trainer)
+        if rac_ratio > 0 and step % cfg.rac_refresh == 0:
+            rac.calibrate_rac(rollout_model, calib_tokens)
+
+    def save(step):
+        atomic_save({"step": step, "trainer": trainer.state_dict(), "optimizer": optimizer.state_dict(),
+                     "config": dataclasses.asdict(cfg)}, ckpt_path)
+
+    sync(start_step)
+    G, P = cfg.group_size, cfg.prompts_per_step
+    new_tokens = max_new_tokens(cfg, task)
+    bar = tqdm(range(start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=start_step, total=cfg.steps)
+    last_eval = {}
+    step = start_step
+    try:
+        for step in bar:
+            t0 = time.perf_counter()
+            # 1. prompts (the data order is a function of the seed and step: resumable)
+            problems = task.sample(P, "train", random.Random(cfg.seed * 1_000_003 + step))
+            # 2. rollout in the recipe's precision
+            out = rollout.generate(rollout_model, encode_prompts(tokenizer, problems), G, new_tokens,
+                                   temperature=cfg.temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                                   seed=cfg.seed * 1_000_003 + step, cuda_graph=cfg.cuda_graph)
+            _sync_device(cfg)
+            t_rollout = time.perf_counter() - t0
+            # 3. rewards
+            rewards = score(task, tokenizer, problems, out, G).to(cfg.device)
+            # 4. trainer log-probs on the same tokens (optionally replaying the rollout's expert routes)
+            seq = out.sequences()
+            with autocast(cfg):
+                logits, routes = trainer(seq.tokens, forced_routes=seq.routes if cfg.r3 else None, return_routes=True)
+            logp = grpo.token_logprobs(logits[:, :-1].float() / max(cfg.temperature, 1e-6), seq.tokens[:, 1:])
+            mask = seq.loss_mask[:, 1:]
+            rollout_logp = seq.logprobs[:, 1:]
+            # 5. advantages, loss, mismatch
+            advantages = grpo.group_advantages(rewards, G)
+            loss, stats = grpo.policy_loss(logp, logp.detach(), advantages, mask, cfg.clip_low, cfg.clip_high,
+                                           rollout_logprobs=rollout_logp, tis_cap=cfg.tis or None)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"non-finite loss ({loss.item()}) at step {step}: stopping. The last good checkpoint "
+                    f"is kept at {ckpt_path} (resume with --resume after changing what diverged).")
+            mismatch = grpo.mismatch_metrics(logp, rollout_logp, mask, tis_cap=cfg.tis or None)
+            disagreement = (grpo.routing_disagreement(routes, seq.routes, seq.loss_mask)
+                            if seq.routes is not None else float("nan"))
+            # 6. step, then sync the rollout's weights through nvfp4
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
+            optimizer.step()
+            sync(step + 1)
+            # 7. log, evaluate, checkpoint
+            n_tokens = int(out.completion_mask.sum())
+            record = {"step": step + 1, "reward": rewards.mean().item(), "loss": loss.item(),
+                      "grad_norm": grad_norm.item(), "completion_len": n_tokens / out.completion_mask.shape[0],
+                      "routing_disagreement": disagreement, "rollout_s": t_rollout,
+                      "rollout_tokens_per_s": n_tokens / t_rollout, **{k: float(v) for k, v in stats.items()},
+                      **{f"mismatch/{k}": v for k, v in mismatch.items()}}
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                rac.sync_weights(eval_model, trainer)
+                last_eval = {"pass@1": evaluate(cfg, rollout_model, task, tokenizer, eval_problems),
+                             "pass@1_bf16_trainer": evaluate(cfg, eval_model, task, tokenizer, eval_problems)}
+                record.update(last_eval)
+            record["step_s"] = time.perf_counter() - t0
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            bar.set_postfix(reward=f"{record['reward']:.2f}", pass1=f"{last_eval.get('pass@1', float('nan')):.2f}",
+                            dlogp=f"{mismatch['abs_diff_mean']:.1e}", max=f"{mismatch['abs_diff_max']:.2f}")
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                save(step + 1)
+    except KeyboardInterrupt:
+        done = _last_logged_step(metrics_path)
+        if done > start_step:
+            save(done)
+        print(f"\ninterrupted: checkpoint at step {done} in {ckpt_path}; continue with --resume")
+        sys.exit(130)
+    plot([run_dir], os.path.join(run_dir, "curves.png"))
+    return run_dir
+
+
+def _sync_device(cfg):
+    if cfg.device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _read_metrics(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _truncate_metrics(path, step):
+    """On resume, drop records logged after the checkpoint (they will be recomputed identically)."""
+    kept = [r for r in _read_metrics(path) if r["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+
+
+def _last_logged_step(path):
+    records = _read_metrics(path)
+    return records[-1]["step"] if records else 0
+
+
+# ----------------------------------------------------------------------------- figures
+def plot(run_dirs, path):
+    """Reward, pass@1 and mismatch (mean and max |delta logp|, routing disagreement) over steps."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [("reward", "reward (train batch)"), ("pass@1", "pass@1 (rollout model, held-out)"),
+              ("mismatch/abs_diff_mean", "mean |delta logp|"), ("mismatch/abs_diff_max", "max |delta logp|"),
+              ("mismatch/kl_k3", "K3 KL(rollout || trainer)"), ("routing_disagreement", "routing disagreement")]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    for run_dir in run_dirs:
+        records = _read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+        label = os.path.basename(os.path.normpath(run_dir))
+        for ax, (key, title) in zip(axes.flat, panels):
+            points = [(r["step"], r[key]) for r in records if key in r and r[key] is not None and not math.isnan(r[key])]
+            if points:
+                ax.plot(*zip(*points), label=label, marker="o" if key == "pass@1" else None, markersize=3)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("RL step", fontsize=8)
+            if "mismatch" in key:
+                ax.set_yscale("log")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    print(f"figure: {path}")
+
+
+# ----------------------------------------------------------------------------- CLI
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        if field.type in (bool, "bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            parser.add_argument(flag, type=type(field.default), default=field.default)
+    return TrainConfig(**vars(parser.parse_args(argv)))
+
+
+def main(argv=None):
+    cfg = parse_args(argv)
+    if not cfg.compare:
+        return [run(cfg)]
+    # every recipe from the same warm-start (computed once) and seed
+    first = dataclasses.replace(cfg, recipe=cfg.compare.split(",")[0], run_name="", compare="")
+    task = build_task(first)
+    model, tokenizer = build_model(first, task)
+    base_state = copy.deepcopy(warmstart(first, model, task, tokenizer).state_dict())
+    run_dirs = [run(dataclasses.replace(cfg, recipe=name, run_name="", compare=""), base_state)
+                for name in cfg.compare.split(",")]
+    plot(run_dirs, os.path.join(cfg.out_dir, "compare.png"))
+    return run_dirs
+
+
+if __name__ == "__main__":
+    main()

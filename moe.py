@@ -164,11 +164,19 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)                                             # (B, Hkv, S, hd)
-        # Expanding the shared key/value heads (rather than SDPA's enable_gqa) keeps every SDPA backend,
-        # including the masked memory-efficient one, available; the copy is small next to the experts.
-        repeats = self.n_heads // self.n_kv_heads
-        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)             # (B, H, S, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None)
+        group = self.n_heads // self.n_kv_heads                  # query heads per key/value head
+        if attn_mask is None:
+            # Training (full causal sequence): expand the shared key/value heads so SDPA's fused causal
+            # kernels apply; the copy is small next to the experts.
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)             # (B, H, S, hd)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                              # (B, H, T, hd)
+        else:
+            # With a mask (the sampler's cache): fold each key/value head's `group` query heads into the
+            # query axis instead, so the cache is read in place, never copied per step.
+            S = k.shape[2]
+            q = q.reshape(B, self.n_kv_heads, group * T, self.head_dim)                              # (B, Hkv, G*T, hd)
+            mask = attn_mask.expand(B, 1, T, S).unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, self.n_heads, T, self.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))           # (B, T, D)
 
 
@@ -224,6 +232,16 @@ def expert_swiglu_grouped(x_sorted: Tensor, offsets: Tensor, gate_up_proj: Tenso
     return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)  # (N, D)
 
 
+def expert_operands(x_sorted: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Under torch.autocast, the expert GEMMs run in the autocast dtype, as F.linear would (FP32 master
+    weights, BF16 compute); the casts are differentiable, so gradients still reach the FP32 weights."""
+    device = x_sorted.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return x_sorted.to(dtype), gate_up_proj.to(dtype), down_proj.to(dtype)
+    return x_sorted, gate_up_proj, down_proj
+
+
 def use_grouped_mm(x: Tensor, expert_dim: int) -> bool:
     """The one place the expert GEMM path is chosen; on CUDA, a fallback to the loop is said once."""
     # torch._grouped_mm's kernels take BF16 on CUDA (SM80+) with 16-byte aligned rows, i.e. D and I
@@ -254,11 +272,11 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, expert_ids: Tensor, expert_weights: Tensor) -> Tensor:
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) fp32 -> (T, D) in x.dtype."""
         routing = route_tokens(expert_ids, self.n_experts)
-        x_sorted = x[routing.token_ids]                                                     # (N, D)
-        if use_grouped_mm(x, self.down_proj.shape[-1]):
-            y_sorted = expert_swiglu_grouped(x_sorted, routing.offsets, self.gate_up_proj, self.down_proj)
+        x_sorted, gate_up_proj, down_proj = expert_operands(x[routing.token_ids], self.gate_up_proj, self.down_proj)
+        if use_grouped_mm(x_sorted, down_proj.shape[-1]):
+            y_sorted = expert_swiglu_grouped(x_sorted, routing.offsets, gate_up_proj, down_proj)  # (N, D)
         else:
-            y_sorted = expert_swiglu_loop(x_sorted, routing.counts, self.gate_up_proj, self.down_proj)
+            y_sorted = expert_swiglu_loop(x_sorted, routing.counts, gate_up_proj, down_proj)
         return combine_expert_outputs(y_sorted, routing, expert_weights)
 
 

@@ -21,11 +21,16 @@ Quantizing a tensor x of shape (..., K), K a multiple of 16 (G = K / 16 blocks p
 
     global_scale = amax(|x|) / 2688                                     # fp32 scalar
     block_scale  = e4m3(clamp(block_amax / 6 / global_scale, 0, 448))   # (..., G), RNE
-    code         = e2m1(x / (float(block_scale) * global_scale))        # (..., K), RNE, saturating at 6
-    dequantize   = code_value * float(block_scale) * global_scale       # fp32, then cast
+    unit         = float(block_scale) * global_scale                    # (..., G), the block's divisor
+    code         = e2m1(x / unit)                                       # (..., K), RNE, saturating at 6
+    dequantize   = code_value * unit                                    # fp32, then cast
 
-All fp32 operations are correctly rounded IEEE divisions and multiplications in exactly this order,
-so the torch reference and the Triton kernel agree bit for bit (tested).
+The element rounding is done without dividing: code = the number of grid midpoints m_i * unit
+(0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 times the unit, as fp32 products) that |x| passes, which is
+round-to-nearest of x / unit with ties to even, except within half an fp32 ulp of a midpoint where
+the product's rounding decides. Every fp32 operation is a correctly rounded IEEE division or
+multiplication in exactly this order, so the torch reference and the Triton kernel agree bit for bit
+(tested, also on every bf16 bit pattern).
 
 Rounding to E2M1 is round-to-nearest with ties to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), and everything beyond 6 saturates to 6. The block scale is
@@ -99,10 +104,18 @@ class NVFP4Tensor:
 # ----------------------------------------------------------------------------- codes and packing
 def encode_e2m1(x):
     """Round already-scaled values to E2M1 codes (uint8 in 0..15), ties to even, saturating at +-6."""
+    return _encode_blocks(x, torch.ones((), dtype=torch.float32, device=x.device))
+
+
+def _encode_blocks(x, unit):
+    """E2M1 codes of x measured in units of `unit` (its block's divisor, broadcast against x): the
+    number of midpoints m * unit (fp32 products) that |x| passes, strictly where the code below the
+    midpoint is even and inclusively where it is odd, which is round-to-nearest, ties to even."""
     mag = x.abs()
     code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for mid, up in zip(E2M1_MIDPOINTS, ROUND_UP_AT_TIE):
-        code += (mag >= mid) if up else (mag > mid)
+        threshold = mid * unit
+        code += (mag >= threshold) if up else (mag > threshold)
     sign = (x < 0) & (code > 0)  # magnitude 0 is always stored as +0
     return code | (sign.to(torch.uint8) << 3)
 
@@ -194,10 +207,9 @@ def quantize_reference(x, global_scale=None):
     block_scale = scale.to(torch.float8_e4m3fn)
     block_scale = torch.where(bad, torch.full_like(scale, float("nan")), block_scale.float()).to(torch.float8_e4m3fn)
     denom = block_scale.float() * gs                                    # (..., G)
-    scaled = blocks / denom.unsqueeze(-1)
     ok = (denom > 0) & torch.isfinite(denom)                            # zero and NaN blocks store code 0
-    scaled = torch.where(ok.unsqueeze(-1), scaled, torch.zeros_like(scaled))
-    code = encode_e2m1(scaled).reshape(x.shape)
+    unit = torch.where(ok, denom, torch.full_like(denom, float("nan")))  # every comparison false: code 0
+    code = _encode_blocks(blocks, unit.unsqueeze(-1)).reshape(x.shape)
     return NVFP4Tensor(pack_codes(code), block_scale, global_scale)
 
 
@@ -219,27 +231,45 @@ if triton is not None:
     def _e2m1_code(scaled):
         """Scaled fp32 values -> E2M1 codes (int32 0..15), ties to even, saturating; = encode_e2m1.
 
-        Bit arithmetic instead of seven comparisons: for 1 <= |q| <= 6, E2M1 is fp32 with one mantissa
-        bit, so rounding the fp32 mantissa to 1 bit (ties to even, by adding 0x1FFFFF plus the kept
-        lsb) and reading exponent+mantissa gives the code directly (1.0 -> 2, ..., 6.0 -> 7). Below 1
-        the grid is multiples of 0.5: round 2|q| to an integer with the 2^23 magic number (nearest-even).
+        Integer arithmetic on the fp32 bit pattern (no float<->int conversions, which run at a fraction
+        of the ALU rate): for 1 <= |q|, E2M1 is fp32 with one mantissa bit, so rounding the mantissa
+        to 1 bit (ties to even: add 0x1FFFFF plus the kept lsb) and reading exponent+mantissa gives the
+        code (1.0 -> 2, ..., 6.0 -> 7; larger saturates at 7). Below 1 the grid is 0, 0.5, 1 and the
+        two midpoints are compared directly (positive floats order like their bit patterns):
+        |q| > 0.25 -> at least 0.5, |q| >= 0.75 -> 1 (both ties go to the even code).
         """
-        mag = tl.minimum(tl.abs(scaled), 6.0)
-        bits = mag.to(tl.int32, bitcast=True)
-        big = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
-        small = ((mag * 2.0 + 8388608.0) - 8388608.0).to(tl.int32)
-        code = tl.where(mag >= 1.0, big, small)
-        sign = (scaled < 0) & (code > 0)
+        bits = scaled.to(tl.int32, bitcast=True)
+        mag = bits & 0x7FFFFFFF
+        big = tl.minimum(((mag + 0x1FFFFF + ((mag >> 22) & 1)) >> 22) - 252, 7)
+        small = (mag > 0x3E800000).to(tl.int32) + (mag >= 0x3F400000).to(tl.int32)
+        code = tl.where(mag >= 0x3F800000, big, small)
+        sign = (bits < 0) & (code > 0)                                          # -0 and tiny negatives: +0
+        return code | (sign.to(tl.int32) << 3)
+
+    @triton.jit
+    def _e2m1_code_blocks(x, unit):
+        """Codes of x (BLOCKS, n) in blocks whose divisor is unit (BLOCKS, 1); = _encode_blocks.
+
+        Comparing |x| with the seven midpoints times the block's divisor (fp32 products, one set per
+        block) replaces a division and a rounding per element: a third of the arithmetic, which is
+        what bounds this kernel. A NaN divisor (zero or NaN blocks) yields code 0.
+        """
+        mag = tl.abs(x)
+        code = (mag > 0.25 * unit).to(tl.int32) + (mag >= 0.75 * unit).to(tl.int32) \
+            + (mag > 1.25 * unit).to(tl.int32) + (mag >= 1.75 * unit).to(tl.int32) \
+            + (mag > 2.5 * unit).to(tl.int32) + (mag >= 3.5 * unit).to(tl.int32) \
+            + (mag > 5.0 * unit).to(tl.int32)
+        sign = x < -0.25 * unit                                                 # negative and code > 0
         return code | (sign.to(tl.int32) << 3)
 
     @triton.jit
     def _e2m1_value(code):
-        """E2M1 codes (int32) -> fp32 values, by arithmetic instead of a table lookup."""
+        """E2M1 codes (int32) -> fp32 values, built as fp32 bit patterns: code c >= 2 is
+        2^((c >> 1) - 1) * (1 + (c & 1) / 2); code 1 is 0.5; code 0 is 0; bit 3 is the sign."""
         mag = code & 7
-        # 0..4 -> 0, 0.5, 1, 1.5, 2 (steps of 0.5); 5, 6, 7 -> 3, 4, 6
-        value = tl.where(mag <= 4, mag.to(tl.float32) * 0.5,
-                         tl.where(mag == 7, 6.0, (mag - 2).to(tl.float32)))
-        return tl.where((code & 8) != 0, -value, value)
+        normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
+        bits = tl.where(mag >= 2, normal, tl.where(mag == 1, 0x3F000000, 0))
+        return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _e4m3_round(v):
@@ -337,10 +367,10 @@ if triton is not None:
         block_scale = tl.where(bad, float("nan"), block_scale)
         scale_byte = tl.where(bad, 0x7F, scale_byte)                            # the E4M3 NaN
         denom = block_scale * global_scale                                      # (BLOCKS,)
-        ok = (denom > 0) & (denom < float("inf"))                               # zero and NaN blocks: code 0
-        safe = tl.where(ok, denom, 1.0)[:, None]
-        code_even = _e2m1_code(tl.where(ok[:, None], tl.math.div_rn(even, safe), 0.0))
-        code_odd = _e2m1_code(tl.where(ok[:, None], tl.math.div_rn(odd, safe), 0.0))
+        ok = (denom > 0) & (denom < float("inf"))
+        unit = tl.where(ok, denom, float("nan"))[:, None]  # zero/NaN blocks: every comparison false, code 0
+        code_even = _e2m1_code_blocks(even, unit)
+        code_odd = _e2m1_code_blocks(odd, unit)
 
         if FAKE:
             if PER_MATRIX:

@@ -117,8 +117,13 @@ class QATLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, weight_q):
+        if torch.is_autocast_enabled(x.device.type):  # compute as autocast's F.linear would, saved as used
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight_q = x.to(dtype), weight_q.to(dtype)
         ctx.save_for_backward(x, weight_q)
-        return F.linear(x, weight_q)                                                   # (..., N)
+        ctx.weight_dtype = weight.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x, weight_q)                                               # (..., N)
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -128,6 +133,7 @@ class QATLinearFunction(torch.autograd.Function):
             grad_x = grad_y @ weight_q                                                 # (..., K)
         if ctx.needs_input_grad[1]:
             grad_weight = grad_y.reshape(-1, grad_y.shape[-1]).T @ x.reshape(-1, x.shape[-1])  # (N, K)
+            grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_x, grad_weight, None
 
 
@@ -291,8 +297,8 @@ class QATExperts(moe.Experts):
         gate_up = straight_through(self.gate_up_proj, gate_up_q)                      # (E, 2I, D)
         down = straight_through(self.down_proj, down_q)                               # (E, D, I)
         routing = moe.route_tokens(expert_ids, self.n_experts)
-        x_sorted = x[routing.token_ids]                                               # (R, D)
-        grouped = moe.use_grouped_mm(x, self.down_proj.shape[-1])
+        x_sorted, gate_up, down = moe.expert_operands(x[routing.token_ids], gate_up, down)  # (R, D)
+        grouped = moe.use_grouped_mm(x_sorted, self.down_proj.shape[-1])
         if self.mode == "qat":  # moe.py's own path, only the weights swapped
             if grouped:
                 y_sorted = moe.expert_swiglu_grouped(x_sorted, routing.offsets, gate_up, down)

@@ -305,7 +305,15 @@ def run(cfg, base_state=None):
         atomic_save({"step": step, "trainer": trainer.state_dict(), "optimizer": optimizer.state_dict(),
                      "config": dataclasses.asdict(cfg)}, ckpt_path)
 
+    def evaluate_both():
+        rac.sync_weights(eval_model, trainer)
+        return {"pass@1": evaluate(cfg, rollout_model, task, tokenizer, eval_problems),
+                "pass@1_bf16_trainer": evaluate(cfg, eval_model, task, tokenizer, eval_problems)}
+
     sync(start_step)
+    if start_step == 0:  # the warm-started policy, before any RL: the baseline every curve starts from
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps({"step": 0, **evaluate_both()}) + "\n")
     G, P = cfg.group_size, cfg.prompts_per_step
     new_tokens = max_new_tokens(cfg, task)
     bar = tqdm(range(start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=start_step, total=cfg.steps)
@@ -356,9 +364,7 @@ def run(cfg, base_state=None):
                       "rollout_tokens_per_s": n_tokens / t_rollout, **{k: float(v) for k, v in stats.items()},
                       **{f"mismatch/{k}": v for k, v in mismatch.items()}}
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                rac.sync_weights(eval_model, trainer)
-                last_eval = {"pass@1": evaluate(cfg, rollout_model, task, tokenizer, eval_problems),
-                             "pass@1_bf16_trainer": evaluate(cfg, eval_model, task, tokenizer, eval_problems)}
+                last_eval = evaluate_both()
                 record.update(last_eval)
             record["step_s"] = time.perf_counter() - t0
             with open(metrics_path, "a") as f:

@@ -16,9 +16,10 @@ def tiny_config(out_dir, **overrides):
     return train.TrainConfig(**settings)
 
 
-def read_metrics(run_dir):
+def read_metrics(run_dir, rl_steps_only=False):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        records = [json.loads(line) for line in f]
+    return [r for r in records if r["step"] > 0] if rl_steps_only else records
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,9 @@ def recipe_runs(out_dir):
 def test_every_recipe_writes_metrics_checkpoint_and_figure(recipe_runs):
     for recipe, run_dir in recipe_runs.items():
         records = read_metrics(run_dir)
-        assert [r["step"] for r in records] == [1, 2, 3]
+        assert [r["step"] for r in records] == [0, 1, 2, 3]
+        assert set(records[0]) == {"step", "pass@1", "pass@1_bf16_trainer"}  # the warm-started baseline
+        records = records[1:]
         for key in ("reward", "loss", "mismatch/abs_diff_mean", "mismatch/abs_diff_max", "mismatch/kl_k3",
                     "routing_disagreement", "rollout_tokens_per_s"):
             assert key in records[0], f"{recipe}: {key} missing"
@@ -49,8 +52,8 @@ def test_every_recipe_writes_metrics_checkpoint_and_figure(recipe_runs):
 
 
 def test_bf16_mismatch_is_near_zero_and_nvfp4_clearly_above(recipe_runs):
-    bf16 = max(r["mismatch/abs_diff_max"] for r in read_metrics(recipe_runs["bf16"]))
-    nvfp4 = min(r["mismatch/abs_diff_mean"] for r in read_metrics(recipe_runs["nvfp4"]))
+    bf16 = max(r["mismatch/abs_diff_max"] for r in read_metrics(recipe_runs["bf16"], rl_steps_only=True))
+    nvfp4 = min(r["mismatch/abs_diff_mean"] for r in read_metrics(recipe_runs["nvfp4"], rl_steps_only=True))
     print(f"bf16 max |dlogp| {bf16:.2e}; nvfp4 mean |dlogp| {nvfp4:.2e}")
     assert bf16 < 1e-4          # same fp32 weights, cached vs cache-free forward: rounding only
     assert nvfp4 > 100 * bf16   # W4A4 rollout against a BF16 trainer
@@ -58,17 +61,17 @@ def test_bf16_mismatch_is_near_zero_and_nvfp4_clearly_above(recipe_runs):
 
 
 def test_bf16_routes_agree_and_nvfp4_routes_sometimes_differ(recipe_runs):
-    assert max(r["routing_disagreement"] for r in read_metrics(recipe_runs["bf16"])) < 0.01
-    assert max(r["routing_disagreement"] for r in read_metrics(recipe_runs["nvfp4"])) > 0.0
+    assert max(r["routing_disagreement"] for r in read_metrics(recipe_runs["bf16"], rl_steps_only=True)) < 0.01
+    assert max(r["routing_disagreement"] for r in read_metrics(recipe_runs["nvfp4"], rl_steps_only=True)) > 0.0
 
 
 def test_resumed_run_reproduces_the_next_step(out_dir):
     full = read_metrics(train.run(tiny_config(out_dir, recipe="quads", run_name="resume_full")))
     train.run(tiny_config(out_dir, recipe="quads", run_name="resume_part", steps=2))
     resumed = read_metrics(train.run(tiny_config(out_dir, recipe="quads", run_name="resume_part", resume=True)))
-    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     for key in ("reward", "loss", "mismatch/abs_diff_mean", "grad_norm"):
-        assert resumed[2][key] == full[2][key], key
+        assert resumed[3][key] == full[3][key], key
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_checkpoint(out_dir, monkeypatch):
@@ -101,3 +104,21 @@ def test_cli_builds_the_config_from_the_dataclass():
 def test_bad_config_values_raise_clear_errors(flags, message):
     with pytest.raises(ValueError, match=message):
         train.parse_args(flags + ["--device", "cpu"])
+
+
+def test_ctrl_c_saves_a_checkpoint_of_the_last_finished_step(out_dir, monkeypatch):
+    calls = {"n": 0}
+    real = train.grpo.group_advantages
+
+    def interrupt_on_second_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train.grpo, "group_advantages", interrupt_on_second_step)
+    with pytest.raises(SystemExit) as stop:
+        train.run(tiny_config(out_dir, recipe="bf16", run_name="ctrl_c", steps=3, checkpoint_every=100))
+    assert stop.value.code == 130
+    ckpt = torch.load(os.path.join(out_dir, "ctrl_c", "checkpoint.pt"), weights_only=True)
+    assert ckpt["step"] == 1

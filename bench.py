@@ -112,7 +112,218 @@ def bench_model(args):
 
 # ---------------------------------------------------------------------------- gemm (rac.py)
 def bench_gemm(args):
-    raise NotImplementedError
+    """rac.py's W4A4 GEMMs against FP8 row-wise and BF16 on Qwen3-30B-A3B shapes (D 2048, q 4096,
+    k/v 512, 128 experts top-8, expert hidden 768), one run, four tables:
+
+    1. dense decode (M = 1, 16, 64): W4A4 = fused activation quantizer + GEMM (and the GEMM alone);
+       FP8 = per-token quantization in torch + torch._scaled_mm (and _scaled_mm alone); BF16 F.linear.
+       "floor" is the weight bytes over the measured copy bandwidth; "% floor" = floor / time.
+    2. RAC overhead at decode: the same layer with rac_ratio 0.25 and 0.5 against 0.
+    3. expert layer decode (64 and 256 tokens routed top-8 at random): gate/up GEMM + SwiGLU +
+       down GEMM with the router weights, routing given. W4A4 = quantize x, grouped gate/up (SwiGLU
+       in its epilogue), quantize h, grouped down; FP8 = torch._scaled_grouped_mm with per-token
+       quantization; BF16 = torch._grouped_mm. Floor: bytes of the experts that received tokens.
+    4. prefill (M = 4096), dense shapes.
+    Timing: each op is captured in a CUDA graph and the replays are timed (do_bench, median), so the
+    numbers are GPU time without Python launch gaps (a decode step runs as a graph in practice). Each
+    graph calls the op on enough copies of its weights (>= 180 MB in all, 3x the L2) that the weights
+    come from HBM, as they do in a 48-layer model; the time is per call. Inputs are random normal.
+    """
+    import math
+
+    import torch.nn.functional as F
+
+    import moe
+    import nvfp4
+    import rac
+
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth()
+    print(f"\ncopy bandwidth (read + write, 1 GiB): {copy_bw / 1e12:.2f} TB/s; times: median us per call, "
+          "CUDA-graph replays, weights rotated through HBM\n")
+    bf16 = torch.bfloat16
+    D, H_Q, H_KV, E, A, I = 2048, 4096, 512, 128, 8, 768
+    rotate_bytes = 180e6
+
+    def graph_us(calls):
+        """GPU time per call of `calls` (one closure per weight copy), captured and replayed as one graph."""
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm up (and autotune) outside the capture
+                for _ in range(2):
+                    for call in calls:
+                        call()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for call in calls:
+                    call()
+            return bench_ms(graph.replay) * 1e3 / len(calls)
+        except Exception as error:  # one failing op must not take the other rows down: say so, print nan
+            print(f"  (failed: {type(error).__name__}: {str(error).splitlines()[0][:160]})")
+            return float("nan")
+
+    def copies(nbytes):
+        return max(1, min(64, math.ceil(rotate_bytes / nbytes)))
+
+    def nvfp4_copies(w_q, n):
+        return [nvfp4.NVFP4Tensor(w_q.data.clone(), w_q.block_scale.clone(), w_q.global_scale.clone())
+                for _ in range(n)]
+
+    dense = []
+    for name, N, K in (("q_proj", H_Q, D), ("k/v_proj", H_KV, D), ("o_proj", D, H_Q)):
+        w = torch.randn(N, K, device="cuda", dtype=bf16) * 0.02
+        w8, s8 = rac.quantize_fp8_weight(w)
+        w_q = nvfp4.quantize_weight(w)
+        bytes_ = {"w4a4": N * K * (0.5 + 1 / 16), "fp8": N * K + 4 * N, "bf16": 2 * N * K}
+        dense.append((name, N, K, bytes_,
+                      [w.clone() for _ in range(copies(bytes_["bf16"]))],
+                      [(w8.clone(), s8.clone()) for _ in range(copies(bytes_["fp8"]))],
+                      nvfp4_copies(w_q, copies(bytes_["w4a4"]))))
+
+    def dense_rows(M, ratios=()):
+        rows = []
+        for name, N, K, bytes_, ws, w8s, wqs in dense:
+            x = torch.randn(M, K, device="cuda", dtype=bf16)
+            act = rac.quantize_activation_triton(x, None, codes=False, operand=True)
+            x8, xs = rac.quantize_fp8_rowwise(x)
+            t = {
+                "bf16": graph_us([lambda w=w: F.linear(x, w) for w in ws]),
+                "fp8": graph_us([lambda w=w: rac.fp8_linear(x, *w) for w in w8s]),
+                "fp8_gemm": graph_us([lambda w=w: torch._scaled_mm(x8, w[0].t(), scale_a=xs, scale_b=w[1].view(1, -1),
+                                                                   out_dtype=bf16) for w in w8s]),
+                "w4a4": graph_us([lambda w=w: rac.nvfp4_linear_triton(x, w) for w in wqs]),
+                "w4a4_gemm": graph_us([lambda w=w: rac._gemm_portable(act.operand, act.global_scale, w, bf16)
+                                       for w in wqs]),
+                "quant": graph_us([lambda: rac.quantize_activation_triton(x, None, codes=False, operand=True)]),
+            }
+            for ratio in ratios:
+                mask = torch.arange(K // 16, device="cuda") < int(ratio * K // 16 + 0.5)
+                t[f"rac{ratio}"] = graph_us([lambda w=w: rac.nvfp4_linear_triton(x, w, mask) for w in wqs])
+            floors = {k: v / copy_bw * 1e6 for k, v in bytes_.items()}
+            rows.append((name, N, K, M, t, floors))
+        return rows
+
+    # ------------------------------------------------------------------ 1. dense decode
+    print("### Dense projections, decode (W4A4 incl. its fused activation quantizer; GEMM alone in brackets)\n")
+    print("| layer (N x K) | M | BF16 | FP8 (GEMM) | W4A4 (GEMM) | W4A4 vs FP8 | W4A4 vs BF16 | "
+          "quantizer | W4A4 GEMM % floor | FP8 GEMM % floor | BF16 % floor |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rac_rows = []
+    for M in (1, 16, 64):
+        rows = dense_rows(M, ratios=(0.25, 0.5) if M in (1, 16) else ())
+        rac_rows += rows if M in (1, 16) else []
+        for name, N, K, M, t, fl in rows:
+            print(f"| {name} ({N}x{K}) | {M} | {t['bf16']:.1f} | {t['fp8']:.1f} ({t['fp8_gemm']:.1f}) | "
+                  f"{t['w4a4']:.1f} ({t['w4a4_gemm']:.1f}) | "
+                  f"{t['fp8'] / t['w4a4']:.2f}x ({t['fp8_gemm'] / t['w4a4_gemm']:.2f}x) | "
+                  f"{t['bf16'] / t['w4a4']:.2f}x ({t['bf16'] / t['w4a4_gemm']:.2f}x) | {t['quant']:.1f} | "
+                  f"{100 * fl['w4a4'] / t['w4a4_gemm']:.0f}% | {100 * fl['fp8'] / t['fp8_gemm']:.0f}% | "
+                  f"{100 * fl['bf16'] / t['bf16']:.0f}% |")
+
+    # ------------------------------------------------------------------ 2. RAC overhead
+    print("\n### RAC overhead at decode (quantizer + GEMM; compensated blocks are summed into the operand)\n")
+    print("| layer (N x K) | M | W4A4 rac 0 | rac 0.25 | rac 0.5 | overhead 0.25 | overhead 0.5 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, N, K, M, t, _ in rac_rows:
+        print(f"| {name} ({N}x{K}) | {M} | {t['w4a4']:.1f} | {t['rac0.25']:.1f} | {t['rac0.5']:.1f} | "
+              f"{t['rac0.25'] / t['w4a4']:.2f}x | {t['rac0.5'] / t['w4a4']:.2f}x |")
+    name, N, K, _, _, _, wqs = dense[0]
+    x = torch.randn(1, K, device="cuda", dtype=bf16)
+    eager = bench_ms(lambda: rac.nvfp4_linear_triton(x, wqs[0])) * 1e3
+    print(f"\n(eager, without a graph: the same {name} W4A4 layer call at M = 1 takes {eager:.1f} us, "
+          "mostly Python and Triton launch overhead)")
+
+    # ------------------------------------------------------------------ 3. experts
+    gate_up = torch.randn(E, 2 * I, D, device="cuda", dtype=bf16) * 0.02
+    down = torch.randn(E, D, I, device="cuda", dtype=bf16) * 0.02
+    gate_up_q, down_q = nvfp4.quantize_weight(gate_up), nvfp4.quantize_weight(down)
+    (gate_up8, gate_up_s), (down8, down_s) = rac.quantize_fp8_weight(gate_up), rac.quantize_fp8_weight(down)
+    print("\n### Expert layer, decode (128 experts, top-8; gate/up 2048 -> 2x768, SwiGLU, down 768 -> 2048)\n")
+    print("| tokens | experts hit | BF16 | FP8 (GEMMs) | W4A4 (GEMMs) | W4A4 vs FP8 | W4A4 vs BF16 | "
+          "W4A4 GEMMs % floor | FP8 GEMMs % floor | BF16 % floor |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for T in (64, 256):
+        x = torch.randn(T, D, device="cuda", dtype=bf16)
+        expert_ids = torch.rand(T, E, device="cuda").topk(A, dim=-1).indices
+        weights = torch.softmax(torch.randn(T, A, device="cuda"), dim=-1)
+        routing = moe.route_tokens(expert_ids, E)
+        row_weights = weights.reshape(-1)[routing.order].float()
+        x_sorted = x[routing.token_ids]
+        hit = int((routing.counts > 0).sum())
+
+        def bf16_layer():
+            h = torch._grouped_mm(x_sorted, gate_up.transpose(-2, -1), offs=routing.offsets)
+            g, u = h.chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=routing.offsets)
+
+        def fp8_layer():
+            h = rac._grouped_fp8(x_sorted, routing, gate_up8, gate_up_s)
+            g, u = h.chunk(2, dim=-1)
+            return rac._grouped_fp8(F.silu(g) * u, routing, down8, down_s)
+
+        def w4a4_layer():
+            act = rac.quantize_activation_triton(x, None, codes=False, operand=True)
+            h = rac._grouped_portable(act.operand, act.global_scale, gate_up_q, routing.counts,
+                                      row_ids=routing.token_ids, swiglu=True)
+            act = rac.quantize_activation_triton(h, None, codes=False, operand=True)
+            return rac._grouped_portable(act.operand, act.global_scale, down_q, routing.counts, row_weights=row_weights)
+
+        x8, xs = rac.quantize_fp8_rowwise(x_sorted)
+        h8, hs = rac.quantize_fp8_rowwise(torch.randn(T * A, I, device="cuda", dtype=bf16))
+        act_x = rac.quantize_activation_triton(x, None, codes=False, operand=True)
+        act_h = rac.quantize_activation_triton(torch.randn(T * A, I, device="cuda", dtype=bf16), None,
+                                               codes=False, operand=True)
+
+        def fp8_gemms():
+            torch._scaled_grouped_mm(x8, gate_up8.transpose(-2, -1), xs.view(-1), gate_up_s, offs=routing.offsets,
+                                     out_dtype=bf16)
+            torch._scaled_grouped_mm(h8, down8.transpose(-2, -1), hs.view(-1), down_s, offs=routing.offsets,
+                                     out_dtype=bf16)
+
+        def w4a4_gemms():
+            rac._grouped_portable(act_x.operand, act_x.global_scale, gate_up_q, routing.counts,
+                                  row_ids=routing.token_ids, swiglu=True)
+            rac._grouped_portable(act_h.operand, act_h.global_scale, down_q, routing.counts, row_weights=row_weights)
+
+        t = {"bf16": graph_us([bf16_layer]), "fp8": graph_us([fp8_layer]), "fp8_gemm": graph_us([fp8_gemms]),
+             "w4a4": graph_us([w4a4_layer]), "w4a4_gemm": graph_us([w4a4_gemms])}
+        elements = hit * 3 * I * D
+        fl = {"w4a4": elements * (0.5 + 1 / 16) / copy_bw * 1e6, "fp8": elements / copy_bw * 1e6,
+              "bf16": 2 * elements / copy_bw * 1e6}
+        print(f"| {T} | {hit} | {t['bf16']:.1f} | {t['fp8']:.1f} ({t['fp8_gemm']:.1f}) | {t['w4a4']:.1f} "
+              f"({t['w4a4_gemm']:.1f}) | {t['fp8'] / t['w4a4']:.2f}x ({t['fp8_gemm'] / t['w4a4_gemm']:.2f}x) | "
+              f"{t['bf16'] / t['w4a4']:.2f}x | {100 * fl['w4a4'] / t['w4a4_gemm']:.0f}% | "
+              f"{100 * fl['fp8'] / t['fp8_gemm']:.0f}% | {100 * fl['bf16'] / t['bf16']:.0f}% |")
+    del gate_up, down, gate_up_q, down_q, gate_up8, down8
+
+    # ------------------------------------------------------------------ 4. prefill
+    print("\n### Dense projections, prefill (M = 4096; the W4A4 GEMM decodes the weight once, to fp16 planes)\n")
+    print("| layer (N x K) | BF16 | FP8 (GEMM) | W4A4 (GEMM) | W4A4 / BF16 time | W4A4 GEMM TFLOP/s | BF16 TFLOP/s "
+          "| W4A4 GEMM, in-register decode per tile |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    dense = [(name, N, K, b, ws[:1], w8s[:1], wqs[:1]) for name, N, K, b, ws, w8s, wqs in dense]
+    rows = dense_rows(4096)
+    fused = []
+    prefill_m, rac._PREFILL_M = rac._PREFILL_M, 1 << 30
+    for name, N, K, b, ws, w8s, wqs in dense:
+        act = rac.quantize_activation_triton(torch.randn(4096, K, device="cuda", dtype=bf16), None, codes=False,
+                                             operand=True)
+        fused.append(graph_us([lambda: rac._gemm_portable(act.operand, act.global_scale, wqs[0], bf16)]))
+    rac._PREFILL_M = prefill_m
+    for (name, N, K, M, t, _), fused_us in zip(rows, fused):
+        flops = 2 * M * N * K
+        print(f"| {name} ({N}x{K}) | {t['bf16']:.1f} | {t['fp8']:.1f} ({t['fp8_gemm']:.1f}) | {t['w4a4']:.1f} "
+              f"({t['w4a4_gemm']:.1f}) | {t['w4a4'] / t['bf16']:.2f}x ({t['w4a4_gemm'] / t['bf16']:.2f}x) | "
+              f"{flops / t['w4a4_gemm'] / 1e6:.0f} | {flops / t['bf16'] / 1e6:.0f} | {fused_us:.1f} |")
+
+    print("\nautotuned configs (key: M bucket, N, K[, W_FP16] -> BLOCK_M/N/K, split-K, warps, stages):")
+    for kernel in (rac._w4a4_kernel, rac._w4a4_grouped_kernel):
+        for key, config in kernel.cache.items():
+            kw = config.kwargs
+            print(f"  {kernel.fn.fn.__name__} {key[:4]} -> {kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}, "
+                  f"split-K {kw.get('SPLIT_K', 1)}, {config.num_warps}w, {config.num_stages}s")
 
 
 # ---------------------------------------------------------------------------- qat (qat.py)

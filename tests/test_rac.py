@@ -1,0 +1,430 @@
+"""rac.py: the fused activation quantizer (bit for bit), the dense and grouped W4A4 kernels against
+their dequantize-then-matmul twins (CPU under TRITON_INTERPRET=1, GPU natively), residual activation
+compensation, weight sync against the QAT weight rule, model conversion, and clear errors."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import report_diff
+
+import moe
+import nvfp4
+import rac
+
+
+def _bits(t):
+    view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+            torch.float8_e4m3fn: torch.uint8, torch.uint8: torch.uint8}[t.dtype]
+    return t.cpu().view(view)
+
+
+def _same_bits(a, b):
+    """Bitwise equality; NaNs must sit in the same places (their payload is not part of the contract)."""
+    a, b = a.cpu(), b.cpu()
+    if a.is_floating_point():
+        nan = a.float().isnan()
+        if not torch.equal(nan, b.float().isnan()):
+            return False
+        a, b = a[~nan], b[~nan]
+    return torch.equal(_bits(a), _bits(b))
+
+
+def _relative_error(y, reference):
+    return ((y.double() - reference.double()).norm() / reference.double().norm()).item()
+
+
+def _outlier_activations(rows, cols, seed, device="cpu", dtype=torch.bfloat16):
+    """Heavy-tailed activations with a fixed set of outlier channels (as a real layer input has)."""
+    generator = torch.Generator().manual_seed(seed)
+    channel_scale = torch.exp(0.5 * torch.randn(cols, generator=generator))
+    channel_scale[torch.randperm(cols, generator=generator)[:max(1, cols // 32)]] *= 20.0
+
+    def batch():
+        t = torch.distributions.StudentT(4.0).sample((rows, cols)) * channel_scale
+        return t.to(device, dtype)
+    return batch
+
+
+# ============================================================================ fused quantizer
+@pytest.mark.parametrize("rows,cols", [(1, 16), (3, 48), (17, 80), (17, 512)])
+@pytest.mark.parametrize("compensate", [False, True])
+def test_fused_quantizer_matches_its_twin_bit_for_bit(kernel_device, rows, cols, compensate):
+    # (17, 512) has 8704 elements: above the in-kernel amax limit, so it takes the partial-amax path
+    torch.manual_seed(rows * cols)
+    x = (torch.randn(rows, cols) * torch.exp(torch.randn(cols))).to(kernel_device, torch.bfloat16)
+    mask = (torch.arange(cols // 16, device=kernel_device) % 2 == 0) if compensate else None
+    act = rac.quantize_activation_triton(x, mask, codes=True, operand=True)
+    x_q, residual = rac.quantize_activation_reference(x.cpu(), None if mask is None else mask.cpu())
+    assert _same_bits(act.global_scale, x_q.global_scale)
+    assert _same_bits(act.x_q.data, x_q.data) and _same_bits(act.x_q.block_scale, x_q.block_scale)
+    if compensate:
+        assert _same_bits(act.residual.data, residual.data)
+        assert _same_bits(act.residual.block_scale, residual.block_scale)
+        # unselected blocks carry no residual; selected ones do (the test input has no exact blocks)
+        scales = residual.block_scale.float()
+        assert (scales[:, ~mask.cpu()] == 0).all() and (scales[:, mask.cpu()] > 0).any()
+    else:
+        assert act.residual is None
+    assert _same_bits(act.operand, rac.activation_operand(x_q, residual))
+
+
+def test_fused_quantizer_static_scale_zeros_and_nan(kernel_device):
+    x = torch.randn(5, 64).to(kernel_device, torch.float32)
+    static = torch.tensor(0.5 / 2688, device=kernel_device)  # x saturates beyond 0.5: a static scale clips
+    act = rac.quantize_activation_triton(x, global_scale=static)
+    x_q, _ = rac.quantize_activation_reference(x.cpu(), global_scale=static.cpu())
+    assert _same_bits(act.x_q.data, x_q.data) and _same_bits(act.x_q.block_scale, x_q.block_scale)
+    assert act.global_scale.item() == static.item()
+
+    zeros = torch.zeros(2, 32, device=kernel_device, dtype=torch.bfloat16)
+    act = rac.quantize_activation_triton(zeros, torch.ones(2, dtype=torch.bool, device=kernel_device), operand=True)
+    assert act.global_scale.item() == 1.0 and (act.operand == 0).all() and (act.residual.data == 0).all()
+
+    x = torch.randn(3, 32, device=kernel_device)
+    x[1, 20] = float("nan")
+    act = rac.quantize_activation_triton(x, torch.ones(2, dtype=torch.bool, device=kernel_device), operand=True)
+    x_q, residual = rac.quantize_activation_reference(x.cpu(), torch.ones(2, dtype=torch.bool))
+    assert act.global_scale.isnan().item() and x_q.global_scale.isnan().item()
+    assert _same_bits(act.operand, rac.activation_operand(x_q, residual))
+    assert act.operand[:, 1, 8:].isnan().all()  # the NaN block (columns 16..31) stays NaN
+
+
+# ============================================================================ dense GEMM
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("cols,out_features", [(16, 24), (48, 40), (96, 33)])
+@pytest.mark.parametrize("compensate", [False, True])
+def test_w4a4_kernel_matches_its_twin(kernel_device, rows, cols, out_features, compensate):
+    # tiny shapes under the interpreter: N and K are not multiples of the tile (32 x 64), K % 64 != 0
+    torch.manual_seed(rows + cols + out_features)
+    x = torch.randn(rows, cols, device=kernel_device, dtype=torch.bfloat16) * 4
+    w = torch.randn(out_features, cols, device=kernel_device)
+    mask = torch.arange(cols // 16, device=kernel_device) % 2 == 0 if compensate else None
+    x_q, residual = rac.quantize_activation(x, mask)
+    w_q = nvfp4.quantize_weight(w)
+    y = rac.w4a4_matmul_triton(x_q, w_q, residual, out_dtype=torch.float32)
+    reference = rac.w4a4_matmul_reference(x_q, w_q, residual, out_dtype=torch.float32)
+    max_diff, _ = report_diff(y, reference, f"w4a4 M={rows} K={cols} N={out_features} rac={compensate}")
+    # fp32 accumulation order only; with a residual also the fp16 rounding of x + r (2^-12 relative)
+    tolerance = (2e-3 if compensate else 1e-5) * reference.abs().max().item() + 1e-6
+    assert max_diff <= tolerance
+    y_bf16 = rac.w4a4_matmul_triton(x_q, w_q, residual)
+    assert y_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(y_bf16.float(), reference, rtol=1e-2, atol=1e-2 * reference.abs().max().item())
+
+
+def test_prefill_path_decodes_the_weight_once_and_matches_the_twin(kernel_device, monkeypatch):
+    # many rows: one pass turns the weight into fp16 planes (exactly), then both operands stream to the MMA
+    monkeypatch.setattr(rac, "_PREFILL_M", 1)
+    torch.manual_seed(0)
+    w_q = nvfp4.quantize_weight(torch.randn(40, 96, device=kernel_device))
+    operand = rac._empty_planes(40, 48, kernel_device)
+    rac._weight_operand_kernel[(1, 1)](w_q.data, w_q.block_scale.view(torch.uint8), operand, 40, 96, 48, 6,
+                                       operand.stride(0), GPU=kernel_device == "cuda", ROWS=64, BLOCK_K=256)
+    assert _same_bits(operand, rac.weight_operand_reference(w_q))
+    for rows in (3, 37):
+        x = torch.randn(rows, 96, device=kernel_device)
+        x_q, residual = rac.quantize_activation(x, torch.ones(6, dtype=torch.bool, device=kernel_device))
+        y = rac.w4a4_matmul_triton(x_q, w_q, residual, out_dtype=torch.float32)
+        reference = rac.w4a4_matmul_reference(x_q, w_q, residual, out_dtype=torch.float32)
+        assert report_diff(y, reference, f"prefill path M={rows}")[0] <= 2e-3 * reference.abs().max().item()
+
+
+def test_linear_fast_path_matches_the_layer_twin(kernel_device):
+    # the layer's path: one fused quantizer launch (operand + residual) and one GEMM launch
+    batch = _outlier_activations(19, 128, seed=1, device=kernel_device)
+    x = batch()
+    w_q = nvfp4.quantize_weight(torch.randn(72, 128, device=kernel_device))
+    for mask in (None, torch.arange(8, device=kernel_device) < 3):
+        y = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
+        reference = rac.nvfp4_linear_reference(x, w_q, mask)
+        max_diff, _ = report_diff(y, reference, f"linear rac={mask is not None}")
+        assert max_diff <= 2e-3 * reference.abs().max().item()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 16, 64, 300, 1500])
+@pytest.mark.parametrize("out_features,cols", [(4096, 2048), (512, 2048), (2048, 4096), (200, 96)])
+def test_w4a4_kernel_matches_its_twin_on_gpu_shapes(rows, out_features, cols):
+    torch.manual_seed(0)
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    w_q = nvfp4.quantize_weight(torch.randn(out_features, cols, device="cuda", dtype=torch.bfloat16) * 0.02)
+    for mask in (None, torch.arange(cols // 16, device="cuda") % 2 == 0):
+        x_q, residual = rac.quantize_activation(x, mask)
+        y = rac.w4a4_matmul(x_q, w_q, residual, out_dtype=torch.float32)
+        reference = rac.w4a4_matmul_reference(x_q, w_q, residual, out_dtype=torch.float32)
+        max_diff, _ = report_diff(y, reference, f"gpu w4a4 M={rows} N={out_features} K={cols} rac={mask is not None}")
+        assert max_diff <= (2e-3 if mask is not None else 1e-4) * reference.abs().max().item()
+        fast = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
+        assert report_diff(fast, y, "  layer path vs w4a4_matmul")[0] <= 1e-4 * reference.abs().max().item()
+
+
+# ============================================================================ grouped GEMM (experts)
+def _routing_with_empty_experts(n_experts, tokens, active, device, seed=0):
+    """Random top-A routes that never pick experts 0, 2 and the last one (they receive no tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(n_experts) if e not in (0, 2, n_experts - 1)])
+    scores = torch.rand(tokens, allowed.numel(), generator=generator)
+    expert_ids = allowed[scores.topk(active, dim=-1).indices].to(device)
+    return expert_ids, moe.route_tokens(expert_ids, n_experts)
+
+
+@pytest.mark.parametrize("tokens", [3, 21])
+def test_grouped_kernel_matches_the_per_expert_twin(kernel_device, tokens):
+    # 21 tokens x 2 on 4 used experts: some experts get more rows than one 16-row tile
+    torch.manual_seed(tokens)
+    E, D, I, A = 7, 48, 32, 2
+    expert_ids, routing = _routing_with_empty_experts(E, tokens, A, kernel_device, seed=tokens)
+    assert (routing.counts[[0, 2, E - 1]] == 0).all()
+    x = torch.randn(tokens, D, device=kernel_device, dtype=torch.bfloat16)
+    x_q, residual = rac.quantize_activation(x, torch.tensor([True, False, True], device=kernel_device))
+    gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device=kernel_device))
+    hidden = rac.w4a4_grouped_matmul_triton(x_q, gate_up_q, routing.counts, residual, row_ids=routing.token_ids,
+                                            swiglu=True, out_dtype=torch.float32)
+    reference = rac.w4a4_grouped_matmul_reference(x_q, gate_up_q, routing.counts, residual,
+                                                  row_ids=routing.token_ids, swiglu=True, out_dtype=torch.float32)
+    assert hidden.shape == (tokens * A, I)
+    assert report_diff(hidden, reference, "grouped gate/up + swiglu")[0] <= 2e-3 * reference.abs().max().item()
+
+    h_q, _ = rac.quantize_activation(reference)
+    down_q = nvfp4.quantize_weight(torch.randn(E, D, I, device=kernel_device))
+    row_weights = torch.rand(tokens * A, device=kernel_device)
+    y = rac.w4a4_grouped_matmul_triton(h_q, down_q, routing.counts, row_weights=row_weights, out_dtype=torch.float32)
+    reference = rac.w4a4_grouped_matmul_reference(h_q, down_q, routing.counts, row_weights=row_weights,
+                                                  out_dtype=torch.float32)
+    assert report_diff(y, reference, "grouped down * router weight")[0] <= 1e-5 * reference.abs().max().item()
+
+
+def test_nvfp4_experts_fast_path_matches_the_twin_and_moe(kernel_device):
+    torch.manual_seed(0)
+    config = moe.MoEConfig(dim=64, expert_dim=32, n_experts=6, n_active=2)
+    experts = moe.Experts(config).to(kernel_device)
+    nn.init.normal_(experts.gate_up_proj, std=0.1)
+    nn.init.normal_(experts.down_proj, std=0.1)
+    layer = rac.NVFP4Experts.from_float(experts, rac_ratio=0.5)
+    x = torch.randn(9, 64, device=kernel_device, dtype=torch.bfloat16)
+    expert_ids, routing = _routing_with_empty_experts(6, 9, 2, kernel_device)
+    weights = torch.softmax(torch.randn(9, 2, device=kernel_device), dim=-1)
+    row_weights = weights.reshape(-1)[routing.order].float()
+    fast = rac._combine(layer._forward_triton(x, routing, row_weights), routing, 9, 2, x.dtype)
+    twin = rac._combine(layer._forward_reference(x, routing, row_weights), routing, 9, 2, x.dtype)
+    report_diff(fast, twin, "NVFP4Experts triton vs twin")
+    torch.testing.assert_close(fast.float(), twin.float(), rtol=2e-2, atol=2e-2 * twin.abs().max().item())
+    # the module's own forward takes the Triton path on CUDA and the twin on the CPU
+    assert torch.equal(layer(x, expert_ids, weights), fast if kernel_device == "cuda" else twin)
+    with torch.no_grad():
+        exact = experts(x.float(), expert_ids, weights)
+    assert _relative_error(fast.float(), exact) < 0.35  # two W4A4 GEMMs of NVFP4 noise, not a different function
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [1, 64, 256])
+def test_grouped_kernel_matches_the_twin_on_qwen3_expert_shapes(tokens):
+    torch.manual_seed(0)
+    E, D, I, A = 128, 2048, 768, 8
+    expert_ids = torch.rand(tokens, E, device="cuda").topk(A, dim=-1).indices
+    routing = moe.route_tokens(expert_ids, E)
+    x_q, residual = rac.quantize_activation(torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16),
+                                            torch.arange(D // 16, device="cuda") % 4 == 0)
+    gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02)
+    hidden = rac.w4a4_grouped_matmul(x_q, gate_up_q, routing.counts, residual, row_ids=routing.token_ids,
+                                     swiglu=True, out_dtype=torch.float32)
+    reference = rac.w4a4_grouped_matmul_reference(x_q, gate_up_q, routing.counts, residual,
+                                                  row_ids=routing.token_ids, swiglu=True, out_dtype=torch.float32)
+    assert report_diff(hidden, reference, f"gpu grouped gate/up T={tokens}")[0] <= 2e-3 * reference.abs().max().item()
+    h_q, _ = rac.quantize_activation(reference.bfloat16())
+    down_q = nvfp4.quantize_weight(torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02)
+    row_weights = torch.rand(tokens * A, device="cuda")
+    y = rac.w4a4_grouped_matmul(h_q, down_q, routing.counts, row_weights=row_weights, out_dtype=torch.float32)
+    reference = rac.w4a4_grouped_matmul_reference(h_q, down_q, routing.counts, row_weights=row_weights,
+                                                  out_dtype=torch.float32)
+    assert report_diff(y, reference, f"gpu grouped down T={tokens}")[0] <= 1e-4 * reference.abs().max().item()
+
+
+# ============================================================================ RAC
+def test_rac_reduces_output_error_monotonically_on_outlier_channels():
+    """Inputs with heavy tails and fixed outlier channels; blocks calibrated on one batch, measured on
+    another. Asserted margin: ratio 0.5 at most half of naive NVFP4's error (seen: about 0.25-0.3)."""
+    torch.manual_seed(0)
+    batch = _outlier_activations(64, 256, seed=0, dtype=torch.float32)
+    calibration, x = batch(), batch()
+    w_q = nvfp4.quantize_weight(torch.randn(96, 256))
+    exact = x @ w_q.dequantize(torch.float32).T  # the same weights: only the activation error is measured
+    errors = []
+    for ratio in (0.0, 0.25, 0.5, 0.75, 1.0):
+        selector = rac.RACSelector(16, ratio)
+        selector.start_calibration()
+        selector(calibration)
+        selector.finish_calibration()
+        errors.append(_relative_error(rac.nvfp4_linear_reference(x, w_q, selector(x)), exact))
+    print("relative error by rac_ratio 0, .25, .5, .75, 1:", [f"{e:.4f}" for e in errors])
+    assert all(a > b for a, b in zip(errors, errors[1:])), errors
+    assert errors[2] < 0.5 * errors[0]
+
+
+def test_selector_picks_the_highest_error_blocks_and_calibrate_rac_refreshes_them():
+    selector = rac.RACSelector(8, 0.25)                               # round(0.25 * 8) = 2 blocks
+    x = torch.randn(32, 128)
+    x[:, 16 * 5 + 3] *= 40.0                                          # blocks 5 and 2 hold large values
+    x[:, 16 * 2:16 * 3] *= 10.0
+    mask = selector(x)                                                # never calibrated: the first input decides
+    assert mask.tolist() == [i in (2, 5) for i in range(8)]
+    x2 = torch.randn(32, 128)
+    x2[:, 16 * 7:] *= 30.0
+    assert selector(x2).tolist() == mask.tolist()                     # frozen after its first input
+
+    model = _tiny_model()
+    rollout = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4", rac_ratio=0.5)
+    selectors = [m for m in rollout.modules() if isinstance(m, rac.RACSelector)]
+    assert len(selectors) == 2 * (4 + 2)  # per layer: q, k, v, o inputs and the experts' two GEMM inputs
+    rac.calibrate_rac(rollout, _tokens())
+    for s in selectors:
+        assert s.calibrated and int(s.mask.sum()) == s.n_selected == int(0.5 * s.n_blocks + 0.5)
+    rac.calibrate_rac(rollout, _tokens(), rac_ratio=0.25)
+    assert all(int(s.mask.sum()) == int(0.25 * s.n_blocks + 0.5) for s in selectors)
+
+
+# ============================================================================ conversion and sync
+def _tiny_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    config = moe.MoEConfig.from_preset("tiny", vocab_size=48, max_seq_len=64)
+    return moe.MoETransformer(config).to(dtype).eval()  # Hugging Face's N(0, 0.02) init
+
+
+def _tokens(batch=2, length=12):
+    return torch.randint(0, 48, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+@torch.no_grad()
+def test_convert_for_rollout_logits_bf16_identical_fp8_closer_than_nvfp4():
+    model, tokens = _tiny_model(), _tokens()
+    reference = model(tokens)
+    errors = {}
+    for mode, ratio in (("bf16", 0.0), ("fp8", 0.0), ("nvfp4", 0.0), ("nvfp4", 0.5)):
+        rollout = rac.convert_for_rollout(copy.deepcopy(model), mode, rac_ratio=ratio)
+        if mode != "bf16":
+            attention, block = rollout.layers[0].attn, rollout.layers[0].mlp
+            linear_type = rac.NVFP4Linear if mode == "nvfp4" else rac.FP8Linear
+            projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
+            assert all(isinstance(p, linear_type) for p in projections)
+            assert isinstance(block.experts, rac.NVFP4Experts if mode == "nvfp4" else rac.FP8Experts)
+            assert type(block.gate) is nn.Linear and type(rollout.lm_head) is nn.Linear  # stay full precision
+        errors[(mode, ratio)] = _relative_error(rollout(tokens), reference)
+    print("relative logit error vs the unconverted model:", errors)
+    assert errors[("bf16", 0.0)] == 0.0
+    # NVFP4 on a 64-wide model: per-tensor activation scales are coarse, and 2 layers compound them
+    assert 0 < 2 * errors[("fp8", 0.0)] < errors[("nvfp4", 0.0)] < 0.3
+    assert errors[("nvfp4", 0.5)] < errors[("nvfp4", 0.0)]
+
+    rollout = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4", quantize_router=True, quantize_lm_head=True)
+    assert isinstance(rollout.layers[0].mlp.gate, rac.NVFP4Linear) and isinstance(rollout.lm_head, rac.NVFP4Linear)
+
+
+def _assert_rollout_weights_are_the_qat_weights(rollout, trainer):
+    masters = dict(trainer.named_parameters())
+    checked = 0
+    for path, module in rollout.named_modules():
+        if isinstance(module, rac.NVFP4Linear):
+            pairs = [(module.weight_q, masters[f"{path}.weight"])]
+        elif isinstance(module, rac.NVFP4Experts):
+            pairs = [(module.gate_up_q, masters[f"{path}.gate_up_proj"]), (module.down_q, masters[f"{path}.down_proj"])]
+        else:
+            continue
+        for quantized, master in pairs:
+            with torch.no_grad():
+                assert _same_bits(quantized.dequantize(master.dtype), nvfp4.fake_quantize_weight(master)), path
+            checked += 1
+    assert checked == 2 * (4 + 2)
+    for name, param in rollout.named_parameters():  # norms, embeddings, routers, LM head: copied
+        assert torch.equal(param, masters[name]), name
+
+
+def test_sync_weights_reloads_exactly_the_qat_weights():
+    trainer = _tiny_model()
+    rollout = rac.convert_for_rollout(copy.deepcopy(trainer), "nvfp4", rac_ratio=0.5)
+    with torch.no_grad():
+        for p in trainer.parameters():  # a training step happened: the rollout copy is stale
+            p.add_(torch.randn_like(p) * 0.05)
+    assert not _same_bits(rollout.layers[0].attn.q_proj.weight_q.dequantize(torch.float32),
+                          nvfp4.fake_quantize_weight(trainer.layers[0].attn.q_proj.weight).detach())
+    rac.sync_weights(rollout, trainer)
+    _assert_rollout_weights_are_the_qat_weights(rollout, trainer)
+
+    qat = pytest.importorskip("qat")
+    qat.convert_for_training(trainer, "qat")  # same parameter names: sync works unchanged
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    rac.sync_weights(rollout, trainer)
+    _assert_rollout_weights_are_the_qat_weights(rollout, trainer)
+
+    fp8_rollout = rac.convert_for_rollout(copy.deepcopy(_tiny_model()), "fp8")
+    rac.sync_weights(fp8_rollout, trainer)
+    codes, scale = rac.quantize_fp8_weight(trainer.layers[1].mlp.experts.down_proj)
+    assert torch.equal(_bits(fp8_rollout.layers[1].mlp.experts.down_fp8), _bits(codes))
+    assert torch.equal(fp8_rollout.layers[1].mlp.experts.down_scale, scale)
+
+
+# ============================================================================ FP8 baseline
+def test_fp8_linear_twin_is_close_to_full_precision():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=False)
+    layer = rac.FP8Linear.from_float(linear)
+    x = torch.randn(7, 64)
+    assert _relative_error(layer(x), linear(x).detach()) < 0.05
+
+
+@pytest.mark.cuda
+def test_fp8_scaled_mm_matches_its_twin():
+    torch.manual_seed(0)
+    x = torch.randn(33, 2048, device="cuda", dtype=torch.bfloat16)
+    weight_fp8, weight_scale = rac.quantize_fp8_weight(torch.randn(512, 2048, device="cuda") * 0.02)
+    fast = rac.fp8_linear(x, weight_fp8, weight_scale)
+    twin = rac.fp8_linear_reference(*rac.quantize_fp8_rowwise(x), weight_fp8, weight_scale)
+    assert report_diff(fast.float(), twin.float(), "fp8 _scaled_mm vs twin")[0] <= 1e-2 * twin.abs().max().item()
+
+
+# ============================================================================ the native path's guard
+def test_native_path_is_dropped_loudly_when_it_disagrees_or_fails(kernel_device):
+    def wrong(x_q, residual, w_q, out_dtype):
+        return torch.zeros(x_q.shape[0], w_q.shape[0], device=x_q.device, dtype=out_dtype)
+
+    def broken(*args):
+        raise RuntimeError("no FP4 tensor cores here")
+
+    device = torch.device(kernel_device)
+    with pytest.warns(UserWarning, match="disagrees with the portable kernel"):
+        assert not rac._native_agrees(device, native=wrong)
+    with pytest.warns(UserWarning, match="failed"):
+        assert not rac._native_agrees(device, native=broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        twin = lambda x_q, residual, w_q, dtype: rac.w4a4_matmul_reference(x_q, w_q, residual, dtype)  # noqa: E731
+        assert rac._native_agrees(device, native=twin)
+    if kernel_device == "cpu":
+        assert rac._gemm_backend(device) == "portable"
+
+
+# ============================================================================ errors
+@pytest.mark.parametrize("call,message", [
+    (lambda: rac.quantize_activation(torch.randn(2, 40)), "multiple of the NVFP4 block size"),
+    (lambda: rac.quantize_activation(torch.randint(0, 4, (2, 32))), "dtype"),
+    (lambda: rac.quantize_activation(torch.randn(2, 32), torch.ones(3, dtype=torch.bool)), "rac_mask"),
+    (lambda: rac.NVFP4Linear(40, 8), "multiple of the NVFP4 block size"),
+    (lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32, device="meta")), "input on meta but weights on cpu"),
+    (lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32).to(torch.float8_e4m3fn)), "dtype|bfloat16/float16/float32"),
+    (lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 48)), "last dim 32"),
+    (lambda: rac.w4a4_matmul(nvfp4.quantize(torch.randn(2, 32)), nvfp4.quantize(torch.randn(4, 48))), "K differs"),
+    (lambda: rac.w4a4_matmul(nvfp4.quantize(torch.randn(2, 32)), nvfp4.quantize(torch.randn(4, 32)),
+                             nvfp4.quantize(torch.randn(2, 32))), "share x_q's global scale"),
+    (lambda: rac.w4a4_matmul(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 32))), "NVFP4Tensor"),
+    (lambda: rac.RACSelector(4, 1.5), "rac_ratio"),
+    (lambda: rac.convert_for_rollout(_tiny_model(), "nvfp4", rac_ratio=-0.1), "rac_ratio"),
+    (lambda: rac.convert_for_rollout(_tiny_model(), "int4"), "unknown rollout mode"),
+    (lambda: rac.convert_for_rollout(_tiny_model(), "fp8", rac_ratio=0.5), "compensates NVFP4 activations"),
+    (lambda: rac.sync_weights(rac.convert_for_rollout(_tiny_model(), "nvfp4"), nn.Linear(2, 2)), "no parameter"),
+])
+def test_bad_input_raises_a_clear_value_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -418,6 +418,21 @@ _HF_RENAMES = [  # (checkpoint name pattern, this module's name); experts are ha
 _HF_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
+def swappable_layers(model: nn.Module, include_router: bool = False, include_lm_head: bool = False):
+    """[(parent, attribute, module)] for every layer a variant in another file may replace in place:
+    each Attention's nn.Linear projections and every Experts block, plus optionally the routers
+    (MoEBlock.gate) and the LM head. Chosen by isinstance, never by name; listed up front so callers
+    can setattr while walking it. (qat.py and rac.py convert exactly these.)"""
+    layers = []
+    for parent in model.modules():
+        linears = (isinstance(parent, Attention) or (include_router and isinstance(parent, MoEBlock))
+                   or (include_lm_head and isinstance(parent, MoETransformer)))
+        for name, child in parent.named_children():
+            if isinstance(child, Experts) or (linears and isinstance(child, nn.Linear)):
+                layers.append((parent, name, child))
+    return layers
+
+
 def config_from_hf(hf_config) -> MoEConfig:
     """MoEConfig from a transformers Qwen3MoeConfig; anything this module does not implement is an error."""
     if hf_config.model_type != "qwen3_moe":

@@ -335,6 +335,27 @@ if triton is not None:
             tl.store(out_ptr + offs + 1, odd.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _quantize_pairs(even, odd, global_scale):
+        """The format's arithmetic on a tile of blocks: (BLOCKS, 8) even and odd fp32 elements and a
+        global scale (scalar, or one per block) -> E2M1 codes of each half, the block scales as fp32
+        and as E4M3 bit patterns (BLOCKS,). Shared with rac.py's fused activation quantizer."""
+        # block amax and NaN/Inf detection (tl.max does not promise to propagate NaN)
+        even_ok, odd_ok = tl.abs(even) < float("inf"), tl.abs(odd) < float("inf")  # False for NaN
+        bad = tl.max((~even_ok | ~odd_ok).to(tl.int32), axis=1) > 0            # (BLOCKS,)
+        block_amax = tl.maximum(tl.max(tl.where(even_ok, tl.abs(even), 0.0), axis=1),
+                                tl.max(tl.where(odd_ok, tl.abs(odd), 0.0), axis=1))
+        scale = tl.math.div_rn(tl.math.div_rn(block_amax, 6.0), global_scale)
+        scale = tl.minimum(tl.maximum(scale, 0.0), 448.0)
+        scale = tl.where(scale == scale, scale, 0.0)                            # NaN global scale
+        block_scale, scale_byte = _e4m3_round(scale)
+        block_scale = tl.where(bad, float("nan"), block_scale)
+        scale_byte = tl.where(bad, 0x7F, scale_byte)                            # the E4M3 NaN
+        denom = block_scale * global_scale                                      # (BLOCKS,)
+        ok = (denom > 0) & (denom < float("inf"))
+        unit = tl.where(ok, denom, float("nan"))[:, None]  # zero/NaN blocks: every comparison false, code 0
+        return _e2m1_code_blocks(even, unit), _e2m1_code_blocks(odd, unit), block_scale, scale_byte
+
+    @triton.jit
     def _quantize_kernel(
         # pointers
         x_ptr, data_ptr, scale_ptr, global_scale_ptr, out_ptr,
@@ -355,22 +376,7 @@ if triton is not None:
         else:
             global_scale = tl.load(global_scale_ptr)
 
-        # block amax and NaN/Inf detection (tl.max does not promise to propagate NaN)
-        even_ok, odd_ok = tl.abs(even) < float("inf"), tl.abs(odd) < float("inf")  # False for NaN
-        bad = tl.max((~even_ok | ~odd_ok).to(tl.int32), axis=1) > 0            # (BLOCKS,)
-        block_amax = tl.maximum(tl.max(tl.where(even_ok, tl.abs(even), 0.0), axis=1),
-                                tl.max(tl.where(odd_ok, tl.abs(odd), 0.0), axis=1))
-        scale = tl.math.div_rn(tl.math.div_rn(block_amax, 6.0), global_scale)
-        scale = tl.minimum(tl.maximum(scale, 0.0), 448.0)
-        scale = tl.where(scale == scale, scale, 0.0)                            # NaN global scale
-        block_scale, scale_byte = _e4m3_round(scale)
-        block_scale = tl.where(bad, float("nan"), block_scale)
-        scale_byte = tl.where(bad, 0x7F, scale_byte)                            # the E4M3 NaN
-        denom = block_scale * global_scale                                      # (BLOCKS,)
-        ok = (denom > 0) & (denom < float("inf"))
-        unit = tl.where(ok, denom, float("nan"))[:, None]  # zero/NaN blocks: every comparison false, code 0
-        code_even = _e2m1_code_blocks(even, unit)
-        code_odd = _e2m1_code_blocks(odd, unit)
+        code_even, code_odd, block_scale, scale_byte = _quantize_pairs(even, odd, global_scale)
 
         if FAKE:
             if PER_MATRIX:

@@ -333,17 +333,13 @@ def convert_for_training(model, mode, rac_ratio=0.0, quantize_router=False, quan
     _check_settings(mode, rac_ratio)
     if mode == "bf16":
         return model
-    for parent in list(model.modules()):
-        quantize_linears = (isinstance(parent, moe.Attention)
-                            or (quantize_router and isinstance(parent, moe.MoEBlock))
-                            or (quantize_lm_head and isinstance(parent, moe.MoETransformer)))
-        for name, child in list(parent.named_children()):
-            if isinstance(child, (QATLinear, QATExperts)):
-                child.configure(mode, rac_ratio)
-            elif isinstance(child, moe.Experts):
-                setattr(parent, name, QATExperts.from_float(child, mode, rac_ratio))
-            elif isinstance(child, nn.Linear) and quantize_linears:
-                setattr(parent, name, QATLinear.from_float(child, mode, rac_ratio))
+    for parent, name, child in moe.swappable_layers(model, quantize_router, quantize_lm_head):
+        if isinstance(child, (QATLinear, QATExperts)):
+            child.configure(mode, rac_ratio)
+        elif isinstance(child, moe.Experts):
+            setattr(parent, name, QATExperts.from_float(child, mode, rac_ratio))
+        else:
+            setattr(parent, name, QATLinear.from_float(child, mode, rac_ratio))
     return model
 
 

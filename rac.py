@@ -267,33 +267,13 @@ def w4a4_grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None,
 #   _w4a4_grouped_kernel          the experts' grouped version (gather, SwiGLU, router weights)
 #   _w4a4_native_kernel           dense, Blackwell tl.dot_scaled (untested, guarded)
 if triton is not None:
-    from nvfp4 import _e2m1_code, _e2m1_value, _e4m3_round, _load_pairs, _to_bf16_bits
+    from nvfp4 import _e2m1_value, _load_pairs, _quantize_pairs, _to_bf16_bits
 
     # ------------------------------------------------------------------ quantizer
     # A program quantizes BLOCKS consecutive 16-element blocks of the flattened (M*G, 16) input, held
     # as two (BLOCKS, 8) tiles of even and odd elements (nvfp4.py's pair layout: a BF16 pair is one
-    # 32-bit load, and a packed byte is code(even) | code(odd) << 4). The arithmetic is nvfp4.py's,
-    # in the same order, so codes, block scales and the residual match the torch twin bit for bit.
-    @triton.jit
-    def _quantize_pairs(even, odd, global_scale):
-        """(BLOCKS, 8) even and odd fp32 elements -> E2M1 codes of each, block scale (fp32) and byte."""
-        even_ok, odd_ok = tl.abs(even) < float("inf"), tl.abs(odd) < float("inf")    # False for NaN
-        bad = tl.max((~even_ok | ~odd_ok).to(tl.int32), axis=1) > 0
-        block_amax = tl.maximum(tl.max(tl.where(even_ok, tl.abs(even), 0.0), axis=1),
-                                tl.max(tl.where(odd_ok, tl.abs(odd), 0.0), axis=1))
-        scale = tl.math.div_rn(tl.math.div_rn(block_amax, 6.0), global_scale)
-        scale = tl.minimum(tl.maximum(scale, 0.0), 448.0)
-        scale = tl.where(scale == scale, scale, 0.0)                                    # NaN global scale
-        block_scale, scale_byte = _e4m3_round(scale)
-        block_scale = tl.where(bad, float("nan"), block_scale)
-        scale_byte = tl.where(bad, 0x7F, scale_byte)                                    # the E4M3 NaN
-        denom = block_scale * global_scale
-        ok = (denom > 0) & (denom < float("inf"))                                       # zero/NaN blocks: code 0
-        safe = tl.where(ok, denom, 1.0)[:, None]
-        code_even = _e2m1_code(tl.where(ok[:, None], tl.math.div_rn(even, safe), 0.0))
-        code_odd = _e2m1_code(tl.where(ok[:, None], tl.math.div_rn(odd, safe), 0.0))
-        return code_even, code_odd, block_scale, scale_byte
-
+    # 32-bit load, and a packed byte is code(even) | code(odd) << 4). The arithmetic is nvfp4.py's own
+    # (_quantize_pairs), so codes, block scales and the residual match the torch twin bit for bit.
     @triton.jit
     def _store_codes(data_ptr, scale_ptr, rows, pairs, code_even, code_odd, scale_byte, mask, in_range):
         tl.store(data_ptr + rows[:, None] * 8 + pairs[None, :], (code_even | (code_odd << 4)).to(tl.uint8), mask=mask)
@@ -1361,18 +1341,12 @@ def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quant
     _check_mode(mode, rac_ratio)
     if mode == "bf16":
         return model
-    for parent in list(model.modules()):
-        quantize_linears = (isinstance(parent, moe.Attention)
-                            or (quantize_router and isinstance(parent, moe.MoEBlock))
-                            or (quantize_lm_head and isinstance(parent, moe.MoETransformer)))
-        for name, child in list(parent.named_children()):
-            if isinstance(child, moe.Experts):
-                new = NVFP4Experts.from_float(child, rac_ratio) if mode == "nvfp4" else FP8Experts.from_float(child)
-            elif isinstance(child, nn.Linear) and quantize_linears:
-                new = NVFP4Linear.from_float(child, rac_ratio) if mode == "nvfp4" else FP8Linear.from_float(child)
-            else:
-                continue
-            setattr(parent, name, new)
+    for parent, name, child in moe.swappable_layers(model, quantize_router, quantize_lm_head):
+        if isinstance(child, moe.Experts):
+            new = NVFP4Experts.from_float(child, rac_ratio) if mode == "nvfp4" else FP8Experts.from_float(child)
+        else:
+            new = NVFP4Linear.from_float(child, rac_ratio) if mode == "nvfp4" else FP8Linear.from_float(child)
+        setattr(parent, name, new)
     return model
 
 

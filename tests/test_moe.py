@@ -320,3 +320,16 @@ def test_forward_rejects_bad_inputs_with_clear_errors():
         model(tokens, forced_routes=torch.full((2, 2, 5, 2), 8))
     with pytest.raises(ValueError, match="exceed max_seq_len=64"):
         model(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_swappable_layers_lists_attention_linears_and_experts_and_optionally_router_and_head():
+    model = moe.MoETransformer(tiny_config())
+    n_layers = model.config.n_layers
+    default = moe.swappable_layers(model)
+    assert sum(isinstance(m, moe.Experts) for _, _, m in default) == n_layers
+    assert sorted({name for parent, name, m in default if isinstance(parent, moe.Attention)}) == \
+        ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert len(default) == 5 * n_layers
+    everything = moe.swappable_layers(model, include_router=True, include_lm_head=True)
+    assert len(everything) == 6 * n_layers + 1
+    assert any(parent is model and name == "lm_head" for parent, name, _ in everything)

@@ -88,6 +88,7 @@ class TrainConfig:
     preset: str = ""               # moe.PRESETS name; "" = "tiny" on CPU, "small" on GPU
     model: str = ""                # Hugging Face Qwen3-MoE directory or hub id (instead of a preset)
     task: str = "arith"            # "arith" (built-in) or "gsm8k"
+    task_source: str = ""          # gsm8k: a hub dataset name or a local .jsonl/.json/.parquet ("" = openai/gsm8k)
     difficulty: int = 0            # digits per operand of the arith task; 0 = 2 on CPU, 3 on GPU
     demo_error_rate: float = 0.5   # share of warm-start demonstrations with one mistake
     # RL
@@ -149,16 +150,38 @@ class TrainConfig:
 def build_task(cfg):
     if cfg.task == "arith":
         return tasks.make_task("arith", difficulty=cfg.difficulty, demo_error_rate=cfg.demo_error_rate, seed=cfg.seed)
-    return tasks.make_task(cfg.task)
+    return tasks.make_task(cfg.task, **({"source": cfg.task_source} if cfg.task_source else {}), seed=cfg.seed)
+
+
+class HFTokenizer:
+    """The four things train.py asks of a tokenizer, on a Hugging Face one: text in without special
+    tokens, text out up to the first EOS, and the EOS and padding ids (EOS pads when there is no pad)."""
+
+    def __init__(self, tokenizer):
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the checkpoint's tokenizer has no EOS token: completions could never end")
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.vocab_size = len(tokenizer)
+
+    def encode(self, text):
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids):
+        ids = list(ids)
+        ids = ids[:ids.index(self.eos_id)] if self.eos_id in ids else ids
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def build_model(cfg, task):
     """The BF16 policy before warm-start: a preset with the task's vocabulary, or a real checkpoint."""
     torch.manual_seed(cfg.seed)
     if cfg.model:
-        model, tokenizer = moe.load_hf(cfg.model)
-        task.tokenizer = tokenizer
-        return model.to(cfg.device), tokenizer
+        model, hf_tokenizer = moe.load_hf(cfg.model)
+        if hf_tokenizer is None:
+            raise ValueError(f"--model {cfg.model}: the checkpoint has no tokenizer files; RL needs one")
+        return model.to(cfg.device), HFTokenizer(hf_tokenizer)
     config = moe.MoEConfig.from_preset(cfg.preset, vocab_size=task.tokenizer.vocab_size)
     model = moe.MoETransformer(config)
     model.init_weights()

@@ -122,3 +122,39 @@ def test_ctrl_c_saves_a_checkpoint_of_the_last_finished_step(out_dir, monkeypatc
     assert stop.value.code == 130
     ckpt = torch.load(os.path.join(out_dir, "ctrl_c", "checkpoint.pt"), weights_only=True)
     assert ckpt["step"] == 1
+
+
+def test_a_hugging_face_checkpoint_trains_on_a_local_gsm8k_file(tmp_path):
+    """--model with --task gsm8k: a tiny random Qwen3-MoE and a character tokenizer saved in Hugging
+    Face format, GSM8K-format problems from a local jsonl file; two RL steps of the quads recipe."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    specials = ["<pad>", "<eos>", "<unk>"]
+    vocab = {token: i for i, token in enumerate(specials + list("0123456789+-*=#.,?!:() \nabcdefghijklmnopqrstuvwxyz"
+                                                                   "ABCDEFGHIJKLMNOPQRSTUVWXYZ\"'<>/"))}
+    char_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    char_level.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
+    char_level.decoder = tokenizers.decoders.Fuse()  # join characters without spaces
+    hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=char_level, eos_token="<eos>",
+                                                        pad_token="<pad>", unk_token="<unk>")
+    model_dir = tmp_path / "model"
+    hf_tokenizer.save_pretrained(model_dir)
+    config = transformers.Qwen3MoeConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(model_dir)
+    data = tmp_path / "gsm8k.jsonl"
+    with open(data, "w") as f:
+        for a in range(40):
+            f.write(json.dumps({"question": f"What is {a}+2?", "answer": f"{a}+2={a + 2}\n#### {a + 2}"}) + "\n")
+
+    cfg = train.TrainConfig(model=str(model_dir), task="gsm8k", task_source=str(data), recipe="quads", steps=2,
+                            prompts_per_step=2, group_size=2, warmstart_steps=2, warmstart_batch=2, eval_prompts=2,
+                            max_new_tokens=8, out_dir=str(tmp_path / "runs"), device="cpu")
+    records = read_metrics(train.run(cfg))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(0.0 <= r["reward"] <= 1.0 for r in records[1:])
+    tokenizer = train.HFTokenizer(hf_tokenizer)
+    assert tokenizer.decode(tokenizer.encode("#### 42") + [tokenizer.eos_id] + tokenizer.encode("x")) == "#### 42"

@@ -214,11 +214,13 @@ def combine_expert_outputs(y_sorted: Tensor, routing: Routing, expert_weights: T
 def expert_swiglu_loop(x_sorted: Tensor, counts: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
     """Slow twin: x_sorted (N, D) grouped by expert -> (N, D), one pair of matmuls per active expert."""
     outputs, start = [], 0
+    # unbind once: indexing w[e] per expert would make autograd write a full-size zero gradient per expert
+    gate_up_weights, down_weights = gate_up_proj.unbind(0), down_proj.unbind(0)
     for e, n in enumerate(counts.tolist()):  # one host sync per layer
         if n == 0:
             continue
-        gate, up = F.linear(x_sorted[start:start + n], gate_up_proj[e]).chunk(2, dim=-1)   # (n, I) each
-        outputs.append(F.linear(F.silu(gate) * up, down_proj[e]))                           # (n, D)
+        gate, up = F.linear(x_sorted[start:start + n], gate_up_weights[e]).chunk(2, dim=-1)  # (n, I) each
+        outputs.append(F.linear(F.silu(gate) * up, down_weights[e]))                          # (n, D)
         start += n
     return torch.cat(outputs) if outputs else x_sorted.new_zeros(x_sorted.shape)
 

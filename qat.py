@@ -240,9 +240,9 @@ def _grouped_linear(x_sorted, routing, weight, grouped):
     """x_sorted (R, K) grouped by expert, weight (E, N, K) -> (R, N): rows of expert e times weight[e].T."""
     if grouped:
         return torch._grouped_mm(x_sorted, weight.transpose(-2, -1), offs=routing.offsets)
-    outputs, start = [], 0
+    outputs, start, weights = [], 0, weight.unbind(0)  # unbind: one gradient buffer, not one per expert
     for e, n in enumerate(routing.counts.tolist()):  # the slow twin: one host sync, a loop over experts
-        outputs.append(F.linear(x_sorted[start:start + n], weight[e]))
+        outputs.append(F.linear(x_sorted[start:start + n], weights[e]))
         start += n
     return torch.cat(outputs)
 

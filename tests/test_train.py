@@ -158,3 +158,18 @@ def test_a_hugging_face_checkpoint_trains_on_a_local_gsm8k_file(tmp_path):
     assert all(0.0 <= r["reward"] <= 1.0 for r in records[1:])
     tokenizer = train.HFTokenizer(hf_tokenizer)
     assert tokenizer.decode(tokenizer.encode("#### 42") + [tokenizer.eos_id] + tokenizer.encode("x")) == "#### 42"
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "qat", "rac", "w4a4"])
+def test_the_other_recipes_run_end_to_end(out_dir, recipe):
+    records = read_metrics(train.run(tiny_config(out_dir, recipe=recipe, steps=2, eval_every=2)), rl_steps_only=True)
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["mismatch/abs_diff_mean"] > 1e-4  # every one of them rolls out in low precision
+
+
+def test_route_replay_removes_routing_disagreement_and_tis_logs_truncation(out_dir):
+    cfg = tiny_config(out_dir, recipe="nvfp4", r3=True, tis=2.0, steps=2, eval_every=2)
+    assert cfg.run_name == "nvfp4+tis2+r3"
+    records = read_metrics(train.run(cfg), rl_steps_only=True)
+    assert all(r["routing_disagreement"] == 0.0 for r in records)  # the trainer ran the rollout's experts
+    assert all(r["mismatch/tis_ratio_max"] <= 2.0 and "tis_weight_mean" in r for r in records)

@@ -213,9 +213,9 @@ def atomic_save(obj, path):
 # ----------------------------------------------------------------------------- warm-start
 def warmstart(cfg, model, task, tokenizer):
     """Supervised fine-tuning on demonstrations (loss on completion + EOS tokens), cached on disk."""
-    key = json.dumps({k: getattr(cfg, k) for k in ("preset", "model", "task", "difficulty", "demo_error_rate",
-                                                   "warmstart_steps", "warmstart_batch", "warmstart_lr", "seed")},
-                     sort_keys=True)
+    key = json.dumps({k: getattr(cfg, k) for k in ("preset", "model", "task", "task_source", "difficulty",
+                                                   "demo_error_rate", "warmstart_steps", "warmstart_batch",
+                                                   "warmstart_lr", "seed", "device")}, sort_keys=True)
     path = os.path.join(cfg.out_dir, "warmstart", hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt")
     if os.path.exists(path):
         model.load_state_dict(torch.load(path, map_location=cfg.device, weights_only=True))

@@ -285,9 +285,9 @@ def run(cfg, base_state=None):
     task = build_task(cfg)
     model, tokenizer = build_model(cfg, task)
     if base_state is None:
-        model = warmstart(cfg, model, task, tokenizer)
-        base_state = copy.deepcopy(model.state_dict())
-    model.load_state_dict(base_state)
+        warmstart(cfg, model, task, tokenizer)
+    else:
+        model.load_state_dict(base_state)  # --compare: every recipe from the one warm-start
     train_mode, rollout_mode, use_rac = RECIPES[cfg.recipe]
     rac_ratio = cfg.rac_ratio if use_rac else 0.0
 

@@ -3,6 +3,7 @@
     python train.py                                   # the default experiment (quads recipe)
     python train.py --recipe nvfp4 --steps 300        # the naive recipe that drifts
     python train.py --compare bf16,nvfp4,quads        # the paper's experiment, shared figures
+    python train.py --compare rac@0,rac@0.25,rac@0.5,nvfp4+tis2,quads+r3   # variants: RAC ratio, TIS, R3
     python train.py --model path/to/qwen3-moe --task gsm8k --recipe quads
 
 One RL step, as the code below reads:
@@ -79,7 +80,7 @@ RECIPES = {
 class TrainConfig:
     # what to run
     recipe: str = "quads"          # one of RECIPES
-    compare: str = ""              # comma-separated recipes: each from the same warm-start and seed, shared figures
+    compare: str = ""              # comma-separated variants "recipe[@rac_ratio][+tisC][+r3]": one warm-start and seed, shared figures
     tis: float = 0.0               # truncated importance sampling cap C (0 = off; verl uses 2)
     r3: bool = False               # replay the rollout's expert routes in the trainer (R3)
     rac_ratio: float = 0.5         # fraction of activation blocks compensated by RAC (rac, quads recipes)
@@ -131,9 +132,8 @@ class TrainConfig:
         self.eval_prompts = self.eval_prompts or (512 if gpu else 128)
         if self.recipe not in RECIPES:
             raise ValueError(f"--recipe must be one of {sorted(RECIPES)}, got {self.recipe!r}")
-        for name in filter(None, self.compare.split(",")):
-            if name not in RECIPES:
-                raise ValueError(f"--compare: unknown recipe {name!r}; choose from {sorted(RECIPES)}")
+        for spec in filter(None, self.compare.split(",")):
+            parse_variant(spec)  # raises on a malformed variant or an unknown recipe
         if not 0.0 <= self.rac_ratio <= 1.0:
             raise ValueError(f"--rac-ratio must be in [0, 1], got {self.rac_ratio}")
         if self.tis < 0:
@@ -142,8 +142,36 @@ class TrainConfig:
             raise ValueError("--model loads a real checkpoint with its own tokenizer: use --task gsm8k")
         if self.group_size < 2:
             raise ValueError(f"--group-size must be >= 2 (GRPO compares samples of one prompt), got {self.group_size}")
-        self.run_name = self.run_name or (self.recipe + (f"+tis{self.tis:g}" if self.tis else "")
+        # named like a --compare variant, so runs that differ write to different directories
+        ratio = f"@{self.rac_ratio:g}" if RECIPES[self.recipe][2] and self.rac_ratio != DEFAULT_RAC_RATIO else ""
+        self.run_name = self.run_name or (self.recipe + ratio + (f"+tis{self.tis:g}" if self.tis else "")
                                           + ("+r3" if self.r3 else ""))
+
+
+DEFAULT_RAC_RATIO = TrainConfig.rac_ratio
+
+
+def parse_variant(spec):
+    """A --compare variant "recipe[@rac_ratio][+tisC][+r3]" (e.g. "quads@0.25", "nvfp4+tis2+r3") ->
+    the TrainConfig fields it sets. Fields it leaves out keep the command line's values."""
+    head, *flags = spec.split("+")
+    recipe, _, ratio = head.partition("@")
+    if recipe not in RECIPES:
+        raise ValueError(f"--compare: unknown recipe {recipe!r} in {spec!r}; choose from {sorted(RECIPES)}")
+    fields = {"recipe": recipe}
+    try:
+        if ratio:
+            fields["rac_ratio"] = float(ratio)
+        for flag in flags:
+            if flag == "r3":
+                fields["r3"] = True
+            elif flag.startswith("tis"):
+                fields["tis"] = float(flag[3:])
+            else:
+                raise ValueError(flag)
+    except ValueError:
+        raise ValueError(f"--compare: cannot read variant {spec!r}; the form is recipe[@rac_ratio][+tisC][+r3]") from None
+    return fields
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -474,13 +502,13 @@ def main(argv=None):
     cfg = parse_args(argv)
     if not cfg.compare:
         return [run(cfg)]
-    # every recipe from the same warm-start (computed once) and seed
-    first = dataclasses.replace(cfg, recipe=cfg.compare.split(",")[0], run_name="", compare="")
-    task = build_task(first)
-    model, tokenizer = build_model(first, task)
-    base_state = copy.deepcopy(warmstart(first, model, task, tokenizer).state_dict())
-    run_dirs = [run(dataclasses.replace(cfg, recipe=name, run_name="", compare=""), base_state)
-                for name in cfg.compare.split(",")]
+    # every variant from the same warm-start (computed once) and seed
+    variants = [dataclasses.replace(cfg, run_name="", compare="", **parse_variant(spec))
+                for spec in cfg.compare.split(",")]
+    task = build_task(variants[0])
+    model, tokenizer = build_model(variants[0], task)
+    base_state = copy.deepcopy(warmstart(variants[0], model, task, tokenizer).state_dict())
+    run_dirs = [run(variant, base_state) for variant in variants]
     plot(run_dirs, os.path.join(cfg.out_dir, "compare.png"))
     return run_dirs
 

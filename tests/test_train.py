@@ -89,6 +89,18 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_checkpoint(out_dir, monkeyp
     assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)["step"] == before
 
 
+def test_compare_variants_set_recipe_rac_ratio_tis_and_r3():
+    assert train.parse_variant("quads@0.25") == {"recipe": "quads", "rac_ratio": 0.25}
+    assert train.parse_variant("nvfp4+tis2+r3") == {"recipe": "nvfp4", "tis": 2.0, "r3": True}
+    cfg = train.TrainConfig(device="cpu", **train.parse_variant("rac@0.125+tis3"))
+    assert cfg.run_name == "rac@0.125+tis3"
+    assert train.TrainConfig(device="cpu", recipe="quads").run_name == "quads"  # the default ratio stays unnamed
+    with pytest.raises(ValueError, match="cannot read variant 'quads@x'"):
+        train.parse_variant("quads@x")
+    with pytest.raises(ValueError, match="cannot read variant 'quads\\+fast'"):
+        train.parse_variant("quads+fast")
+
+
 def test_cli_builds_the_config_from_the_dataclass():
     cfg = train.parse_args(["--recipe", "nvfp4", "--tis", "2", "--r3", "--steps", "7", "--device", "cpu"])
     assert (cfg.recipe, cfg.tis, cfg.r3, cfg.steps) == ("nvfp4", 2.0, True, 7)

@@ -486,6 +486,38 @@ def plot(run_dirs, path):
     print(f"figure: {path}")
 
 
+def summarize(run_dirs, checkpoints=(50, 100)):
+    """A markdown table of the runs: final pass@1 (rollout model, BF16 trainer), mean and max |delta
+    logp| and routing disagreement averaged over the 10 steps up to each checkpoint step and the end,
+    mean rollout tokens/s and step time."""
+    header = ["run", "pass@1 rollout / bf16 trainer"]
+    rows = []
+    for run_dir in run_dirs:
+        records = _read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+        steps = [r for r in records if r["step"] > 0]
+        evals = [r for r in records if "pass@1" in r]
+        if not steps or not evals:
+            continue
+        marks = [c for c in checkpoints if c < steps[-1]["step"]] + [steps[-1]["step"]]
+        header = ["run", "pass@1 rollout / bf16 trainer"] + [f"{name} @ {', '.join(map(str, marks))}" for name in
+                                                               ("mean abs dlogp", "max abs dlogp", "routing disagr.")]
+        header += ["rollout tok/s", "step s"]
+
+        def window(key, end):
+            values = [r[key] for r in steps if end - 10 < r["step"] <= end and not math.isnan(r[key])]
+            return sum(values) / len(values) if values else float("nan")
+
+        rows.append([os.path.basename(os.path.normpath(run_dir)),
+                     f"{evals[-1]['pass@1']:.3f} / {evals[-1]['pass@1_bf16_trainer']:.3f}"]
+                    + [", ".join(f"{window(key, m):{fmt}}" for m in marks)
+                       for key, fmt in (("mismatch/abs_diff_mean", ".2e"), ("mismatch/abs_diff_max", ".3f"),
+                                        ("routing_disagreement", ".2%"))]
+                    + [f"{sum(r['rollout_tokens_per_s'] for r in steps) / len(steps):,.0f}",
+                       f"{sum(r['step_s'] for r in steps) / len(steps):.2f}"])
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- CLI
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -510,6 +542,10 @@ def main(argv=None):
     base_state = copy.deepcopy(warmstart(variants[0], model, task, tokenizer).state_dict())
     run_dirs = [run(variant, base_state) for variant in variants]
     plot(run_dirs, os.path.join(cfg.out_dir, "compare.png"))
+    table = summarize(run_dirs)
+    with open(os.path.join(cfg.out_dir, "compare.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
     return run_dirs
 
 

@@ -185,3 +185,14 @@ def test_route_replay_removes_routing_disagreement_and_tis_logs_truncation(out_d
     records = read_metrics(train.run(cfg), rl_steps_only=True)
     assert all(r["routing_disagreement"] == 0.0 for r in records)  # the trainer ran the rollout's experts
     assert all(r["mismatch/tis_ratio_max"] <= 2.0 and "tis_weight_mean" in r for r in records)
+
+
+def test_summary_table_has_a_row_per_run_with_its_mismatch(recipe_runs):
+    table = train.summarize(list(recipe_runs.values()))
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(recipe_runs)
+    assert "mean abs dlogp @ 3" in lines[0] and "rollout tok/s" in lines[0]
+    nvfp4_row = next(line for line in lines if line.startswith("| nvfp4 |"))
+    mean_gap = float(nvfp4_row.split("|")[3])
+    assert mean_gap == pytest.approx(sum(r["mismatch/abs_diff_mean"] for r in read_metrics(
+        recipe_runs["nvfp4"], rl_steps_only=True)) / 3, rel=1e-2)

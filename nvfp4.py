@@ -161,11 +161,10 @@ def compute_global_scale(x, per_matrix=False):
     """
     if per_matrix and x.dim() < 3:
         raise ValueError(f"per_matrix global scales need a stack of matrices (..., N, K), got shape {tuple(x.shape)}")
-    if _use_triton(x) and not per_matrix:
-        amax = _amax_triton(x)
-    else:
-        dims = (-2, -1) if per_matrix else None
-        amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=dims).float()  # no |x| temporary
+    # torch's inf-norm reads x once with no |x| temporary; on the H200 it matched or beat a Triton
+    # atomic-max kernel (16384^2 bf16: 187 vs 195 us; 8192^2: 77 vs 153 us), so it stays the one path.
+    dims = (-2, -1) if per_matrix else None
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=dims).float()
     # divide by a tensor, not a Python scalar: CUDA turns scalar division into a reciprocal multiply,
     # which would differ from the CPU in the last bit
     scale = amax / torch.full_like(amax, E2M1_MAX * E4M3_MAX)
@@ -411,17 +410,6 @@ if triton is not None:
         _store_pairs(out_ptr, rows, pairs, value_even, value_odd, mask, OUT_BF16)
 
 
-    @triton.jit
-    def _amax_kernel(x_ptr, amax_ptr, numel, BLOCK: tl.constexpr):
-        """amax(|x|) by one read of x: a tile max per program, then an atomic max into amax_ptr
-        (zero-initialised). NaN is counted as +Inf, so a non-finite tensor still yields a non-finite
-        amax (and hence a NaN global scale)."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.abs(tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32))
-        x = tl.where(x == x, x, float("inf"))
-        tl.atomic_max(amax_ptr, tl.max(x, axis=0))
-
-
 _BLOCKS_PER_PROGRAM = 128  # 2048 elements a program: 4 KB of bf16 in flight
 
 
@@ -431,16 +419,6 @@ def _launch_args(x_or_out, global_scale):
     per_matrix = global_scale.numel() > 1
     grid = (triton.cdiv(n_blocks, _BLOCKS_PER_PROGRAM),)
     return grid, n_blocks, n_blocks // global_scale.numel(), per_matrix
-
-
-_AMAX_BLOCK = 8192
-
-
-def _amax_triton(x):
-    x = x.contiguous()
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    _amax_kernel[(triton.cdiv(x.numel(), _AMAX_BLOCK),)](x, amax, x.numel(), BLOCK=_AMAX_BLOCK)
-    return amax
 
 
 def _pair_view(t):

@@ -48,9 +48,10 @@ part of what the residual adds back).
   - The GEMM is computed as y.T = W @ X.T ("swap AB"): the decoded weight tile is the MMA's A operand,
     fed from registers, and the weight rows fill the MMA's wide M side, so a decode step with one
     token does not waste a 64-row tile. Autotuned over a few configurations per M bucket (decode:
-    small BLOCK_M, wide BLOCK_K, and split-K: a decode tile has little work per K step, so several
-    short programs per SM hide each one's load -> decode -> MMA latency; the last split to finish a
-    tile adds the partials in a fixed order, so results are deterministic. Prefill: 128-wide tiles).
+    small BLOCK_M, wide BLOCK_K; prefill: 128-wide tiles). Split-K is implemented (a decode tile has
+    little work per K step, so several short programs per SM would hide each one's load -> decode ->
+    MMA latency; the last split to finish a tile adds the partials in a fixed order, deterministic) but
+    left out of the GPU configurations until it has passed the CUDA tests on a GPU (see _DENSE_CONFIGS).
   - Prefill (M >= 1024 rows): decoding in registers would repeat M / BLOCK_M times per weight element,
     so instead one pass turns the weight into fp16 planes (exactly the same values) and the same kernel
     streams both operands into shared memory. Same numerics, one decode per call.

@@ -4,6 +4,7 @@
     python train.py --recipe nvfp4 --steps 300        # the naive recipe that drifts
     python train.py --compare bf16,nvfp4,quads        # the paper's experiment, shared figures
     python train.py --compare rac@0,rac@0.25,rac@0.5,nvfp4+tis2,quads+r3   # variants: RAC ratio, TIS, R3
+    python train.py --compare bf16,fp8,nvfp4,quads --jobs 4                # four processes sharing one GPU
     python train.py --model path/to/qwen3-moe --task gsm8k --recipe quads
 
 One RL step, as the code below reads:
@@ -48,6 +49,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import random
 import sys
@@ -81,6 +83,7 @@ class TrainConfig:
     # what to run
     recipe: str = "quads"          # one of RECIPES
     compare: str = ""              # comma-separated variants "recipe[@rac_ratio][+tisC][+r3]": one warm-start and seed, shared figures
+    jobs: int = 1                  # --compare: variants run at once, one process each (a small model leaves a GPU mostly idle)
     tis: float = 0.0               # truncated importance sampling cap C (0 = off; verl uses 2)
     r3: bool = False               # replay the rollout's expert routes in the trainer (R3)
     rac_ratio: float = 0.5         # fraction of activation blocks compensated by RAC (rac, quads recipes)
@@ -140,6 +143,8 @@ class TrainConfig:
             raise ValueError(f"--tis must be >= 0 (0 = off), got {self.tis}")
         if self.model and self.task == "arith":
             raise ValueError("--model loads a real checkpoint with its own tokenizer: use --task gsm8k")
+        if self.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {self.jobs}")
         if self.group_size < 2:
             raise ValueError(f"--group-size must be >= 2 (GRPO compares samples of one prompt), got {self.group_size}")
         # named like a --compare variant, so runs that differ write to different directories
@@ -540,7 +545,15 @@ def main(argv=None):
     task = build_task(variants[0])
     model, tokenizer = build_model(variants[0], task)
     base_state = copy.deepcopy(warmstart(variants[0], model, task, tokenizer).state_dict())
-    run_dirs = [run(variant, base_state) for variant in variants]
+    if cfg.jobs == 1:
+        run_dirs = [run(variant, base_state) for variant in variants]
+    else:
+        # Each process loads the warm-start from its cache, written above. Timings (rollout tok/s, step s)
+        # are then measured on a shared device: compare them only between runs made with the same --jobs.
+        del model, base_state
+        threads = max(1, torch.get_num_threads() // cfg.jobs)  # CPU: split the cores between processes
+        with multiprocessing.get_context("spawn").Pool(cfg.jobs, torch.set_num_threads, (threads,)) as pool:
+            run_dirs = pool.map(run, variants, chunksize=1)
     plot(run_dirs, os.path.join(cfg.out_dir, "compare.png"))
     table = summarize(run_dirs)
     with open(os.path.join(cfg.out_dir, "compare.md"), "w") as f:

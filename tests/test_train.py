@@ -101,6 +101,26 @@ def test_compare_variants_set_recipe_rac_ratio_tis_and_r3():
         train.parse_variant("quads+fast")
 
 
+def test_compare_with_jobs_runs_variants_in_processes_and_matches_the_sequential_runs(recipe_runs, out_dir):
+    # same warm-start cache (same out_dir and settings) and seeds: the parallel runs repeat recipe_runs exactly
+    settings = tiny_config(out_dir)
+    flags = [f"--{k.replace('_', '-')}={getattr(settings, k)}" for k in
+             ("preset", "difficulty", "steps", "prompts_per_step", "group_size", "warmstart_steps", "warmstart_batch",
+              "eval_prompts", "eval_every", "checkpoint_every", "device", "seed")]
+    parallel_dir = os.path.join(out_dir, "jobs")
+    os.makedirs(os.path.join(parallel_dir, "warmstart"))
+    for name in os.listdir(os.path.join(out_dir, "warmstart")):  # reuse the module's warm-start
+        os.link(os.path.join(out_dir, "warmstart", name), os.path.join(parallel_dir, "warmstart", name))
+    run_dirs = train.main(flags + ["--out-dir", parallel_dir, "--compare", "bf16,nvfp4", "--jobs", "2"])
+    assert [os.path.basename(d) for d in run_dirs] == ["bf16", "nvfp4"]
+    for recipe, run_dir in zip(("bf16", "nvfp4"), run_dirs):
+        parallel, sequential = read_metrics(run_dir, True), read_metrics(recipe_runs[recipe], True)
+        assert [r["reward"] for r in parallel] == [r["reward"] for r in sequential]
+        assert [r["mismatch/abs_diff_max"] for r in parallel] == [r["mismatch/abs_diff_max"] for r in sequential]
+    with open(os.path.join(parallel_dir, "compare.md")) as f:
+        assert [line.split("|")[1].strip() for line in f.read().splitlines()[2:]] == ["bf16", "nvfp4"]
+
+
 def test_cli_builds_the_config_from_the_dataclass():
     cfg = train.parse_args(["--recipe", "nvfp4", "--tis", "2", "--r3", "--steps", "7", "--device", "cpu"])
     assert (cfg.recipe, cfg.tis, cfg.r3, cfg.steps) == ("nvfp4", 2.0, True, 7)
@@ -112,6 +132,7 @@ def test_cli_builds_the_config_from_the_dataclass():
     (["--compare", "bf16,fp2"], "unknown recipe 'fp2'"),
     (["--rac-ratio", "1.5"], "rac-ratio"),
     (["--group-size", "1"], "group-size"),
+    (["--jobs", "0"], "--jobs"),
 ])
 def test_bad_config_values_raise_clear_errors(flags, message):
     with pytest.raises(ValueError, match=message):

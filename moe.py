@@ -172,11 +172,12 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                              # (B, H, T, hd)
         else:
             # With a mask (the sampler's cache): fold each key/value head's `group` query heads into the
-            # query axis instead, so the cache is read in place, never copied per step.
+            # query axis instead, so the cache is read in place, never copied per step. (reshape: some SDPA
+            # backends, e.g. fp32 with a mask on CUDA, return a non-contiguous result.)
             S = k.shape[2]
             q = q.reshape(B, self.n_kv_heads, group * T, self.head_dim)                              # (B, Hkv, G*T, hd)
             mask = attn_mask.expand(B, 1, T, S).unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, self.n_heads, T, self.head_dim)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, self.n_heads, T, self.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))           # (B, T, D)
 
 

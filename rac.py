@@ -492,11 +492,15 @@ if triton is not None:
         256: [(64, 128, 128, 4, 3, 1), (128, 64, 128, 4, 3, 1), (128, 128, 64, 8, 3, 1)],
         4096: [(128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1)],
     }
+    # Not (128, 128, 64, 8 warps, 3 stages): under Triton 3.6 on the H200 the grouped kernel compiled
+    # with it gives non-deterministic results with occasional NaN rows in the down projection (no
+    # SwiGLU, K = 256), 60 of 60 repeats differing at 26k tokens; the dense kernel with the same config
+    # is exact. tests/test_rac.py runs every configuration of both kernels repeatedly on the GPU.
     _GROUPED_CONFIGS = {
         16: [(16, 64, 256, 4, 3, 1), (16, 32, 256, 4, 3, 1), (16, 64, 128, 4, 4, 1)],
         64: [(32, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
-        256: [(64, 128, 64, 4, 3, 1), (128, 128, 64, 8, 3, 1)],
-        4096: [(128, 128, 64, 8, 3, 1), (64, 128, 64, 4, 3, 1)],
+        256: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
+        4096: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
     }
 
     def _m_bucket(m):

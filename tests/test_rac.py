@@ -242,6 +242,61 @@ def test_grouped_kernel_matches_the_twin_on_qwen3_expert_shapes(tokens):
     assert report_diff(y, reference, f"gpu grouped down T={tokens}")[0] <= 1e-4 * reference.abs().max().item()
 
 
+def _forced_configs(kernel, bucket):
+    """Each of the kernel's autotuning configurations in turn, relabelled for `bucket` so the pruner keeps it."""
+    import triton
+    configs = list(kernel.configs)
+    try:
+        for config in configs:
+            kernel.configs = [triton.Config({**config.kwargs, "BUCKET": bucket}, num_warps=config.num_warps,
+                                            num_stages=config.num_stages)]
+            kernel.cache.clear()
+            yield config
+    finally:
+        kernel.configs = configs
+        kernel.cache.clear()
+
+
+@pytest.mark.cuda
+def test_every_gpu_config_is_deterministic_and_matches_the_twin_at_prefill_size():
+    # A prefill of 512 evaluation prompts (26k tokens, the small preset's shapes). Autotuning may pick any
+    # configuration, so each one is forced and repeated: a miscompiled one showed as run-to-run differences.
+    import triton
+    torch.manual_seed(0)
+    E, D, I, A, T, repeats = 32, 512, 256, 4, 26112, 20
+    routing = moe.route_tokens(torch.rand(T, E, device="cuda").topk(A, dim=-1).indices, E)
+    gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device="cuda") * 0.05)
+    down_q = nvfp4.quantize_weight(torch.randn(E, D, I, device="cuda") * 0.05)
+    x = rac.quantize_activation_triton(torch.randn(T, D, device="cuda", dtype=torch.bfloat16), codes=True, operand=True)
+    h = rac.quantize_activation_triton(torch.randn(T * A, I, device="cuda", dtype=torch.bfloat16), codes=True,
+                                       operand=True)
+    row_weights = torch.rand(T * A, device="cuda")
+    w_q = nvfp4.quantize_weight(torch.randn(512, D, device="cuda") * 0.05)
+    calls = {
+        "gate/up": (rac._w4a4_grouped_kernel, rac._m_bucket(triton.cdiv(T * A, E)),
+                    lambda: rac._grouped_portable(x.operand, x.global_scale, gate_up_q, routing.counts,
+                                                  row_ids=routing.token_ids, swiglu=True, out_dtype=torch.float32),
+                    rac.w4a4_grouped_matmul_reference(x.x_q, gate_up_q, routing.counts, row_ids=routing.token_ids,
+                                                      swiglu=True, out_dtype=torch.float32)),
+        "down": (rac._w4a4_grouped_kernel, rac._m_bucket(triton.cdiv(T * A, E)),
+                 lambda: rac._grouped_portable(h.operand, h.global_scale, down_q, routing.counts,
+                                               row_weights=row_weights, out_dtype=torch.float32),
+                 rac.w4a4_grouped_matmul_reference(h.x_q, down_q, routing.counts, row_weights=row_weights,
+                                                   out_dtype=torch.float32)),
+        "dense": (rac._w4a4_kernel, rac._m_bucket(T), lambda: rac.w4a4_matmul(x.x_q, w_q, out_dtype=torch.float32),
+                  rac.w4a4_matmul_reference(x.x_q, w_q, out_dtype=torch.float32)),
+    }
+    failures = []
+    for name, (kernel, bucket, call, reference) in calls.items():
+        for config in _forced_configs(kernel, bucket):
+            first = call()
+            differing = sum(not torch.equal(call(), first) for _ in range(repeats))
+            error = ((first - reference).abs().max() / reference.abs().max()).item()
+            if differing or not error <= 2e-3:  # NaN fails too
+                failures.append(f"{name} {config}: {differing}/{repeats} repeats differ, relative error {error:.2e}")
+    assert not failures, "\n".join(failures)
+
+
 # ============================================================================ RAC
 def test_rac_reduces_output_error_monotonically_on_outlier_channels():
     """Inputs with heavy tails and fixed outlier channels; blocks calibrated on one batch, measured on

@@ -5,6 +5,7 @@
     python bench.py gemm            # rac.py W4A4 dense/grouped GEMMs vs FP8 and BF16
     python bench.py qat             # qat.py training step time: bf16 vs qat vs w4a4
     python bench.py rollout         # rollout.py sampler vs HF generate; decode tokens/s per precision
+    python bench.py racsweep        # decode tokens/s of NVFP4 rollouts at RAC ratios 0 .. 1 (the study's sweep)
 
 Each subcommand prints a markdown table (GPU, shapes, median times) that goes into the README as is.
 Timings use CUDA events through `triton.testing.do_bench` (median), after warm-up; inputs are random,
@@ -491,7 +492,25 @@ def _bench_rollout_vs_hf(n_prompts=16, num_samples=16, max_new_tokens=128, vocab
     torch.cuda.empty_cache()
 
 
-def _bench_decode_per_precision(rac, batches=(64, 256), prompt_len=64, short=16, long=144, vocab_size=32768):
+DECODE_VARIANTS = [("moe.py BF16 (not converted)", None, 0.0), ("rac bf16", "bf16", 0.0), ("rac fp8", "fp8", 0.0),
+                   ("rac nvfp4", "nvfp4", 0.0), ("rac nvfp4 + RAC 0.5", "nvfp4", 0.5)]
+DECODE_CHECKS = [("rac nvfp4 / rac fp8", "rac nvfp4", "rac fp8", 1.2),
+                 ("rac nvfp4 / rac bf16", "rac nvfp4", "rac bf16", 1.8),
+                 ("rac nvfp4 + RAC 0.5 / rac nvfp4", "rac nvfp4 + RAC 0.5", "rac nvfp4", 1 / 1.15)]
+
+
+def bench_racsweep(args):
+    """Decode tokens/s of the NVFP4 rollout at each RAC ratio of the study's sweep (0, 0.125, 0.25, 0.5,
+    0.75, 1), on the layer shapes and method of `bench.py rollout` (b). Ratio 1 compensates every block."""
+    import rac
+    ratios = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)
+    variants = [("rac bf16", "bf16", 0.0)] + [(f"rac nvfp4 + RAC {r:g}", "nvfp4", r) for r in ratios]
+    checks = [(f"RAC {r:g} / RAC 0", f"rac nvfp4 + RAC {r:g}", "rac nvfp4 + RAC 0", 1 / 1.15) for r in ratios[1:]]
+    _bench_decode_per_precision(rac, variants=variants, checks=checks)
+
+
+def _bench_decode_per_precision(rac, batches=(64, 256), prompt_len=64, short=16, long=144, vocab_size=32768,
+                                variants=DECODE_VARIANTS, checks=DECODE_CHECKS):
     import copy
     import moe
     import rollout
@@ -503,8 +522,6 @@ def _bench_decode_per_precision(rac, batches=(64, 256), prompt_len=64, short=16,
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, vocab_size, (max(batches), prompt_len), generator=generator).tolist()
 
-    variants = [("moe.py BF16 (not converted)", None, 0.0), ("rac bf16", "bf16", 0.0), ("rac fp8", "fp8", 0.0),
-                ("rac nvfp4", "nvfp4", 0.0), ("rac nvfp4 + RAC 0.5", "nvfp4", 0.5)]
     rates = {}  # (name, batch) -> decode tokens/s
     rows = []
     for name, mode, rac_ratio in variants:
@@ -536,8 +553,6 @@ def _bench_decode_per_precision(rac, batches=(64, 256), prompt_len=64, short=16,
             print(f"| {name} | {batch} | {step_ms:.2f} | {rate:,.0f} | {'yes' if graph else 'no (eager)'} |")
 
     b = batches[0]
-    checks = [("rac nvfp4 / rac fp8", "rac nvfp4", "rac fp8", 1.2), ("rac nvfp4 / rac bf16", "rac nvfp4", "rac bf16", 1.8),
-              ("rac nvfp4 + RAC 0.5 / rac nvfp4", "rac nvfp4 + RAC 0.5", "rac nvfp4", 1 / 1.15)]
     print(f"\n| speed ratio at batch {b} | measured | target |")
     print("| --- | ---: | ---: |")
     for label, fast, slow, target in checks:
@@ -554,6 +569,7 @@ COMMANDS = {
     "gemm": bench_gemm,
     "qat": bench_qat,
     "rollout": bench_rollout,
+    "racsweep": bench_racsweep,
 }
 
 if __name__ == "__main__":

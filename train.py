@@ -464,8 +464,18 @@ def _last_logged_step(path):
 
 
 # ----------------------------------------------------------------------------- figures
-def plot(run_dirs, path):
-    """Reward, pass@1 and mismatch (mean and max |delta logp|, routing disagreement) over steps."""
+def smooth(values, window):
+    """Trailing mean over the last `window` values (fewer at the start): per-step RL metrics are noisy."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot(run_dirs, path, window=10):
+    """Reward, pass@1 and mismatch (mean and max |delta logp|, routing disagreement) over steps; every
+    per-step curve is a trailing `window`-step mean (pass@1 evaluations are plotted as they are)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -478,9 +488,12 @@ def plot(run_dirs, path):
         label = os.path.basename(os.path.normpath(run_dir))
         for ax, (key, title) in zip(axes.flat, panels):
             points = [(r["step"], r[key]) for r in records if key in r and r[key] is not None and not math.isnan(r[key])]
+            if points and key != "pass@1":
+                steps, values = zip(*points)
+                points = list(zip(steps, smooth(values, window)))
             if points:
                 ax.plot(*zip(*points), label=label, marker="o" if key == "pass@1" else None, markersize=3)
-            ax.set_title(title, fontsize=10)
+            ax.set_title(title + ("" if key == "pass@1" or window == 1 else f", {window}-step mean"), fontsize=10)
             ax.set_xlabel("RL step", fontsize=8)
             if "mismatch" in key:
                 ax.set_yscale("log")

@@ -217,3 +217,9 @@ def test_summary_table_has_a_row_per_run_with_its_mismatch(recipe_runs):
     mean_gap = float(nvfp4_row.split("|")[3])
     assert mean_gap == pytest.approx(sum(r["mismatch/abs_diff_mean"] for r in read_metrics(
         recipe_runs["nvfp4"], rl_steps_only=True)) / 3, rel=1e-2)
+
+
+def test_plot_smoothing_is_a_trailing_mean_that_starts_with_fewer_values():
+    assert train.smooth([1.0, 3.0, 5.0, 7.0], 2) == pytest.approx([1.0, 2.0, 4.0, 6.0])
+    assert train.smooth([2.0, 4.0], 10) == pytest.approx([2.0, 3.0])
+    assert train.smooth([5.0, 1.0], 1) == [5.0, 1.0]

@@ -1,0 +1,118 @@
+"""Rebuild the tables and figures of RESULTS.md from the metrics in this directory.
+
+    python results/study_tables.py          # from the repository root; prints markdown, writes figures/
+
+Every number in RESULTS.md's H200 sections comes out of this script (or train.summarize, which it
+calls), so a reader can check them and a fork can rerun them on its own metrics.
+"""
+import math
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIGURES = os.path.join(os.path.dirname(HERE), "figures")
+# QUADS paper (PAPERS.md): per-step maximum |delta logp| against the RAC ratio; naive "about 1.3"
+PAPER_MAX_GAP = {0.0: 1.3, 0.125: 0.923, 0.25: 0.901, 0.5: 0.854, 0.75: 0.812, 1.0: 0.759}
+# `python bench.py racsweep` (h200_200steps/bench_racsweep.md): decode tokens/s at batch 64 / 256
+BENCH = {0.0: (20026, 56714), 0.125: (19682, 58483), 0.25: (20210, 56340), 0.5: (19848, 56395),
+         0.75: (19869, 56380), 1.0: (19887, 56411)}
+
+
+def steps_of(run_dir):
+    return [r for r in train._read_metrics(os.path.join(run_dir, "metrics.jsonl")) if r["step"] > 0]
+
+
+def evals_of(run_dir):
+    return [r for r in train._read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "pass@1" in r]
+
+
+def mean(records, key, lo=0, hi=10**9):
+    values = [r[key] for r in records if lo < r["step"] <= hi and not math.isnan(r[key])]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def nll(records, lo=0, hi=10**9):
+    """The trainer's mean per-token NLL of the sampled completions (log of its perplexity)."""
+    return math.log(mean(records, "mismatch/trainer_ppl", lo, hi))
+
+
+def whole_run_table(base, names):
+    """Averages over the whole run and over its first and last 50 steps."""
+    print("| run | steps | mean abs dlogp: all / 1-50 / last 50 | per-step max abs dlogp: mean / largest | "
+          "routing disagr. | trainer NLL 1-50 / last 50 | train reward, last 50 | pass@1 rollout: mean of evals after step 0 |")
+    print("| --- | ---: | --- | --- | ---: | --- | ---: | ---: |")
+    for name in names:
+        s = steps_of(os.path.join(base, name))
+        n = s[-1]["step"]
+        e = [r["pass@1"] for r in evals_of(os.path.join(base, name)) if r["step"] > 0]
+        print(f"| {name} | {n} | {mean(s, 'mismatch/abs_diff_mean'):.2e} / {mean(s, 'mismatch/abs_diff_mean', 0, 50):.2e}"
+              f" / {mean(s, 'mismatch/abs_diff_mean', n - 50):.2e} | {mean(s, 'mismatch/abs_diff_max'):.3f} / "
+              f"{max(r['mismatch/abs_diff_max'] for r in s):.2f} | {mean(s, 'routing_disagreement'):.2%} | "
+              f"{nll(s, 0, 50):.4f} / {nll(s, n - 50):.4f} | {mean(s, 'reward', n - 50):.3f} | {statistics.mean(e):.3f} |")
+
+
+def sweep_table(base):
+    runs = {0.0: "nvfp4", 0.125: "rac@0.125", 0.25: "rac@0.25", 0.5: "rac", 0.75: "rac@0.75", 1.0: "rac@1"}
+    naive = steps_of(os.path.join(base, "nvfp4"))
+    print("| RAC ratio | per-step max abs dlogp (mean over 200 steps) | vs naive | paper: per-step max | paper vs naive "
+          "| mean abs dlogp | routing disagr. | pass@1 step 200 / mean of 5 evals | decode tok/s, batch 64 / 256 |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+    for ratio, name in runs.items():
+        s = steps_of(os.path.join(base, name))
+        e = [r["pass@1"] for r in evals_of(os.path.join(base, name)) if r["step"] > 0]
+        m = mean(s, "mismatch/abs_diff_max")
+        print(f"| {ratio:g} | {m:.3f} | {m / mean(naive, 'mismatch/abs_diff_max'):.2f}x | {PAPER_MAX_GAP[ratio]:.3f} | "
+              f"{PAPER_MAX_GAP[ratio] / PAPER_MAX_GAP[0.0]:.2f}x | {mean(s, 'mismatch/abs_diff_mean'):.2e} | "
+              f"{mean(s, 'routing_disagreement'):.2%} | {e[-1]:.3f} / {statistics.mean(e):.3f} | "
+              f"{BENCH[ratio][0]:,} / {BENCH[ratio][1]:,} |")
+
+
+def eval_table(base, names):
+    print("| run | " + " | ".join(f"step {r['step']}" for r in evals_of(os.path.join(base, names[0]))) + " |")
+    print("| --- |" + " ---: |" * len(evals_of(os.path.join(base, names[0]))))
+    for name in names:
+        print(f"| {name} | " + " | ".join(f"{r['pass@1']:.3f}" for r in evals_of(os.path.join(base, name))) + " |")
+
+
+def main():
+    main_runs = ["bf16", "fp8", "nvfp4", "qat", "rac", "quads", "w4a4", "nvfp4+tis2", "quads+r3",
+                 "seed1_bf16", "seed1_nvfp4", "seed1_quads"]
+    lr_runs = ["seed0_bf16", "seed0_nvfp4", "seed0_quads", "seed1_bf16", "seed1_nvfp4", "seed1_quads",
+               "seed2_nvfp4", "seed2_quads"]
+    d6_runs = ["bf16", "nvfp4", "quads"]
+    b200, blr, bd6 = (os.path.join(HERE, d) for d in ("h200_200steps", "h200_lr1e-4", "h200_d6"))
+
+    print("## 200 steps, lr 2e-5: train.summarize\n")
+    print(train.summarize([os.path.join(b200, n) for n in main_runs]))
+    print("\n## 200 steps, lr 2e-5: whole run\n")
+    whole_run_table(b200, main_runs)
+    print("\n## RAC ratio sweep\n")
+    sweep_table(b200)
+    print("\n## lr 1e-4, 300 steps: train.summarize\n")
+    print(train.summarize([os.path.join(blr, n) for n in lr_runs], checkpoints=(50, 100, 200)))
+    print("\n## lr 1e-4, 300 steps: whole run\n")
+    whole_run_table(blr, lr_runs)
+    print("\n## lr 1e-4: held-out pass@1 of the rollout model\n")
+    eval_table(blr, lr_runs)
+    print("\n## difficulty 6, 70% flawed demonstrations, lr 1e-4, 300 steps: whole run\n")
+    whole_run_table(bd6, d6_runs)
+    print("\n## difficulty 6: held-out pass@1 of the rollout model\n")
+    eval_table(bd6, d6_runs)
+
+    os.makedirs(FIGURES, exist_ok=True)
+    train.plot([os.path.join(b200, n) for n in ["bf16", "fp8", "nvfp4", "qat", "rac", "quads"]],
+               os.path.join(FIGURES, "h200_study_200steps.png"))
+    train.plot([os.path.join(b200, n) for n in ["nvfp4", "w4a4", "nvfp4+tis2", "quads", "quads+r3"]],
+               os.path.join(FIGURES, "h200_variants_200steps.png"))
+    train.plot([os.path.join(b200, n) for n in ["nvfp4", "rac@0.125", "rac@0.25", "rac", "rac@0.75", "rac@1"]],
+               os.path.join(FIGURES, "h200_rac_sweep_200steps.png"))
+    train.plot([os.path.join(blr, n) for n in lr_runs], os.path.join(FIGURES, "h200_lr1e-4_300steps.png"))
+    train.plot([os.path.join(bd6, n) for n in d6_runs], os.path.join(FIGURES, "h200_d6_300steps.png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """GRPO with NVFP4 rollouts and BF16 training, and the two-sided fix that keeps them aligned.
 
     python train.py                                   # the default experiment (quads recipe)
-    python train.py --recipe nvfp4 --steps 300        # the naive recipe that drifts
+    python train.py --recipe nvfp4 --steps 300        # the naive recipe
     python train.py --compare bf16,nvfp4,quads        # the paper's experiment, shared figures
     python train.py --compare rac@0,rac@0.25,rac@0.5,nvfp4+tis2,quads+r3   # variants: RAC ratio, TIS, R3
     python train.py --compare bf16,fp8,nvfp4,quads --jobs 4                # four processes sharing one GPU
@@ -23,7 +23,7 @@ Recipes (DESIGN.md): what the trainer's forward computes and what precision the 
     recipe   trainer forward                 rollout linear layers
     bf16     BF16                            BF16
     fp8      BF16                            FP8 W8A8
-    nvfp4    BF16                            NVFP4 W4A4                (naive: drifts)
+    nvfp4    BF16                            NVFP4 W4A4                (naive)
     qat      NVFP4 weights (fake-quantized)  NVFP4 W4A4                (trainer side alone)
     rac      BF16                            NVFP4 W4A4 + RAC          (rollout side alone)
     quads    as qat                          as rac                    (both sides: the stable recipe)

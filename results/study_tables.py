@@ -40,6 +40,14 @@ def nll(records, lo=0, hi=10**9):
     return math.log(mean(records, "mismatch/trainer_ppl", lo, hi))
 
 
+def gap_nll_correlation(run_dir):
+    """Pearson correlation across steps of log(mean |delta logp|) and log(trainer NLL)."""
+    s = [r for r in steps_of(run_dir) if r["mismatch/abs_diff_mean"] > 0]
+    a = [math.log(r["mismatch/abs_diff_mean"]) for r in s]
+    b = [math.log(math.log(r["mismatch/trainer_ppl"])) for r in s]
+    return statistics.correlation(a, b)
+
+
 def whole_run_table(base, names):
     """Averages over the whole run and over its first and last 50 steps."""
     print("| run | steps | mean abs dlogp: all / 1-50 / last 50 | per-step max abs dlogp: mean / largest | "
@@ -102,6 +110,11 @@ def main():
     whole_run_table(bd6, d6_runs)
     print("\n## difficulty 6: held-out pass@1 of the rollout model\n")
     eval_table(bd6, d6_runs)
+
+    print("\n## correlation of log(mean gap) with log(trainer NLL) across steps\n")
+    for base, names in ((b200, main_runs), (blr, lr_runs), (bd6, d6_runs)):
+        print(f"- {os.path.basename(base)}: " + ", ".join(
+            f"{n} {gap_nll_correlation(os.path.join(base, n)):.2f}" for n in names))
 
     os.makedirs(FIGURES, exist_ok=True)
     train.plot([os.path.join(b200, n) for n in ["bf16", "fp8", "nvfp4", "qat", "rac", "quads"]],

@@ -92,7 +92,9 @@ def main():
     lr_runs = ["seed0_bf16", "seed0_nvfp4", "seed0_quads", "seed1_bf16", "seed1_nvfp4", "seed1_quads",
                "seed2_nvfp4", "seed2_quads"]
     d6_runs = ["bf16", "nvfp4", "quads"]
-    b200, blr, bd6 = (os.path.join(HERE, d) for d in ("h200_200steps", "h200_lr1e-4", "h200_d6"))
+    cpu_runs = [f"seed{s}_{r}" for s in (0, 1) for r in ("bf16", "nvfp4", "quads")]
+    b200, blr, bd6, bcpu = (os.path.join(HERE, d) for d in ("h200_200steps", "h200_lr1e-4", "h200_d6",
+                                                            "cpu_lr3e-4_600steps"))
 
     print("## 200 steps, lr 2e-5: train.summarize\n")
     print(train.summarize([os.path.join(b200, n) for n in main_runs]))
@@ -111,6 +113,21 @@ def main():
     print("\n## difficulty 6: held-out pass@1 of the rollout model\n")
     eval_table(bd6, d6_runs)
 
+    print("\n## CPU, tiny preset, lr 3e-4, 600 steps: whole run\n")
+    whole_run_table(bcpu, cpu_runs)
+    print("\n## CPU: train reward per 100 steps\n")
+    print("| run | " + " | ".join(f"{a + 1}-{a + 100}" for a in range(0, 600, 100)) + " |")
+    print("| --- |" + " ---: |" * 6)
+    for name in cpu_runs:
+        s = steps_of(os.path.join(bcpu, name))
+        print(f"| {name} | " + " | ".join(f"{mean(s, 'reward', a, a + 100):.3f}" for a in range(0, 600, 100)) + " |")
+    print("\n## CPU: held-out pass@1 of the rollout model / of the BF16 trainer\n")
+    print("| run | " + " | ".join(f"step {r['step']}" for r in evals_of(os.path.join(bcpu, cpu_runs[0]))) + " |")
+    print("| --- |" + " ---: |" * len(evals_of(os.path.join(bcpu, cpu_runs[0]))))
+    for name in cpu_runs:
+        print(f"| {name} | " + " | ".join(f"{r['pass@1']:.2f} / {r['pass@1_bf16_trainer']:.2f}"
+                                          for r in evals_of(os.path.join(bcpu, name))) + " |")
+
     print("\n## correlation of log(mean gap) with log(trainer NLL) across steps\n")
     for base, names in ((b200, main_runs), (blr, lr_runs), (bd6, d6_runs)):
         print(f"- {os.path.basename(base)}: " + ", ".join(
@@ -125,6 +142,7 @@ def main():
                os.path.join(FIGURES, "h200_rac_sweep_200steps.png"))
     train.plot([os.path.join(blr, n) for n in lr_runs], os.path.join(FIGURES, "h200_lr1e-4_300steps.png"))
     train.plot([os.path.join(bd6, n) for n in d6_runs], os.path.join(FIGURES, "h200_d6_300steps.png"))
+    train.plot([os.path.join(bcpu, n) for n in cpu_runs], os.path.join(FIGURES, "cpu_lr3e-4_600steps.png"), window=25)
 
 
 if __name__ == "__main__":

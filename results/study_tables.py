@@ -86,6 +86,49 @@ def eval_table(base, names):
         print(f"| {name} | " + " | ".join(f"{r['pass@1']:.3f}" for r in evals_of(os.path.join(base, name))) + " |")
 
 
+def ranks(values):
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    for rank, i in enumerate(order):
+        out[i] = float(rank)
+    return out
+
+
+def dose_response(base, recipes=("bf16", "fp8", "rac@1", "quads", "rac", "nvfp4"), seeds=(0, 1)):
+    """Each run's mean |delta logp| over all steps against its train reward over the second half; the
+    Spearman rank correlation across runs; and a scatter plot of the two."""
+    points = []
+    print("| recipe | " + " | ".join(f"seed {s}: mean abs dlogp / reward, second half" for s in seeds) + " |")
+    print("| --- |" + " --- |" * len(seeds))
+    for recipe in recipes:
+        cells = []
+        for seed in seeds:
+            s = steps_of(os.path.join(base, f"seed{seed}_{recipe}"))
+            half = s[-1]["step"] // 2
+            gap, reward = mean(s, "mismatch/abs_diff_mean"), mean(s, "reward", half)
+            points.append((recipe, seed, gap, reward))
+            cells.append(f"{gap:.4f} / {reward:.3f}")
+        print(f"| {recipe} | " + " | ".join(cells) + " |")
+    rho = statistics.correlation(ranks([p[2] for p in points]), ranks([p[3] for p in points]))
+    print(f"\nSpearman rank correlation of mean gap and second-half reward over the {len(points)} runs: {rho:.2f}")
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for i, recipe in enumerate(recipes):
+        xs = [max(p[2], 1e-4) for p in points if p[0] == recipe]
+        ax.scatter(xs, [p[3] for p in points if p[0] == recipe], label=recipe, color=f"C{i}")
+    ax.set_xscale("log")
+    ax.set_xlabel("mean |delta logp| over the run (bf16 drawn at 1e-4; it is 3e-7)", fontsize=8)
+    ax.set_ylabel("train reward, steps 301-600", fontsize=8)
+    ax.set_title(f"CPU tiny preset, lr 3e-4, two seeds: Spearman {rho:.2f}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(FIGURES, "cpu_lr3e-4_600steps_dose_response.png"), dpi=80)
+    plt.close(fig)
+
+
 def main():
     main_runs = ["bf16", "fp8", "nvfp4", "qat", "rac", "quads", "w4a4", "nvfp4+tis2", "quads+r3",
                  "seed1_bf16", "seed1_nvfp4", "seed1_quads"]
@@ -127,6 +170,9 @@ def main():
     for name in cpu_runs:
         print(f"| {name} | " + " | ".join(f"{r['pass@1']:.2f} / {r['pass@1_bf16_trainer']:.2f}"
                                           for r in evals_of(os.path.join(bcpu, name))) + " |")
+
+    print("\n## CPU: late train reward against the mismatch, every rollout precision (dose-response)\n")
+    dose_response(bcpu)
 
     print("\n## correlation of log(mean gap) with log(trainer NLL) across steps\n")
     for base, names in ((b200, main_runs), (blr, lr_runs), (bd6, d6_runs)):

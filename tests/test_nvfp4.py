@@ -1,39 +1,21 @@
-"""Tests for nvfp4.py: the format's grid, packing, edge cases, error bound, and the Triton kernels
-against the torch reference (bit for bit; on the CPU under TRITON_INTERPRET=1, on a GPU natively)."""
-import math
+"""Tests for nvfp4.py: the format against an independent float64 oracle (every bf16 bit pattern
+included), signs, packing, edge cases, the error bound, the public API on both paths, and the Triton
+kernels against the torch reference bit for bit (on the CPU under TRITON_INTERPRET=1, on a GPU natively)."""
+import re
 
 import pytest
 import torch
+from conftest import assert_same_quantization, bits, report_diff, same_bits
 
 import nvfp4
-from conftest import report_diff
 
 GRID = nvfp4.E2M1_VALUES
 
 
-def _bits(t):
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
-def _assert_same_quantization(a, b):
-    assert torch.equal(a.data.cpu(), b.data.cpu()), "packed codes differ"
-    assert torch.equal(_bits(a.block_scale).cpu(), _bits(b.block_scale).cpu()), "block scales differ"
-    assert torch.equal(a.global_scale.cpu(), b.global_scale.cpu()) or (
-        a.global_scale.isnan().item() and b.global_scale.isnan().item()), "global scales differ"
-
-
-def _same_bits(a, b):
-    """Bitwise equality of two float tensors (-0 != +0); NaNs must sit in the same places, their
-    payload and sign bits are not part of the format's contract."""
-    a, b = a.cpu(), b.cpu()
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
-    nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(view), b[~nan].view(view))
-
-
 # ------------------------------------------------------------------ an independent oracle (float64)
 def _oracle_e4m3(v):
-    """Nearest E4M3 value to v >= 0 by enumeration, ties to the even mantissa (clamped to 448)."""
+    """Nearest E4M3 value to v >= 0 (float64) by enumerating the grid, ties to the even mantissa,
+    clamped to 448."""
     grid = torch.tensor([(1 + m / 8) * 2.0 ** (e - 7) if e else m / 8 * 2.0 ** -6
                          for e in range(16) for m in range(8) if not (e == 15 and m == 7)], dtype=torch.float64)
     mant_even = torch.tensor([m % 2 == 0 for e in range(16) for m in range(8) if not (e == 15 and m == 7)])
@@ -45,14 +27,73 @@ def _oracle_e4m3(v):
     return grid[score.argmin(dim=-1)]
 
 
-def _oracle_e2m1(q):
-    """Nearest signed E2M1 value to q (float), ties to the even code, saturating at 6."""
+def _oracle_e2m1(q, sign_of):
+    """Nearest E2M1 magnitude to |q| (float64), ties to the even code, saturating at 6, carrying the
+    sign bit of `sign_of` (IEEE rounding keeps the sign of a result that rounds to zero)."""
     mags = torch.tensor(GRID, dtype=torch.float64)
     dist = (mags - q.abs().clamp(max=6.0).unsqueeze(-1)).abs()  # saturate first
     best = dist.min(dim=-1, keepdim=True).values
     code_parity = torch.arange(8) % 2
     score = torch.where(dist == best, 0, 2) + code_parity
-    return torch.sign(q) * mags[score.argmin(dim=-1)]
+    return torch.copysign(mags[score.argmin(dim=-1)], sign_of.double())
+
+
+def _oracle_global_scale(x):
+    """amax / 2688 correctly rounded to fp32 (a float64 quotient rounds to the same fp32 number)."""
+    return (x.double().abs().max() / 2688).float()
+
+
+def _oracle_dequantize(x, global_scale):
+    """float64 oracle of dequantize(quantize(x, global_scale)) in fp32, for finite blocks of x (..., K):
+    block scales by enumerating E4M3, elements rounded to the E2M1 value nearest x / unit (a true
+    division, ties to even). Returns (value, alternative). The format compares |x| with fp32 products
+    m * unit instead of dividing; where such a product is inexact and |x| lies between it and the
+    exact m * unit, the neighbour across m is just as right, and `alternative` holds it (elsewhere it
+    equals `value`)."""
+    global_scale = torch.as_tensor(global_scale, dtype=torch.float32).double()
+    blocks = x.double().reshape(-1, 16)
+    amax = blocks.abs().amax(dim=-1)
+    scale_f32 = ((amax / 6).float().double() / global_scale).float()  # the two fp32 divisions
+    block_scale = _oracle_e4m3(scale_f32.double())
+    unit = (block_scale * global_scale).float().double()[:, None]     # (blocks, 1)
+    q = torch.where(unit > 0, blocks / unit, torch.zeros_like(blocks))
+    value = _oracle_e2m1(q, sign_of=blocks)
+    alternative = value.clone()
+    for i, mid in enumerate(nvfp4.E2M1_MIDPOINTS):
+        exact = mid * unit                                              # exact in float64
+        product = exact.float().double()                                # what the format compares with
+        between = (blocks.abs() >= torch.minimum(exact, product)) & (blocks.abs() <= torch.maximum(exact, product))
+        across = torch.where(value.abs() == GRID[i], GRID[i + 1], GRID[i])
+        alternative = torch.where(between & (exact != product), torch.copysign(across, blocks), alternative)
+    scale = block_scale[:, None] * global_scale                          # products exact in float64
+    return tuple((v * scale).float().reshape(x.shape) for v in (value, alternative))
+
+
+def _assert_equals_oracle(got, x, global_scale):
+    """got (any dtype) holds, bit for bit and with the signs of zeros, the oracle's values in its dtype."""
+    value, alternative = (bits(v.to(got.dtype)) for v in _oracle_dequantize(x, global_scale))
+    ok = (bits(got) == value) | (bits(got) == alternative)
+    assert ok.all(), f"{int((~ok).sum())} of {ok.numel()} elements differ from the oracle"
+
+
+def _sign_bits(x):
+    """The sign bit of every element, read from the bit pattern."""
+    return bits(x) < 0
+
+
+# ------------------------------------------------------------------ the two paths of the public API
+@pytest.fixture(params=["torch twin", "triton kernels"])
+def api_device(request, monkeypatch):
+    """Where the public API runs: on the CPU through the torch twin, or through the Triton kernels
+    (natively on a GPU; on the CPU they are forced, under the interpreter)."""
+    if request.param == "torch twin":
+        return "cpu"
+    if nvfp4.triton is None:
+        pytest.skip("triton is not installed")
+    if torch.cuda.is_available():
+        return "cuda"
+    monkeypatch.setattr(nvfp4, "_use_triton", lambda x: True)
+    return "cpu"
 
 
 # ------------------------------------------------------------------ codes and packing
@@ -60,10 +101,8 @@ def test_every_code_round_trips_through_decode_and_encode():
     codes = torch.arange(16, dtype=torch.uint8)
     values = nvfp4.decode_e2m1(codes)
     assert values.tolist() == [*GRID, *(-v for v in GRID)]
-    back = nvfp4.encode_e2m1(values)
-    expected = codes.clone()
-    expected[8] = 0  # -0 is stored as +0: one zero
-    assert torch.equal(back, expected)
+    assert _sign_bits(values).tolist() == [False] * 8 + [True] * 8  # code 8 is -0.0
+    assert torch.equal(nvfp4.encode_e2m1(values), codes)
 
 
 def test_packing_is_an_exact_inverse_of_unpacking():
@@ -77,53 +116,69 @@ def test_packing_is_an_exact_inverse_of_unpacking():
     assert nvfp4.pack_codes(torch.tensor([1, 2], dtype=torch.uint8)).item() == 0x21
 
 
-# ------------------------------------------------------------------ exhaustive bf16
-def _all_bf16_in_anchored_blocks():
-    """Every bf16 bit pattern v in its own block [v, 6, 0, ..., 0]; quantized with global scale 2^-8
-    the anchor makes block_scale = 256 and block_scale * global_scale = 1 whenever |v| <= 6, so v is
-    rounded on the bare E2M1 grid."""
+# ------------------------------------------------------------------ every bf16 bit pattern
+ANCHORED_SCALE = 2.0 ** -8
+
+
+def _every_bf16_pattern():
+    """All 65,536 bf16 bit patterns in three groups of 16-element blocks:
+    - "small" (|v| <= 6): 15 to a block beside an anchor 6.0 (padded with +0). With the global scale
+      2^-8 the anchor makes block_scale 256 and the block's divisor exactly 1, so each v is rounded
+      on the bare E2M1 grid;
+    - "large" (finite, |v| > 6) and "non-finite" (+-Inf, NaN): 16 to a block in bit-pattern order."""
     patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    x = torch.zeros(65536, 16, dtype=torch.bfloat16)
-    x[:, 0] = patterns
-    x[:, 1] = 6.0
-    return x
+    finite = patterns.isfinite()
+    small, large = patterns[finite & (patterns.abs() <= 6)], patterns[finite & (patterns.abs() > 6)]
+    small = torch.cat([small, small.new_zeros(-small.numel() % 15)]).view(-1, 15)
+    anchor = torch.full((small.shape[0], 1), 6.0, dtype=torch.bfloat16)
+    large = torch.cat([large, large[:-large.numel() % 16]]).view(-1, 16)
+    return {"small": torch.cat([small, anchor], dim=1), "large": large, "non-finite": patterns[~finite].view(-1, 16)}
 
 
-def _oracle_dequantize(x, global_scale):
-    """float64 oracle of dequantize(quantize(x)) for finite blocks (per DESIGN.md's formulas)."""
-    blocks = x.double().reshape(-1, 16)
-    amax = blocks.abs().amax(dim=-1)
-    scale_f32 = ((amax.float() / 6) / global_scale).double()  # the fp32 divisions the format specifies
-    block_scale = _oracle_e4m3(scale_f32)
-    denom = (block_scale.float() * global_scale).double()
-    q = (blocks.float() / denom.float().unsqueeze(-1)).double()
-    q = torch.where(denom.unsqueeze(-1) > 0, q, torch.zeros_like(q))
-    return (_oracle_e2m1(q) * block_scale.unsqueeze(-1) * global_scale).reshape(x.shape)
+EVERY_BF16 = _every_bf16_pattern()
 
 
-def test_all_65536_bf16_patterns_land_on_the_documented_value():
-    x = _all_bf16_in_anchored_blocks()
-    gs = torch.tensor(2.0 ** -8)
-    q = nvfp4.quantize_reference(x, gs)
-    out = nvfp4.dequantize_reference(q, torch.float32).double()
-    finite = torch.isfinite(x[:, 0])
-    assert (~finite).sum() == 256  # exponent all ones: +-Inf and 254 NaNs
-    # non-finite inputs: the whole block is NaN
-    assert out[~finite].isnan().all()
-    expected = _oracle_dequantize(x[finite], gs)
-    assert torch.equal(out[finite], expected)
-    # and within |v| <= 6 the value is exactly the round-to-nearest-even E2M1 value of v itself
-    small = finite & (x[:, 0].float().abs() <= 6)
-    assert torch.equal(out[small][:, 0], _oracle_e2m1(x[small][:, 0].double()))
-    assert (out[small][:, 1] == 6).all()
+def test_every_bf16_pattern_lands_on_the_oracle_value_with_its_sign():
+    assert sum(x.numel() for x in EVERY_BF16.values()) >= 65536 and EVERY_BF16["non-finite"].numel() == 256
+    for name, x in EVERY_BF16.items():
+        out = nvfp4.dequantize_reference(nvfp4.quantize_reference(x, ANCHORED_SCALE), torch.float32)
+        if name == "non-finite":
+            assert out.isnan().all()  # a block holding NaN or Inf is NaN
+            continue
+        _assert_equals_oracle(out, x, ANCHORED_SCALE)
+    # the anchored values are exactly the round-to-nearest-even E2M1 value of v itself
+    small = EVERY_BF16["small"][:, :15]
+    out = nvfp4.dequantize_reference(nvfp4.quantize_reference(EVERY_BF16["small"], ANCHORED_SCALE), torch.float32)
+    assert same_bits(out[:, :15], _oracle_e2m1(small.double(), sign_of=small).float())
+    assert (out[:, 15] == 6).all()
 
 
-def test_all_bf16_patterns_match_between_kernel_and_reference(kernel_device):
-    x = _all_bf16_in_anchored_blocks()
-    gs = torch.tensor(2.0 ** -8)
-    ref = nvfp4.quantize_reference(x, gs)
-    fast = nvfp4.quantize_triton(x.to(kernel_device), gs.to(kernel_device))
-    _assert_same_quantization(ref, fast)
+def test_every_code_keeps_the_sign_bit_of_its_input():
+    """Checked against the bit pattern of every bf16 value, in ordinary blocks (the small group), in
+    saturated blocks (large), in NaN blocks (non-finite) and in zero blocks (the small group under a
+    global scale so large that every block scale rounds to 0)."""
+    cases = [(x, ANCHORED_SCALE) for x in EVERY_BF16.values()] + [(EVERY_BF16["small"], 1e30)]
+    for x, global_scale in cases:
+        q = nvfp4.quantize_reference(x, global_scale)
+        codes = nvfp4.unpack_codes(q.data)
+        assert torch.equal((codes & 8) != 0, _sign_bits(x))
+        if global_scale == 1e30:
+            assert (bits(q.block_scale) == 0).all() and ((codes & 7) == 0).all()  # all zero blocks
+        finite = x.isfinite().all(dim=-1)
+        out = nvfp4.dequantize_reference(q, torch.float32)[finite]
+        assert torch.equal(_sign_bits(out), _sign_bits(x[finite]))  # zeros keep the input's sign
+
+
+def test_kernel_matches_reference_on_every_bf16_pattern(kernel_device):
+    everything = torch.cat(list(EVERY_BF16.values()))
+    # the anchored scale, and the large values under their own global scale (tiny, subnormal and
+    # zero block scales)
+    for x, global_scale in [(everything, torch.tensor(ANCHORED_SCALE)), (EVERY_BF16["large"], None)]:
+        ref = nvfp4.quantize_reference(x, global_scale)
+        fast = nvfp4.quantize_triton(x.to(kernel_device), None if global_scale is None
+                                     else global_scale.to(kernel_device))
+        assert_same_quantization(ref, fast)
+        assert same_bits(nvfp4.dequantize_triton(fast, torch.float32), nvfp4.dequantize_reference(ref, torch.float32))
 
 
 # ------------------------------------------------------------------ rounding rules
@@ -136,7 +191,7 @@ def test_each_tie_of_the_grid_rounds_to_the_even_code(sign):
     x[0, 0] = 6.0
     x[0, 1:8] = sign * torch.tensor(ties)
     out = nvfp4.dequantize_reference(nvfp4.quantize_reference(x, 2.0 ** -8), torch.float32)
-    assert out[0, 1:8].tolist() == [sign * e if e else 0.0 for e in expected]
+    assert out[0, 1:8].tolist() == [sign * e for e in expected]
     # one ulp either side of a tie goes to the nearer neighbour
     above = torch.nextafter(torch.tensor(ties), torch.tensor(10.0))
     below = torch.nextafter(torch.tensor(ties), torch.tensor(-10.0))
@@ -158,29 +213,34 @@ def test_values_beyond_six_times_the_scale_saturate():
 
 
 # ------------------------------------------------------------------ edge cases (one behaviour each)
-def test_all_zero_tensor_has_global_scale_one_and_dequantizes_to_zero():
-    q = nvfp4.quantize_reference(torch.zeros(2, 32))
-    assert q.global_scale.item() == 1.0
-    assert (q.data == 0).all() and (q.block_scale.float() == 0).all()
-    assert (nvfp4.dequantize_reference(q) == 0).all()
-
-
-def test_zero_block_beside_nonzero_blocks_is_stored_as_zero():
-    x = torch.randn(1, 48)
-    x[0, 16:32] = 0
-    x[0, 32:48] = 1e-12  # far below the tensor's largest value: its scale rounds to 0
+def test_all_zero_tensor_has_global_scale_one_and_dequantizes_to_signed_zeros():
+    x = torch.zeros(2, 32)
+    x[1] = -0.0
     q = nvfp4.quantize_reference(x)
-    assert q.block_scale.float()[0, 1] == 0 and q.block_scale.float()[0, 2] == 0
-    out = nvfp4.dequantize_reference(q, torch.float32)
-    assert (out[0, 16:] == 0).all()
+    assert q.global_scale.item() == 1.0 and (q.block_scale.float() == 0).all()
+    assert nvfp4.unpack_codes(q.data).tolist() == [[0] * 32, [8] * 32]
+    assert same_bits(nvfp4.dequantize_reference(q, torch.float32), x)
 
 
-def test_negative_values_rounding_to_zero_are_stored_as_positive_zero():
+def test_zero_block_beside_nonzero_blocks_is_stored_as_signed_zeros():
+    x = torch.randn(1, 64)
+    x[0, 16:32] = 0
+    x[0, 32:48] = 1e-12   # far below the tensor's largest value: its scale rounds to 0
+    x[0, 48:64] = -1e-12
+    q = nvfp4.quantize_reference(x)
+    assert (q.block_scale.float()[0, 1:] == 0).all() and q.block_scale.float()[0, 0] > 0
+    assert nvfp4.unpack_codes(q.data)[0, 16:].tolist() == [0] * 32 + [8] * 16
+    assert same_bits(nvfp4.dequantize_reference(q, torch.float32)[0, 16:], x[0, 16:] * 0)
+
+
+def test_negative_values_rounding_to_zero_are_stored_as_negative_zero():
     x = torch.zeros(1, 16)
     x[0, 0] = 6.0
-    x[0, 1] = -0.1
+    x[0, 1:5] = torch.tensor([-0.1, -0.25, 0.1, -0.0])  # -0.25 is a tie: rounds to the even code 0
     q = nvfp4.quantize_reference(x, 2.0 ** -8)
-    assert nvfp4.unpack_codes(q.data)[0, 1] == 0
+    assert nvfp4.unpack_codes(q.data)[0, 1:6].tolist() == [8, 8, 0, 8, 0]
+    out = nvfp4.dequantize_reference(q, torch.float32)
+    assert (out[0, 1:5] == 0).all() and _sign_bits(out[0, 1:6]).tolist() == [True, True, False, True, False]
 
 
 def test_subnormal_inputs_are_quantized_not_flushed():
@@ -238,15 +298,15 @@ def test_triton_quantize_matches_reference_on_random_data(kernel_device, shape, 
     x = (torch.randn(shape) * 3).to(dtype)
     ref = nvfp4.quantize_reference(x)
     fast = nvfp4.quantize_triton(x.to(kernel_device))
-    _assert_same_quantization(ref, fast)
+    assert_same_quantization(ref, fast)
     deq_ref = nvfp4.dequantize_reference(ref, dtype)
-    assert _same_bits(nvfp4.dequantize_triton(fast, dtype), deq_ref)
-    assert _same_bits(nvfp4.fake_quantize_triton(x.to(kernel_device)), deq_ref)
+    assert same_bits(nvfp4.dequantize_triton(fast, dtype), deq_ref)
+    assert same_bits(nvfp4.fake_quantize_triton(x.to(kernel_device)), deq_ref)
 
 
 def _adversarial(dtype):
     torch.manual_seed(1)
-    x = torch.randn(12, 64)
+    x = torch.randn(13, 64)
     x[0] *= 1e-3
     x[1, 5] = 1e4                                      # one outlier: most blocks become tiny or zero
     x[2, :16] = 0                                      # zero block
@@ -257,6 +317,8 @@ def _adversarial(dtype):
     x[7, 40] = float("inf")
     x[8, 1] = float("-inf")
     x[9] = 447.9 * 6 * 0.01 * torch.sign(torch.randn(64))  # block scales near the E4M3 maximum
+    x[10, :32] = -0.0                                  # a -0.0 block, and negatives that round to -0
+    x[10, 32:48] = torch.tensor([6.0] + [-0.1] * 15)
     return x.to(dtype)
 
 
@@ -269,8 +331,10 @@ def test_triton_quantize_matches_reference_on_adversarial_data(kernel_device, dt
     gs = None if global_scale is None else torch.tensor(global_scale)
     ref = nvfp4.quantize_reference(x, gs)
     fast = nvfp4.quantize_triton(x.to(kernel_device), None if gs is None else gs.to(kernel_device))
-    _assert_same_quantization(ref, fast)
-    assert _same_bits(nvfp4.dequantize_triton(fast, dtype), nvfp4.dequantize_reference(ref, dtype))
+    assert_same_quantization(ref, fast)
+    assert same_bits(nvfp4.dequantize_triton(fast, dtype), nvfp4.dequantize_reference(ref, dtype))
+    assert same_bits(nvfp4.fake_quantize_triton(x.to(kernel_device), None if gs is None else gs.to(kernel_device)),
+                     nvfp4.dequantize_reference(ref, dtype))
 
 
 def test_triton_quantize_of_a_tensor_with_nan_gives_nan_everywhere(kernel_device):
@@ -284,58 +348,63 @@ def test_quantize_on_cuda_uses_the_kernel_and_matches_reference_at_scale():
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     x[:, 17] *= 50  # an outlier channel
     q = nvfp4.quantize(x)
-    _assert_same_quantization(nvfp4.quantize_reference(x.cpu()), q)
-    assert _same_bits(nvfp4.dequantize(q), nvfp4.dequantize_reference(nvfp4.quantize_reference(x.cpu())))
-    assert _same_bits(nvfp4.fake_quantize(x), nvfp4.dequantize(q))
+    assert_same_quantization(nvfp4.quantize_reference(x.cpu()), q)
+    assert same_bits(nvfp4.dequantize(q), nvfp4.dequantize_reference(nvfp4.quantize_reference(x.cpu())))
+    assert same_bits(nvfp4.fake_quantize(x), nvfp4.dequantize(q))
 
 
-# ------------------------------------------------------------------ fake quantize and its gradient
-def test_fake_quantize_equals_dequantize_of_quantize():
-    x = torch.randn(4, 64, dtype=torch.bfloat16)
-    assert torch.equal(nvfp4.fake_quantize(x), nvfp4.dequantize(nvfp4.quantize(x), torch.bfloat16))
-    report_diff(nvfp4.fake_quantize(x), x, "fake_quantize vs x")
+# ------------------------------------------------------------------ the public API, on both paths
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quantize_and_quantize_then_dequantize_equal_the_oracle(api_device, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(6, 64) * torch.logspace(-7, 2, 6)[:, None]  # rows of very different scales
+    x[5, :16] = -x[5, :16].abs() * 1e-9                       # negative values that round to -0
+    x = x.to(dtype)
+    global_scale = _oracle_global_scale(x)
+    fake = nvfp4.fake_quantize(x.to(api_device))
+    report_diff(fake.cpu(), x, "fake_quantize vs x")
+    _assert_equals_oracle(fake, x, global_scale)
+    _assert_equals_oracle(nvfp4.dequantize(nvfp4.quantize(x.to(api_device)), dtype), x, global_scale)
 
 
-def test_gradient_of_fake_quantize_is_the_identity():
-    x = torch.randn(3, 32, requires_grad=True)
-    upstream = torch.randn(3, 32)
+def test_gradient_of_fake_quantize_is_the_identity(api_device):
+    x = torch.randn(3, 32, device=api_device, requires_grad=True)
+    upstream = torch.randn(3, 32, device=api_device)
     (nvfp4.fake_quantize(x) * upstream).sum().backward()
     assert torch.equal(x.grad, upstream)
 
 
-def test_shared_global_scale_is_used_as_given():
+def test_a_given_global_scale_is_the_one_the_blocks_are_scaled_by(api_device):
+    torch.manual_seed(0)
     a, b = torch.randn(8, 32), torch.randn(4, 32) * 10
     shared = nvfp4.compute_global_scale(torch.cat([a, b]))
-    qa = nvfp4.quantize(a, shared)
-    assert qa.global_scale.item() == shared.item()
+    assert same_bits(shared, _oracle_global_scale(torch.cat([a, b])))
+    for given in (shared, shared.item()):  # a tensor or a Python float
+        q = nvfp4.quantize(a.to(api_device), given if isinstance(given, float) else given.to(api_device))
+        assert same_bits(q.global_scale, shared)
+        _assert_equals_oracle(nvfp4.dequantize(q, torch.float32), a, shared)
+    # a's own scale is about 10x smaller: its block scales, and so its values, differ
+    assert not torch.equal(bits(nvfp4.quantize(a).block_scale), bits(q.block_scale))
 
 
-# ------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("bad, message", [
-    (torch.randn(4, 20), "multiple of the block size 16"),
-    (torch.ones(4, 16, dtype=torch.int32), "dtype torch.int32"),
-    (torch.empty(0, 16), "non-empty"),
-    (torch.tensor(1.0), "non-empty"),
-    ([1.0] * 16, "torch.Tensor"),
-])
-def test_bad_input_raises_a_clear_value_error(bad, message):
-    with pytest.raises(ValueError, match=message):
-        nvfp4.quantize(bad)
-    with pytest.raises(ValueError, match=message.split(" ")[0]):
-        nvfp4.fake_quantize(bad)
-
-
-def test_mixed_devices_raise_a_clear_value_error():
-    x = torch.randn(2, 16)
-    with pytest.raises(ValueError, match="global_scale is on meta"):
-        nvfp4.quantize(x, torch.tensor(1.0, device="meta"))
-    q = nvfp4.quantize(x)
-    q.block_scale = q.block_scale.to("meta")
-    with pytest.raises(ValueError, match="one device"):
-        nvfp4.dequantize(q)
-    with pytest.raises(ValueError, match="scalar"):
-        nvfp4.quantize(x, torch.ones(2))
-    assert math.isfinite(nvfp4.quantize(x).global_scale.item())
+@pytest.mark.parametrize("shape", [(24, 64), (3, 16, 32)], ids=["linear", "experts"])
+def test_weight_rule_gives_trainer_and_rollout_the_oracle_values(api_device, shape):
+    """One global scale per (N, K) matrix: the three experts differ 100-fold in size, so a tensor-wide
+    scale would round the small ones differently."""
+    torch.manual_seed(0)
+    w = torch.randn(shape)
+    if len(shape) == 3:
+        w *= torch.tensor([0.01, 1.0, 30.0]).view(3, 1, 1)
+    w = w.to(torch.bfloat16)
+    matrices = w.reshape(-1, *shape[-2:])
+    scales = torch.stack([_oracle_global_scale(m) for m in matrices])
+    q = nvfp4.quantize_weight(w.to(api_device))                     # the rollout's packed weight
+    assert q.global_scale.shape == shape[:-2] and same_bits(q.global_scale.reshape(-1), scales)
+    rollout_weight = nvfp4.dequantize(q, w.dtype).reshape(matrices.shape)
+    trainer_weight = nvfp4.fake_quantize_weight(w.to(api_device)).reshape(matrices.shape)
+    assert same_bits(trainer_weight, rollout_weight)
+    for e, (matrix, scale) in enumerate(zip(matrices, scales)):
+        _assert_equals_oracle(trainer_weight[e], matrix, scale)
 
 
 # ------------------------------------------------------------------ per-matrix global scales (experts)
@@ -348,26 +417,47 @@ def test_per_matrix_global_scale_equals_quantizing_each_matrix_alone(kernel_devi
     for e in range(5):
         alone = nvfp4.quantize_reference(w[e])
         assert torch.equal(stacked.data[e], alone.data)
-        assert torch.equal(_bits(stacked.block_scale[e]), _bits(alone.block_scale))
+        assert torch.equal(bits(stacked.block_scale[e]), bits(alone.block_scale))
         assert stacked.global_scale[e] == alone.global_scale
     fast = nvfp4.quantize_triton(w.to(kernel_device), gs.to(kernel_device))
-    _assert_same_quantization(stacked, fast)
+    assert_same_quantization(stacked, fast)
     deq = nvfp4.dequantize_reference(stacked, torch.float32)
-    assert _same_bits(nvfp4.dequantize_triton(fast, torch.float32), deq)
-    assert _same_bits(nvfp4.fake_quantize_triton(w.to(kernel_device), gs.to(kernel_device)), deq)
+    assert same_bits(nvfp4.dequantize_triton(fast, torch.float32), deq)
+    assert same_bits(nvfp4.fake_quantize_triton(w.to(kernel_device), gs.to(kernel_device)), deq)
 
 
-def test_global_scale_of_the_wrong_shape_is_rejected():
-    w = torch.randn(4, 8, 32)
-    with pytest.raises(ValueError, match="one per matrix"):
-        nvfp4.quantize(w, torch.ones(8))
-    with pytest.raises(ValueError, match="stack of matrices"):
-        nvfp4.compute_global_scale(torch.randn(8, 32), per_matrix=True)
+# ------------------------------------------------------------------ bad input
+def _on_mixed_devices():
+    q = nvfp4.quantize(torch.randn(2, 16))
+    return nvfp4.NVFP4Tensor(q.data, q.block_scale.to("meta"), q.global_scale)
 
 
-def test_weight_rule_is_shared_by_fake_and_real_quantization():
-    for w in (torch.randn(24, 64, dtype=torch.bfloat16), torch.randn(3, 16, 32, dtype=torch.bfloat16)):
-        q = nvfp4.quantize_weight(w)
-        assert q.global_scale.shape == w.shape[:-2]
-        assert _same_bits(nvfp4.fake_quantize_weight(w), nvfp4.dequantize(q, w.dtype))
+BAD_CALLS = [  # (id, call, the argument the message names, the problem it states)
+    ("list", lambda: nvfp4.quantize([1.0] * 16), "x", "torch.Tensor"),
+    ("int32", lambda: nvfp4.quantize(torch.ones(4, 16, dtype=torch.int32)), "x", "torch.int32"),
+    ("fp8", lambda: nvfp4.quantize(torch.ones(4, 16).to(torch.float8_e4m3fn)), "x", "float8_e4m3fn"),
+    ("empty", lambda: nvfp4.quantize(torch.empty(0, 16)), "x", "non-empty"),
+    ("0-dim", lambda: nvfp4.quantize(torch.tensor(1.0)), "x", "at least one dim"),
+    ("K=20", lambda: nvfp4.quantize(torch.randn(4, 20)), "last dim", "multiple of the block size 16"),
+    ("fake K=20", lambda: nvfp4.fake_quantize(torch.randn(4, 20)), "fake_quantize", "multiple of"),
+    ("fake int32", lambda: nvfp4.fake_quantize(torch.ones(4, 16, dtype=torch.int32)), "fake_quantize", "int32"),
+    ("scale device", lambda: nvfp4.quantize(torch.randn(2, 16), torch.tensor(1.0, device="meta")),
+     "global_scale", "meta"),
+    ("scale shape", lambda: nvfp4.quantize(torch.randn(4, 8, 32), torch.ones(8)), "global_scale", "one per matrix"),
+    ("scale of 2-D", lambda: nvfp4.quantize(torch.randn(2, 16), torch.ones(2)), "global_scale", "a scalar"),
+    ("per_matrix 2-D", lambda: nvfp4.compute_global_scale(torch.randn(8, 32), per_matrix=True),
+     "per_matrix", "(..., N, K)"),
+    ("not NVFP4", lambda: nvfp4.dequantize(torch.zeros(2, 8)), "q", "NVFP4Tensor"),
+    ("mixed devices", lambda: nvfp4.dequantize(_on_mixed_devices()), "block_scale", "one device"),
+    ("odd codes", lambda: nvfp4.pack_codes(torch.zeros(3, dtype=torch.uint8)), "code", "even"),
+]
 
+
+@pytest.mark.parametrize("call, argument, problem", [case[1:] for case in BAD_CALLS],
+                         ids=[case[0] for case in BAD_CALLS])
+def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(call, argument, problem):
+    with pytest.raises(ValueError) as error:
+        call()
+    message = str(error.value)
+    assert re.search(rf"\b{re.escape(argument)}\b", message) and problem in message, message
+    assert "\n" not in message

@@ -232,7 +232,6 @@ def test_decode_state_is_reused_and_dropped_when_weights_are_replaced():
     assert completion_list(out, 0) == greedy_without_cache(model, PROMPTS[0], 5)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("rac") is None, reason="rac.py not present")
 def test_rollout_through_rac_fp8_layers_matches_their_forward():
     # FP8 scales activations per token, so a decode step computes each token as the full forward does: the
     # cached sampler with quantized layers must reproduce that forward's log-probs and routes
@@ -273,7 +272,6 @@ def test_cuda_graph_decode_equals_eager_decode(temperature):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(importlib.util.find_spec("rac") is None, reason="rac.py not present")
 @pytest.mark.parametrize("mode,rac_ratio", [("bf16", 0.0), ("fp8", 0.0), ("nvfp4", 0.0), ("nvfp4", 0.5)])
 def test_cuda_graph_captures_rac_rollout_layers(mode, rac_ratio):
     import rac

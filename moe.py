@@ -10,8 +10,9 @@ Formulas (the numerics follow Hugging Face's Qwen3MoeForCausalLM, so logits matc
     RMSNorm(x)   = w * (x / sqrt(mean(x^2) + eps))          computed in fp32, cast back before * w
     RoPE         = x * cos + rotate_half(x) * sin           rotate_half([a, b]) = [-b, a] (halves, not pairs)
                    angle[pos, j] = pos * theta^(-2j / hd), the hd/2 angles repeated twice
-    Attention    q = RoPE(RMSNorm_q(W_q x)), k = RoPE(RMSNorm_k(W_k x)), v = W_v x (norms over hd, before RoPE)
-                 y = W_o softmax(q k^T / sqrt(hd) + mask) v     Hkv key/value heads shared by H/Hkv query heads
+    Attention    q = RoPE(RMSNorm_q(W_q x)), k = RoPE(RMSNorm_k(W_k x)), v = W_v x  (norms over hd, then RoPE)
+                 y = W_o softmax(q k^T / sqrt(hd) + mask) v   (each of the Hkv key/value heads serves H/Hkv
+                 query heads)
     Router       p = softmax(W_gate x) in fp32, (w, ids) = top-A of p, w <- w / sum(w) if norm_topk_prob
     Expert e     f_e(x) = W_down_e (silu(W_gate_e x) * (W_up_e x))
     MoE          y = sum_a w_a f_{ids_a}(x)
@@ -75,15 +76,18 @@ class MoEConfig:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
         if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(f"MoEConfig: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
-                             "each key/value head must serve the same number of query heads")
+            raise ValueError(f"MoEConfig: n_heads={self.n_heads} is not divisible by "
+                             f"n_kv_heads={self.n_kv_heads}; each key/value head must serve the same number "
+                             "of query heads")
         if self.n_active > self.n_experts:
             raise ValueError(f"MoEConfig: n_active={self.n_active} experts per token "
                              f"exceeds n_experts={self.n_experts}")
         if self.head_dim % 2 != 0:
-            raise ValueError(f"MoEConfig: head_dim={self.head_dim} must be even, RoPE rotates pairs of halves")
+            raise ValueError(f"MoEConfig: head_dim={self.head_dim} must be even, RoPE rotates pairs of "
+                             "halves")
         if not (self.rope_theta > 0 and self.rms_eps > 0):
-            raise ValueError(f"MoEConfig: rope_theta={self.rope_theta} and rms_eps={self.rms_eps} must be positive")
+            raise ValueError(f"MoEConfig: rope_theta={self.rope_theta} and rms_eps={self.rms_eps} must be "
+                             "positive")
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "MoEConfig":
@@ -101,9 +105,9 @@ PRESETS = {
     "small": MoEConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, n_experts=32, n_active=4,
                        expert_dim=256, max_seq_len=1024),
     # The real shapes of Qwen/Qwen3-30B-A3B (30.5B parameters, 3.3B active), for benchmarks and load_hf.
-    "qwen3-30b-a3b": MoEConfig(vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
-                               n_experts=128, n_active=8, expert_dim=768, rope_theta=1e6, norm_topk_prob=True,
-                               max_seq_len=40960),
+    "qwen3-30b-a3b": MoEConfig(vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+                               head_dim=128, n_experts=128, n_active=8, expert_dim=768, rope_theta=1e6,
+                               norm_topk_prob=True, max_seq_len=40960),
 }
 
 
@@ -126,7 +130,8 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dt
     """cos and sin of the rotary angles for each position: positions (B, T) -> two (B, 1, T, hd) tensors."""
     # Recomputed each forward (hd/2 numbers) rather than stored as a buffer: a buffer would be rounded to
     # BF16 by model.to(torch.bfloat16), and BF16 frequencies are wrong after a few hundred positions.
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    even_dims = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
+    inv_freq = 1.0 / theta ** (even_dims / head_dim)                  # (hd/2,)
     angles = positions[..., None].float() * inv_freq                   # (B, T, hd/2)
     angles = torch.cat((angles, angles), dim=-1)                       # (B, T, hd) halves layout
     return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
@@ -156,47 +161,53 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None = None, kv_cache=None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None = None,
+                kv_cache=None) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)     # (B, H, T, hd)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)).transpose(1, 2)  # (B, Hkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)               # (B, Hkv, T, hd)
+        H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_norm(self.q_proj(x).view(B, T, H, hd)).transpose(1, 2)             # (B, H, T, hd)
+        k = self.k_norm(self.k_proj(x).view(B, T, Hkv, hd)).transpose(1, 2)           # (B, Hkv, T, hd)
+        v = self.v_proj(x).view(B, T, Hkv, hd).transpose(1, 2)                        # (B, Hkv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)                                             # (B, Hkv, S, hd)
-        group = self.n_heads // self.n_kv_heads                  # query heads per key/value head
+            k, v = kv_cache.update(self.layer_idx, k, v)                               # (B, Hkv, S, hd)
+        group = H // Hkv                                         # query heads per key/value head
         if attn_mask is None:
             # Training (full causal sequence): expand the shared key/value heads so SDPA's fused causal
             # kernels apply; the copy is small next to the experts.
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)             # (B, H, S, hd)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                              # (B, H, T, hd)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, hd)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                 # (B, H, T, hd)
         else:
             # With a mask (the sampler's cache): fold each key/value head's `group` query heads into the
             # query axis instead, so the cache is read in place, never copied per step. (reshape: some SDPA
             # backends, e.g. fp32 with a mask on CUDA, return a non-contiguous result.)
             S = k.shape[2]
-            q = q.reshape(B, self.n_kv_heads, group * T, self.head_dim)                              # (B, Hkv, G*T, hd)
-            mask = attn_mask.expand(B, 1, T, S).unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, self.n_heads, T, self.head_dim)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))           # (B, T, D)
+            q = q.reshape(B, Hkv, group * T, hd)                                       # (B, Hkv, group*T, hd)
+            mask = attn_mask.expand(B, 1, T, S).unsqueeze(2).expand(B, 1, group, T, S)
+            mask = mask.reshape(B, 1, group * T, S)                                    # (B, 1, group*T, S)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))                   # (B, T, D)
 
 
 # ----------------------------------------------------------------------------------------------- experts
 class Routing(NamedTuple):
-    """The T*A (token, expert) assignments grouped by expert. Assignment n = t*A + a is token t's a-th choice."""
-    order: Tensor          # (N,) int64: assignments sorted by expert (stable, so token order within an expert)
+    """The T*A (token, expert) assignments grouped by expert; assignment n = t*A + a is token t's a-th
+    choice."""
+    order: Tensor          # (N,) int64: assignments sorted by expert (stable: token order within an expert)
     token_ids: Tensor      # (N,) int64: the token of each sorted row, for gathering the inputs
     inverse_order: Tensor  # (N,) int64: where assignment n sits in the sorted rows, for putting outputs back
     counts: Tensor         # (E,) int64: rows per expert
-    offsets: Tensor        # (E,) int32: end of each expert's slice (cumulative counts), torch._grouped_mm's `offs`
+    offsets: Tensor        # (E,) int32: end of each expert's slice (cumulative counts); _grouped_mm's `offs`
 
 
 def route_tokens(expert_ids: Tensor, n_experts: int) -> Routing:
-    """Sort the assignments expert_ids (T, A) by expert, once per layer; shared with quantized expert modules."""
+    """Sort the assignments expert_ids (T, A) by expert, once per layer; shared with the quantized
+    expert modules."""
     n_active = expert_ids.shape[-1]
     flat_ids = expert_ids.reshape(-1)                                                      # (N,)
     sorted_ids, order = torch.sort(flat_ids, stable=True)
-    inverse_order = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    positions = torch.arange(order.numel(), device=order.device)
+    inverse_order = torch.empty_like(order).scatter_(0, order, positions)
     # searchsorted on the sorted ids keeps every size static: no host sync, nothing torch.compile must guess.
     ends = torch.searchsorted(sorted_ids, torch.arange(n_experts, device=flat_ids.device), right=True)  # (E,)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
@@ -226,7 +237,8 @@ def expert_swiglu_loop(x_sorted: Tensor, counts: Tensor, gate_up_proj: Tensor, d
     return torch.cat(outputs) if outputs else x_sorted.new_zeros(x_sorted.shape)
 
 
-def expert_swiglu_grouped(x_sorted: Tensor, offsets: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+def expert_swiglu_grouped(x_sorted: Tensor, offsets: Tensor, gate_up_proj: Tensor,
+                          down_proj: Tensor) -> Tensor:
     """Fast path: the same computation as expert_swiglu_loop, as two grouped GEMMs without a host sync."""
     # torch._grouped_mm(a, b, offs) multiplies rows offs[e-1]:offs[e] of a by b[e]; b is (E, K, N), so the
     # stored (E, out, in) weights are passed transposed, which is also the column-major layout it wants.
@@ -235,7 +247,8 @@ def expert_swiglu_grouped(x_sorted: Tensor, offsets: Tensor, gate_up_proj: Tenso
     return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)  # (N, D)
 
 
-def expert_operands(x_sorted: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def expert_operands(x_sorted: Tensor, gate_up_proj: Tensor,
+                    down_proj: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Under torch.autocast, the expert GEMMs run in the autocast dtype, as F.linear would (FP32 master
     weights, BF16 compute); the casts are differentiable, so gradients still reach the FP32 weights."""
     device = x_sorted.device.type
@@ -251,7 +264,8 @@ def use_grouped_mm(x: Tensor, expert_dim: int) -> bool:
     # divisible by 8 (true of every preset). Everything else takes the loop.
     if not x.is_cuda:
         return False
-    if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[-1] % 8 == 0 and expert_dim % 8 == 0:
+    aligned = x.shape[-1] % 8 == 0 and expert_dim % 8 == 0
+    if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and aligned:
         return True
     warnings.warn(f"moe.py: experts run as a per-expert loop on CUDA (dtype {x.dtype}, D={x.shape[-1]}, "
                   f"I={expert_dim}); torch._grouped_mm needs BF16 and D, I divisible by 8")
@@ -275,7 +289,8 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, expert_ids: Tensor, expert_weights: Tensor) -> Tensor:
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) fp32 -> (T, D) in x.dtype."""
         routing = route_tokens(expert_ids, self.n_experts)
-        x_sorted, gate_up_proj, down_proj = expert_operands(x[routing.token_ids], self.gate_up_proj, self.down_proj)
+        x_sorted, gate_up_proj, down_proj = expert_operands(x[routing.token_ids], self.gate_up_proj,
+                                                            self.down_proj)
         if use_grouped_mm(x_sorted, down_proj.shape[-1]):
             y_sorted = expert_swiglu_grouped(x_sorted, routing.offsets, gate_up_proj, down_proj)  # (N, D)
         else:
@@ -352,7 +367,8 @@ class MoETransformer(nn.Module):
                 module.weight.fill_(1.0)
 
     def num_params(self, active: bool = False) -> int:
-        """Parameter count (a tied head counted once); active=True counts only A of the E experts per layer."""
+        """Parameter count (a tied head counted once); active=True counts only A of the E experts per
+        layer."""
         total = sum(p.numel() for p in self.parameters())
         if active:
             c = self.config
@@ -379,25 +395,28 @@ class MoETransformer(nn.Module):
         if T > c.max_seq_len:
             raise ValueError(f"{T} tokens exceed max_seq_len={c.max_seq_len}")
         if kv_cache is not None and (attn_mask is None or positions is None):
-            raise ValueError("with a kv_cache, pass attn_mask (B, 1, T, S) and positions (B, T): the model cannot "
-                             "know which cached keys each query may see, nor where the new tokens sit")
+            raise ValueError("with a kv_cache, pass attn_mask (B, 1, T, S) and positions (B, T): the model "
+                             "cannot know which cached keys each query may see, nor where the new tokens sit")
         if attn_mask is not None and (attn_mask.dtype != torch.bool or attn_mask.dim() != 4):
-            raise ValueError(f"attn_mask must be bool, broadcastable to (B, 1, T, S), got {tuple(attn_mask.shape)} "
-                             f"{attn_mask.dtype}")
+            raise ValueError(f"attn_mask must be bool, broadcastable to (B, 1, T, S), got "
+                             f"{tuple(attn_mask.shape)} {attn_mask.dtype}")
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         elif positions.shape != (B, T):
-            raise ValueError(f"positions must have the shape of tokens {(B, T)}, got {tuple(positions.shape)}")
+            raise ValueError(f"positions must have the shape of tokens {(B, T)}, "
+                             f"got {tuple(positions.shape)}")
         if forced_routes is not None:
             expected = (c.n_layers, B, T, c.n_active)
             if tuple(forced_routes.shape) != expected:
-                raise ValueError(f"forced_routes must be (L, B, T, A) = {expected}, got {tuple(forced_routes.shape)}")
-            if forced_routes.min() < 0 or forced_routes.max() >= c.n_experts:  # one host sync; bad ids corrupt silently
+                raise ValueError(f"forced_routes must be (L, B, T, A) = {expected}, "
+                                 f"got {tuple(forced_routes.shape)}")
+            # one host sync: out-of-range ids would otherwise corrupt the output silently
+            if forced_routes.min() < 0 or forced_routes.max() >= c.n_experts:
                 raise ValueError(f"forced_routes must hold expert ids in [0, {c.n_experts})")
             forced_routes = forced_routes.long()
 
         x = self.embed(tokens)                                                             # (B, T, D)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)              # (B, 1, T, hd) each
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)          # (B, 1, T, hd) each
         routes = []
         for i, layer in enumerate(self.layers):
             x, layer_routes = layer(x, cos, sin, attn_mask, kv_cache,
@@ -405,20 +424,6 @@ class MoETransformer(nn.Module):
             routes.append(layer_routes)                                                    # (B, T, A)
         logits = self.lm_head(self.norm(x))                                                # (B, T, V)
         return (logits, torch.stack(routes)) if return_routes else logits
-
-
-# ----------------------------------------------------------------------------------------------- loading
-_HF_RENAMES = [  # (checkpoint name pattern, this module's name); experts are handled separately
-    (r"model\.embed_tokens\.weight", "embed.weight"),
-    (r"model\.norm\.weight", "norm.weight"),
-    (r"lm_head\.weight", "lm_head.weight"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
-    (r"model\.layers\.(\d+)\.self_attn\.([qkvo]_proj|[qk]_norm)\.weight", r"layers.\1.attn.\2.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.gate\.weight", r"layers.\1.mlp.gate.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", r"layers.\1.mlp.experts.\2"),  # fused
-]
-_HF_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 def swappable_layers(model: nn.Module, include_router: bool = False, include_lm_head: bool = False):
@@ -436,10 +441,26 @@ def swappable_layers(model: nn.Module, include_router: bool = False, include_lm_
     return layers
 
 
+# ----------------------------------------------------------------------------------------------- loading
+_HF_RENAMES = [  # (checkpoint name pattern, this module's name); experts are handled separately
+    (r"model\.embed_tokens\.weight", "embed.weight"),
+    (r"model\.norm\.weight", "norm.weight"),
+    (r"lm_head\.weight", "lm_head.weight"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.([qkvo]_proj|[qk]_norm)\.weight", r"layers.\1.attn.\2.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.gate\.weight", r"layers.\1.mlp.gate.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", r"layers.\1.mlp.experts.\2"),  # fused
+]
+_HF_PER_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
 def config_from_hf(hf_config) -> MoEConfig:
     """MoEConfig from a transformers Qwen3MoeConfig; anything this module does not implement is an error."""
     if hf_config.model_type != "qwen3_moe":
-        raise ValueError(f"load_hf reads Qwen3-MoE checkpoints (model_type 'qwen3_moe'), got {hf_config.model_type!r}")
+        raise ValueError(f"load_hf reads Qwen3-MoE checkpoints (model_type 'qwen3_moe'), "
+                         f"got model_type {hf_config.model_type!r}")
     # transformers 5 keeps RoPE settings in rope_parameters (rope_scaling is an alias of it); 4.x had a
     # rope_theta attribute and rope_scaling None unless scaled.
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
@@ -454,11 +475,13 @@ def config_from_hf(hf_config) -> MoEConfig:
     }
     problems = [name for name, present in unsupported.items() if present]
     if problems:
-        raise ValueError(f"this Qwen3-MoE checkpoint uses features moe.py does not implement: {', '.join(problems)}")
+        raise ValueError(f"this Qwen3-MoE checkpoint uses features moe.py does not implement: "
+                         f"{', '.join(problems)}")
     return MoEConfig(
         vocab_size=hf_config.vocab_size, dim=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
         n_heads=hf_config.num_attention_heads, n_kv_heads=hf_config.num_key_value_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+        head_dim=(getattr(hf_config, "head_dim", None)
+                  or hf_config.hidden_size // hf_config.num_attention_heads),
         n_experts=hf_config.num_experts, n_active=hf_config.num_experts_per_tok,
         expert_dim=hf_config.moe_intermediate_size,
         rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
@@ -499,7 +522,8 @@ def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tens
     # fused (E, 2I, D) and (E, D, I) tensors. A missing expert leaves the fused name missing.
     for layer in sorted({layer for layer, _, _ in per_expert}):
         experts = sorted({e for other_layer, e, _ in per_expert if other_layer == layer})
-        parts = [[per_expert.pop((layer, e, p), None) for e in experts] for p in ("gate_proj", "up_proj", "down_proj")]
+        parts = [[per_expert.pop((layer, e, p), None) for e in experts]
+                 for p in ("gate_proj", "up_proj", "down_proj")]
         if experts != list(range(len(experts))) or any(t is None for part in parts for t in part):
             unexpected.append(f"model.layers.{layer}.mlp.experts.*: incomplete per-expert tensors")
             continue

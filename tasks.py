@@ -28,9 +28,9 @@ scratchpad is not graded. Operands are uniform in [0, 10**difficulty), so a prom
 
 Why addition with a scratchpad rather than Countdown ("reach 24 from 3 7 8 1 with + - * /"):
 - Every character of the completion is a function of a handful of earlier characters (two digits
-  copied from the prompt, one carry copied from the previous step, one sum from a 200-entry table).
-  A ~100k-parameter transformer learns that on a CPU in a minute or two; Countdown needs search, and
-  a tiny model's pass@1 there stays at ~0, which leaves RL with no signal (all-zero groups).
+  copied from the prompt, one carry copied from the previous step, one sum from a 200-entry table),
+  so the tiny preset learns it from demonstrations on a CPU. Countdown needs search: a tiny model's
+  pass@1 there stays near 0, which leaves RL with no signal (all-zero groups).
 - Difficulty is one smooth knob (digits) and completions stay short: cheap rollouts.
 - The warm-start can be made imperfect in a controlled way (below): each injected error provably makes
   the final answer wrong, so the demonstrations are wrong at exactly `demo_error_rate`, and a model

@@ -23,8 +23,6 @@ def test_tokenizer_round_trip_and_specials():
     assert tok.decode([tok.bos_id] + ids + [tok.eos_id] + tok.encode("999") + [tok.pad_id]) == text
     assert tok.decode([tok.pad_id, tok.bos_id] + tok.encode("1+2") + [tok.pad_id]) == "1+2"
     assert tok.vocab_size == 3 + len(tok.alphabet) and len({tok.pad_id, tok.bos_id, tok.eos_id}) == 3
-    with pytest.raises(ValueError, match="'x'"):
-        tok.encode("1+x")
 
 
 def test_tokenizer_decode_never_raises_on_any_ids():
@@ -113,8 +111,6 @@ def test_train_and_test_problems_are_disjoint_and_seed_independent():
     assert share == pytest.approx(TEST_FRACTION, abs=0.02)
     other_seed = ArithmeticTask(difficulty=2, seed=123)
     assert all(operand_pair(p) not in train for p in other_seed.sample(500, "test", random.Random(5)))
-    with pytest.raises(ValueError, match="split"):
-        task.sample(1, "validation", rng)
     assert len(ArithmeticTask(difficulty=1).sample(20, "test", rng)) == 20   # 1 digit: a tiny held-out set
 
 
@@ -179,15 +175,6 @@ def test_gsm8k_local_file_loads_answers_and_split(gsm8k_task, gsm8k_file):
     assert len(separate.sample(100, "train", random.Random(0))) == 100
 
 
-def test_gsm8k_missing_fields_and_files(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"problem": "1+1?", "solution": "2"}) + "\n")
-    with pytest.raises(ValueError, match="question"):
-        GSM8KTask(source=str(bad))
-    with pytest.raises(FileNotFoundError):
-        GSM8KTask(source=str(tmp_path / "absent.jsonl"))
-
-
 @pytest.mark.parametrize("completion, expected", [
     ("She has 36-9=27 left.\n#### 27", 1.0),
     ("#### 27.0", 1.0),
@@ -250,12 +237,45 @@ def test_rewards_never_raise_on_any_string(gsm8k_task):
             assert reward in (0.0, 1.0)
 
 
-def test_make_task():
+def test_make_task_builds_the_named_task_with_its_arguments():
     task = make_task("arith", difficulty=2, demo_error_rate=0.1, seed=1)
     assert isinstance(task, ArithmeticTask) and task.difficulty == 2 and task.name == "arith"
-    with pytest.raises(ValueError, match="available"):
-        make_task("countdown")
-    with pytest.raises(ValueError):
-        ArithmeticTask(difficulty=0)
-    with pytest.raises(ValueError):
-        ArithmeticTask(demo_error_rate=1.5)
+    assert task.demo_error_rate == 0.1
+
+
+# -----------------------------------------------------------------------------
+# Bad input: one line naming the argument and the problem
+
+def _gsm8k_file(directory, rows):
+    path = directory / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+BAD_CALLS = [  # (id, call given a scratch directory, exception, what the message names, the problem)
+    ("character", lambda tmp: CharTokenizer("0123456789+").encode("1+x"), ValueError, "'x'",
+     "not in the alphabet"),
+    ("alphabet", lambda tmp: CharTokenizer("0120"), ValueError, "alphabet", "distinct"),
+    ("difficulty", lambda tmp: ArithmeticTask(difficulty=0), ValueError, "difficulty", ">= 1, got 0"),
+    ("error rate", lambda tmp: ArithmeticTask(demo_error_rate=1.5), ValueError, "demo_error_rate",
+     "[0, 1], got 1.5"),
+    ("split", lambda tmp: ArithmeticTask().sample(1, "validation"), ValueError, "split", "'validation'"),
+    ("gsm8k split", lambda tmp: GSM8KTask(source=_gsm8k_file(tmp, GSM8K_ROWS)).sample(1, "dev"), ValueError,
+     "split", "'dev'"),
+    ("fields", lambda tmp: GSM8KTask(source=_gsm8k_file(tmp, [{"problem": "1+1?", "solution": "2"}])),
+     ValueError, "question", "lacks the field"),
+    ("no answer", lambda tmp: GSM8KTask(source=_gsm8k_file(tmp, [{"question": "1+1?", "answer": "2"}])),
+     ValueError, "####", "no"),
+    ("missing file", lambda tmp: GSM8KTask(source=str(tmp / "absent.jsonl")), FileNotFoundError,
+     "absent.jsonl", "no such"),
+    ("task", lambda tmp: make_task("countdown"), ValueError, "'countdown'", "available"),
+]
+
+
+@pytest.mark.parametrize("call, error, names, problem", [case[1:] for case in BAD_CALLS],
+                         ids=[case[0] for case in BAD_CALLS])
+def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(tmp_path, call, error, names, problem):
+    with pytest.raises(error) as raised:
+        call(tmp_path)
+    message = str(raised.value)
+    assert names in message and problem in message and "\n" not in message, message

@@ -42,8 +42,8 @@ rounds to magnitude 0 is stored as -0 (code 8), and so is an input -0.0. This ma
 quantizer (it copies the fp32 sign bit onto the code) and the GPU's own conversion to E2M1 (PTX
 `cvt.rn.satfinite.e2m1x2.f32` rounds to nearest, which keeps the sign of a result that rounds to zero;
 only its `.relu` form clamps negatives to +0). TransformerEngine's reference quantizer stores negative
-values that round to zero as -0 too, and differs only on an input -0.0, which it stores as +0. Values
-never depend on it (-0 and +0 dequantize to zeros of the same sign as the input); packed codes do.
+values that round to zero as -0 too, and differs only on an input -0.0, which it stores as +0. The
+choice changes no value (a zero is a zero), only packed codes and the signs of dequantized zeros.
 
 Edge cases, one behaviour each:
 - zero blocks: a block whose scale rounds to 0 (all zeros, or more than ~2^17 times smaller than the

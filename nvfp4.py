@@ -46,8 +46,8 @@ values that round to zero as -0 too, and differs only on an input -0.0, which it
 choice changes no value (a zero is a zero), only packed codes and the signs of dequantized zeros.
 
 Edge cases, one behaviour each:
-- zero blocks: a block whose scale rounds to 0 (all zeros, or more than ~2^17 times smaller than the
-  tensor's largest value) stores block_scale 0 and codes of magnitude 0, each with its input's sign:
+- zero blocks: a block whose scale rounds to 0 (all zeros, or one whose largest value is below about
+  2^-19 of the tensor's) stores block_scale 0 and codes of magnitude 0, each with its input's sign:
   it dequantizes to zeros of the inputs' signs.
 - an all-zero tensor: the global scale would be 0; it is 1.0 instead (any positive value would do,
   1.0 keeps dequantize exact), and every block is a zero block.

@@ -16,9 +16,10 @@ GRID = nvfp4.E2M1_VALUES
 def _oracle_e4m3(v):
     """Nearest E4M3 value to v >= 0 (float64) by enumerating the grid, ties to the even mantissa,
     clamped to 448."""
-    grid = torch.tensor([(1 + m / 8) * 2.0 ** (e - 7) if e else m / 8 * 2.0 ** -6
-                         for e in range(16) for m in range(8) if not (e == 15 and m == 7)], dtype=torch.float64)
-    mant_even = torch.tensor([m % 2 == 0 for e in range(16) for m in range(8) if not (e == 15 and m == 7)])
+    fields = [(e, m) for e in range(16) for m in range(8) if not (e == 15 and m == 7)]  # 0x7F is NaN
+    grid = torch.tensor([(1 + m / 8) * 2.0 ** (e - 7) if e else m / 8 * 2.0 ** -6 for e, m in fields],
+                        dtype=torch.float64)
+    mant_even = torch.tensor([m % 2 == 0 for _, m in fields])
     v = v.clamp(0, 448).unsqueeze(-1)
     dist = (grid - v).abs()
     best = dist.min(dim=-1, keepdim=True).values
@@ -62,7 +63,8 @@ def _oracle_dequantize(x, global_scale):
     for i, mid in enumerate(nvfp4.E2M1_MIDPOINTS):
         exact = mid * unit                                              # exact in float64
         product = exact.float().double()                                # what the format compares with
-        between = (blocks.abs() >= torch.minimum(exact, product)) & (blocks.abs() <= torch.maximum(exact, product))
+        mag = blocks.abs()
+        between = (mag >= torch.minimum(exact, product)) & (mag <= torch.maximum(exact, product))
         across = torch.where(value.abs() == GRID[i], GRID[i + 1], GRID[i])
         alternative = torch.where(between & (exact != product), torch.copysign(across, blocks), alternative)
     scale = block_scale[:, None] * global_scale                          # products exact in float64
@@ -132,7 +134,8 @@ def _every_bf16_pattern():
     small = torch.cat([small, small.new_zeros(-small.numel() % 15)]).view(-1, 15)
     anchor = torch.full((small.shape[0], 1), 6.0, dtype=torch.bfloat16)
     large = torch.cat([large, large[:-large.numel() % 16]]).view(-1, 16)
-    return {"small": torch.cat([small, anchor], dim=1), "large": large, "non-finite": patterns[~finite].view(-1, 16)}
+    return {"small": torch.cat([small, anchor], dim=1), "large": large,
+            "non-finite": patterns[~finite].view(-1, 16)}
 
 
 EVERY_BF16 = _every_bf16_pattern()
@@ -145,10 +148,12 @@ def test_every_bf16_pattern_lands_on_the_oracle_value_with_its_sign():
         if name == "non-finite":
             assert out.isnan().all()  # a block holding NaN or Inf is NaN
             continue
+        assert same_bits(*_oracle_dequantize(x, ANCHORED_SCALE)), name  # exact products: one answer
         _assert_equals_oracle(out, x, ANCHORED_SCALE)
     # the anchored values are exactly the round-to-nearest-even E2M1 value of v itself
     small = EVERY_BF16["small"][:, :15]
-    out = nvfp4.dequantize_reference(nvfp4.quantize_reference(EVERY_BF16["small"], ANCHORED_SCALE), torch.float32)
+    q = nvfp4.quantize_reference(EVERY_BF16["small"], ANCHORED_SCALE)
+    out = nvfp4.dequantize_reference(q, torch.float32)
     assert same_bits(out[:, :15], _oracle_e2m1(small.double(), sign_of=small).float())
     assert (out[:, 15] == 6).all()
 
@@ -178,7 +183,8 @@ def test_kernel_matches_reference_on_every_bf16_pattern(kernel_device):
         fast = nvfp4.quantize_triton(x.to(kernel_device), None if global_scale is None
                                      else global_scale.to(kernel_device))
         assert_same_quantization(ref, fast)
-        assert same_bits(nvfp4.dequantize_triton(fast, torch.float32), nvfp4.dequantize_reference(ref, torch.float32))
+        assert same_bits(nvfp4.dequantize_triton(fast, torch.float32),
+                         nvfp4.dequantize_reference(ref, torch.float32))
 
 
 # ------------------------------------------------------------------ rounding rules
@@ -333,8 +339,8 @@ def test_triton_quantize_matches_reference_on_adversarial_data(kernel_device, dt
     fast = nvfp4.quantize_triton(x.to(kernel_device), None if gs is None else gs.to(kernel_device))
     assert_same_quantization(ref, fast)
     assert same_bits(nvfp4.dequantize_triton(fast, dtype), nvfp4.dequantize_reference(ref, dtype))
-    assert same_bits(nvfp4.fake_quantize_triton(x.to(kernel_device), None if gs is None else gs.to(kernel_device)),
-                     nvfp4.dequantize_reference(ref, dtype))
+    fake = nvfp4.fake_quantize_triton(x.to(kernel_device), None if gs is None else gs.to(kernel_device))
+    assert same_bits(fake, nvfp4.dequantize_reference(ref, dtype))
 
 
 def test_triton_quantize_of_a_tensor_with_nan_gives_nan_everywhere(kernel_device):
@@ -440,10 +446,12 @@ BAD_CALLS = [  # (id, call, the argument the message names, the problem it state
     ("0-dim", lambda: nvfp4.quantize(torch.tensor(1.0)), "x", "at least one dim"),
     ("K=20", lambda: nvfp4.quantize(torch.randn(4, 20)), "last dim", "multiple of the block size 16"),
     ("fake K=20", lambda: nvfp4.fake_quantize(torch.randn(4, 20)), "fake_quantize", "multiple of"),
-    ("fake int32", lambda: nvfp4.fake_quantize(torch.ones(4, 16, dtype=torch.int32)), "fake_quantize", "int32"),
+    ("fake int32", lambda: nvfp4.fake_quantize(torch.ones(4, 16, dtype=torch.int32)), "fake_quantize",
+     "int32"),
     ("scale device", lambda: nvfp4.quantize(torch.randn(2, 16), torch.tensor(1.0, device="meta")),
      "global_scale", "meta"),
-    ("scale shape", lambda: nvfp4.quantize(torch.randn(4, 8, 32), torch.ones(8)), "global_scale", "one per matrix"),
+    ("scale shape", lambda: nvfp4.quantize(torch.randn(4, 8, 32), torch.ones(8)), "global_scale",
+     "one per matrix"),
     ("scale of 2-D", lambda: nvfp4.quantize(torch.randn(2, 16), torch.ones(2)), "global_scale", "a scalar"),
     ("per_matrix 2-D", lambda: nvfp4.compute_global_scale(torch.randn(8, 32), per_matrix=True),
      "per_matrix", "(..., N, K)"),

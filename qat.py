@@ -166,13 +166,13 @@ def guided_values(x, codes, row_keys, own):
     index = torch.searchsorted(codes.keys, row_keys).clamp(max=codes.keys.numel() - 1)  # (M,)
     found = codes.keys[index] == row_keys
     rows, index = found.nonzero().squeeze(1), index[found]                              # (n,) each
-    M, K = x.shape
-    unit = codes.block_scale[index].float() * codes.global_scale[index, None]           # (n, G)
-    unit = unit.repeat_interleave(nvfp4.BLOCK_SIZE, dim=1)                              # (n, K)
-    rollout_value = nvfp4.decode_e2m1(nvfp4.unpack_codes(codes.data[index]))           # (n, K), E2M1 units
-    scaled = x[rows].float() / unit
-    take = takes_rollout_code(scaled, rollout_value) & (unit > 0) & torch.isfinite(unit)
-    guided = torch.where(take, rollout_value * unit, own[rows].float()).to(own.dtype)
+    block_scale = codes.block_scale[index].float().repeat_interleave(nvfp4.BLOCK_SIZE, dim=1)  # (n, K)
+    global_scale = codes.global_scale[index, None]                                     # (n, 1)
+    unit = block_scale * global_scale                                                   # the rollout's grid step
+    rollout_code_value = nvfp4.decode_e2m1(nvfp4.unpack_codes(codes.data[index]))      # (n, K), E2M1 units
+    take = takes_rollout_code(x[rows].float() / unit, rollout_code_value) & (unit > 0) & torch.isfinite(unit)
+    rollout_value = rollout_code_value * block_scale * global_scale  # nvfp4.dequantize's order: bit for bit
+    guided = torch.where(take, rollout_value, own[rows].float()).to(own.dtype)
     return own.index_copy(0, rows, guided)
 
 

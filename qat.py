@@ -133,13 +133,14 @@ def compensated_values(x, rac_mask=None):
 class RolloutCodes:
     """What the rollout's quantizer produced for some rows of one layer input, keyed by row: codes, block
     scales and global scale per row (the rollout quantizes a whole decode step at one global scale)."""
-    keys: torch.Tensor          # (M',) int64, ascending: trainer row b * W + w (times E, plus the expert, for down)
+    keys: torch.Tensor          # (M',) int64, ascending: trainer row b * W + w (down: row * E + expert)
     data: torch.Tensor          # (M', K/2) uint8 packed E2M1 codes, low nibble first
     block_scale: torch.Tensor   # (M', G) float8_e4m3fn
     global_scale: torch.Tensor  # (M',) fp32
 
     def nbytes(self):
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.data, self.block_scale, self.global_scale))
+        tensors = (self.keys, self.data, self.block_scale, self.global_scale)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 # The signed E2M1 grid, ascending: the 15 distinct values a code can take.
@@ -168,7 +169,7 @@ def guided_values(x, codes, row_keys, own):
     rows, index = found.nonzero().squeeze(1), index[found]                              # (n,) each
     block_scale = codes.block_scale[index].float().repeat_interleave(nvfp4.BLOCK_SIZE, dim=1)  # (n, K)
     global_scale = codes.global_scale[index, None]                                     # (n, 1)
-    unit = block_scale * global_scale                                                   # the rollout's grid step
+    unit = block_scale * global_scale                                                   # its grid step
     rollout_code_value = nvfp4.decode_e2m1(nvfp4.unpack_codes(codes.data[index]))      # (n, K), E2M1 units
     take = takes_rollout_code(x[rows].float() / unit, rollout_code_value) & (unit > 0) & torch.isfinite(unit)
     rollout_value = rollout_code_value * block_scale * global_scale  # nvfp4.dequantize's order: bit for bit
@@ -230,7 +231,8 @@ class QATLinear(nn.Linear):
     @classmethod
     def from_float(cls, linear, mode="qat"):
         """A QATLinear holding `linear`'s own Parameter objects (an existing optimizer keeps working)."""
-        qat = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta", mode=mode)
+        qat = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
+                  mode=mode)
         qat.weight, qat.bias = linear.weight, linear.bias
         return qat.train(linear.training)
 
@@ -436,7 +438,8 @@ class RolloutRecorder:
             data, block_scale = q.data, q.block_scale.view(torch.uint8)
             if index == 1:  # rows sorted by expert -> assignment order t * A + a
                 order = self.order[path]
-                data, block_scale = data.index_copy(0, order, data), block_scale.index_copy(0, order, block_scale)
+                data = data.index_copy(0, order, data)
+                block_scale = block_scale.index_copy(0, order, block_scale)
             self._memo[memo_key] = (x, (data, block_scale, q.global_scale.reshape(()).float()))
         self.steps.setdefault((path, index), []).append(self._memo[memo_key][1])
 
@@ -458,7 +461,8 @@ class RolloutRecorder:
 
         for (path, index), records in self.steps.items():
             if len(records) < T:
-                raise ValueError(f"RolloutRecorder: {path!r} has {len(records)} decode steps, the rollout {T}")
+                raise ValueError(f"RolloutRecorder: {path!r} saw {len(records)} decode steps, "
+                                 f"the rollout has {T} tokens")
             data, block_scale = stack(records, 0), stack(records, 1)
             global_scale = torch.stack([r[2] for r in records[:T]])                     # (T,)
             if index == 1:

@@ -52,13 +52,14 @@ def oracle_weight_fake_quant(w):
     scale per matrix (fp32 amax / 2688), block scales rounded to the nearest E4M3 value (ties to the even
     mantissa, from an enumerated table), unit = block_scale * global_scale in fp32, and the E2M1 code of
     |x| = the number of midpoints m * unit (fp32 products) it passes (at a midpoint: up iff the code below
-    is odd, i.e. ties to even); value = code value * block_scale * global_scale, exact, rounded once to fp32, then to
-    w's dtype; zero is +0."""
+    is odd, i.e. ties to even); value = code value * block_scale * global_scale, exact, rounded once to
+    fp32, then to w's dtype; zero is +0."""
     e4m3 = [(m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7), m % 2 == 1)
             for e in range(16) for m in range(8) if not (e == 15 and m == 7)]
     e4m3_values = torch.tensor([v for v, _ in e4m3], dtype=torch.float64)
     e4m3_odd = torch.tensor([odd for _, odd in e4m3])
-    midpoints = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)]
+    midpoints = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
+                 (5.0, False)]
     e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
     out = []
     for m in w.detach().float().reshape(-1, *w.shape[-2:]):                     # each (N, K) matrix
@@ -197,7 +198,7 @@ def test_gradients_reach_every_master_weight_of_a_converted_model():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
 
 
-# ----------------------------------------------------------------------------------------------- weight updates
+# ------------------------------------------------------------------------------------------ weight updates
 @pytest.mark.parametrize("make_optimizer", [
     lambda p: torch.optim.SGD(p, lr=0.1),
     lambda p: torch.optim.AdamW(p, lr=1e-2),                       # foreach: bumps version counters
@@ -466,7 +467,9 @@ def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tok
     seq = out.sequences()
     B, W = seq.tokens.shape
     codes = recorder.codes(out.completion_mask, out.prompt_lengths, W)
-    assert codes["q"][0].keys.numel() == int(out.completion_mask.sum())              # completion tokens only
+    n_tokens = int(out.completion_mask.sum())
+    assert codes["q"][0].keys.numel() == n_tokens                                    # completion tokens only
+    assert codes["q"][0].nbytes() == n_tokens * (64 // 2 + 64 // 16 + 4 + 8)         # the docstring's bound
 
     trainer = qat.convert_for_training(copy.deepcopy(model), "trace")
     layer = trainer.layers[0].attn.q_proj
@@ -477,10 +480,10 @@ def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tok
     guided = qat.quantize_input(x, "trace", codes=codes["q"][0])
     own = nvfp4.fake_quantize(x)
     rows = codes["q"][0].keys
-    rollout_values = torch.stack([nvfp4.dequantize(nvfp4.NVFP4Tensor(data, scale, global_scale), torch.float32)
-                                  for data, scale, global_scale in zip(codes["q"][0].data[:, None],
-                                                                       codes["q"][0].block_scale[:, None],
-                                                                       codes["q"][0].global_scale)])[:, 0]
+    q_codes = codes["q"][0]
+    rollout_values = torch.cat([nvfp4.dequantize(nvfp4.NVFP4Tensor(data, scale, global_scale), torch.float32)
+                                for data, scale, global_scale in
+                                zip(q_codes.data[:, None], q_codes.block_scale[:, None], q_codes.global_scale)])
     assert torch.equal(guided[rows], rollout_values)
     assert not torch.equal(own[rows], rollout_values)  # the trainer's own rounding differs (another scale)
     others = torch.ones(B * W, dtype=torch.bool)

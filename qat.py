@@ -113,6 +113,37 @@ def _compute_dtype(x):
     return x.dtype
 
 
+# ----------------------------------------------------------------------------- the weights, once per forward
+def fake_quantize_weights(weights):
+    """[nvfp4.fake_quantize_weight(w) for w in weights], bit for bit, with the same straight-through
+    gradients, but with the global scales of all of them computed together: one multi-tensor amax and one
+    application of nvfp4's scale rule, instead of about ten small launches per weight. A training step
+    on the GPU waits on launches, not on this arithmetic (RESULTS.md)."""
+    with torch.no_grad():
+        matrices = [m for w in weights for m in (w.detach().unbind(0) if w.dim() >= 3 else (w.detach(),))]
+        amax = torch.stack(torch._foreach_norm(matrices, float("inf"))).float()        # exact: a max
+        # nvfp4's own rule, applied to each matrix's amax (the inf-norm of one value is that value)
+        scales = nvfp4.compute_global_scale(amax.view(-1, 1, 1), per_matrix=True)
+        scales = scales.split([w.shape[0] if w.dim() >= 3 else 1 for w in weights])
+    return [nvfp4.fake_quantize(w, s.reshape(w.shape[:-2])) for w, s in zip(weights, scales)]
+
+
+def _refresh_weights(model, args):
+    """Forward pre-hook of a converted model: every QAT layer's fake-quantized weights for this forward."""
+    layers = [m for m in _qat_layers(model) if m.fake_quant]
+    weights = [w for m in layers for w in m.master_weights()]
+    if not weights:
+        return
+    values = iter(fake_quantize_weights(weights))
+    for layer in layers:
+        layer.weights_q = tuple(next(values) for _ in layer.master_weights())
+
+
+def _forget_weights(model, args, output):
+    for layer in _qat_layers(model):
+        layer.weights_q = None  # the backward holds what it needs; the next forward computes afresh
+
+
 # ----------------------------------------------------------------------------- moeresq: the rollout's RAC
 @torch.no_grad()
 def compensated_values(x, rac_mask=None):
@@ -222,11 +253,14 @@ class QATLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.configure(mode)
         self.fake_quant = True
-        self.rac_masks = self.rollout_codes = None
+        self.rac_masks = self.rollout_codes = self.weights_q = None
 
     def configure(self, mode):
         _check_settings(mode, layer=True)
         self.mode = mode
+
+    def master_weights(self):
+        return (self.weight,)
 
     @classmethod
     def from_float(cls, linear, mode="qat"):
@@ -250,7 +284,9 @@ class QATLinear(nn.Linear):
             mask = self.rac_masks[0] if self.rac_masks is not None else None
             codes = self.rollout_codes[0] if self.rollout_codes is not None else None
             x = quantize_input(x2, self.mode, mask, codes).view(*x.shape[:-1], self.in_features)
-        y = F.linear(x, nvfp4.fake_quantize_weight(self.weight))                      # (..., N)
+        # the model's pre-hook fake-quantized every layer's weight together; a layer called alone does its own
+        weight_q = self.weights_q[0] if self.weights_q is not None else nvfp4.fake_quantize_weight(self.weight)
+        y = F.linear(x, weight_q)                                                       # (..., N)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
@@ -302,8 +338,11 @@ class QATExperts(moe.Experts):
             setattr(qat, name, param)
         qat.configure(mode)
         qat.fake_quant = True
-        qat.rac_masks = qat.rollout_codes = None
+        qat.rac_masks = qat.rollout_codes = qat.weights_q = None
         return qat.train(experts.training)
+
+    def master_weights(self):
+        return (self.gate_up_proj, self.down_proj)
 
     @torch.no_grad()
     def quantized_weights(self):
@@ -315,8 +354,10 @@ class QATExperts(moe.Experts):
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) fp32 -> (T, D), as moe.Experts."""
         if not self.fake_quant:
             return super().forward(x, expert_ids, expert_weights)
-        gate_up = nvfp4.fake_quantize_weight(self.gate_up_proj)                        # (E, 2I, D)
-        down = nvfp4.fake_quantize_weight(self.down_proj)                              # (E, D, I)
+        if self.weights_q is not None:
+            gate_up, down = self.weights_q                                             # (E, 2I, D), (E, D, I)
+        else:
+            gate_up, down = (nvfp4.fake_quantize_weight(w) for w in self.master_weights())
         routing = moe.route_tokens(expert_ids, self.n_experts)
         if self.mode == "qat":  # moe.py's own path, only the weights swapped
             x_sorted, gate_up, down = moe.expert_operands(x[routing.token_ids], gate_up, down)  # (R, D)
@@ -370,6 +411,9 @@ def convert_for_training(model, mode, quantize_router=False, quantize_lm_head=Fa
             setattr(parent, name, QATExperts.from_float(child, mode))
         else:
             setattr(parent, name, QATLinear.from_float(child, mode))
+    if not getattr(model, "_qat_hooks", None):
+        model._qat_hooks = (model.register_forward_pre_hook(_refresh_weights),
+                            model.register_forward_hook(_forget_weights))
     return model
 
 

@@ -218,6 +218,42 @@ def test_the_forward_uses_the_weights_of_the_latest_optimizer_step(make_optimize
     assert torch.equal(after, F.linear(x, weight_rule(layer.weight)))
 
 
+def test_weights_fake_quantized_together_equal_each_alone_bit_for_bit():
+    torch.manual_seed(0)
+    weights = [torch.randn(48, 64), torch.randn(4, 32, 64).bfloat16(), torch.randn(16, 32) * 1e-30,
+               torch.zeros(16, 32), torch.randn(3, 16, 16)]
+    weights[4][1, 2, 3] = float("nan")  # one expert's NaN: its own scale is NaN, the others' are not
+    weights[1][2] = 0.0                 # an all-zero expert: global scale 1.0
+    weights = [w.requires_grad_() for w in weights]
+    together = qat.fake_quantize_weights(weights)
+    for w, value in zip(weights, together):
+        alone = nvfp4.fake_quantize_weight(w.detach())
+        assert value.dtype == alone.dtype and torch.equal(value.nan_to_num(7.0), alone.nan_to_num(7.0))
+    sum(v.sum() for v in together[:4]).backward()
+    assert all(torch.equal(w.grad, torch.ones_like(w)) for w in weights[:4])  # straight-through
+
+
+def test_a_models_forward_fake_quantizes_all_its_weights_once_together(monkeypatch):
+    model = qat.convert_for_training(tiny_model(), "qat")
+    qat.convert_for_training(model, "qat")  # converting again registers nothing twice
+    calls = []
+    monkeypatch.setattr(qat, "fake_quantize_weights", lambda ws: calls.append(len(ws)) or [
+        nvfp4.fake_quantize_weight(w) for w in ws])
+    monkeypatch.setattr(nvfp4, "fake_quantize_weight", lambda w, original=nvfp4.fake_quantize_weight: (
+        calls.append("alone"), original(w))[1])
+    batch = tokens()
+    y = model(batch)
+    assert calls.count(4 * 2 + 2 * 2) == 1 and calls.count("alone") == 4 * 2 + 2 * 2  # one batch of 12 weights
+    assert all(m.weights_q is None for m in model.modules() if isinstance(m, qat.QATLinear))  # nothing kept
+    with qat.bf16_forward(model):
+        model(batch)
+    assert len(calls) == 1 + 12  # nothing quantized in full precision
+    layer = model.layers[0].attn.q_proj
+    x = torch.randn(3, 64)
+    assert torch.equal(layer(x), F.linear(x, weight_rule(layer.weight)))  # a layer called alone does its own
+    assert y.shape == (4, 16, 64)
+
+
 def test_a_forward_under_inference_mode_does_not_break_the_next_training_step():
     model = qat.convert_for_training(tiny_model(), "qat")
     with torch.inference_mode():

@@ -134,14 +134,15 @@ def _refresh_weights(model, args):
     weights = [w for m in layers for w in m.master_weights()]
     if not weights:
         return
-    values = iter(fake_quantize_weights(weights))
+    values, input_memo = iter(fake_quantize_weights(weights)), {}
     for layer in layers:
         layer.weights_q = tuple(next(values) for _ in layer.master_weights())
+        layer.input_memo = input_memo
 
 
 def _forget_weights(model, args, output):
     for layer in _qat_layers(model):
-        layer.weights_q = None  # the backward holds what it needs; the next forward computes afresh
+        layer.weights_q = layer.input_memo = None  # the backward holds what it needs
 
 
 # ----------------------------------------------------------------------------- moeresq: the rollout's RAC
@@ -225,6 +226,20 @@ def quantize_input(x, mode, rac_mask=None, codes=None, row_keys=None):
     return straight_through(x, values)
 
 
+def _quantized_input_of(layer, x, mode, mask, codes):
+    """quantize_input for a dense layer's input x (..., K), computed once per model forward for layers
+    that read the same tensor with the same settings (q, k and v): the model's pre-hook hands every layer
+    one memo (a dict); entries hold x itself, so no other tensor can take its id before the forward ends."""
+    memo = layer.input_memo
+    key = (id(x), x._version, mode, id(mask), id(codes), torch.is_grad_enabled())
+    if memo is not None and key in memo:
+        return memo[key][1]
+    result = quantize_input(x.reshape(-1, x.shape[-1]), mode, mask, codes).view(x.shape)  # (..., K)
+    if memo is not None:
+        memo[key] = (x, result)
+    return result
+
+
 def _check_settings(mode, layer=False):
     if layer and mode == "bf16":
         raise ValueError("a QAT layer's mode is one of 'qat', 'w4a4', 'moeresq', 'trace'; "
@@ -253,7 +268,7 @@ class QATLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.configure(mode)
         self.fake_quant = True
-        self.rac_masks = self.rollout_codes = self.weights_q = None
+        self.rac_masks = self.rollout_codes = self.weights_q = self.input_memo = None
 
     def configure(self, mode):
         _check_settings(mode, layer=True)
@@ -280,10 +295,9 @@ class QATLinear(nn.Linear):
             return super().forward(x)
         if self.mode in SYMMETRIC:
             _check_masks(self, self.rac_masks, "(mask,)")
-            x2 = x.reshape(-1, self.in_features)                                       # (M, K)
             mask = self.rac_masks[0] if self.rac_masks is not None else None
             codes = self.rollout_codes[0] if self.rollout_codes is not None else None
-            x = quantize_input(x2, self.mode, mask, codes).view(*x.shape[:-1], self.in_features)
+            x = _quantized_input_of(self, x, self.mode, mask, codes)
         # the model's pre-hook fake-quantized every layer's weight together; a layer called alone does its own
         weight_q = self.weights_q[0] if self.weights_q is not None else nvfp4.fake_quantize_weight(self.weight)
         y = F.linear(x, weight_q)                                                       # (..., N)
@@ -338,7 +352,7 @@ class QATExperts(moe.Experts):
             setattr(qat, name, param)
         qat.configure(mode)
         qat.fake_quant = True
-        qat.rac_masks = qat.rollout_codes = qat.weights_q = None
+        qat.rac_masks = qat.rollout_codes = qat.weights_q = qat.input_memo = None
         return qat.train(experts.training)
 
     def master_weights(self):
@@ -503,7 +517,11 @@ class RolloutRecorder:
                 stacked[key] = torch.stack([r[i] for r in records[:T]], dim=1)
             return stacked[key]
 
+        shared = {}  # sites that recorded one tensor (q, k, v) get one RolloutCodes object
         for (path, index), records in self.steps.items():
+            if (id(records[0]), index) in shared:
+                by_path.setdefault(path, {})[index] = shared[(id(records[0]), index)]
+                continue
             if len(records) < T:
                 raise ValueError(f"RolloutRecorder: {path!r} saw {len(records)} decode steps, "
                                  f"the rollout has {T} tokens")
@@ -521,7 +539,7 @@ class RolloutRecorder:
             else:
                 codes = RolloutCodes(position, data[b, t], block_scale[b, t].view(torch.float8_e4m3fn),
                                      global_scale[t])
-            by_path.setdefault(path, {})[index] = codes
+            by_path.setdefault(path, {})[index] = shared[(id(records[0]), index)] = codes
         return {path: tuple(sites.get(i) for i in range(max(sites) + 1)) for path, sites in by_path.items()}
 
 

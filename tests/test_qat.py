@@ -304,6 +304,20 @@ def test_w4a4_fake_quantizes_activations_with_a_straight_through_gradient():
     torch.testing.assert_close(layer_w4a4.weight.grad, grad_y.T @ x_q, rtol=1e-6, atol=1e-6)
 
 
+def test_q_k_and_v_quantize_their_shared_input_once_per_forward(monkeypatch):
+    model = qat.convert_for_training(tiny_model(), "w4a4")
+    batch = tokens()
+    calls = []
+    original = qat.quantize_input
+    monkeypatch.setattr(qat, "quantize_input", lambda x, *args, **kwargs: calls.append(x.shape) or original(
+        x, *args, **kwargs))
+    y = model(batch)
+    assert len(calls) == 2 * (1 + 1 + 2)  # per layer: q/k/v together, o, the experts' two inputs
+    monkeypatch.setattr(qat, "_quantized_input_of", lambda layer, x, mode, mask, codes: original(
+        x.reshape(-1, x.shape[-1]), mode, mask, codes).view(x.shape))  # no sharing
+    assert torch.equal(model(batch), y)
+
+
 def test_w4a4_experts_quantize_both_gemm_inputs():
     _, qat_experts, x, ids, weights = random_experts(mode="w4a4")
     gate_up_q, down_q = qat_experts.quantized_weights()

@@ -15,8 +15,10 @@ dWq/dW is taken as the identity, so the optimizer updates the BF16/fp32 master w
     backward  grad_x = grad_y @ Wq               the quantized weight, as the forward used
               grad_W = grad_y.T @ x_eff          applied to the master W (straight-through)
 
-Wq is recomputed at every forward: the training loop runs one forward per optimizer step, so a cache
-would never be hit (measured: 0 hits in 60 lookups over a 5-step run of train.py).
+Wq is computed afresh at every forward of the model, for all its layers together (`fake_quantize_weights`:
+one multi-tensor amax, nvfp4's global-scale rule applied once, then one fused kernel per weight); the
+training loop runs one forward per optimizer step, so there is nothing a cache could reuse. Layers that
+read one input with the same settings (q, k, v) quantize it once per forward.
 
 Modes (`convert_for_training(model, mode)`), for the attention projections q/k/v/o and the experts:
 - `bf16`: no change.
@@ -53,9 +55,12 @@ the experts' down projection by (position, expert): that input exists only for t
 chose, so a (token, expert) pair that only the trainer routes to keeps its own rounding. Prompt tokens
 are not recorded (they come from the prefill): the trainer rounds them itself. Memory per completion
 token and layer input of width K: K/2 bytes of codes + K/16 of block scales + 4 (fp32 global scale) + 8
-(int64 key); the down projection has A such rows per token. For the small preset (D = 512, I = 256,
-A = 4) that is 2.1 KB per token per layer (q, k and v share one record), 17 KB per token over 8 layers;
-freed after the step.
+(int64 key); the down projection has A such rows per token, and q, k and v share one record. Per token
+and layer: 240 B on the tiny preset (D = I = 64, A = 2), 1.5 KB on the small one (D = 512, I = 256,
+A = 4; 12 KB over its 8 layers). During the rollout every decode step is kept for all N rows (finished
+ones too) until the completion tokens are picked out, so the peak is N * max_new_tokens times that
+(small preset, 256 rows x 128 tokens: 400 MB); everything is freed after the optimizer step. Hooks do
+not run when a CUDA graph replays, so a `trace` rollout decodes eagerly.
 
 The quantized modules subclass the ones they replace (`QATLinear(nn.Linear)`, `QATExperts(moe.Experts)`)
 and keep the *same* Parameter objects under the same names (`weight`; `gate_up_proj`, `down_proj`):

@@ -135,6 +135,19 @@ def test_cuda_triton_fake_quantized_weights_match_the_cpu_reference():
             assert same_bits(quantized.cpu(), expected)
 
 
+@pytest.mark.cuda
+def test_cuda_weights_fake_quantized_together_match_the_cpu_reference():
+    model = qat.convert_for_training(tiny_model().cuda().bfloat16(), "qat")
+    layers = [m for m in model.modules() if isinstance(m, (qat.QATLinear, qat.QATExperts))]
+    weights = [w for m in layers for w in m.master_weights()]
+    with torch.no_grad():
+        weights[0][1, 3] = float("nan")  # its scale must be NaN on the GPU too (multi-tensor amax)
+    for w, value in zip(weights, qat.fake_quantize_weights(weights)):
+        cpu = w.detach().cpu()
+        expected = nvfp4.dequantize_reference(nvfp4.quantize_reference(cpu, nvfp4.weight_global_scale(cpu)), cpu.dtype)
+        assert same_bits(value.cpu().nan_to_num(7.0), expected.nan_to_num(7.0))
+
+
 def test_trainer_weights_equal_rac_rollout_weights_after_sync():
     trainer = tiny_model()
     rollout = rac.convert_for_rollout(copy.deepcopy(trainer), "nvfp4")

@@ -52,10 +52,11 @@ registers; each decode step the recorder re-quantizes every quantized layer inpu
 (the rollout's own rule, so the same codes) and keeps them; after the rollout it keeps only the
 completion tokens (the ones trained on) and keys them by the trainer's (row, column) position, and for
 the experts' down projection by (position, expert): that input exists only for the experts the rollout
-chose, so a (token, expert) pair that only the trainer routes to keeps its own rounding. Prompt tokens
-are not recorded (they come from the prefill): the trainer rounds them itself. Memory per completion
-token and layer input of width K: K/2 bytes of codes + K/16 of block scales + 4 (fp32 global scale) + 8
-(int64 key); the down projection has A such rows per token, and q, k and v share one record. Per token
+chose, so a (token, expert) pair that only the trainer routes to keeps its own rounding (a forward on a
+mini-batch of the sequences takes `RolloutCodes.select_rows`, via `use_rollout_codes(..., rows)`).
+Prompt tokens are not recorded (they come from the prefill): the trainer rounds them itself. Memory per
+completion token and layer input of width K: K/2 bytes of codes + K/16 of block scales + 4 (fp32 global
+scale) + 8 (int64 key); the down projection has A such rows per token, and q, k and v share one record. Per token
 and layer: 240 B on the tiny preset (D = I = 64, A = 2), 1.5 KB on the small one (D = 512, I = 256,
 A = 4; 12 KB over its 8 layers). During the rollout every decode step is kept for all N rows (finished
 ones too) until the completion tokens are picked out, so the peak is N * max_new_tokens times that
@@ -174,10 +175,27 @@ class RolloutCodes:
     data: torch.Tensor          # (M', K/2) uint8 packed E2M1 codes, low nibble first
     block_scale: torch.Tensor   # (M', G) float8_e4m3fn
     global_scale: torch.Tensor  # (M',) fp32
+    n_experts: int = 1          # E for an experts layer's down input (its keys are row * E + expert), else 1
 
     def nbytes(self):
         tensors = (self.keys, self.data, self.block_scale, self.global_scale)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def select_rows(self, rows, width):
+        """The records of trainer rows `rows` (R',) int64, keyed as a forward on tokens[rows] (width W)
+        sees them: for a mini-batch of the rollout's sequences."""
+        position, expert = self.keys // self.n_experts, self.keys % self.n_experts
+        row, column = position // width, position % width
+        size = max(int(row.max()) if row.numel() else 0, int(rows.max()) if rows.numel() else 0) + 1
+        new_row = torch.full((size,), -1, dtype=torch.int64, device=self.keys.device)
+        new_row[rows] = torch.arange(rows.numel(), device=rows.device)                  # -1: not selected
+        row = new_row[row]
+        index = (row >= 0).nonzero().squeeze(1)
+        keys = (row[index] * width + column[index]) * self.n_experts + expert[index]
+        order = keys.argsort()
+        index = index[order]
+        return RolloutCodes(keys[order], self.data[index], self.block_scale[index], self.global_scale[index],
+                            self.n_experts)
 
 
 # The signed E2M1 grid, ascending: the 15 distinct values a code can take.
@@ -304,7 +322,10 @@ class QATLinear(nn.Linear):
             codes = self.rollout_codes[0] if self.rollout_codes is not None else None
             x = _quantized_input_of(self, x, self.mode, mask, codes)
         # the model's pre-hook fake-quantized every layer's weight together; a layer called alone does its own
-        weight_q = self.weights_q[0] if self.weights_q is not None else nvfp4.fake_quantize_weight(self.weight)
+        if self.weights_q is not None:
+            weight_q = self.weights_q[0]
+        else:
+            weight_q = nvfp4.fake_quantize_weight(self.weight)
         y = F.linear(x, weight_q)                                                       # (..., N)
         return y if self.bias is None else y + self.bias
 
@@ -540,7 +561,7 @@ class RolloutRecorder:
                 keys = (position[:, None] * self.n_experts[path] + experts[b, t]).flatten()  # (n * A,)
                 order = keys.argsort()
                 codes = RolloutCodes(keys[order], data[order], block_scale[order].view(torch.float8_e4m3fn),
-                                     global_scale[t].repeat_interleave(A)[order])
+                                     global_scale[t].repeat_interleave(A)[order], self.n_experts[path])
             else:
                 codes = RolloutCodes(position, data[b, t], block_scale[b, t].view(torch.float8_e4m3fn),
                                      global_scale[t])
@@ -548,9 +569,13 @@ class RolloutRecorder:
         return {path: tuple(sites.get(i) for i in range(max(sites) + 1)) for path, sites in by_path.items()}
 
 
-def use_rollout_codes(layers_by_path, codes_by_path):
+def use_rollout_codes(layers_by_path, codes_by_path, rows=None, width=None):
     """Hand the recorded codes to the trainer's trace layers: codes_by_path maps a layer's path to its
-    tuple of RolloutCodes (one per input); None clears every layer (free the memory after the step)."""
+    tuple of RolloutCodes (one per input); None clears every layer (free the memory after the step).
+    rows (R',), width W: the next forward sees only those sequences of the rollout (a mini-batch)."""
     for path, layer in layers_by_path.items():
         if isinstance(layer, (QATLinear, QATExperts)):
-            layer.rollout_codes = None if codes_by_path is None else codes_by_path.get(path)
+            codes = None if codes_by_path is None else codes_by_path.get(path)
+            if codes is not None and rows is not None:
+                codes = tuple(c if c is None else c.select_rows(rows, width) for c in codes)
+            layer.rollout_codes = codes

@@ -95,7 +95,7 @@ class TrainConfig:
     jobs: int = 1                  # --compare: variants run at once, one process each (a small model leaves a GPU mostly idle)
     tis: float = 0.0               # truncated importance sampling cap C (0 = off; verl uses 2)
     r3: bool = False               # replay the rollout's expert routes in the trainer (R3)
-    rac_ratio: float = 0.5         # fraction of activation blocks compensated by RAC (rac, quads recipes)
+    rac_ratio: float = 0.5         # fraction of activation blocks compensated by RAC (rac, quads, moeresq)
     rac_refresh: int = 1           # recalibrate the RAC block selection every N weight syncs
     # model and task
     preset: str = ""               # moe.PRESETS name; "" = "tiny" on CPU, "small" on GPU
@@ -339,8 +339,8 @@ def link_trainer_to_rollout(trainer, rollout_model, train_mode):
             module.rac.register_forward_pre_hook(lambda m, args, p=path: recorder.record(p, 0, args[0]))
         elif isinstance(module, rac.NVFP4Experts):
             module.register_forward_pre_hook(lambda m, args, p=path: recorder.route(p, args[1], m.n_experts))
-            module.rac_gate_up.register_forward_pre_hook(lambda m, args, p=path: recorder.record(p, 0, args[0]))
-            module.rac_down.register_forward_pre_hook(lambda m, args, p=path: recorder.record(p, 1, args[0]))
+            for index, selector in enumerate((module.rac_gate_up, module.rac_down)):  # gate/up, down inputs
+                selector.register_forward_pre_hook(lambda m, args, p=path, i=index: recorder.record(p, i, args[0]))
     return recorder
 
 
@@ -432,7 +432,8 @@ def run(cfg, base_state=None):
                 recorder.start()
             out = rollout.generate(rollout_model, encode_prompts(tokenizer, problems), G, new_tokens,
                                    temperature=cfg.temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                                   seed=cfg.seed * 1_000_003 + step, cuda_graph=cfg.cuda_graph and recorder is None)
+                                   seed=cfg.seed * 1_000_003 + step,
+                                   cuda_graph=cfg.cuda_graph and recorder is None)
             if recorder is not None:
                 hand_over_codes(recorder, trainer, out)
             _sync_device(cfg)

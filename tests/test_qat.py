@@ -144,7 +144,8 @@ def test_cuda_weights_fake_quantized_together_match_the_cpu_reference():
         weights[0][1, 3] = float("nan")  # its scale must be NaN on the GPU too (multi-tensor amax)
     for w, value in zip(weights, qat.fake_quantize_weights(weights)):
         cpu = w.detach().cpu()
-        expected = nvfp4.dequantize_reference(nvfp4.quantize_reference(cpu, nvfp4.weight_global_scale(cpu)), cpu.dtype)
+        expected = nvfp4.dequantize_reference(nvfp4.quantize_reference(cpu, nvfp4.weight_global_scale(cpu)),
+                                              cpu.dtype)
         assert same_bits(value.cpu().nan_to_num(7.0), expected.nan_to_num(7.0))
 
 
@@ -256,7 +257,7 @@ def test_a_models_forward_fake_quantizes_all_its_weights_once_together(monkeypat
         calls.append("alone"), original(w))[1])
     batch = tokens()
     y = model(batch)
-    assert calls.count(4 * 2 + 2 * 2) == 1 and calls.count("alone") == 4 * 2 + 2 * 2  # one batch of 12 weights
+    assert calls.count(4 * 2 + 2 * 2) == 1 and calls.count("alone") == 12  # one batch of the 12 weights
     assert all(m.weights_q is None for m in model.modules() if isinstance(m, qat.QATLinear))  # nothing kept
     with qat.bf16_forward(model):
         model(batch)
@@ -545,16 +546,42 @@ def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tok
     rows = codes["q"][0].keys
     q_codes = codes["q"][0]
     rollout_values = torch.cat([nvfp4.dequantize(nvfp4.NVFP4Tensor(data, scale, global_scale), torch.float32)
-                                for data, scale, global_scale in
-                                zip(q_codes.data[:, None], q_codes.block_scale[:, None], q_codes.global_scale)])
+                                for data, scale, global_scale in zip(q_codes.data[:, None],
+                                                                     q_codes.block_scale[:, None],
+                                                                     q_codes.global_scale)])
     assert torch.equal(guided[rows], rollout_values)
     assert not torch.equal(own[rows], rollout_values)  # the trainer's own rounding differs (another scale)
     others = torch.ones(B * W, dtype=torch.bool)
     others[rows] = False
     assert torch.equal(guided[others], own[others])
+    # a mini-batch of the sequences (rows 3 and 0) sees the same rollout values on its completion tokens
+    rows = torch.tensor([3, 0])
+    sub = codes["q"][0].select_rows(rows, W)
+    trainer(seq.tokens[rows])
+    guided_sub = qat.quantize_input(seen["x"], "trace", codes=sub)
+    old_keys = rows[sub.keys // W] * W + sub.keys % W
+    assert sub.keys.numel() == int(seq.loss_mask[rows].sum())
+    assert torch.equal(guided_sub[sub.keys], guided[old_keys])
     # the experts' down records are keyed by (position, expert) of the rollout's own routes
     down = codes["e"][1]
     position, expert = down.keys // 8, down.keys % 8
     b, w = position // W, position % W
     assert seq.loss_mask[b, w].all()
     assert (seq.routes[1, b, w] == expert[:, None]).any(-1).all()
+
+
+def test_a_mini_batch_of_rows_gets_its_own_rows_records_rekeyed():
+    width, n_experts = 5, 4
+    # records of rows 0, 1, 2: one per (row, column 3) for a linear input, two experts each for a down input
+    linear = hand_made_codes(torch.arange(3.0)[:, None].repeat(1, 16), 1.0, 1.0, keys=[3, 8, 13])
+    keys = torch.tensor([(r * width + 3) * n_experts + e for r in range(3) for e in (1, 2)])
+    down = qat.RolloutCodes(keys, torch.arange(6, dtype=torch.uint8)[:, None].repeat(1, 8),
+                            torch.ones(6, 1).to(torch.float8_e4m3fn), torch.arange(6.0), n_experts)
+    rows = torch.tensor([2, 0])                       # the mini-batch: row 2 first, then row 0
+    picked = linear.select_rows(rows, width)
+    assert picked.keys.tolist() == [3, 8]             # new row 0 (old 2) and new row 1 (old 0), column 3
+    assert nvfp4.decode_e2m1(nvfp4.unpack_codes(picked.data))[:, 0].tolist() == [2.0, 0.0]
+    picked = down.select_rows(rows, width)
+    assert picked.keys.tolist() == [(0 * width + 3) * 4 + 1, (0 * width + 3) * 4 + 2, (1 * width + 3) * 4 + 1,
+                                    (1 * width + 3) * 4 + 2]
+    assert picked.global_scale.tolist() == [4.0, 5.0, 0.0, 1.0] and picked.n_experts == n_experts

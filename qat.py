@@ -56,9 +56,9 @@ chose, so a (token, expert) pair that only the trainer routes to keeps its own r
 mini-batch of the sequences takes `RolloutCodes.select_rows`, via `use_rollout_codes(..., rows)`).
 Prompt tokens are not recorded (they come from the prefill): the trainer rounds them itself. Memory per
 completion token and layer input of width K: K/2 bytes of codes + K/16 of block scales + 4 (fp32 global
-scale) + 8 (int64 key); the down projection has A such rows per token, and q, k and v share one record. Per token
-and layer: 240 B on the tiny preset (D = I = 64, A = 2), 1.5 KB on the small one (D = 512, I = 256,
-A = 4; 12 KB over its 8 layers). During the rollout every decode step is kept for all N rows (finished
+scale) + 8 (int64 key); the down projection has A such rows per token, and q, k and v share one record.
+Per token and layer: 240 B on the tiny preset (D = I = 64, A = 2), 1.5 KB on the small one (D = 512,
+I = 256, A = 4; 12 KB over its 8 layers). During the rollout every decode step is kept for all N rows (finished
 ones too) until the completion tokens are picked out, so the peak is N * max_new_tokens times that
 (small preset, 256 rows x 128 tokens: 400 MB); everything is freed after the optimizer step. Hooks do
 not run when a CUDA graph replays, so a `trace` rollout decodes eagerly.

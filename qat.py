@@ -58,10 +58,10 @@ Prompt tokens are not recorded (they come from the prefill): the trainer rounds 
 completion token and layer input of width K: K/2 bytes of codes + K/16 of block scales + 4 (fp32 global
 scale) + 8 (int64 key); the down projection has A such rows per token, and q, k and v share one record.
 Per token and layer: 240 B on the tiny preset (D = I = 64, A = 2), 1.5 KB on the small one (D = 512,
-I = 256, A = 4; 12 KB over its 8 layers). During the rollout every decode step is kept for all N rows (finished
-ones too) until the completion tokens are picked out, so the peak is N * max_new_tokens times that
-(small preset, 256 rows x 128 tokens: 400 MB); everything is freed after the optimizer step. Hooks do
-not run when a CUDA graph replays, so a `trace` rollout decodes eagerly.
+I = 256, A = 4; 12 KB over its 8 layers). During the rollout every decode step is kept for all N rows
+(finished ones too) until the completion tokens are picked out, so the peak is N * max_new_tokens times
+that (small preset, 256 rows x 128 tokens: 400 MB); everything is freed after the optimizer step. Hooks
+do not run when a CUDA graph replays, so a `trace` rollout decodes eagerly.
 
 The quantized modules subclass the ones they replace (`QATLinear(nn.Linear)`, `QATExperts(moe.Experts)`)
 and keep the *same* Parameter objects under the same names (`weight`; `gate_up_proj`, `down_proj`):

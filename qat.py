@@ -254,7 +254,8 @@ def _quantized_input_of(layer, x, mode, mask, codes):
     that read the same tensor with the same settings (q, k and v): the model's pre-hook hands every layer
     one memo (a dict); entries hold x itself, so no other tensor can take its id before the forward ends."""
     memo = layer.input_memo
-    key = (id(x), x._version, mode, id(mask), id(codes), torch.is_grad_enabled())
+    key = (id(x), x._version, mode, id(mask) if mode == "moeresq" else None,
+           id(codes) if mode == "trace" else None, torch.is_grad_enabled())
     if memo is not None and key in memo:
         return memo[key][1]
     result = quantize_input(x.reshape(-1, x.shape[-1]), mode, mask, codes).view(x.shape)  # (..., K)

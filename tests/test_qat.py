@@ -466,6 +466,21 @@ def test_moeresq_experts_equal_the_rollout_experts_torch_twin_to_accumulation_or
 
 
 # ----------------------------------------------------------------------------------------------- trace
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [64, 4096])  # a decode step (amax in the fused launch), a prefill (partials)
+def test_cuda_the_recorders_requantization_is_the_rollout_kernels_bit_for_bit(rows):
+    """trace records nvfp4.quantize(x) of each rollout layer input; the rollout's fused quantizer must
+    have produced the same codes, block scales and global scale."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    x[:, 64:80] *= 40
+    recorded = nvfp4.quantize(x)
+    used = rac.quantize_activation_triton(x, codes=True).x_q
+    assert torch.equal(recorded.global_scale.reshape(()), used.global_scale.reshape(()))
+    assert torch.equal(recorded.data, used.data)
+    assert torch.equal(recorded.block_scale.view(torch.uint8), used.block_scale.view(torch.uint8))
+
+
 def test_the_rollouts_code_is_taken_only_when_it_brackets_the_trainers_value():
     # scaled value s (x in units of the rollout's block grid), the rollout's grid value, taken?
     cases = [(2.49, 3.0, True),    # just below the 2.5 midpoint: own rounding says 2, the rollout's 3 wins

@@ -466,16 +466,30 @@ def test_moeresq_experts_equal_the_rollout_experts_torch_twin_to_accumulation_or
 
 
 # ----------------------------------------------------------------------------------------------- trace
+def recorded_and_used(x):
+    return nvfp4.quantize(x), rac.quantize_activation_triton(x, codes=True).x_q
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_recorders_requantization_is_the_rollout_kernels_bit_for_bit_interpreted(dtype):
+    """trace records nvfp4.quantize(x) of each rollout layer input; the rollout's fused quantizer (here
+    under the Triton interpreter) must have produced the same codes, block scales and global scale."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, dtype=dtype)
+    x[:, 16:32] *= 40
+    recorded, used = recorded_and_used(x)
+    assert torch.equal(recorded.global_scale.reshape(()), used.global_scale.reshape(()))
+    assert torch.equal(recorded.data, used.data)
+    assert torch.equal(recorded.block_scale.view(torch.uint8), used.block_scale.view(torch.uint8))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [64, 4096])  # a decode step (amax in the fused launch), a prefill (partials)
 def test_cuda_the_recorders_requantization_is_the_rollout_kernels_bit_for_bit(rows):
-    """trace records nvfp4.quantize(x) of each rollout layer input; the rollout's fused quantizer must
-    have produced the same codes, block scales and global scale."""
     torch.manual_seed(0)
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     x[:, 64:80] *= 40
-    recorded = nvfp4.quantize(x)
-    used = rac.quantize_activation_triton(x, codes=True).x_q
+    recorded, used = recorded_and_used(x)
     assert torch.equal(recorded.global_scale.reshape(()), used.global_scale.reshape(()))
     assert torch.equal(recorded.data, used.data)
     assert torch.equal(recorded.block_scale.view(torch.uint8), used.block_scale.view(torch.uint8))

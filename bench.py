@@ -3,7 +3,7 @@
     python bench.py quantize        # nvfp4 quantize kernel vs a device-to-device copy
     python bench.py model           # moe.py forward+backward tokens/s (BF16, eager and compiled)
     python bench.py gemm            # rac.py W4A4 dense/grouped GEMMs vs FP8 and BF16
-    python bench.py qat             # qat.py training step time: bf16 vs qat vs w4a4
+    python bench.py qat             # qat.py training step time: bf16 vs qat, w4a4, moeresq, trace
     python bench.py rollout         # rollout.py sampler vs HF generate; decode tokens/s per precision
     python bench.py racsweep        # decode tokens/s of NVFP4 rollouts at RAC ratios 0 .. 1 (the study's sweep)
 
@@ -330,15 +330,19 @@ def bench_gemm(args):
 # ---------------------------------------------------------------------------- qat (qat.py)
 def bench_qat(args):
     """Training step time (forward + backward + AdamW step) of moe.py's "small" preset, BF16 weights,
-    under each of qat.py's modes: bf16 (the reference), qat (fake-quantized weights, recomputed once per
-    step because every step changes them), w4a4 (weights and activations fake-quantized), and w4a4 with
-    residual compensation on half the channel blocks. Loss: cross-entropy on random tokens.
+    under each of qat.py's modes: bf16 (the reference), qat (fake-quantized weights, recomputed every
+    step), w4a4 (weights and activations fake-quantized), moeresq (w4a4 + residual compensation on half
+    the blocks of every layer input), trace (w4a4 + rollout-guided rounding, with recorded codes for every
+    token and every (token, expert) pair: its upper bound). Loss: cross-entropy on random tokens. One more
+    row times the weight fake quantization alone (every QAT weight once), the part of qat's step that is
+    not in bf16's.
     """
     import copy
 
     import torch.nn.functional as F
 
     import moe
+    import nvfp4
     import qat
     preset, batch, seq_len = "small", 32, 256
     config = moe.MoEConfig.from_preset(preset)
@@ -346,10 +350,36 @@ def bench_qat(args):
     base = moe.MoETransformer(config).cuda().bfloat16()
     tokens = torch.randint(config.vocab_size, (batch, seq_len + 1), device="cuda")
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    with torch.no_grad():
+        _, routes = base(inputs, return_routes=True)                                    # (L, B, T, A)
+    positions = torch.arange(batch * seq_len, device="cuda")
+
+    def random_codes(keys, K):  # what a rollout would have recorded for these rows (random codes)
+        n = keys.numel()
+        q = nvfp4.quantize(torch.randn(n, K, device="cuda", dtype=torch.bfloat16))
+        return qat.RolloutCodes(keys, q.data, q.block_scale, torch.full((n,), float(q.global_scale), device="cuda"))
+
+    def link(model, mode):
+        layer_index = {id(b.mlp.experts): i for i, b in enumerate(model.layers)}
+        for layer in model.modules():
+            if isinstance(layer, qat.QATLinear):
+                G = layer.in_features // 16
+                layer.rac_masks = (torch.arange(G, device="cuda") < G // 2,)
+                if mode == "trace":
+                    layer.rollout_codes = (random_codes(positions, layer.in_features),)
+            elif isinstance(layer, qat.QATExperts):
+                D, I = layer.gate_up_proj.shape[-1], layer.down_proj.shape[-1]
+                layer.rac_masks = (torch.arange(D // 16, device="cuda") < D // 32,
+                                   torch.arange(I // 16, device="cuda") < I // 32)
+                if mode == "trace":
+                    experts = routes[layer_index[id(layer)]].reshape(-1, config.n_active)   # (B * T, A)
+                    down_keys = (positions[:, None] * layer.n_experts + experts).flatten().sort().values
+                    layer.rollout_codes = (random_codes(positions, D), random_codes(down_keys, I))
+
     rows = []
-    for label, mode, rac_ratio in [("bf16", "bf16", 0.0), ("qat", "qat", 0.0), ("w4a4", "w4a4", 0.0),
-                                   ("w4a4, rac_ratio 0.5", "w4a4", 0.5)]:
-        model = qat.convert_for_training(copy.deepcopy(base), mode, rac_ratio=rac_ratio)
+    for mode in ("bf16", "qat", "w4a4", "moeresq", "trace"):
+        model = qat.convert_for_training(copy.deepcopy(base), mode)
+        link(model, mode)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
         def train_step():
@@ -359,7 +389,11 @@ def bench_qat(args):
             optimizer.step()
 
         ms = bench_ms(train_step, warmup=500, rep=3000)  # do_bench budgets are in ms: tens of steps
-        rows.append((label, ms))
+        rows.append((mode, ms))
+        if mode == "qat":
+            layers = [m for m in model.modules() if isinstance(m, (qat.QATLinear, qat.QATExperts))]
+            refresh = [m.quantized_weight if isinstance(m, qat.QATLinear) else m.quantized_weights for m in layers]
+            rows.append(("qat: weight fake quantization alone", bench_ms(lambda: [f() for f in refresh])))
         del model, optimizer
         torch.cuda.empty_cache()
 

@@ -18,7 +18,7 @@ One RL step, as the code below reads:
     optimizer.step(); sync_weights(rollout_model, trainer)           # rac.py via nvfp4.quantize_weight
     (recalibrate RAC, evaluate, log, checkpoint)
 
-Recipes (DESIGN.md): what the trainer's forward computes and what precision the rollout runs in.
+Recipes: what the trainer's forward computes and what precision the rollout runs in.
 
     recipe   trainer forward                 rollout linear layers
     bf16     BF16                            BF16
@@ -28,6 +28,13 @@ Recipes (DESIGN.md): what the trainer's forward computes and what precision the 
     rac      BF16                            NVFP4 W4A4 + RAC          (rollout side alone)
     quads    as qat                          as rac                    (both sides: the stable recipe)
     w4a4     NVFP4 weights and activations   NVFP4 W4A4                (the symmetric alternative)
+    moeresq  as w4a4 + the rollout's RAC     as rac                    (symmetric recovery, MoEResQ)
+             on the same blocks
+    trace    as w4a4, rounding to the        NVFP4 W4A4, eager decode  (rollout-guided rounding, TRACE)
+             rollout's codes where close
+moeresq's trainer layers hold the rollout's own RAC block masks (one selection, recalibrated for both
+sides at once); trace's rollout records the codes it used for the completion tokens (hooks, hence no
+CUDA-graph decode) and the trainer takes them where its value is within one E2M1 step (qat.py).
 
 One update per rollout batch (fully on-policy): the trainer's log-probs under the weights that sampled,
 `old_logp`, are computed in the same forward that carries the gradient, so the PPO ratio is 1 and the
@@ -75,6 +82,8 @@ RECIPES = {
     "rac": ("bf16", "nvfp4", True),
     "quads": ("qat", "nvfp4", True),
     "w4a4": ("w4a4", "nvfp4", False),
+    "moeresq": ("moeresq", "nvfp4", True),
+    "trace": ("trace", "nvfp4", False),
 }
 
 
@@ -86,7 +95,7 @@ class TrainConfig:
     jobs: int = 1                  # --compare: variants run at once, one process each (a small model leaves a GPU mostly idle)
     tis: float = 0.0               # truncated importance sampling cap C (0 = off; verl uses 2)
     r3: bool = False               # replay the rollout's expert routes in the trainer (R3)
-    rac_ratio: float = 0.5         # fraction of activation blocks compensated by RAC (rac, quads recipes)
+    rac_ratio: float = 0.5         # fraction of activation blocks compensated by RAC (rac, quads, moeresq)
     rac_refresh: int = 1           # recalibrate the RAC block selection every N weight syncs
     # model and task
     preset: str = ""               # moe.PRESETS name; "" = "tiny" on CPU, "small" on GPU
@@ -306,6 +315,43 @@ def score(task, tokenizer, problems, out, group_size):
     return torch.tensor([task.reward(problems[i // group_size], text) for i, text in enumerate(completions)])
 
 
+# ----------------------------------------------------------------------------- state shared by the two sides
+def link_trainer_to_rollout(trainer, rollout_model, train_mode):
+    """Hand a symmetric recipe's trainer what it takes from the rollout, layer by layer (the two models
+    share one module tree, so a layer's path names its twin). moeresq: each trainer layer holds the
+    rollout layer's RACSelector masks themselves, so every calibrate_rac refreshes both sides at once.
+    trace: hooks on the rollout's quantizers feed a qat.RolloutRecorder, which is returned (else None)."""
+    layers = dict(trainer.named_modules())
+    if train_mode == "moeresq":
+        for path, module in rollout_model.named_modules():
+            if isinstance(module, rac.NVFP4Linear):
+                layers[path].rac_masks = (module.rac.mask,)
+            elif isinstance(module, rac.NVFP4Experts):
+                layers[path].rac_masks = (module.rac_gate_up.mask, module.rac_down.mask)
+    if train_mode != "trace":
+        return None
+    recorder = qat.RolloutRecorder()
+    # a decode step is a forward with a KV cache that is not prefilling (rollout.KVCache)
+    rollout_model.register_forward_pre_hook(lambda m, args, kwargs: recorder.begin_forward(
+        getattr(kwargs.get("kv_cache"), "prefill_rows", 0) is None), with_kwargs=True)
+    for path, module in rollout_model.named_modules():
+        if isinstance(module, rac.NVFP4Linear):  # its RACSelector sees the input exactly as it is quantized
+            module.rac.register_forward_pre_hook(lambda m, args, p=path: recorder.record(p, 0, args[0]))
+        elif isinstance(module, rac.NVFP4Experts):
+            module.register_forward_pre_hook(lambda m, args, p=path: recorder.route(p, args[1], m.n_experts))
+            for index, selector in enumerate((module.rac_gate_up, module.rac_down)):  # gate/up, down inputs
+                selector.register_forward_pre_hook(lambda m, args, p=path, i=index: recorder.record(p, i, args[0]))
+    return recorder
+
+
+def hand_over_codes(recorder, trainer, out):
+    """After a trace rollout: its recorded codes, keyed by the trainer's (row, column), to the trainer."""
+    recorder.stop()
+    width = int((out.prompt_lengths + out.completion_lengths).max())  # = out.sequences().tokens.shape[1]
+    codes = recorder.codes(out.completion_mask, out.prompt_lengths, width)
+    qat.use_rollout_codes(dict(trainer.named_modules()), codes)
+
+
 # ----------------------------------------------------------------------------- one RL run
 def run(cfg, base_state=None):
     """Warm-start (or reuse), then GRPO for cfg.steps. Returns the run directory."""
@@ -329,6 +375,7 @@ def run(cfg, base_state=None):
     rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), rollout_mode, rac_ratio=rac_ratio)
     eval_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), "bf16")
     trainer = qat.convert_for_training(model, train_mode)
+    recorder = link_trainer_to_rollout(trainer, rollout_model, train_mode)  # moeresq, trace: shared state
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
 
     calib_rng = random.Random(cfg.seed + 777)
@@ -380,10 +427,15 @@ def run(cfg, base_state=None):
             t0 = time.perf_counter()
             # 1. prompts (the data order is a function of the seed and step: resumable)
             problems = task.sample(P, "train", random.Random(cfg.seed * 1_000_003 + step))
-            # 2. rollout in the recipe's precision
+            # 2. rollout in the recipe's precision (trace: recording its codes, so eagerly: hooks)
+            if recorder is not None:
+                recorder.start()
             out = rollout.generate(rollout_model, encode_prompts(tokenizer, problems), G, new_tokens,
                                    temperature=cfg.temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                                   seed=cfg.seed * 1_000_003 + step, cuda_graph=cfg.cuda_graph)
+                                   seed=cfg.seed * 1_000_003 + step,
+                                   cuda_graph=cfg.cuda_graph and recorder is None)
+            if recorder is not None:
+                hand_over_codes(recorder, trainer, out)
             _sync_device(cfg)
             t_rollout = time.perf_counter() - t0
             # 3. rewards
@@ -411,6 +463,8 @@ def run(cfg, base_state=None):
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
             optimizer.step()
+            if recorder is not None:
+                qat.use_rollout_codes(dict(trainer.named_modules()), None)  # free the recorded codes
             sync(step + 1)
             # 7. log, evaluate, checkpoint
             n_tokens = int(out.completion_mask.sum())

@@ -129,6 +129,34 @@ def dose_response(base, recipes=("bf16", "fp8", "rac@1", "quads", "rac", "nvfp4"
     plt.close(fig)
 
 
+def symmetric_study(base, earlier, recipes=("bf16", "nvfp4", "quads", "moeresq", "trace"), seeds=(0, 1, 2)):
+    """QUADS beside the two symmetric recipes (moeresq, trace) on the CPU setting, all five run on one
+    machine: the whole-run table, late reward against the gap, a figure, and whether the recipes that
+    `earlier` (another machine's runs) also has reproduce there step for step."""
+    names = [f"seed{s}_{r}" for s in seeds for r in recipes]
+    if not all(os.path.exists(os.path.join(base, n, "metrics.jsonl")) for n in names):
+        print(f"(the runs of {os.path.basename(base)} are not in results/ yet)")
+        return
+    for name in names:
+        if os.path.exists(os.path.join(earlier, name, "metrics.jsonl")):
+            a, b = steps_of(os.path.join(base, name)), steps_of(os.path.join(earlier, name))
+            same = [r["reward"] for r in a] == [r["reward"] for r in b]
+            print(f"- {name}: train rewards {'identical to' if same else 'differ from'} {os.path.basename(earlier)}")
+    print()
+    whole_run_table(base, names)
+    print()
+    print("| recipe | " + " | ".join(f"seed {s}: mean abs dlogp / reward, second half" for s in seeds) + " |")
+    print("| --- |" + " --- |" * len(seeds))
+    for recipe in recipes:
+        cells = []
+        for seed in seeds:
+            s = steps_of(os.path.join(base, f"seed{seed}_{recipe}"))
+            cells.append(f"{mean(s, 'mismatch/abs_diff_mean'):.4f} / {mean(s, 'reward', s[-1]['step'] // 2):.3f}")
+        print(f"| {recipe} | " + " | ".join(cells) + " |")
+    train.plot([os.path.join(base, n) for n in names if n.startswith("seed0_")],
+               os.path.join(FIGURES, "cpu_lr3e-4_600steps_symmetric.png"), window=25)
+
+
 def main():
     main_runs = ["bf16", "fp8", "nvfp4", "qat", "rac", "quads", "w4a4", "nvfp4+tis2", "quads+r3",
                  "seed1_bf16", "seed1_nvfp4", "seed1_quads"]
@@ -173,6 +201,9 @@ def main():
 
     print("\n## CPU: late train reward against the mismatch, every rollout precision (dose-response)\n")
     dose_response(bcpu)
+
+    print("\n## CPU: QUADS beside the symmetric recipes (moeresq, trace)\n")
+    symmetric_study(os.path.join(HERE, "cpu_lr3e-4_600steps_symmetric"), bcpu)
 
     print("\n## correlation of log(mean gap) with log(trainer NLL) across steps\n")
     for base, names in ((b200, main_runs), (blr, lr_runs), (bd6, d6_runs)):

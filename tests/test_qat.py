@@ -1,6 +1,7 @@
-"""qat.py: QAT layers use exactly nvfp4's weight rule (the rollout's weights), gradients are
-straight-through to the master weights, the per-step cache, QAT trains, the w4a4 alternative,
-bf16_forward, conversion, and clear errors."""
+"""qat.py: QAT layers use exactly nvfp4's weight rule (the rollout's weights; checked against a float64
+oracle), gradients are straight-through to the master weights, weights follow every optimizer step, QAT
+trains, the symmetric modes (w4a4; moeresq against the rollout layers' torch twins; trace's rounding rule
+on hand-made cases and its recorder on a real rollout), bf16_forward, conversion, and clear errors."""
 import copy
 
 import pytest
@@ -12,6 +13,8 @@ from conftest import report_diff
 import moe
 import nvfp4
 import qat
+import rac
+import rollout
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -44,7 +47,38 @@ def same_bits(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-def random_experts(mode="qat", rac_ratio=0.0, seed=0):
+def oracle_weight_fake_quant(w):
+    """NVFP4 weight fake quantization written from the format's definition, without nvfp4.py: one global
+    scale per matrix (fp32 amax / 2688), block scales rounded to the nearest E4M3 value (ties to the even
+    mantissa, from an enumerated table), unit = block_scale * global_scale in fp32, and the E2M1 code of
+    |x| = the number of midpoints m * unit (fp32 products) it passes (at a midpoint: up iff the code below
+    is odd, i.e. ties to even); value = code value * block_scale * global_scale, exact, rounded once to
+    fp32, then to w's dtype; zero is +0."""
+    e4m3 = [(m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7), m % 2 == 1)
+            for e in range(16) for m in range(8) if not (e == 15 and m == 7)]
+    e4m3_values = torch.tensor([v for v, _ in e4m3], dtype=torch.float64)
+    e4m3_odd = torch.tensor([odd for _, odd in e4m3])
+    midpoints = [(0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
+                 (5.0, False)]
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    out = []
+    for m in w.detach().float().reshape(-1, *w.shape[-2:]):                     # each (N, K) matrix
+        global_scale = m.abs().max() / torch.tensor(2688.0)                     # fp32
+        blocks = m.reshape(m.shape[0], -1, 16)                                  # (N, G, 16)
+        scale = (blocks.abs().amax(-1) / torch.tensor(6.0) / global_scale).clamp(0, 448).double()
+        distance = (scale[..., None] - e4m3_values).abs()                       # (N, G, 127)
+        nearest = distance == distance.min(-1, keepdim=True).values             # one, or two at a tie
+        nearest = torch.where((nearest & ~e4m3_odd).any(-1, keepdim=True), nearest & ~e4m3_odd, nearest)
+        block_scale = e4m3_values[nearest.float().argmax(-1)]                   # (N, G)
+        unit = (block_scale.float() * global_scale)[..., None]                  # fp32 (N, G, 1)
+        code = sum(((blocks.abs() >= mid * unit) if up else (blocks.abs() > mid * unit)).long()
+                   for mid, up in midpoints)
+        value = e2m1[code] * block_scale[..., None] * global_scale.double()   # exact in float64
+        out.append(torch.where(code > 0, value * blocks.sign().double(), 0.0).float().reshape(m.shape))
+    return torch.stack(out).reshape(w.shape).to(w.dtype)
+
+
+def random_experts(mode="qat", seed=0):
     torch.manual_seed(seed)
     experts = moe.Experts(moe.MoEConfig.from_preset("tiny"))
     nn.init.normal_(experts.gate_up_proj, std=0.2)
@@ -53,7 +87,7 @@ def random_experts(mode="qat", rac_ratio=0.0, seed=0):
     # (T, A), distinct experts per token; expert 5 gets no token (an empty group)
     expert_ids = torch.tensor([0, 1, 2, 3, 4, 6, 7])[torch.stack([torch.randperm(7)[:2] for _ in range(24)])]
     expert_weights = torch.rand(24, 2)
-    return experts, qat.QATExperts.from_float(experts, mode, rac_ratio), x, expert_ids, expert_weights
+    return experts, qat.QATExperts.from_float(experts, mode), x, expert_ids, expert_weights
 
 
 # ----------------------------------------------------------------------------------------------- the weights
@@ -64,14 +98,14 @@ def test_every_qat_layer_uses_the_rollout_weight_rule_bit_for_bit(dtype):
     experts = [m for m in model.modules() if isinstance(m, qat.QATExperts)]
     assert len(linears) == 4 * 2 and len(experts) == 2
     for layer in linears:
-        assert same_bits(layer.quantized_weight(), weight_rule(layer.weight))
+        assert same_bits(layer.quantized_weight(), oracle_weight_fake_quant(layer.weight))
         assert not torch.equal(layer.quantized_weight(), layer.weight)  # it really is quantized
         x = torch.randn(3, layer.in_features, dtype=dtype)
         assert torch.equal(layer(x), F.linear(x, layer.quantized_weight()))  # and the forward uses it
     for layer in experts:
         gate_up_q, down_q = layer.quantized_weights()
-        assert same_bits(gate_up_q, weight_rule(layer.gate_up_proj))
-        assert same_bits(down_q, weight_rule(layer.down_proj))
+        assert same_bits(gate_up_q, oracle_weight_fake_quant(layer.gate_up_proj))
+        assert same_bits(down_q, oracle_weight_fake_quant(layer.down_proj))
         # one global scale per expert, as rac.py's stacked expert weights
         assert nvfp4.quantize_weight(layer.gate_up_proj).global_scale.shape == (layer.n_experts,)
 
@@ -101,8 +135,21 @@ def test_cuda_triton_fake_quantized_weights_match_the_cpu_reference():
             assert same_bits(quantized.cpu(), expected)
 
 
+@pytest.mark.cuda
+def test_cuda_weights_fake_quantized_together_match_the_cpu_reference():
+    model = qat.convert_for_training(tiny_model().cuda().bfloat16(), "qat")
+    layers = [m for m in model.modules() if isinstance(m, (qat.QATLinear, qat.QATExperts))]
+    weights = [w for m in layers for w in m.master_weights()]
+    with torch.no_grad():
+        weights[0][1, 3] = float("nan")  # its scale must be NaN on the GPU too (multi-tensor amax)
+    for w, value in zip(weights, qat.fake_quantize_weights(weights)):
+        cpu = w.detach().cpu()
+        expected = nvfp4.dequantize_reference(nvfp4.quantize_reference(cpu, nvfp4.weight_global_scale(cpu)),
+                                              cpu.dtype)
+        assert same_bits(value.cpu().nan_to_num(7.0), expected.nan_to_num(7.0))
+
+
 def test_trainer_weights_equal_rac_rollout_weights_after_sync():
-    rac = pytest.importorskip("rac", reason="rac.py not landed yet: the trainer/rollout cross-check is pending")
     trainer = tiny_model()
     rollout = rac.convert_for_rollout(copy.deepcopy(trainer), "nvfp4")
     qat.convert_for_training(trainer, "qat")
@@ -165,63 +212,63 @@ def test_gradients_reach_every_master_weight_of_a_converted_model():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
 
 
-# ----------------------------------------------------------------------------------------------- the cache
-def counting_fake_quantize_weight(monkeypatch):
-    calls = []
-    original = nvfp4.fake_quantize_weight
-
-    def counted(w):
-        calls.append(w.shape)
-        return original(w)
-    monkeypatch.setattr(nvfp4, "fake_quantize_weight", counted)
-    return calls
-
-
+# ------------------------------------------------------------------------------------------ weight updates
 @pytest.mark.parametrize("make_optimizer", [
     lambda p: torch.optim.SGD(p, lr=0.1),
     lambda p: torch.optim.AdamW(p, lr=1e-2),                       # foreach: bumps version counters
-    lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),           # fused: does not, the step hook sees it
+    lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),           # fused: does not
 ], ids=["sgd", "adamw", "adamw_fused"])
-def test_cache_is_recomputed_after_an_optimizer_step_and_only_then(monkeypatch, make_optimizer):
+def test_the_forward_uses_the_weights_of_the_latest_optimizer_step(make_optimizer):
     model = tiny_model()
     optimizer = make_optimizer(model.parameters())  # created before conversion: the parameters are reused
     qat.convert_for_training(model, "qat")
-    calls = counting_fake_quantize_weight(monkeypatch)
-    n_weights = 4 * 2 + 2 * 2  # q, k, v, o and gate_up, down in each of 2 layers
-
-    loss = model(tokens()).float().logsumexp(-1).mean()
-    assert len(calls) == n_weights
-    before = [m.quantized_weight() for m in model.modules() if isinstance(m, qat.QATLinear)]
-    loss.backward()
-    with torch.no_grad():
-        model(tokens(seed=2))  # another forward, grads accumulated, zero_grad: nothing changed the weights
-    optimizer.zero_grad()
-    assert len(calls) == n_weights
-
+    layer = model.layers[0].attn.q_proj
+    x = torch.randn(3, layer.in_features)
+    before = layer(x)
     model(tokens()).float().logsumexp(-1).mean().backward()
     optimizer.step()
-    model(tokens())
-    model(tokens())
-    assert len(calls) == 2 * n_weights  # every weight once more, once
-    linears = [m for m in model.modules() if isinstance(m, qat.QATLinear)]
-    after = [m.quantized_weight() for m in linears]
-    assert all(not torch.equal(a, b) for a, b in zip(before, after))
-    assert all(torch.equal(a, weight_rule(m.weight)) for a, m in zip(after, linears))
+    after = layer(x)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, F.linear(x, weight_rule(layer.weight)))
 
 
-def test_cache_follows_load_state_dict_and_clear(monkeypatch):
+def test_weights_fake_quantized_together_equal_each_alone_bit_for_bit():
+    torch.manual_seed(0)
+    weights = [torch.randn(48, 64), torch.randn(4, 32, 64).bfloat16(), torch.randn(16, 32) * 1e-30,
+               torch.zeros(16, 32), torch.randn(3, 16, 16)]
+    weights[4][1, 2, 3] = float("nan")  # one expert's NaN: its own scale is NaN, the others' are not
+    weights[1][2] = 0.0                 # an all-zero expert: global scale 1.0
+    weights = [w.requires_grad_() for w in weights]
+    together = qat.fake_quantize_weights(weights)
+    for w, value in zip(weights, together):
+        alone = nvfp4.fake_quantize_weight(w.detach())
+        assert value.dtype == alone.dtype and torch.equal(value.nan_to_num(7.0), alone.nan_to_num(7.0))
+    sum(v.sum() for v in together[:4]).backward()
+    assert all(torch.equal(w.grad, torch.ones_like(w)) for w in weights[:4])  # straight-through
+
+
+def test_a_models_forward_fake_quantizes_all_its_weights_once_together(monkeypatch):
     model = qat.convert_for_training(tiny_model(), "qat")
+    qat.convert_for_training(model, "qat")  # converting again registers nothing twice
+    calls = []
+    monkeypatch.setattr(qat, "fake_quantize_weights", lambda ws: calls.append(len(ws)) or [
+        nvfp4.fake_quantize_weight(w) for w in ws])
+    monkeypatch.setattr(nvfp4, "fake_quantize_weight", lambda w, original=nvfp4.fake_quantize_weight: (
+        calls.append("alone"), original(w))[1])
+    batch = tokens()
+    y = model(batch)
+    assert calls.count(4 * 2 + 2 * 2) == 1 and calls.count("alone") == 12  # one batch of the 12 weights
+    assert all(m.weights_q is None for m in model.modules() if isinstance(m, qat.QATLinear))  # nothing kept
+    with qat.bf16_forward(model):
+        model(batch)
+    assert len(calls) == 1 + 12  # nothing quantized in full precision
     layer = model.layers[0].attn.q_proj
-    old = layer.quantized_weight()
-    model.load_state_dict(tiny_model(seed=5).state_dict())  # in-place copy_: bumps the version counter
-    assert torch.equal(layer.quantized_weight(), weight_rule(layer.weight))
-    assert not torch.equal(layer.quantized_weight(), old)
-    layer.weight.data.mul_(2)  # invisible to the version counter, by design of .data ...
-    qat.clear_weight_cache(model)  # ... hence the explicit clear
-    assert torch.equal(layer.quantized_weight(), weight_rule(layer.weight))
+    x = torch.randn(3, 64)
+    assert torch.equal(layer(x), F.linear(x, weight_rule(layer.weight)))  # a layer called alone does its own
+    assert y.shape == (4, 16, 64)
 
 
-def test_cache_filled_under_inference_mode_still_trains():
+def test_a_forward_under_inference_mode_does_not_break_the_next_training_step():
     model = qat.convert_for_training(tiny_model(), "qat")
     with torch.inference_mode():
         model(tokens())  # e.g. scoring old log-probs before the first step
@@ -271,27 +318,18 @@ def test_w4a4_fake_quantizes_activations_with_a_straight_through_gradient():
     torch.testing.assert_close(layer_w4a4.weight.grad, grad_y.T @ x_q, rtol=1e-6, atol=1e-6)
 
 
-def test_w4a4_residual_compensation_adds_fq_residual_on_the_highest_error_blocks():
-    torch.manual_seed(0)
-    x = torch.randn(8, 64)
-    x[:, 16:32] *= 0.01    # tiny block: its residual is tiny too
-    x[:, 48:64] *= 20      # largest values and largest absolute errors
-    x_q = nvfp4.fake_quantize(x)
-    residual = x - x_q
-    error = residual.abs().reshape(8, 4, 16).mean(dim=(0, 2))
-    top2 = sorted(error.topk(2).indices.tolist())
-    assert 3 in top2
-    columns = torch.cat([torch.arange(16 * b, 16 * b + 16) for b in top2])
-    expected = x_q.clone()
-    expected[:, columns] += nvfp4.fake_quantize(residual[:, columns])
-    compensated = qat.fake_quantize_activation(x, rac_ratio=0.5)
-    assert torch.equal(compensated, expected)
-    assert torch.equal(qat.fake_quantize_activation(x, rac_ratio=0.0), x_q)
-    errors = [(qat.fake_quantize_activation(x, r) - x).norm().item() for r in (0.0, 0.25, 0.5, 1.0)]
-    assert errors == sorted(errors, reverse=True) and errors[-1] < 0.3 * errors[0]
-    x.requires_grad_()
-    qat.fake_quantize_activation(x, rac_ratio=0.5).sum().backward()
-    assert torch.equal(x.grad, torch.ones_like(x))  # straight-through
+def test_q_k_and_v_quantize_their_shared_input_once_per_forward(monkeypatch):
+    model = qat.convert_for_training(tiny_model(), "w4a4")
+    batch = tokens()
+    calls = []
+    original = qat.quantize_input
+    monkeypatch.setattr(qat, "quantize_input", lambda x, *args, **kwargs: calls.append(x.shape) or original(
+        x, *args, **kwargs))
+    y = model(batch)
+    assert len(calls) == 2 * (1 + 1 + 2)  # per layer: q/k/v together, o, the experts' two inputs
+    monkeypatch.setattr(qat, "_quantized_input_of", lambda layer, x, mode, mask, codes: original(
+        x.reshape(-1, x.shape[-1]), mode, mask, codes).view(x.shape))  # no sharing
+    assert torch.equal(model(batch), y)
 
 
 def test_w4a4_experts_quantize_both_gemm_inputs():
@@ -329,7 +367,7 @@ def test_bf16_forward_restores_exact_full_precision_outputs_and_reenters_qat():
     model = tiny_model()
     batch = tokens()
     reference = model(batch)
-    qat.convert_for_training(model, "w4a4", rac_ratio=0.5)
+    qat.convert_for_training(model, "w4a4")
     quantized = model(batch)
     assert not torch.equal(quantized, reference)
     with qat.bf16_forward(model):
@@ -365,9 +403,214 @@ def test_conversion_keeps_parameters_names_and_full_precision_layers():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(mode="nvfp4"), "unknown QAT mode 'nvfp4'"),
     (dict(mode="QAT"), "choose one of"),
-    (dict(mode="qat", rac_ratio=0.5), "only the 'w4a4' mode"),
-    (dict(mode="w4a4", rac_ratio=1.5), "rac_ratio must be in"),
 ])
 def test_bad_settings_raise_a_clear_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         qat.convert_for_training(tiny_model(), **kwargs)
+
+
+def test_moeresq_without_the_rollouts_selection_raises_a_clear_error():
+    model = qat.convert_for_training(tiny_model(), "moeresq")
+    with pytest.raises(ValueError, match="has no RAC selection"):
+        model(tokens())
+
+
+# ----------------------------------------------------------------------------------------------- moeresq
+def half_the_blocks(n_blocks, seed):
+    mask = torch.zeros(n_blocks, dtype=torch.bool)
+    mask[torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed))[:n_blocks // 2]] = True
+    return mask
+
+
+def test_moeresq_linear_equals_the_rollout_layers_torch_twin_to_accumulation_order():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=False)
+    x = torch.randn(40, 64)
+    x[:, 16:32] *= 30  # an outlier block: the residual matters
+    mask = half_the_blocks(4, seed=1)
+    rollout_layer = rac.NVFP4Linear.from_float(linear)
+    expected = rac.nvfp4_linear_reference(x, rollout_layer.weight_q, mask)       # the rollout's twin, fp32
+    trainer_layer = qat.QATLinear.from_float(copy.deepcopy(linear), "moeresq")
+    trainer_layer.rac_masks = (mask,)
+    scale = expected.abs().max().item()
+    assert report_diff(trainer_layer(x), expected, "moeresq vs rollout twin")[0] <= 1e-6 * scale
+    # the compensation is really there: without it (w4a4) or without activation quantization (qat) the
+    # trainer is far from the rollout
+    naive = rac.nvfp4_linear_reference(x, rollout_layer.weight_q, None)
+    assert report_diff(expected, naive, "rac vs naive rollout")[0] > 1e-3 * scale
+    for mode in ("w4a4", "qat"):
+        other = qat.QATLinear.from_float(copy.deepcopy(linear), mode)(x)
+        assert report_diff(other, expected, f"{mode} vs rollout twin")[0] > 1e-3 * scale
+
+
+def test_moeresq_experts_equal_the_rollout_experts_torch_twin_to_accumulation_order():
+    experts, trainer_experts, x, ids, weights = random_experts(mode="moeresq")
+    x = x.detach()
+    x[:, :16] *= 20
+    rollout_experts = rac.NVFP4Experts.from_float(experts, rac_ratio=0.5)
+    # the rollout's own selection, calibrated from these inputs (as rac.calibrate_rac does)
+    rollout_experts.rac_gate_up.start_calibration()
+    rollout_experts.rac_down.start_calibration()
+    expected = rollout_experts(x, ids, weights)                                     # CPU: the torch twin
+    rollout_experts.rac_gate_up.finish_calibration()
+    rollout_experts.rac_down.finish_calibration()
+    trainer_experts.rac_masks = (rollout_experts.rac_gate_up.mask, rollout_experts.rac_down.mask)
+    assert trainer_experts.rac_masks[1].any() and not trainer_experts.rac_masks[1].all()
+    y = trainer_experts(x.requires_grad_(), ids, weights)
+    scale = expected.abs().max().item()
+    assert report_diff(y, expected, "moeresq experts vs rollout twin")[0] <= 1e-5 * scale
+    naive = rac.NVFP4Experts.from_float(experts)(x.detach(), ids, weights)
+    assert report_diff(naive, expected, "naive vs rac rollout")[0] > 1e-3 * scale
+    y.sum().backward()  # straight-through: gradients reach the input and the master weights
+    assert x.grad.abs().sum() > 0 and trainer_experts.down_proj.grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------------------------- trace
+def recorded_and_used(x):
+    return nvfp4.quantize(x), rac.quantize_activation_triton(x, codes=True).x_q
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_recorders_requantization_is_the_rollout_kernels_bit_for_bit_interpreted(dtype):
+    """trace records nvfp4.quantize(x) of each rollout layer input; the rollout's fused quantizer (here
+    under the Triton interpreter) must have produced the same codes, block scales and global scale."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, dtype=dtype)
+    x[:, 16:32] *= 40
+    recorded, used = recorded_and_used(x)
+    assert torch.equal(recorded.global_scale.reshape(()), used.global_scale.reshape(()))
+    assert torch.equal(recorded.data, used.data)
+    assert torch.equal(recorded.block_scale.view(torch.uint8), used.block_scale.view(torch.uint8))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [64, 4096])  # a decode step (amax in the fused launch), a prefill (partials)
+def test_cuda_the_recorders_requantization_is_the_rollout_kernels_bit_for_bit(rows):
+    torch.manual_seed(0)
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    x[:, 64:80] *= 40
+    recorded, used = recorded_and_used(x)
+    assert torch.equal(recorded.global_scale.reshape(()), used.global_scale.reshape(()))
+    assert torch.equal(recorded.data, used.data)
+    assert torch.equal(recorded.block_scale.view(torch.uint8), used.block_scale.view(torch.uint8))
+
+
+def test_the_rollouts_code_is_taken_only_when_it_brackets_the_trainers_value():
+    # scaled value s (x in units of the rollout's block grid), the rollout's grid value, taken?
+    cases = [(2.49, 3.0, True),    # just below the 2.5 midpoint: own rounding says 2, the rollout's 3 wins
+             (2.51, 2.0, True),    # just above it: own says 3, the rollout's 2 wins
+             (2.49, 4.0, False),   # the rollout's value is more than a grid step away
+             (3.0, 4.0, False),    # on a grid point: only that point brackets it
+             (3.0, 3.0, True),
+             (0.2, 0.5, True), (0.2, 0.0, True), (0.2, 1.0, False),
+             (-0.3, -0.5, True), (-0.3, 0.0, True), (-0.3, 0.5, False),   # the grid is signed
+             (7.5, 6.0, True), (-9.0, -6.0, True), (7.5, 4.0, False),     # beyond +-6: saturation only
+             (float("nan"), 0.0, False)]
+    scaled = torch.tensor([c[0] for c in cases])
+    rollout_value = torch.tensor([c[1] for c in cases])
+    assert qat.takes_rollout_code(scaled, rollout_value).tolist() == [c[2] for c in cases]
+
+
+def hand_made_codes(rollout_values, block_scale, global_scale, keys):
+    """RolloutCodes of rows whose E2M1 values are given (rows, 16 * G)."""
+    codes = nvfp4.encode_e2m1(rollout_values)  # exact grid values: their own codes
+    return qat.RolloutCodes(keys=torch.tensor(keys), data=nvfp4.pack_codes(codes),
+                            block_scale=torch.full((len(keys), rollout_values.shape[1] // 16), block_scale)
+                            .to(torch.float8_e4m3fn), global_scale=torch.full((len(keys),), global_scale))
+
+
+def test_trace_rounds_to_the_rollouts_code_across_a_boundary_and_its_own_elsewhere():
+    unit = 0.5 * 0.25  # block scale 0.5 (exact in E4M3) times global scale 0.25
+    scaled = torch.tensor([2.49, 2.51, 2.49, 3.0, 0.7, -1.3, 5.2, 0.1] * 2)        # one block of 16
+    rollout = torch.tensor([3.0, 2.0, 4.0, 4.0, 1.0, -1.5, 6.0, 0.0] * 2)
+    x = torch.stack([scaled * unit, scaled * unit])                                 # rows 0 and 1
+    codes = hand_made_codes(rollout[None], 0.5, 0.25, keys=[1])                     # only row 1 recorded
+    own = nvfp4.fake_quantize(x)
+    out = qat.quantize_input(x, "trace", codes=codes)
+    take = torch.tensor([True, True, False, False, True, True, True, True] * 2)
+    assert torch.equal(out[0], own[0])                                              # row 0: not recorded
+    assert torch.equal(out[1][take], rollout[take] * unit)                          # the rollout's values
+    assert torch.equal(out[1][~take], own[1][~take])                                # its own rounding
+    assert not torch.equal(own[1][:2], rollout[:2] * unit)  # rows 0-1 of the block really were flipped
+    # straight-through gradient
+    x.requires_grad_()
+    qat.quantize_input(x, "trace", codes=codes).sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tokens():
+    """A real rollout: the recorder keeps, per completion token, what the rollout's quantizer used. In
+    layer 0 the q projection's input of a token depends on that token alone, so the trainer sees the same
+    values as the rollout but quantizes the whole batch at another global scale: rollout-guided rounding
+    must give back exactly the rollout's dequantized values on every completion token, its own elsewhere."""
+    model = tiny_model(std=0.2)
+    rollout_model = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")
+    recorder = qat.RolloutRecorder()
+    rollout_model.register_forward_pre_hook(lambda m, args, kwargs: recorder.begin_forward(
+        getattr(kwargs.get("kv_cache"), "prefill_rows", 0) is None), with_kwargs=True)
+    q_proj = rollout_model.layers[0].attn.q_proj
+    q_proj.rac.register_forward_pre_hook(lambda m, args: recorder.record("q", 0, args[0]))
+    experts = rollout_model.layers[1].mlp.experts
+    experts.register_forward_pre_hook(lambda m, args: recorder.route("e", args[1], m.n_experts))
+    experts.rac_down.register_forward_pre_hook(lambda m, args: recorder.record("e", 1, args[0]))
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    recorder.start()
+    out = rollout.generate(rollout_model, prompts, 3, 6, eos_id=9, pad_id=0, seed=0)
+    recorder.stop()
+    seq = out.sequences()
+    B, W = seq.tokens.shape
+    codes = recorder.codes(out.completion_mask, out.prompt_lengths, W)
+    n_tokens = int(out.completion_mask.sum())
+    assert codes["q"][0].keys.numel() == n_tokens                                    # completion tokens only
+    assert codes["q"][0].nbytes() == n_tokens * (64 // 2 + 64 // 16 + 4 + 8)         # the docstring's bound
+
+    trainer = qat.convert_for_training(copy.deepcopy(model), "trace")
+    layer = trainer.layers[0].attn.q_proj
+    seen = {}
+    layer.register_forward_hook(lambda m, args, output: seen.update(x=args[0].reshape(-1, 64)))
+    trainer(seq.tokens)
+    x = seen["x"]                                                                    # (B * W, K)
+    guided = qat.quantize_input(x, "trace", codes=codes["q"][0])
+    own = nvfp4.fake_quantize(x)
+    rows = codes["q"][0].keys
+    q_codes = codes["q"][0]
+    rollout_values = torch.cat([nvfp4.dequantize(nvfp4.NVFP4Tensor(data, scale, global_scale), torch.float32)
+                                for data, scale, global_scale in zip(q_codes.data[:, None],
+                                                                     q_codes.block_scale[:, None],
+                                                                     q_codes.global_scale)])
+    assert torch.equal(guided[rows], rollout_values)
+    assert not torch.equal(own[rows], rollout_values)  # the trainer's own rounding differs (another scale)
+    others = torch.ones(B * W, dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(guided[others], own[others])
+    # a mini-batch of the sequences (rows 3 and 0) sees the same rollout values on its completion tokens
+    rows = torch.tensor([3, 0])
+    sub = codes["q"][0].select_rows(rows, W)
+    trainer(seq.tokens[rows])
+    guided_sub = qat.quantize_input(seen["x"], "trace", codes=sub)
+    old_keys = rows[sub.keys // W] * W + sub.keys % W
+    assert sub.keys.numel() == int(seq.loss_mask[rows].sum())
+    assert torch.equal(guided_sub[sub.keys], guided[old_keys])
+    # the experts' down records are keyed by (position, expert) of the rollout's own routes
+    down = codes["e"][1]
+    position, expert = down.keys // 8, down.keys % 8
+    b, w = position // W, position % W
+    assert seq.loss_mask[b, w].all()
+    assert (seq.routes[1, b, w] == expert[:, None]).any(-1).all()
+
+
+def test_a_mini_batch_of_rows_gets_its_own_rows_records_rekeyed():
+    width, n_experts = 5, 4
+    # records of rows 0, 1, 2: one per (row, column 3) for a linear input, two experts each for a down input
+    linear = hand_made_codes(torch.arange(3.0)[:, None].repeat(1, 16), 1.0, 1.0, keys=[3, 8, 13])
+    keys = torch.tensor([(r * width + 3) * n_experts + e for r in range(3) for e in (1, 2)])
+    down = qat.RolloutCodes(keys, torch.arange(6, dtype=torch.uint8)[:, None].repeat(1, 8),
+                            torch.ones(6, 1).to(torch.float8_e4m3fn), torch.arange(6.0), n_experts)
+    rows = torch.tensor([2, 0])                       # the mini-batch: row 2 first, then row 0
+    picked = linear.select_rows(rows, width)
+    assert picked.keys.tolist() == [3, 8]             # new row 0 (old 2) and new row 1 (old 0), column 3
+    assert nvfp4.decode_e2m1(nvfp4.unpack_codes(picked.data))[:, 0].tolist() == [2.0, 0.0]
+    picked = down.select_rows(rows, width)
+    assert picked.keys.tolist() == [(0 * width + 3) * 4 + 1, (0 * width + 3) * 4 + 2, (1 * width + 3) * 4 + 1,
+                                    (1 * width + 3) * 4 + 2]
+    assert picked.global_scale.tolist() == [4.0, 5.0, 0.0, 1.0] and picked.n_experts == n_experts

@@ -1,10 +1,15 @@
 """End-to-end tests of train.py on the CPU: tiny model, a few RL steps per recipe."""
+import copy
 import json
 import os
 
 import pytest
 import torch
 
+import moe
+import qat
+import rac
+import rollout
 import train
 
 
@@ -193,11 +198,58 @@ def test_a_hugging_face_checkpoint_trains_on_a_local_gsm8k_file(tmp_path):
     assert tokenizer.decode(tokenizer.encode("#### 42") + [tokenizer.eos_id] + tokenizer.encode("x")) == "#### 42"
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "qat", "rac", "w4a4"])
+@pytest.mark.parametrize("recipe", ["fp8", "rac", "w4a4"])
 def test_the_other_recipes_run_end_to_end(out_dir, recipe):
     records = read_metrics(train.run(tiny_config(out_dir, recipe=recipe, steps=2, eval_every=2)), rl_steps_only=True)
     assert [r["step"] for r in records] == [1, 2]
     assert records[0]["mismatch/abs_diff_mean"] > 1e-4  # every one of them rolls out in low precision
+
+
+@pytest.fixture(scope="module")
+def symmetric_runs(out_dir):
+    """qat and the two recipes that align the trainer's activations with the rollout's, two steps each."""
+    torch.set_num_threads(1)
+    return {recipe: train.run(tiny_config(out_dir, recipe=recipe, steps=2, eval_every=2))
+            for recipe in ("qat", "moeresq", "trace")}
+
+
+def test_moeresq_and_trace_run_end_to_end_with_a_smaller_first_step_gap_than_qat(symmetric_runs):
+    first = {recipe: read_metrics(run_dir, rl_steps_only=True) for recipe, run_dir in symmetric_runs.items()}
+    for recipe, records in first.items():
+        assert [r["step"] for r in records] == [1, 2] and "pass@1" in records[-1], recipe
+    gap = {recipe: records[0]["mismatch/abs_diff_mean"] for recipe, records in first.items()}
+    print("step-1 mean |dlogp| (measured before the first update):", gap)
+    assert gap["qat"] > 1e-4                  # an NVFP4 rollout against a trainer with BF16 activations
+    assert gap["moeresq"] < gap["qat"] and gap["trace"] < gap["qat"]
+
+
+def test_moeresq_shares_one_rac_selection_and_trace_records_only_when_asked():
+    torch.manual_seed(0)
+    model = moe.MoETransformer(moe.MoEConfig.from_preset("tiny"))
+    model.init_weights(std=0.2)
+    rollout_model = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4", rac_ratio=0.5)
+    trainer = qat.convert_for_training(model, "moeresq")
+    assert train.link_trainer_to_rollout(trainer, rollout_model, "moeresq") is None
+    q_trainer, q_rollout = trainer.layers[0].attn.q_proj, rollout_model.layers[0].attn.q_proj
+    down_trainer, down_rollout = trainer.layers[1].mlp.experts, rollout_model.layers[1].mlp.experts
+    for batch in (torch.randint(64, (4, 16)), 7 * torch.randint(9, (4, 16))):  # a recalibration changes both
+        rac.calibrate_rac(rollout_model, batch)
+        assert q_trainer.rac_masks[0] is q_rollout.rac.mask  # the tensor itself: one selection
+        assert down_trainer.rac_masks[1] is down_rollout.rac_down.mask
+        assert int(q_rollout.rac.mask.sum()) == 2  # half of the 4 blocks
+
+    trace_trainer = qat.convert_for_training(copy.deepcopy(model), "trace")
+    trace_rollout = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")
+    recorder = train.link_trainer_to_rollout(trace_trainer, trace_rollout, "trace")
+    generate = dict(num_samples=2, max_new_tokens=4, eos_id=None, pad_id=0, seed=0)
+    rollout.generate(trace_rollout, [[1, 2, 3]], **generate)  # an evaluation: not recorded
+    assert recorder.steps == {}
+    recorder.start()
+    out = rollout.generate(trace_rollout, [[1, 2, 3]], **generate)
+    train.hand_over_codes(recorder, trace_trainer, out)
+    codes = trace_trainer.layers[0].attn.o_proj.rollout_codes[0]
+    assert codes.keys.numel() == 2 * 4  # 2 samples x 4 decode steps
+    assert trace_trainer.layers[1].mlp.experts.rollout_codes[1].keys.numel() == 2 * 4 * 2           # A = 2
 
 
 def test_route_replay_removes_routing_disagreement_and_tis_logs_truncation(out_dir):

@@ -18,7 +18,7 @@ One RL step, as the code below reads:
     optimizer.step(); sync_weights(rollout_model, trainer)           # rac.py via nvfp4.quantize_weight
     (recalibrate RAC, evaluate, log, checkpoint)
 
-Recipes (DESIGN.md): what the trainer's forward computes and what precision the rollout runs in.
+Recipes: what the trainer's forward computes and what precision the rollout runs in.
 
     recipe   trainer forward                 rollout linear layers
     bf16     BF16                            BF16
@@ -307,16 +307,35 @@ def score(task, tokenizer, problems, out, group_size):
 
 
 # ----------------------------------------------------------------------------- one RL run
-def run(cfg, base_state=None):
-    """Warm-start (or reuse), then GRPO for cfg.steps. Returns the run directory."""
+@dataclass
+class Setup:
+    """What a run is built from: models, optimizer, data and paths (everything but the loop's state)."""
+    cfg: TrainConfig
+    task: object
+    tokenizer: object
+    trainer: torch.nn.Module        # FP32 master weights (fake-quantized forward per recipe); the optimizer steps these
+    rollout_model: torch.nn.Module  # the recipe's rollout precision; its weights come from the trainer by sync()
+    eval_model: torch.nn.Module     # a BF16 copy of the trainer's weights, for the trainer's own pass@1
+    optimizer: torch.optim.Optimizer
+    rac_ratio: float                # 0 when the recipe has no RAC
+    calib_tokens: torch.Tensor      # (16, W) prompts + demonstrations that choose RAC's compensated blocks
+    eval_problems: list             # held-out problems for pass@1
+    run_dir: str
+    ckpt_path: str
+    metrics_path: str
+    start_step: int                 # 0, or the checkpoint's step under --resume
+
+
+def setup(cfg, base_state=None):
+    """Build a run: task, warm-started policy (or base_state), trainer, rollout and evaluation models,
+    optimizer, calibration and evaluation data; restore the checkpoint under --resume. -> Setup"""
+    task = build_task(cfg)
+    model, tokenizer = build_model(cfg, task)
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2)
     print(f"run {cfg.run_name}: {json.dumps(dataclasses.asdict(cfg))}")
-
-    task = build_task(cfg)
-    model, tokenizer = build_model(cfg, task)
     if base_state is None:
         warmstart(cfg, model, task, tokenizer)
     else:
@@ -351,25 +370,39 @@ def run(cfg, base_state=None):
         print(f"resumed {run_dir} at step {start_step}")
     elif os.path.exists(metrics_path):
         os.remove(metrics_path)
+    return Setup(cfg, task, tokenizer, trainer, rollout_model, eval_model, optimizer, rac_ratio, calib_tokens,
+                 eval_problems, run_dir, ckpt_path, metrics_path, start_step)
 
-    def sync(step):
-        rac.sync_weights(rollout_model, trainer)
-        if rac_ratio > 0 and step % cfg.rac_refresh == 0:
-            rac.calibrate_rac(rollout_model, calib_tokens)
 
-    def save(step):
-        atomic_save({"step": step, "trainer": trainer.state_dict(), "optimizer": optimizer.state_dict(),
-                     "config": dataclasses.asdict(cfg)}, ckpt_path)
+def sync(s, step):
+    """Trainer -> rollout weights through nvfp4 (bit-identical to what a QAT trainer used); every
+    rac_refresh syncs, RAC re-chooses its compensated blocks on the calibration batch."""
+    rac.sync_weights(s.rollout_model, s.trainer)
+    if s.rac_ratio > 0 and step % s.cfg.rac_refresh == 0:
+        rac.calibrate_rac(s.rollout_model, s.calib_tokens)
 
-    def evaluate_both():
-        rac.sync_weights(eval_model, trainer)
-        return {"pass@1": evaluate(cfg, rollout_model, task, tokenizer, eval_problems),
-                "pass@1_bf16_trainer": evaluate(cfg, eval_model, task, tokenizer, eval_problems)}
 
-    sync(start_step)
+def save(s, step):
+    atomic_save({"step": step, "trainer": s.trainer.state_dict(), "optimizer": s.optimizer.state_dict(),
+                 "config": dataclasses.asdict(s.cfg)}, s.ckpt_path)
+
+
+def evaluate_both(s):
+    """pass@1 on the held-out problems of the rollout model and of the trainer's weights in BF16."""
+    rac.sync_weights(s.eval_model, s.trainer)
+    return {"pass@1": evaluate(s.cfg, s.rollout_model, s.task, s.tokenizer, s.eval_problems),
+            "pass@1_bf16_trainer": evaluate(s.cfg, s.eval_model, s.task, s.tokenizer, s.eval_problems)}
+
+
+def run(cfg, base_state=None):
+    """Warm-start (or reuse), then GRPO for cfg.steps. Returns the run directory."""
+    s = setup(cfg, base_state)
+    task, tokenizer, trainer, rollout_model, optimizer = s.task, s.tokenizer, s.trainer, s.rollout_model, s.optimizer
+    run_dir, ckpt_path, metrics_path, start_step = s.run_dir, s.ckpt_path, s.metrics_path, s.start_step
+    sync(s, start_step)
     if start_step == 0:  # the warm-started policy, before any RL: the baseline every curve starts from
         with open(metrics_path, "a") as f:
-            f.write(json.dumps({"step": 0, **evaluate_both()}) + "\n")
+            f.write(json.dumps({"step": 0, **evaluate_both(s)}) + "\n")
     G, P = cfg.group_size, cfg.prompts_per_step
     new_tokens = max_new_tokens(cfg, task)
     bar = tqdm(range(start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=start_step, total=cfg.steps)
@@ -411,7 +444,7 @@ def run(cfg, base_state=None):
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
             optimizer.step()
-            sync(step + 1)
+            sync(s, step + 1)
             # 7. log, evaluate, checkpoint
             n_tokens = int(out.completion_mask.sum())
             record = {"step": step + 1, "reward": rewards.mean().item(), "loss": loss.item(),
@@ -420,7 +453,7 @@ def run(cfg, base_state=None):
                       "rollout_tokens_per_s": n_tokens / t_rollout, **{k: float(v) for k, v in stats.items()},
                       **{f"mismatch/{k}": v for k, v in mismatch.items()}}
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                last_eval = evaluate_both()
+                last_eval = evaluate_both(s)
                 record.update(last_eval)
             record["step_s"] = time.perf_counter() - t0
             with open(metrics_path, "a") as f:
@@ -428,11 +461,11 @@ def run(cfg, base_state=None):
             bar.set_postfix(reward=f"{record['reward']:.2f}", pass1=f"{last_eval.get('pass@1', float('nan')):.2f}",
                             dlogp=f"{mismatch['abs_diff_mean']:.1e}", max=f"{mismatch['abs_diff_max']:.2f}")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                save(step + 1)
+                save(s, step + 1)
     except KeyboardInterrupt:
         done = _last_logged_step(metrics_path)
         if done > start_step:
-            save(done)
+            save(s, done)
         print(f"\ninterrupted: checkpoint at step {done} in {ckpt_path}; continue with --resume")
         sys.exit(130)
     plot([run_dir], os.path.join(run_dir, "curves.png"))

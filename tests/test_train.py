@@ -117,7 +117,7 @@ def test_compare_with_jobs_runs_variants_in_processes_and_matches_the_sequential
         parallel, sequential = read_metrics(run_dir, True), read_metrics(recipe_runs[recipe], True)
         assert [r["reward"] for r in parallel] == [r["reward"] for r in sequential]
         assert [r["mismatch/abs_diff_max"] for r in parallel] == [r["mismatch/abs_diff_max"] for r in sequential]
-    with open(os.path.join(parallel_dir, "compare.md")) as f:
+    with open(os.path.join(parallel_dir, "compare_bf16_nvfp4.md")) as f:
         assert [line.split("|")[1].strip() for line in f.read().splitlines()[2:]] == ["bf16", "nvfp4"]
 
 
@@ -128,7 +128,7 @@ def test_cli_builds_the_config_from_the_dataclass():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--recipe", "int3"], "--recipe must be one of"),
+    (["--recipe", "int3"], "--recipe: choose from"),
     (["--compare", "bf16,fp2"], "unknown recipe 'fp2'"),
     (["--rac-ratio", "1.5"], "rac-ratio"),
     (["--group-size", "1"], "group-size"),

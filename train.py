@@ -482,12 +482,12 @@ def check_run_dir(cfg):
     if not isinstance(ckpt, dict) or not {"step", "trainer", "optimizer", "config"} <= set(ckpt):
         raise ConfigError(f"cannot read the checkpoint {ckpt_path}: not a train.py checkpoint; restore it, "
                           "or start the run over with --overwrite")
-    for field in dataclasses.fields(cfg):
-        stored, given = ckpt["config"].get(field.name, field.default), getattr(cfg, field.name)
-        if field.name not in RESUMABLE_FIELDS and stored != given:
-            flag = "--" + field.name.replace("_", "-")
-            raise ConfigError(f"argument {flag}: the run in {run_dir} has {stored!r}, this command {given!r}; "
-                              f"a resumed run keeps its config (give {flag} {stored}, or a new --run-name)")
+    changes = [f"--{field.name.replace('_', '-')} {stored} -> {given}" for field in dataclasses.fields(cfg)
+               for stored, given in [(ckpt["config"].get(field.name, field.default), getattr(cfg, field.name))]
+               if field.name not in RESUMABLE_FIELDS and stored != given]
+    if changes:
+        raise ConfigError(f"cannot resume {run_dir}: this command changes {', '.join(changes)}; a resumed run "
+                          "keeps its config (--steps may grow): give the run's values, or a new --run-name")
     if cfg.steps < ckpt["step"]:
         raise ConfigError(f"argument --steps: {cfg.steps}, but the run in {run_dir} is at step {ckpt['step']}; "
                           f"a run cannot be shortened (give --steps >= {ckpt['step']})")
@@ -544,8 +544,10 @@ def setup(cfg, base_state=None, ckpt=None):
         start_step = ckpt["step"]
         _truncate_metrics(metrics_path, start_step)
         print(f"resumed {run_dir} at step {start_step}")
-    return Setup(cfg, task, tokenizer, trainer, rollout_model, eval_model, optimizer, rac_ratio, calib_tokens,
-                 eval_problems, run_dir, ckpt_path, metrics_path, start_step)
+    s = Setup(cfg, task, tokenizer, trainer, rollout_model, eval_model, optimizer, rac_ratio, calib_tokens,
+              eval_problems, run_dir, ckpt_path, metrics_path, start_step)
+    sync(s, start_step)  # the rollout starts from the trainer's weights (the checkpoint's, on resume)
+    return s
 
 
 def set_threads(cfg):
@@ -588,7 +590,6 @@ def run(cfg, base_state=None):
     s = setup(cfg, base_state, ckpt)
     task, tokenizer, trainer, rollout_model, optimizer = s.task, s.tokenizer, s.trainer, s.rollout_model, s.optimizer
     run_dir, ckpt_path, metrics_path, start_step = s.run_dir, s.ckpt_path, s.metrics_path, s.start_step
-    sync(s, start_step)
     if start_step == 0:  # the warm-started policy, before any RL: the baseline every curve starts from
         with open(metrics_path, "a") as f:
             f.write(json.dumps({"step": 0, **evaluate_both(s)}) + "\n")

@@ -501,7 +501,7 @@ def traced_run(out_dir):
 
         def policy_loss(logp, old_logp, advantages, mask, *args, **kwargs):
             record["steps"][-1].update(logp=logp.detach().clone(), advantages=advantages.detach().clone(),
-                                       mask=mask.clone())
+                                       mask=mask.clone(), weights=copy.deepcopy(record["setup"].trainer.state_dict()))
             return real_loss(logp, old_logp, advantages, mask, *args, **kwargs)
 
         patch.setattr(train, "setup", setup)
@@ -545,40 +545,48 @@ def test_after_the_steps_the_rollout_holds_the_requantized_trainer_weights(trace
             assert torch.equal(param, trainer[name]), name
 
 
+def expected_advantages(s, step):
+    """The oracle: rewards recomputed from the rollout's own tokens, normalized within each prompt's G
+    samples (rows p*G .. p*G+G-1) in float64 -> (advantages (N,), number of groups with a reward spread)."""
+    G = TINY["group_size"]
+    out, problems = step["out"], step["problems"]
+    assert [s.tokenizer.encode(problems[p].prompt) for p in range(P)] == step["prompts"]
+    rewards = torch.tensor([  # row i is sample i % G of prompt i // G
+        s.task.reward(problems[i // G], s.tokenizer.decode(ids[mask].tolist()))
+        for i, (ids, mask) in enumerate(zip(out.completion_ids, out.completion_mask))], dtype=torch.float64)
+    grouped = rewards.view(P, G)
+    std = grouped.std(dim=1, unbiased=False, keepdim=True)
+    advantages = torch.where(std > 0, (grouped - grouped.mean(dim=1, keepdim=True)) / (std + 1e-6), 0.0)
+    return advantages.view(-1), int((std > 0).sum())
+
+
 @pytest.mark.slow
 def test_the_loss_gets_group_advantages_of_the_rewards_of_the_sampled_completions(traced_run):
-    """Rewards recomputed from the rollout's own tokens, normalized within each prompt's G samples
-    (rows p*G .. p*G+G-1) in float64, are the advantages that reached the loss, every step."""
-    s = traced_run["nvfp4"]["setup"]
-    G = TINY["group_size"]
-    assert len(traced_run["nvfp4"]["steps"]) == 2
+    s, steps = traced_run["nvfp4"]["setup"], traced_run["nvfp4"]["steps"]
+    assert len(steps) == 2
     spread = 0
-    for step in traced_run["nvfp4"]["steps"]:
-        out, problems = step["out"], step["problems"]
-        assert [s.tokenizer.encode(problems[p].prompt) for p in range(P)] == step["prompts"]
-        rewards = torch.tensor([  # row i is sample i % G of prompt i // G
-            s.task.reward(problems[i // G], s.tokenizer.decode(ids[mask].tolist()))
-            for i, (ids, mask) in enumerate(zip(out.completion_ids, out.completion_mask))], dtype=torch.float64)
-        grouped = rewards.view(P, G)
-        std = grouped.std(dim=1, unbiased=False, keepdim=True)
-        expected = torch.where(std > 0, (grouped - grouped.mean(dim=1, keepdim=True)) / (std + 1e-6), 0.0).view(-1)
+    for step in steps:
+        expected, groups = expected_advantages(s, step)
         torch.testing.assert_close(step["advantages"].double(), expected, rtol=1e-5, atol=1e-6)
-        spread += int((std > 0).sum())
+        spread += groups
     assert spread >= 2  # some groups had both right and wrong answers: the check had something to check
 
 
 @pytest.mark.slow
 def test_a_step_raises_the_advantage_weighted_logprob_of_the_sampled_tokens(traced_run):
-    """The policy-gradient direction end to end: after the last step, sum_i A_i * sum_t log p(token) over
-    that step's completions is higher under the trainer's new weights than under the ones that sampled."""
-    record = traced_run["nvfp4"]
-    s, step = record["setup"], record["steps"][-1]
-    seq = step["out"].sequences()
-    with torch.no_grad():
-        logits = s.trainer(seq.tokens).double()
-    after = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, seq.tokens[:, 1:, None])[..., 0]
-    mask = step["mask"].double()
-    objective = lambda logp: float((step["advantages"].double()[:, None] * logp.double() * mask).sum())
-    gain = objective(after) - objective(step["logp"])
-    print(f"advantage-weighted log-prob: {objective(step['logp']):.4f} -> {objective(after):.4f}")
-    assert gain > 0
+    """The policy-gradient direction end to end: sum_i A_i * sum_t log p(token) over step 1's completions,
+    A from the oracle, is higher under the weights after step 1 than under the ones that sampled."""
+    s, (first, second) = traced_run["nvfp4"]["setup"], traced_run["nvfp4"]["steps"]
+    advantages, _ = expected_advantages(s, first)
+    seq, model = first["out"].sequences(), copy.deepcopy(s.trainer)
+
+    def objective(weights):
+        model.load_state_dict(weights)
+        with torch.no_grad():
+            logits = model(seq.tokens).double()
+        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, seq.tokens[:, 1:, None])[..., 0]
+        return float((advantages[:, None] * logp * first["mask"]).sum())
+
+    before, after = objective(first["weights"]), objective(second["weights"])
+    print(f"advantage-weighted log-prob of step 1's completions: {before:.5f} -> {after:.5f}")
+    assert after > before + 1e-4 * abs(before)

@@ -40,8 +40,14 @@ settings starts from the same weights. Checkpoints are written atomically every 
 steps and on Ctrl-C; `--resume` continues with the same data order and sampling seeds (both are a
 function of the step), and a NaN/Inf loss stops the run, keeping the last good checkpoint.
 
+Runs are never destroyed unasked. A run writes out_dir/run_name/ (config.json, metrics.jsonl,
+checkpoint.pt, curves.png); a directory holding metrics or a checkpoint is refused unless `--resume`
+continues it (the checkpoint's stored config must match this one, except --steps, which may grow) or
+`--overwrite` starts it over. Every value, the run directory, the data and the model are checked before
+anything is written; what cannot run ends with one line naming the flag and the fix (exit status 2).
+
 Device defaults: on a CPU the tiny preset and a short run (a few minutes on 2 cores); on a GPU the
-small preset and the full experiment. Every field below can be set from the command line.
+small preset and the full experiment. Every field of TrainConfig is a command-line flag (see --help).
 """
 import argparse
 import copy
@@ -93,36 +99,43 @@ CHOICES = {"recipe": RECIPES, "preset": moe.PRESETS, "task": tasks.TASKS}  # che
 @dataclass
 class TrainConfig:
     # run
-    out_dir: str = "runs"          # holds one directory per run and the shared warm-start cache (warmstart/)
-    run_name: str = ""             # the run's directory under out_dir; "" = the recipe and its switches, e.g. nvfp4+tis2
-    resume: bool = False           # continue the run from its checkpoint; the config must match, --steps may grow
-    overwrite: bool = False        # start over in a run directory that holds metrics or a checkpoint (deletes them)
+    out_dir: str = "runs"          # one directory per run, and the shared warm-start cache (warmstart/)
+    run_name: str = ""             # the run's directory under out_dir ("" = the recipe and its switches,
+                                   # e.g. nvfp4+tis2, as --compare names its variants)
+    resume: bool = False           # continue the run from its checkpoint (same config; --steps may grow)
+    overwrite: bool = False        # start over where a run is (deletes its metrics and checkpoint)
     seed: int = 0                  # model init, warm-start, data order and sampling all derive from it
-    device: str = ""               # cpu, cuda or cuda:N; "" = cuda if available, else cpu
-    threads: int | None = None     # CPU threads of torch (default 1 on the tiny preset: tiny matmuls gain nothing from more, and a busy core stalls them)
+    device: str = ""               # cpu, cuda or cuda:N ("" = cuda if available, else cpu)
+    threads: int | None = None     # torch's CPU threads (default 1 on the tiny preset: its matmuls gain
+                                   # nothing from a second thread, which stalls when the other core is busy)
     checkpoint_every: int = 25     # steps between checkpoints (also written at the end and on Ctrl-C)
     cuda_graph: bool = True        # decode steps as a captured CUDA graph (GPU only)
     # model and task
     preset: str | None = None      # model size (default tiny on CPU, small on GPU; none with --model)
-    model: str = ""                # a Hugging Face Qwen3-MoE directory or hub id, instead of a preset (needs --task gsm8k)
+    model: str = ""                # a Hugging Face Qwen3-MoE directory or hub id instead of a preset
+                                   # (needs --task gsm8k)
     task: str = "arith"            # arith: built in, with its own tokenizer; gsm8k: needs --model
-    task_source: str = ""          # gsm8k: a local .jsonl/.json/.parquet file or a hub dataset ("" = openai/gsm8k)
+    task_source: str = ""          # gsm8k: a local .jsonl/.json/.parquet file or a hub dataset
+                                   # ("" = openai/gsm8k)
     difficulty: int | None = None  # arith: digits per operand (default 2 on CPU, 3 on GPU)
-    demo_error_rate: float = 0.5   # share of warm-start demonstrations with one mistake (room for RL to improve)
+    demo_error_rate: float = 0.5   # share of warm-start demonstrations with one mistake (room for RL)
     # RL
     steps: int | None = None       # RL steps (default 60 on CPU, 200 on GPU)
     prompts_per_step: int | None = None  # P, prompts per step (default 16 on CPU, 32 on GPU)
     group_size: int = 8            # G, samples per prompt: GRPO's advantages compare them
-    lr: float | None = None        # AdamW learning rate of RL (default 1e-4 on the tiny preset, 2e-5 otherwise)
-    temperature: float = 1.0       # sampling temperature of the rollout (the trainer's log-probs use the same)
+    lr: float | None = None        # AdamW learning rate of RL (default 1e-4 on the tiny preset, else 2e-5)
+    temperature: float = 1.0       # sampling temperature of the rollout (the trainer's log-probs use it too)
     max_new_tokens: int | None = None  # completion length cap (default the task's longest completion + EOS)
     clip_low: float = 0.2          # PPO ratio clip below 1 - clip_low
     clip_high: float = 0.28        # PPO ratio clip above 1 + clip_high (clip-higher, as in DAPO)
     grad_clip: float = 1.0         # max global gradient norm
-    warmstart_steps: int | None = None   # supervised steps on demonstrations before RL (default 300 on CPU, 1500 on GPU)
+    warmstart_steps: int | None = None  # supervised steps on demonstrations before RL
+                                        # (default 300 on CPU, 1500 on GPU)
     warmstart_batch: int = 64      # demonstrations per warm-start step
-    warmstart_lr: float | None = None    # warm-start peak learning rate (default 3e-3 on the tiny preset, 1e-3 otherwise)
-    eval_every: int | None = None  # steps between pass@1 evaluations (default steps // 5; also at step 0 and the end)
+    warmstart_lr: float | None = None  # warm-start peak learning rate (default 3e-3 on the tiny preset,
+                                       # 1e-3 otherwise)
+    eval_every: int | None = None  # steps between pass@1 evaluations (default steps // 5; also at step 0
+                                   # and at the end)
     eval_prompts: int | None = None  # held-out prompts for pass@1 (default 128 on CPU, 512 on GPU)
     # recipe switches
     recipe: str = "quads"          # trainer forward and rollout precision (the table above)
@@ -131,8 +144,10 @@ class TrainConfig:
     rac_ratio: float = 0.5         # fraction of activation blocks compensated by RAC (recipes rac, quads)
     rac_refresh: int = 1           # recalibrate the RAC block selection every N weight syncs
     # study
-    compare: str = ""              # comma-separated variants recipe[@rac_ratio][+tisC][+r3]: one warm-start and seed, shared figures
-    jobs: int = 1                  # --compare: variants run at once, one process each (a small model leaves a GPU mostly idle)
+    compare: str = ""              # comma-separated variants recipe[@rac_ratio][+tisC][+r3]: one warm-start
+                                   # and seed, shared figures
+    jobs: int = 1                  # --compare: variants run at once, one process each (a small model leaves
+                                   # a GPU mostly idle)
 
     def __post_init__(self):
         self._check_given()
@@ -143,7 +158,8 @@ class TrainConfig:
             self.preset = "small" if gpu else "tiny"
         tiny = self.preset == "tiny"
         defaults = dict(difficulty=(3 if gpu else 2) if self.task == "arith" else None,
-                        steps=200 if gpu else 60, prompts_per_step=32 if gpu else 16, lr=1e-4 if tiny else 2e-5,
+                        steps=200 if gpu else 60, prompts_per_step=32 if gpu else 16,
+                        lr=1e-4 if tiny else 2e-5,
                         warmstart_steps=1500 if gpu else 300, warmstart_lr=3e-3 if tiny else 1e-3,
                         eval_prompts=512 if gpu else 128)
         for name, default in defaults.items():
@@ -152,51 +168,54 @@ class TrainConfig:
         if self.eval_every is None:
             self.eval_every = max(1, self.steps // 5)
         # named like a --compare variant, so runs that differ write to different directories
-        ratio = f"@{self.rac_ratio:g}" if RECIPES[self.recipe][2] and self.rac_ratio != DEFAULT_RAC_RATIO else ""
+        named_ratio = RECIPES[self.recipe][2] and self.rac_ratio != DEFAULT_RAC_RATIO
+        ratio = f"@{self.rac_ratio:g}" if named_ratio else ""
         self.run_name = self.run_name or (self.recipe + ratio + (f"+tis{self.tis:g}" if self.tis else "")
                                           + ("+r3" if self.r3 else ""))
 
     def _check_given(self):
-        """Every value as given, before the defaults fill in the rest: one ConfigError naming the flag."""
-        for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "warmstart_batch", "eval_every",
-                     "eval_prompts", "checkpoint_every", "rac_refresh", "jobs", "threads", "difficulty"):
+        """Each value as given, before the defaults fill in the rest: a ConfigError naming the flag."""
+        at_least_one = ("steps", "prompts_per_step", "max_new_tokens", "warmstart_batch", "eval_every",
+                        "eval_prompts", "checkpoint_every", "rac_refresh", "jobs", "threads", "difficulty")
+        lows = [(name, 1) for name in at_least_one] + [("group_size", 2), ("seed", 0), ("warmstart_steps", 0)]
+        for name, low in lows:
             value = getattr(self, name)
-            _require(value is None or _is_int(value) and value >= (2 if name == "group_size" else 1), name, value,
-                     "GRPO compares samples of one prompt: must be an integer >= 2" if name == "group_size"
-                     else "must be an integer >= 1")
-        for name in ("seed", "warmstart_steps"):
-            value = getattr(self, name)
-            _require(value is None or _is_int(value) and value >= 0, name, value, "must be an integer >= 0")
+            why = " (GRPO compares the samples of one prompt)" if name == "group_size" else ""
+            _require(value is None or _is_int(value) and value >= low, name, value,
+                     f"must be an integer >= {low}{why}")
         for name in ("lr", "warmstart_lr", "grad_clip", "temperature"):
             value = getattr(self, name)
-            _require(value is None or _is_real(value) and 0 < value < math.inf, name, value, "must be a number > 0")
-        for name in ("rac_ratio", "demo_error_rate"):
+            _require(value is None or _is_real(value) and 0 < value < math.inf, name, value,
+                     "must be a number > 0")
+        bounded = (("rac_ratio", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+                   ("demo_error_rate", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+                   ("clip_low", lambda v: 0 <= v < 1, "must be in [0, 1)"),
+                   ("clip_high", lambda v: 0 <= v < math.inf, "must be a number >= 0"),
+                   ("tis", lambda v: 0 <= v < math.inf, "must be a number >= 0 (0 = off)"))
+        for name, ok, allowed in bounded:
             value = getattr(self, name)
-            _require(_is_real(value) and 0 <= value <= 1, name, value, "must be in [0, 1]")
-        _require(_is_real(self.clip_low) and 0 <= self.clip_low < 1, "clip_low", self.clip_low, "must be in [0, 1)")
-        for name in ("clip_high", "tis"):
-            value = getattr(self, name)
-            _require(_is_real(value) and 0 <= value < math.inf, name, value,
-                     "must be a number >= 0" + (" (0 = off)" if name == "tis" else ""))
+            _require(_is_real(value) and ok(value), name, value, allowed)
         for name, choices in CHOICES.items():
             value = getattr(self, name)
             _require(value is None or value in choices, name, value, f"choose from {', '.join(choices)}")
-        _refuse(self.preset and self.model, "preset", "not allowed with argument --model (it brings its own size)")
-        _refuse(self.model and self.task == "arith", "model", "a real checkpoint brings its own tokenizer: add --task gsm8k")
+        _refuse(self.preset and self.model, "preset", "not allowed with argument --model (it has its size)")
+        _refuse(self.model and self.task == "arith", "model",
+                "a real checkpoint brings its own tokenizer: add --task gsm8k")
         _refuse(not self.model and self.task != "arith", "task",
                 f"{self.task} needs a real model and its tokenizer: add --model DIR")
         _refuse(self.task_source and self.task == "arith", "task-source", "applies to --task gsm8k only")
-        _refuse(self.difficulty is not None and self.task != "arith", "difficulty", "applies to --task arith only")
+        _refuse(self.difficulty is not None and self.task != "arith", "difficulty",
+                "applies to --task arith only")
         _refuse(self.model and not os.path.isdir(self.model) and not HUB_ID.fullmatch(self.model), "model",
-                f"no such directory: {self.model} (give a Hugging Face Qwen3-MoE directory, or a hub id such as "
-                "Qwen/Qwen3-30B-A3B)")
+                f"no such directory: {self.model} (give a Hugging Face Qwen3-MoE directory, or a hub id "
+                "such as Qwen/Qwen3-30B-A3B)")
         _require(self.run_name == "" or os.path.basename(self.run_name) == self.run_name
                  and self.run_name not in (".", "..", "warmstart"), "run-name", self.run_name,
                  "must be a directory name under --out-dir (no '/'; 'warmstart' holds the warm-start cache)")
         _refuse(self.resume and self.overwrite, "overwrite", "not allowed with argument --resume")
         _refuse(self.jobs != 1 and not self.compare, "jobs", "applies to --compare only")
-        _refuse(self.compare and self.run_name, "run-name", "not allowed with argument --compare (it names each "
-                "variant's directory itself)")
+        _refuse(self.compare and self.run_name, "run-name",
+                "not allowed with argument --compare (it names each variant's directory itself)")
         if self.compare:
             parse_compare(self.compare)
 
@@ -280,7 +299,8 @@ def parse_compare(compare):
 def build_task(cfg):
     """The task, loaded; a dataset that cannot be loaded is a ConfigError naming the source and the fix."""
     if cfg.task == "arith":
-        return tasks.make_task("arith", difficulty=cfg.difficulty, demo_error_rate=cfg.demo_error_rate, seed=cfg.seed)
+        return tasks.make_task("arith", difficulty=cfg.difficulty, demo_error_rate=cfg.demo_error_rate,
+                               seed=cfg.seed)
     import datasets
     source = cfg.task_source or "openai/gsm8k"
     try:
@@ -290,8 +310,8 @@ def build_task(cfg):
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as error:
         cause = f"; {_one_line(error.__cause__)}" if error.__cause__ else ""
         raise ConfigError(f"argument --task-source: cannot load the {cfg.task} dataset {source!r} "
-                          f"({_one_line(error)}{cause}); offline, give a local file: --task-source FILE.jsonl "
-                          "(one JSON object per line with 'question' and 'answer')") from None
+                          f"({_one_line(error)}{cause}); offline, give a local file: --task-source "
+                          "FILE.jsonl (one JSON object per line with 'question' and 'answer')") from None
 
 
 def _one_line(error):
@@ -329,7 +349,8 @@ def build_model(cfg, task):
             model, hf_tokenizer = moe.load_hf(cfg.model)
         except (OSError, ValueError) as error:  # no config.json, weights that do not fit, an unreachable hub
             where = "the directory" if os.path.isdir(cfg.model) else "no such directory, and the hub id"
-            raise ConfigError(f"argument --model: cannot load {cfg.model} ({where}): {_one_line(error)}") from None
+            raise ConfigError(f"argument --model: cannot load {cfg.model} ({where}): "
+                              f"{_one_line(error)}") from None
         if hf_tokenizer is None:
             raise ConfigError(f"argument --model: {cfg.model} has no tokenizer files (tokenizer.json, "
                               "tokenizer_config.json or vocab.json); RL needs one")
@@ -388,10 +409,12 @@ def warmstart(cfg, model, task, tokenizer):
         return model
     os.makedirs(os.path.dirname(path), exist_ok=True)
     rng = random.Random(cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr, weight_decay=0.0, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr, weight_decay=0.0,
+                                  betas=(0.9, 0.95))
     bar = tqdm(range(cfg.warmstart_steps), desc="warm-start", dynamic_ncols=True)
     for step in bar:
-        lr = cfg.warmstart_lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / cfg.warmstart_steps))
+        warmup = min(1.0, (step + 1) / 50)
+        lr = cfg.warmstart_lr * warmup * 0.5 * (1 + math.cos(math.pi * step / cfg.warmstart_steps))
         for group in optimizer.param_groups:
             group["lr"] = lr
         problems = task.sample(cfg.warmstart_batch, "train", rng)
@@ -434,7 +457,8 @@ def evaluate(cfg, model, task, tokenizer, problems):
 
 
 def score(task, tokenizer, problems, out, group_size):
-    completions = [tokenizer.decode(row[m].tolist()) for row, m in zip(out.completion_ids.cpu(), out.completion_mask.cpu())]
+    completions = [tokenizer.decode(row[m].tolist())
+                   for row, m in zip(out.completion_ids.cpu(), out.completion_mask.cpu())]
     return torch.tensor([task.reward(problems[i // group_size], text) for i, text in enumerate(completions)])
 
 
@@ -445,8 +469,8 @@ class Setup:
     cfg: TrainConfig
     task: object
     tokenizer: object
-    trainer: torch.nn.Module        # FP32 master weights (fake-quantized forward per recipe); the optimizer steps these
-    rollout_model: torch.nn.Module  # the recipe's rollout precision; its weights come from the trainer by sync()
+    trainer: torch.nn.Module        # FP32 master weights, the optimizer's (forward fake-quantized per recipe)
+    rollout_model: torch.nn.Module  # the recipe's rollout precision; sync() loads it from the trainer
     eval_model: torch.nn.Module     # a BF16 copy of the trainer's weights, for the trainer's own pass@1
     optimizer: torch.optim.Optimizer
     rac_ratio: float                # 0 when the recipe has no RAC
@@ -478,19 +502,23 @@ def check_run_dir(cfg):
     if not os.path.exists(ckpt_path):
         raise ConfigError(f"argument --resume: no checkpoint {ckpt_path} to resume (drop --resume to start "
                           "the run, or give the --out-dir and --run-name of the run to continue)")
-    ckpt = load_file(ckpt_path, cfg.device, "checkpoint", "restore it, or start the run over with --overwrite")
+    ckpt = load_file(ckpt_path, cfg.device, "checkpoint",
+                     "restore it, or start the run over with --overwrite")
     if not isinstance(ckpt, dict) or not {"step", "trainer", "optimizer", "config"} <= set(ckpt):
         raise ConfigError(f"cannot read the checkpoint {ckpt_path}: not a train.py checkpoint; restore it, "
                           "or start the run over with --overwrite")
-    changes = [f"--{field.name.replace('_', '-')} {stored} -> {given}" for field in dataclasses.fields(cfg)
-               for stored, given in [(ckpt["config"].get(field.name, field.default), getattr(cfg, field.name))]
-               if field.name not in RESUMABLE_FIELDS and stored != given]
+    changes = []
+    for field in dataclasses.fields(cfg):
+        stored, given = ckpt["config"].get(field.name, field.default), getattr(cfg, field.name)
+        if field.name not in RESUMABLE_FIELDS and stored != given:
+            changes.append(f"--{field.name.replace('_', '-')} {stored} -> {given}")
     if changes:
-        raise ConfigError(f"cannot resume {run_dir}: this command changes {', '.join(changes)}; a resumed run "
-                          "keeps its config (--steps may grow): give the run's values, or a new --run-name")
+        raise ConfigError(f"cannot resume {run_dir}: this command changes {', '.join(changes)}; a resumed "
+                          "run keeps its config (--steps may grow): give the run's values, or a new "
+                          "--run-name")
     if cfg.steps < ckpt["step"]:
-        raise ConfigError(f"argument --steps: {cfg.steps}, but the run in {run_dir} is at step {ckpt['step']}; "
-                          f"a run cannot be shortened (give --steps >= {ckpt['step']})")
+        raise ConfigError(f"argument --steps: {cfg.steps}, but the run in {run_dir} is at step "
+                          f"{ckpt['step']}; a run cannot be shortened (give --steps >= {ckpt['step']})")
     return ckpt
 
 
@@ -551,8 +579,9 @@ def setup(cfg, base_state=None, ckpt=None):
 
 
 def set_threads(cfg):
-    """CPU: torch's threads (--threads, or 1 on the tiny preset: its matmuls are too small to gain from
-    more, and on a busy machine two threads wait on each other, measured 7x slower)."""
+    """CPU: torch's threads (--threads, or 1 on the tiny preset). The tiny model's matmuls are too small
+    to gain from a second thread, and two threads that synchronize at every op stall whenever another
+    process holds one of the cores: on a shared 2-core machine the default run is several times slower."""
     threads = cfg.threads or (1 if cfg.preset == "tiny" else None)
     if cfg.device == "cpu" and threads:
         torch.set_num_threads(threads)
@@ -584,11 +613,13 @@ def run(cfg, base_state=None):
     ckpt = check_run_dir(cfg)
     if ckpt is not None and ckpt["step"] == cfg.steps:
         run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-        print(f"run {run_dir} is complete at step {cfg.steps}: nothing to do (--steps N > {cfg.steps} extends it)")
+        print(f"run {run_dir} is complete at step {cfg.steps}: nothing to do "
+              f"(--steps N > {cfg.steps} extends it)")
         print(report(cfg, run_dir))
         return run_dir
     s = setup(cfg, base_state, ckpt)
-    task, tokenizer, trainer, rollout_model, optimizer = s.task, s.tokenizer, s.trainer, s.rollout_model, s.optimizer
+    task, tokenizer, trainer, rollout_model, optimizer = s.task, s.tokenizer, s.trainer, s.rollout_model, \
+        s.optimizer
     run_dir, ckpt_path, metrics_path, start_step = s.run_dir, s.ckpt_path, s.metrics_path, s.start_step
     if start_step == 0:  # the warm-started policy, before any RL: the baseline every curve starts from
         with open(metrics_path, "a") as f:
@@ -672,15 +703,16 @@ def report(cfg, run_dir, seconds=None):
              + (f" in {seconds:.0f} s" if seconds is not None else "")]
     if evals:
         first, last = evals[0], evals[-1]
-        lines.append(f"  pass@1        rollout {last['pass@1']:.3f}, BF16 trainer {last['pass@1_bf16_trainer']:.3f} "
-                     f"at step {last['step']} (step {first['step']}: {first['pass@1']:.3f}, "
-                     f"{first['pass@1_bf16_trainer']:.3f})")
+        lines.append(f"  pass@1        rollout {last['pass@1']:.3f}, BF16 trainer "
+                     f"{last['pass@1_bf16_trainer']:.3f} at step {last['step']} "
+                     f"(step {first['step']}: {first['pass@1']:.3f}, {first['pass@1_bf16_trainer']:.3f})")
     if steps:
         mean = sum(r["mismatch/abs_diff_mean"] for r in steps) / len(steps)
         worst = max(r["mismatch/abs_diff_max"] for r in steps)
         lines.append(f"  |delta logp|  mean {mean:.2e}, max {worst:.3f} over steps 1-{steps[-1]['step']}")
-    for name, path in (("metrics", "metrics.jsonl"), ("checkpoint", "checkpoint.pt"), ("figure", "curves.png")):
-        lines.append(f"  {name:<13} {os.path.join(run_dir, path)}")
+    for name, file in (("metrics", "metrics.jsonl"), ("checkpoint", "checkpoint.pt"),
+                       ("figure", "curves.png")):
+        lines.append(f"  {name:<13} {os.path.join(run_dir, file)}")
     lines.append(f"  {'warm-start':<13} {warmstart_path(cfg)}")
     return "\n".join(lines)
 
@@ -732,19 +764,22 @@ def plot(run_dirs, path, window=10):
     import matplotlib.pyplot as plt
     panels = [("reward", "reward (train batch)"), ("pass@1", "pass@1 (rollout model, held-out)"),
               ("mismatch/abs_diff_mean", "mean |delta logp|"), ("mismatch/abs_diff_max", "max |delta logp|"),
-              ("mismatch/kl_k3", "K3 KL(rollout || trainer)"), ("routing_disagreement", "routing disagreement")]
+              ("mismatch/kl_k3", "K3 KL(rollout || trainer)"),
+              ("routing_disagreement", "routing disagreement")]
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
     for run_dir in run_dirs:
         records = _read_metrics(os.path.join(run_dir, "metrics.jsonl"))
         label = os.path.basename(os.path.normpath(run_dir))
         for ax, (key, title) in zip(axes.flat, panels):
-            points = [(r["step"], r[key]) for r in records if key in r and r[key] is not None and not math.isnan(r[key])]
+            points = [(r["step"], r[key]) for r in records
+                      if key in r and r[key] is not None and not math.isnan(r[key])]
             if points and key != "pass@1":
                 steps, values = zip(*points)
                 points = list(zip(steps, smooth(values, window)))
             if points:
                 ax.plot(*zip(*points), label=label, marker="o" if key == "pass@1" else None, markersize=3)
-            ax.set_title(title + ("" if key == "pass@1" or window == 1 else f", {window}-step mean"), fontsize=10)
+            smoothed = "" if key == "pass@1" or window == 1 else f", {window}-step mean"
+            ax.set_title(title + smoothed, fontsize=10)
             ax.set_xlabel("RL step", fontsize=8)
             if "mismatch" in key:
                 ax.set_yscale("log")
@@ -768,8 +803,9 @@ def summarize(run_dirs, checkpoints=(50, 100)):
         if not steps or not evals:
             continue
         marks = [c for c in checkpoints if c < steps[-1]["step"]] + [steps[-1]["step"]]
-        header = ["run", "pass@1 rollout / bf16 trainer"] + [f"{name} @ {', '.join(map(str, marks))}" for name in
-                                                               ("mean abs dlogp", "max abs dlogp", "routing disagr.")]
+        header = ["run", "pass@1 rollout / bf16 trainer"] + [
+            f"{name} @ {', '.join(map(str, marks))}"
+            for name in ("mean abs dlogp", "max abs dlogp", "routing disagr.")]
         header += ["rollout tok/s", "step s"]
 
         def window(key, end):
@@ -783,7 +819,8 @@ def summarize(run_dirs, checkpoints=(50, 100)):
                                         ("routing_disagreement", ".2%"))]
                     + [f"{sum(r['rollout_tokens_per_s'] for r in steps) / len(steps):,.0f}",
                        f"{sum(r['step_s'] for r in steps) / len(steps):.2f}"])
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -802,16 +839,21 @@ def _option_docs():
             break
         title = re.fullmatch(r"    # (.+)", line)
         field = re.fullmatch(r"    (\w+): [^#]*?(?:#\s*(.*))?", line)
+        more = re.fullmatch(r"     +# (.+)", line)  # a help text continued on the next line
         if title:
             group = title.group(1)
         elif field:
-            docs[field.group(1)] = (group, field.group(2) or "")
+            name = field.group(1)
+            docs[name] = (group, field.group(2) or "")
+        elif more:
+            docs[name] = (group, f"{docs[name][1]} {more.group(1)}")
     return docs
 
 
 def build_parser():
     """The CLI, built from TrainConfig: one option per field, grouped and documented as the fields are."""
-    parser = _Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = _Parser(prog="train.py", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
                      usage="python train.py [--recipe R | --compare V1,V2,...] [options] (see --help)")
     docs, groups, hints = _option_docs(), {}, typing.get_type_hints(TrainConfig)
     for field in dataclasses.fields(TrainConfig):
@@ -844,7 +886,8 @@ def compare_paths(cfg, run_names):
     """--compare's figure and table, named by the variants (so that another comparison keeps its own)."""
     stem = "compare_" + "_".join(run_names)
     if len(stem) > 100:  # file names have a length limit
-        stem = f"compare_{len(run_names)}variants_" + hashlib.sha1(",".join(run_names).encode()).hexdigest()[:10]
+        digest = hashlib.sha1(",".join(run_names).encode()).hexdigest()[:10]
+        stem = f"compare_{len(run_names)}variants_{digest}"
     return os.path.join(cfg.out_dir, stem + ".png"), os.path.join(cfg.out_dir, stem + ".md")
 
 
@@ -861,7 +904,8 @@ def study(cfg):
         check_run_dir(variant)
     existing = [path for path in outputs if os.path.exists(path)]
     if existing and not (cfg.resume or cfg.overwrite):
-        raise ConfigError(f"{existing[0]} exists: add --overwrite to replace it (or --resume to continue the runs)")
+        raise ConfigError(f"{existing[0]} exists: add --overwrite to replace it (or --resume to continue "
+                          "the runs)")
     set_threads(variants[0])
     task = build_task(variants[0])
     model, tokenizer = build_model(variants[0], task)

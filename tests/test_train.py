@@ -281,7 +281,7 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messag
     (["--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1"),
     (["--checkpoint-every", "0"], "argument --checkpoint-every: must be an integer >= 1"),
     (["--threads", "0"], "argument --threads: must be an integer >= 1"),
-    (["--group-size", "1"], "argument --group-size: GRPO compares samples of one prompt: must be an integer >= 2"),
+    (["--group-size", "1"], "argument --group-size: must be an integer >= 2 (GRPO compares the samples of one prompt), got 1"),
     (["--rac-ratio", "1.5"], "argument --rac-ratio: must be in [0, 1], got 1.5"),
     (["--clip-low", "1"], "argument --clip-low: must be in [0, 1), got 1.0"),
     (["--tis", "-1"], "argument --tis: must be a number >= 0 (0 = off), got -1.0"),
@@ -590,3 +590,16 @@ def test_a_step_raises_the_advantage_weighted_logprob_of_the_sampled_tokens(trac
     before, after = objective(first["weights"]), objective(second["weights"])
     print(f"advantage-weighted log-prob of step 1's completions: {before:.5f} -> {after:.5f}")
     assert after > before + 1e-4 * abs(before)
+
+
+def test_compare_outputs_are_named_by_their_variants_and_never_replaced_unasked(tmp_path, capsys):
+    assert train.compare_paths(tiny_config(tmp_path), ["bf16", "quads@0.25+tis2"]) == (
+        f"{tmp_path}/compare_bf16_quads@0.25+tis2.png", f"{tmp_path}/compare_bf16_quads@0.25+tis2.md")
+    long_names = [f"rac@0.{i}" for i in range(1, 30)]
+    figure, table = train.compare_paths(tiny_config(tmp_path), long_names)
+    assert len(os.path.basename(figure)) < 60 and figure != train.compare_paths(tiny_config(tmp_path), long_names[1:])[0]
+    (tmp_path / "compare_bf16_quads.md").write_text("an earlier study\n")
+    before = tree_digest(tmp_path)
+    code, _, err = main_exit(cli(tmp_path, compare="bf16,quads"), capsys)
+    assert code == 2 and f"{tmp_path}/compare_bf16_quads.md exists: add --overwrite to replace it" in err
+    assert tree_digest(tmp_path) == before

@@ -529,7 +529,6 @@ def setup(cfg, base_state=None, ckpt=None):
     Nothing is written before the run directory is checked (check_run_dir, unless its checkpoint is
     given as ckpt) and the task and model are loaded: a run that cannot start leaves the disk as it was."""
     ckpt = ckpt if ckpt is not None else check_run_dir(cfg)
-    set_threads(cfg)
     task = build_task(cfg)
     model, tokenizer = build_model(cfg, task)
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
@@ -906,7 +905,6 @@ def study(cfg):
     if existing and not (cfg.resume or cfg.overwrite):
         raise ConfigError(f"{existing[0]} exists: add --overwrite to replace it (or --resume to continue "
                           "the runs)")
-    set_threads(variants[0])
     task = build_task(variants[0])
     model, tokenizer = build_model(variants[0], task)
     base_state = copy.deepcopy(warmstart(variants[0], model, task, tokenizer).state_dict())
@@ -935,6 +933,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         cfg = TrainConfig(**vars(args))
+        set_threads(cfg)  # here, not in run(): a program that imports train.py keeps its own setting
         return study(cfg) if cfg.compare else [run(cfg)]
     except ConfigError as error:
         parser.error(str(error))

@@ -68,10 +68,13 @@ def out_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def recipe_runs(out_dir):
     """bf16, nvfp4 and quads from one cached warm-start (the first run writes it, the others load it)."""
-    torch.set_num_threads(1)
-    return {recipe: train.run(tiny_config(out_dir, recipe=recipe)) for recipe in ("bf16", "nvfp4", "quads")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model runs fastest on one thread (as train.py's CLI sets it)
+    yield {recipe: train.run(tiny_config(out_dir, recipe=recipe)) for recipe in ("bf16", "nvfp4", "quads")}
+    torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_every_recipe_writes_metrics_checkpoint_and_figure(recipe_runs):
     for recipe, run_dir in recipe_runs.items():
         records = read_metrics(run_dir)
@@ -99,6 +102,7 @@ def test_logged_pass_at_1_is_that_of_the_checkpointed_weights(recipe_runs, out_d
     assert (last["pass@1"] * TINY["eval_prompts"]).is_integer()
 
 
+@pytest.mark.slow
 def test_bf16_mismatch_is_near_zero_and_nvfp4_clearly_above(recipe_runs):
     bf16 = max(r["mismatch/abs_diff_max"] for r in read_metrics(recipe_runs["bf16"], rl_steps_only=True))
     nvfp4 = min(r["mismatch/abs_diff_mean"] for r in read_metrics(recipe_runs["nvfp4"], rl_steps_only=True))
@@ -108,11 +112,13 @@ def test_bf16_mismatch_is_near_zero_and_nvfp4_clearly_above(recipe_runs):
     assert nvfp4 > 1e-3
 
 
+@pytest.mark.slow
 def test_bf16_routes_agree_and_nvfp4_routes_sometimes_differ(recipe_runs):
     assert max(r["routing_disagreement"] for r in read_metrics(recipe_runs["bf16"], rl_steps_only=True)) < 0.01
     assert max(r["routing_disagreement"] for r in read_metrics(recipe_runs["nvfp4"], rl_steps_only=True)) > 0.0
 
 
+@pytest.mark.slow
 def test_resumed_run_reproduces_the_next_step(out_dir):
     full = read_metrics(train.run(tiny_config(out_dir, recipe="quads", run_name="resume_full")))
     train.run(tiny_config(out_dir, recipe="quads", run_name="resume_part", steps=2))
@@ -122,6 +128,7 @@ def test_resumed_run_reproduces_the_next_step(out_dir):
         assert resumed[3][key] == full[3][key], key
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_the_run_and_keeps_the_checkpoint(out_dir, monkeypatch):
     run_dir = train.run(tiny_config(out_dir, recipe="bf16", run_name="nan_run", steps=2))
     before = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)["step"]
@@ -149,6 +156,7 @@ def test_compare_variants_set_recipe_rac_ratio_tis_and_r3():
         train.parse_variant("quads+fast")
 
 
+@pytest.mark.slow
 def test_compare_with_jobs_runs_variants_in_processes_and_matches_the_sequential_runs(recipe_runs, out_dir):
     # same warm-start cache (same out_dir and settings) and seeds: the parallel runs repeat recipe_runs exactly
     settings = tiny_config(out_dir)
@@ -175,6 +183,7 @@ def test_cli_builds_the_config_from_the_dataclass():
     assert cfg.run_name == "nvfp4+tis2+r3"
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_of_the_last_finished_step(out_dir, monkeypatch):
     calls = {"n": 0}
     real = train.grpo.group_advantages
@@ -193,6 +202,7 @@ def test_ctrl_c_saves_a_checkpoint_of_the_last_finished_step(out_dir, monkeypatc
     assert ckpt["step"] == 1
 
 
+@pytest.mark.slow
 def test_a_hugging_face_checkpoint_trains_on_a_local_gsm8k_file(tmp_path):
     """--model with --task gsm8k: a tiny random Qwen3-MoE and a character tokenizer saved in Hugging
     Face format, GSM8K-format problems from a local jsonl file; two RL steps of the quads recipe."""
@@ -230,6 +240,7 @@ def test_a_hugging_face_checkpoint_trains_on_a_local_gsm8k_file(tmp_path):
     assert tokenizer.decode(tokenizer.encode("#### 42") + [tokenizer.eos_id] + tokenizer.encode("x")) == "#### 42"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["fp8", "qat", "rac", "w4a4"])
 def test_the_other_recipes_run_end_to_end(out_dir, recipe):
     records = read_metrics(train.run(tiny_config(out_dir, recipe=recipe, steps=2, eval_every=2)), rl_steps_only=True)
@@ -237,6 +248,7 @@ def test_the_other_recipes_run_end_to_end(out_dir, recipe):
     assert records[0]["mismatch/abs_diff_mean"] > 1e-4  # every one of them rolls out in low precision
 
 
+@pytest.mark.slow
 def test_route_replay_removes_routing_disagreement_and_tis_logs_truncation(out_dir):
     cfg = tiny_config(out_dir, recipe="nvfp4", r3=True, tis=2.0, steps=2, eval_every=2)
     assert cfg.run_name == "nvfp4+tis2+r3"
@@ -245,6 +257,7 @@ def test_route_replay_removes_routing_disagreement_and_tis_logs_truncation(out_d
     assert all(r["mismatch/tis_ratio_max"] <= 2.0 and "tis_weight_mean" in r for r in records)
 
 
+@pytest.mark.slow
 def test_summary_table_has_a_row_per_run_with_its_mismatch(recipe_runs):
     table = train.summarize(list(recipe_runs.values()))
     lines = table.splitlines()

@@ -326,7 +326,8 @@ class HFTokenizer:
 
     def __init__(self, tokenizer):
         if tokenizer.eos_token_id is None:
-            raise ValueError("the checkpoint's tokenizer has no EOS token: completions could never end")
+            raise ConfigError("argument --model: the checkpoint's tokenizer has no EOS token, so completions "
+                              "could never end")
         self.tokenizer = tokenizer
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -575,15 +576,6 @@ def setup(cfg, base_state=None, ckpt=None):
               eval_problems, run_dir, ckpt_path, metrics_path, start_step)
     sync(s, start_step)  # the rollout starts from the trainer's weights (the checkpoint's, on resume)
     return s
-
-
-def set_threads(cfg):
-    """CPU: torch's threads (--threads, or 1 on the tiny preset). The tiny model's matmuls are too small
-    to gain from a second thread, and two threads that synchronize at every op stall whenever another
-    process holds one of the cores: on a shared 2-core machine the default run is several times slower."""
-    threads = cfg.threads or (1 if cfg.preset == "tiny" else None)
-    if cfg.device == "cpu" and threads:
-        torch.set_num_threads(threads)
 
 
 def sync(s, step):
@@ -925,6 +917,15 @@ def study(cfg):
     print(table)
     print(f"table: {table_path}")
     return run_dirs
+
+
+def set_threads(cfg):
+    """CPU: torch's threads (--threads, or 1 on the tiny preset). The tiny model's matmuls are too small
+    to gain from a second thread, and two threads that synchronize at every op stall whenever another
+    process holds one of the cores: on a shared 2-core machine the default run is several times slower."""
+    threads = cfg.threads or (1 if cfg.preset == "tiny" else None)
+    if cfg.device == "cpu" and threads:
+        torch.set_num_threads(threads)
 
 
 def main(argv=None):

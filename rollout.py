@@ -62,6 +62,7 @@ Shape letters:
     V vocab, L layers, Hkv key/value heads, hd head dim, A experts per token
 """
 import dataclasses
+import operator
 import warnings
 import weakref
 from collections import OrderedDict
@@ -487,17 +488,47 @@ def prefill(model: MoETransformer, cache: KVCache, prompt_ids: Tensor, pad_lengt
     return torch.cat(last_logits), torch.cat(routes, dim=1)
 
 
+def _is_token_id(value) -> bool:
+    """A Python or NumPy integer, or an integer 0-d tensor (not a bool, not a float with an integer value)."""
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and not value.is_complex() \
+            and value.dtype != torch.bool
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
+
+
+def _token_ids(prompt, name) -> list[int]:
+    """One prompt (a list/tuple of integers or a 1-D integer tensor) -> list of ints; anything else, such
+    as a string or float ids, is a TypeError naming the argument (int() would silently truncate 2.7)."""
+    if isinstance(prompt, Tensor):
+        if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise TypeError(f"{name} must be a 1-D integer tensor of token ids, got {prompt.dtype} of shape "
+                            f"{tuple(prompt.shape)}")
+        return prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise TypeError(f"{name} must be a list of integer token ids, got {type(prompt).__name__}"
+                        + (" (encode text with the tokenizer first)" if isinstance(prompt, (str, bytes)) else ""))
+    for t in prompt:
+        if not _is_token_id(t):
+            raise TypeError(f"{name} must hold integer token ids, got {t!r} ({type(t).__name__})")
+    return [int(t) for t in prompt]
+
+
 def _check_arguments(config, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id, pad_id):
     """Validate generate's arguments; return the prompts as lists of ints."""
     if isinstance(prompts, Tensor) or not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token-id lists (one list per prompt, any lengths)")
-    prompts = [[int(t) for t in (p.tolist() if isinstance(p, Tensor) else p)] for p in prompts]
+    prompts = [_token_ids(prompt, f"prompts[{i}]") for i, prompt in enumerate(prompts)]
     V = config.vocab_size
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        if min(prompt) < 0 or max(prompt) >= V:
-            raise ValueError(f"prompt {i} holds token ids outside [0, {V})")
+        outside = [t for t in prompt if not 0 <= t < V]
+        if outside:
+            raise ValueError(f"prompts[{i}] holds token id {outside[0]}, outside [0, {V}) (the vocabulary)")
     if not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -512,6 +543,10 @@ def _check_arguments(config, prompts, num_samples, max_new_tokens, temperature, 
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    if eos_id is not None and not _is_token_id(eos_id):
+        raise TypeError(f"eos_id must be None or an integer token id, got {eos_id!r}")
+    if not _is_token_id(pad_id):
+        raise TypeError(f"pad_id must be an integer token id, got {pad_id!r}")
     if eos_id is not None and not 0 <= eos_id < V:
         raise ValueError(f"eos_id must be None or a token id in [0, {V}), got {eos_id!r}")
     if not 0 <= pad_id < V:

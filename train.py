@@ -47,20 +47,30 @@ settings starts from the same weights. Checkpoints are written atomically every 
 steps and on Ctrl-C; `--resume` continues with the same data order and sampling seeds (both are a
 function of the step), and a NaN/Inf loss stops the run, keeping the last good checkpoint.
 
+Runs are never destroyed unasked. A run writes out_dir/run_name/ (config.json, metrics.jsonl,
+checkpoint.pt, curves.png); a directory holding metrics or a checkpoint is refused unless `--resume`
+continues it (the checkpoint's stored config must match this one, except --steps, which may grow) or
+`--overwrite` starts it over. Every value, the run directory, the data and the model are checked before
+anything is written; what cannot run ends with one line naming the flag and the fix (exit status 2).
+
 Device defaults: on a CPU the tiny preset and a short run (a few minutes on 2 cores); on a GPU the
-small preset and the full experiment. Every field below can be set from the command line.
+small preset and the full experiment. Every field of TrainConfig is a command-line flag (see --help).
 """
 import argparse
 import copy
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
 import multiprocessing
 import os
+import pickle
 import random
+import re
 import sys
 import time
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -87,94 +97,184 @@ RECIPES = {
 }
 
 
+class ConfigError(ValueError):
+    """A run that cannot start as asked: a bad value, a run directory it would destroy, a file it cannot
+    read. One line for the user (the CLI prints it and exits 2, as argparse does); tracebacks are for bugs."""
+
+
+CHOICES = {"recipe": RECIPES, "preset": moe.PRESETS, "task": tasks.TASKS}  # checked, and listed in --help
+
+
 @dataclass
 class TrainConfig:
-    # what to run
-    recipe: str = "quads"          # one of RECIPES
-    compare: str = ""              # comma-separated variants "recipe[@rac_ratio][+tisC][+r3]": one warm-start and seed, shared figures
-    jobs: int = 1                  # --compare: variants run at once, one process each (a small model leaves a GPU mostly idle)
+    # run
+    out_dir: str = "runs"          # one directory per run, and the shared warm-start cache (warmstart/)
+    run_name: str = ""             # the run's directory under out_dir ("" = the recipe and its switches,
+                                   # e.g. nvfp4+tis2, as --compare names its variants)
+    resume: bool = False           # continue the run from its checkpoint (same config; --steps may grow)
+    overwrite: bool = False        # start over where a run is (deletes its metrics and checkpoint)
+    seed: int = 0                  # model init, warm-start, data order and sampling all derive from it
+    device: str = ""               # cpu, cuda or cuda:N ("" = cuda if available, else cpu)
+    threads: int | None = None     # torch's CPU threads (default 1 on the tiny preset: its matmuls gain
+                                   # nothing from a second thread, which stalls when the other core is busy)
+    checkpoint_every: int = 25     # steps between checkpoints (also written at the end and on Ctrl-C)
+    cuda_graph: bool = True        # decode steps as a captured CUDA graph (GPU only)
+    # model and task
+    preset: str | None = None      # model size (default tiny on CPU, small on GPU; none with --model)
+    model: str = ""                # a Hugging Face Qwen3-MoE directory or hub id instead of a preset
+                                   # (needs --task gsm8k)
+    task: str = "arith"            # arith: built in, with its own tokenizer; gsm8k: needs --model
+    task_source: str = ""          # gsm8k: a local .jsonl/.json/.parquet file or a hub dataset
+                                   # ("" = openai/gsm8k)
+    difficulty: int | None = None  # arith: digits per operand (default 2 on CPU, 3 on GPU)
+    demo_error_rate: float = 0.5   # share of warm-start demonstrations with one mistake (room for RL)
+    # RL
+    steps: int | None = None       # RL steps (default 60 on CPU, 200 on GPU)
+    prompts_per_step: int | None = None  # P, prompts per step (default 16 on CPU, 32 on GPU)
+    group_size: int = 8            # G, samples per prompt: GRPO's advantages compare them
+    lr: float | None = None        # AdamW learning rate of RL (default 1e-4 on the tiny preset, else 2e-5)
+    temperature: float = 1.0       # sampling temperature of the rollout (the trainer's log-probs use it too)
+    max_new_tokens: int | None = None  # completion length cap (default the task's longest completion + EOS)
+    clip_low: float = 0.2          # PPO ratio clip below 1 - clip_low
+    clip_high: float = 0.28        # PPO ratio clip above 1 + clip_high (clip-higher, as in DAPO)
+    grad_clip: float = 1.0         # max global gradient norm
+    warmstart_steps: int | None = None  # supervised steps on demonstrations before RL
+                                        # (default 300 on CPU, 1500 on GPU)
+    warmstart_batch: int = 64      # demonstrations per warm-start step
+    warmstart_lr: float | None = None  # warm-start peak learning rate (default 3e-3 on the tiny preset,
+                                       # 1e-3 otherwise)
+    eval_every: int | None = None  # steps between pass@1 evaluations (default steps // 5; also at step 0
+                                   # and at the end)
+    eval_prompts: int | None = None  # held-out prompts for pass@1 (default 128 on CPU, 512 on GPU)
+    # recipe switches
+    recipe: str = "quads"          # trainer forward and rollout precision (the table above)
     tis: float = 0.0               # truncated importance sampling cap C (0 = off; verl uses 2)
     r3: bool = False               # replay the rollout's expert routes in the trainer (R3)
     rac_ratio: float = 0.5         # fraction of activation blocks compensated by RAC (rac, quads, moeresq)
     rac_refresh: int = 1           # recalibrate the RAC block selection every N weight syncs
-    # model and task
-    preset: str = ""               # moe.PRESETS name; "" = "tiny" on CPU, "small" on GPU
-    model: str = ""                # Hugging Face Qwen3-MoE directory or hub id (instead of a preset)
-    task: str = "arith"            # "arith" (built-in) or "gsm8k"
-    task_source: str = ""          # gsm8k: a hub dataset name or a local .jsonl/.json/.parquet ("" = openai/gsm8k)
-    difficulty: int = 0            # digits per operand of the arith task; 0 = 2 on CPU, 3 on GPU
-    demo_error_rate: float = 0.5   # share of warm-start demonstrations with one mistake
-    # RL
-    steps: int = 0                 # RL steps; 0 = 60 on CPU, 200 on GPU
-    prompts_per_step: int = 0      # P; 0 = 16 on CPU, 32 on GPU
-    group_size: int = 8            # G samples per prompt
-    lr: float = 0.0                # 0 = 1e-4 on the tiny preset, 2e-5 otherwise
-    temperature: float = 1.0
-    max_new_tokens: int = 0        # 0 = the task's longest completion + 1 (EOS)
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    grad_clip: float = 1.0
-    # warm-start (supervised, on demonstrations)
-    warmstart_steps: int = 0       # 0 = 300 on CPU, 1500 on GPU
-    warmstart_batch: int = 64
-    warmstart_lr: float = 0.0      # 0 = 3e-3 on the tiny preset, 1e-3 otherwise
-    # evaluation, logging, safety
-    eval_every: int = 0            # 0 = steps // 5
-    eval_prompts: int = 0          # held-out prompts for pass@1; 0 = 128 on CPU, 512 on GPU
-    checkpoint_every: int = 25
-    out_dir: str = "runs"
-    run_name: str = ""             # default: the recipe (plus +tis/+r3)
-    resume: bool = False
-    seed: int = 0
-    device: str = ""               # "" = cuda if available, else cpu
-    cuda_graph: bool = True        # decode steps as a captured CUDA graph (GPU only)
+    # study
+    compare: str = ""              # comma-separated variants recipe[@rac_ratio][+tisC][+r3]: one warm-start
+                                   # and seed, shared figures
+    jobs: int = 1                  # --compare: variants run at once, one process each (a small model leaves
+                                   # a GPU mostly idle)
 
     def __post_init__(self):
+        self._check_given()
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        _check_device(self.device)
         gpu = self.device.startswith("cuda")
-        self.preset = self.preset or ("" if self.model else ("small" if gpu else "tiny"))
-        self.difficulty = self.difficulty or (3 if gpu else 2)
-        self.steps = self.steps or (200 if gpu else 60)
-        self.prompts_per_step = self.prompts_per_step or (32 if gpu else 16)
+        if self.preset is None and not self.model:
+            self.preset = "small" if gpu else "tiny"
         tiny = self.preset == "tiny"
-        self.lr = self.lr or (1e-4 if tiny else 2e-5)
-        self.warmstart_steps = self.warmstart_steps or (1500 if gpu else 300)
-        self.warmstart_lr = self.warmstart_lr or (3e-3 if tiny else 1e-3)
-        self.eval_every = self.eval_every or max(1, self.steps // 5)
-        self.eval_prompts = self.eval_prompts or (512 if gpu else 128)
-        if self.recipe not in RECIPES:
-            raise ValueError(f"--recipe must be one of {sorted(RECIPES)}, got {self.recipe!r}")
-        for spec in filter(None, self.compare.split(",")):
-            parse_variant(spec)  # raises on a malformed variant or an unknown recipe
-        if not 0.0 <= self.rac_ratio <= 1.0:
-            raise ValueError(f"--rac-ratio must be in [0, 1], got {self.rac_ratio}")
-        if self.tis < 0:
-            raise ValueError(f"--tis must be >= 0 (0 = off), got {self.tis}")
-        if self.model and self.task == "arith":
-            raise ValueError("--model loads a real checkpoint with its own tokenizer: use --task gsm8k")
-        if self.jobs < 1:
-            raise ValueError(f"--jobs must be >= 1, got {self.jobs}")
-        if self.group_size < 2:
-            raise ValueError(f"--group-size must be >= 2 (GRPO compares samples of one prompt), got {self.group_size}")
+        defaults = dict(difficulty=(3 if gpu else 2) if self.task == "arith" else None,
+                        steps=200 if gpu else 60, prompts_per_step=32 if gpu else 16,
+                        lr=1e-4 if tiny else 2e-5,
+                        warmstart_steps=1500 if gpu else 300, warmstart_lr=3e-3 if tiny else 1e-3,
+                        eval_prompts=512 if gpu else 128)
+        for name, default in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        if self.eval_every is None:
+            self.eval_every = max(1, self.steps // 5)
         # named like a --compare variant, so runs that differ write to different directories
-        ratio = f"@{self.rac_ratio:g}" if RECIPES[self.recipe][2] and self.rac_ratio != DEFAULT_RAC_RATIO else ""
+        named_ratio = RECIPES[self.recipe][2] and self.rac_ratio != DEFAULT_RAC_RATIO
+        ratio = f"@{self.rac_ratio:g}" if named_ratio else ""
         self.run_name = self.run_name or (self.recipe + ratio + (f"+tis{self.tis:g}" if self.tis else "")
                                           + ("+r3" if self.r3 else ""))
 
+    def _check_given(self):
+        """Each value as given, before the defaults fill in the rest: a ConfigError naming the flag."""
+        at_least_one = ("steps", "prompts_per_step", "max_new_tokens", "warmstart_batch", "eval_every",
+                        "eval_prompts", "checkpoint_every", "rac_refresh", "jobs", "threads", "difficulty")
+        lows = [(name, 1) for name in at_least_one] + [("group_size", 2), ("seed", 0), ("warmstart_steps", 0)]
+        for name, low in lows:
+            value = getattr(self, name)
+            why = " (GRPO compares the samples of one prompt)" if name == "group_size" else ""
+            _require(value is None or _is_int(value) and value >= low, name, value,
+                     f"must be an integer >= {low}{why}")
+        for name in ("lr", "warmstart_lr", "grad_clip", "temperature"):
+            value = getattr(self, name)
+            _require(value is None or _is_real(value) and 0 < value < math.inf, name, value,
+                     "must be a number > 0")
+        bounded = (("rac_ratio", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+                   ("demo_error_rate", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+                   ("clip_low", lambda v: 0 <= v < 1, "must be in [0, 1)"),
+                   ("clip_high", lambda v: 0 <= v < math.inf, "must be a number >= 0"),
+                   ("tis", lambda v: 0 <= v < math.inf, "must be a number >= 0 (0 = off)"))
+        for name, ok, allowed in bounded:
+            value = getattr(self, name)
+            _require(_is_real(value) and ok(value), name, value, allowed)
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            _require(value is None or value in choices, name, value, f"choose from {', '.join(choices)}")
+        _refuse(self.preset and self.model, "preset", "not allowed with argument --model (it has its size)")
+        _refuse(self.model and self.task == "arith", "model",
+                "a real checkpoint brings its own tokenizer: add --task gsm8k")
+        _refuse(not self.model and self.task != "arith", "task",
+                f"{self.task} needs a real model and its tokenizer: add --model DIR")
+        _refuse(self.task_source and self.task == "arith", "task-source", "applies to --task gsm8k only")
+        _refuse(self.difficulty is not None and self.task != "arith", "difficulty",
+                "applies to --task arith only")
+        _refuse(self.model and not os.path.isdir(self.model) and not HUB_ID.fullmatch(self.model), "model",
+                f"no such directory: {self.model} (give a Hugging Face Qwen3-MoE directory, or a hub id "
+                "such as Qwen/Qwen3-30B-A3B)")
+        _require(self.run_name == "" or os.path.basename(self.run_name) == self.run_name
+                 and self.run_name not in (".", "..", "warmstart"), "run-name", self.run_name,
+                 "must be a directory name under --out-dir (no '/'; 'warmstart' holds the warm-start cache)")
+        _refuse(self.resume and self.overwrite, "overwrite", "not allowed with argument --resume")
+        _refuse(self.jobs != 1 and not self.compare, "jobs", "applies to --compare only")
+        _refuse(self.compare and self.run_name, "run-name",
+                "not allowed with argument --compare (it names each variant's directory itself)")
+        if self.compare:
+            parse_compare(self.compare)
+
 
 DEFAULT_RAC_RATIO = TrainConfig.rac_ratio
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # "org/name"; anything else must be a local directory
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _require(ok, name, value, allowed):
+    if not ok:
+        raise ConfigError(f"argument --{name.replace('_', '-')}: {allowed}, got {value!r}")
+
+
+def _refuse(bad, name, why):
+    if bad:
+        raise ConfigError(f"argument --{name.replace('_', '-')}: {why}")
+
+
+def _check_device(device):
+    kind, _, index = device.partition(":")
+    _require(kind in ("cpu", "cuda") and (not index or kind == "cuda" and index.isdigit()), "device", device,
+             "choose from cpu, cuda, cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"argument --device: {device!r} but torch {torch.__version__} sees no CUDA GPU "
+                          f"(built with CUDA {torch.version.cuda}); use --device cpu")
+    if index and int(index) >= torch.cuda.device_count():
+        raise ConfigError(f"argument --device: {device!r} but there are {torch.cuda.device_count()} GPUs")
 
 
 def parse_variant(spec):
     """A --compare variant "recipe[@rac_ratio][+tisC][+r3]" (e.g. "quads@0.25", "nvfp4+tis2+r3") ->
     the TrainConfig fields it sets. Fields it leaves out keep the command line's values."""
+    form = "the form is recipe[@rac_ratio][+tisC][+r3], e.g. bf16,nvfp4,quads@0.25+tis2"
     head, *flags = spec.split("+")
-    recipe, _, ratio = head.partition("@")
+    recipe, at, ratio = head.partition("@")
     if recipe not in RECIPES:
-        raise ValueError(f"--compare: unknown recipe {recipe!r} in {spec!r}; choose from {sorted(RECIPES)}")
+        raise ConfigError(f"argument --compare: unknown recipe {recipe!r} in variant {spec!r}; "
+                          f"choose from {', '.join(RECIPES)}" if recipe else
+                          f"argument --compare: variant {spec!r} names no recipe; {form}")
     fields = {"recipe": recipe}
     try:
-        if ratio:
+        if at:
             fields["rac_ratio"] = float(ratio)
         for flag in flags:
             if flag == "r3":
@@ -184,15 +284,49 @@ def parse_variant(spec):
             else:
                 raise ValueError(flag)
     except ValueError:
-        raise ValueError(f"--compare: cannot read variant {spec!r}; the form is recipe[@rac_ratio][+tisC][+r3]") from None
+        raise ConfigError(f"argument --compare: cannot read variant {spec!r}; {form}") from None
+    if at and not RECIPES[recipe][2]:
+        raise ConfigError(f"argument --compare: variant {spec!r}: recipe {recipe} has no RAC, so no @ratio; "
+                          f"RAC recipes: {', '.join(r for r in RECIPES if RECIPES[r][2])}")
+    if not 0 <= fields.get("rac_ratio", 0) <= 1:
+        raise ConfigError(f"argument --compare: variant {spec!r}: the RAC ratio after '@' must be in [0, 1]")
+    if not 0 <= fields.get("tis", 0) < math.inf:
+        raise ConfigError(f"argument --compare: variant {spec!r}: the TIS cap after 'tis' must be >= 0")
     return fields
+
+
+def parse_compare(compare):
+    """--compare "v1,v2,..." -> [the fields each variant sets]."""
+    specs = compare.split(",")
+    if not all(specs):
+        raise ConfigError(f"argument --compare: empty variant in {compare!r}; give comma-separated variants, "
+                          "e.g. bf16,nvfp4,quads")
+    return [parse_variant(spec) for spec in specs]
 
 
 # ----------------------------------------------------------------------------- building blocks
 def build_task(cfg):
+    """The task, loaded; a dataset that cannot be loaded is a ConfigError naming the source and the fix."""
     if cfg.task == "arith":
-        return tasks.make_task("arith", difficulty=cfg.difficulty, demo_error_rate=cfg.demo_error_rate, seed=cfg.seed)
-    return tasks.make_task(cfg.task, **({"source": cfg.task_source} if cfg.task_source else {}), seed=cfg.seed)
+        return tasks.make_task("arith", difficulty=cfg.difficulty, demo_error_rate=cfg.demo_error_rate,
+                               seed=cfg.seed)
+    import datasets
+    source = cfg.task_source or "openai/gsm8k"
+    try:
+        return tasks.make_task(cfg.task, source=source, seed=cfg.seed)
+    except FileNotFoundError as error:
+        raise ConfigError(f"argument --task-source: {error}") from None
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as error:
+        cause = f"; {_one_line(error.__cause__)}" if error.__cause__ else ""
+        raise ConfigError(f"argument --task-source: cannot load the {cfg.task} dataset {source!r} "
+                          f"({_one_line(error)}{cause}); offline, give a local file: --task-source "
+                          "FILE.jsonl (one JSON object per line with 'question' and 'answer')") from None
+
+
+def _one_line(error):
+    """'Type: first line of the message', for errors reported on one line."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 class HFTokenizer:
@@ -201,7 +335,8 @@ class HFTokenizer:
 
     def __init__(self, tokenizer):
         if tokenizer.eos_token_id is None:
-            raise ValueError("the checkpoint's tokenizer has no EOS token: completions could never end")
+            raise ConfigError("argument --model: the checkpoint's tokenizer has no EOS token, so completions "
+                              "could never end")
         self.tokenizer = tokenizer
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -220,9 +355,15 @@ def build_model(cfg, task):
     """The BF16 policy before warm-start: a preset with the task's vocabulary, or a real checkpoint."""
     torch.manual_seed(cfg.seed)
     if cfg.model:
-        model, hf_tokenizer = moe.load_hf(cfg.model)
+        try:
+            model, hf_tokenizer = moe.load_hf(cfg.model)
+        except (OSError, ValueError) as error:  # no config.json, weights that do not fit, an unreachable hub
+            where = "the directory" if os.path.isdir(cfg.model) else "no such directory, and the hub id"
+            raise ConfigError(f"argument --model: cannot load {cfg.model} ({where}): "
+                              f"{_one_line(error)}") from None
         if hf_tokenizer is None:
-            raise ValueError(f"--model {cfg.model}: the checkpoint has no tokenizer files; RL needs one")
+            raise ConfigError(f"argument --model: {cfg.model} has no tokenizer files (tokenizer.json, "
+                              "tokenizer_config.json or vocab.json); RL needs one")
         return model.to(cfg.device), HFTokenizer(hf_tokenizer)
     config = moe.MoEConfig.from_preset(cfg.preset, vocab_size=task.tokenizer.vocab_size)
     model = moe.MoETransformer(config)
@@ -245,6 +386,14 @@ def max_new_tokens(cfg, task):
     return cfg.max_new_tokens or getattr(task, "max_completion_chars", 256) + 1
 
 
+def load_file(path, device, what, fix):
+    """torch.load, with a file that cannot be read (truncated, not torch's format) as one ConfigError."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as error:
+        raise ConfigError(f"cannot read the {what} {path} ({_one_line(error)}): {fix}") from None
+
+
 def atomic_save(obj, path):
     """torch.save to a temporary file, then rename: a crash never leaves a half-written file."""
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -253,22 +402,29 @@ def atomic_save(obj, path):
 
 
 # ----------------------------------------------------------------------------- warm-start
-def warmstart(cfg, model, task, tokenizer):
-    """Supervised fine-tuning on demonstrations (loss on completion + EOS tokens), cached on disk."""
+def warmstart_path(cfg):
+    """The cache file of the warm-start, keyed by everything that determines it (not by the recipe)."""
     key = json.dumps({k: getattr(cfg, k) for k in ("preset", "model", "task", "task_source", "difficulty",
                                                    "demo_error_rate", "warmstart_steps", "warmstart_batch",
                                                    "warmstart_lr", "seed", "device")}, sort_keys=True)
-    path = os.path.join(cfg.out_dir, "warmstart", hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt")
+    return os.path.join(cfg.out_dir, "warmstart", hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt")
+
+
+def warmstart(cfg, model, task, tokenizer):
+    """Supervised fine-tuning on demonstrations (loss on completion + EOS tokens), cached on disk."""
+    path = warmstart_path(cfg)
     if os.path.exists(path):
-        model.load_state_dict(torch.load(path, map_location=cfg.device, weights_only=True))
+        model.load_state_dict(load_file(path, cfg.device, "warm-start cache", "delete it to recompute it"))
         print(f"warm-start: loaded {path}")
         return model
     os.makedirs(os.path.dirname(path), exist_ok=True)
     rng = random.Random(cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr, weight_decay=0.0, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr, weight_decay=0.0,
+                                  betas=(0.9, 0.95))
     bar = tqdm(range(cfg.warmstart_steps), desc="warm-start", dynamic_ncols=True)
     for step in bar:
-        lr = cfg.warmstart_lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / cfg.warmstart_steps))
+        warmup = min(1.0, (step + 1) / 50)
+        lr = cfg.warmstart_lr * warmup * 0.5 * (1 + math.cos(math.pi * step / cfg.warmstart_steps))
         for group in optimizer.param_groups:
             group["lr"] = lr
         problems = task.sample(cfg.warmstart_batch, "train", rng)
@@ -311,7 +467,8 @@ def evaluate(cfg, model, task, tokenizer, problems):
 
 
 def score(task, tokenizer, problems, out, group_size):
-    completions = [tokenizer.decode(row[m].tolist()) for row, m in zip(out.completion_ids.cpu(), out.completion_mask.cpu())]
+    completions = [tokenizer.decode(row[m].tolist())
+                   for row, m in zip(out.completion_ids.cpu(), out.completion_mask.cpu())]
     return torch.tensor([task.reward(problems[i // group_size], text) for i, text in enumerate(completions)])
 
 
@@ -353,16 +510,84 @@ def hand_over_codes(recorder, trainer, out):
 
 
 # ----------------------------------------------------------------------------- one RL run
-def run(cfg, base_state=None):
-    """Warm-start (or reuse), then GRPO for cfg.steps. Returns the run directory."""
+@dataclass
+class Setup:
+    """What a run is built from: models, optimizer, data and paths (everything but the loop's state)."""
+    cfg: TrainConfig
+    task: object
+    tokenizer: object
+    trainer: torch.nn.Module        # FP32 master weights, the optimizer's (forward fake-quantized per recipe)
+    rollout_model: torch.nn.Module  # the recipe's rollout precision; sync() loads it from the trainer
+    eval_model: torch.nn.Module     # a BF16 copy of the trainer's weights, for the trainer's own pass@1
+    optimizer: torch.optim.Optimizer
+    rac_ratio: float                # 0 when the recipe has no RAC
+    calib_tokens: torch.Tensor      # (16, W) prompts + demonstrations that choose RAC's compensated blocks
+    eval_problems: list             # held-out problems for pass@1
+    run_dir: str
+    ckpt_path: str
+    metrics_path: str
+    start_step: int                 # 0, or the checkpoint's step under --resume
+    recorder: object = None         # trace: the qat.RolloutRecorder fed by hooks on the rollout's quantizers
+
+
+RUN_FILES = ("metrics.jsonl", "checkpoint.pt")  # what makes a directory hold a run
+# what a resumed run may change: when it stops and what it writes, not what it computes
+RESUMABLE_FIELDS = {"steps", "eval_every", "checkpoint_every", "resume", "overwrite", "out_dir", "run_name",
+                    "compare", "jobs", "threads", "cuda_graph"}
+
+
+def check_run_dir(cfg):
+    """Refuse, before anything is written, to start where a run would be destroyed; under --resume read
+    the checkpoint and check that it continues this run. -> the checkpoint to resume from, or None."""
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
+    if not cfg.resume:
+        found = [name for name in RUN_FILES if os.path.exists(os.path.join(run_dir, name))]
+        if found and not cfg.overwrite:
+            raise ConfigError(f"{run_dir} holds a run ({', '.join(found)}): add --resume to continue it, "
+                              "--overwrite to start it over, or choose another --run-name")
+        return None
+    if not os.path.exists(ckpt_path):
+        raise ConfigError(f"argument --resume: no checkpoint {ckpt_path} to resume (drop --resume to start "
+                          "the run, or give the --out-dir and --run-name of the run to continue)")
+    ckpt = load_file(ckpt_path, cfg.device, "checkpoint",
+                     "restore it, or start the run over with --overwrite")
+    if not isinstance(ckpt, dict) or not {"step", "trainer", "optimizer", "config"} <= set(ckpt):
+        raise ConfigError(f"cannot read the checkpoint {ckpt_path}: not a train.py checkpoint; restore it, "
+                          "or start the run over with --overwrite")
+    changes = []
+    for field in dataclasses.fields(cfg):
+        stored, given = ckpt["config"].get(field.name, field.default), getattr(cfg, field.name)
+        if field.name not in RESUMABLE_FIELDS and stored != given:
+            changes.append(f"--{field.name.replace('_', '-')} {stored} -> {given}")
+    if changes:
+        raise ConfigError(f"cannot resume {run_dir}: this command changes {', '.join(changes)}; a resumed "
+                          "run keeps its config (--steps may grow): give the run's values, or a new "
+                          "--run-name")
+    if cfg.steps < ckpt["step"]:
+        raise ConfigError(f"argument --steps: {cfg.steps}, but the run in {run_dir} is at step "
+                          f"{ckpt['step']}; a run cannot be shortened (give --steps >= {ckpt['step']})")
+    return ckpt
+
+
+def setup(cfg, base_state=None, ckpt=None):
+    """Build a run: task, warm-started policy (or base_state), trainer, rollout and evaluation models,
+    optimizer, calibration and evaluation data; restore the checkpoint under --resume. -> Setup
+
+    Nothing is written before the run directory is checked (check_run_dir, unless its checkpoint is
+    given as ckpt) and the task and model are loaded: a run that cannot start leaves the disk as it was."""
+    ckpt = ckpt if ckpt is not None else check_run_dir(cfg)
+    task = build_task(cfg)
+    model, tokenizer = build_model(cfg, task)
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     os.makedirs(run_dir, exist_ok=True)
+    if cfg.overwrite:
+        for name in RUN_FILES + ("curves.png",):
+            if os.path.exists(os.path.join(run_dir, name)):
+                os.remove(os.path.join(run_dir, name))
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2)
     print(f"run {cfg.run_name}: {json.dumps(dataclasses.asdict(cfg))}")
-
-    task = build_task(cfg)
-    model, tokenizer = build_model(cfg, task)
     if base_state is None:
         warmstart(cfg, model, task, tokenizer)
     else:
@@ -389,38 +614,60 @@ def run(cfg, base_state=None):
     start_step = 0
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    if cfg.resume and os.path.exists(ckpt_path):
-        ckpt = torch.load(ckpt_path, map_location=cfg.device, weights_only=True)
+    if ckpt is not None:
         trainer.load_state_dict(ckpt["trainer"])
         optimizer.load_state_dict(ckpt["optimizer"])
         start_step = ckpt["step"]
         _truncate_metrics(metrics_path, start_step)
         print(f"resumed {run_dir} at step {start_step}")
-    elif os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    s = Setup(cfg, task, tokenizer, trainer, rollout_model, eval_model, optimizer, rac_ratio, calib_tokens,
+              eval_problems, run_dir, ckpt_path, metrics_path, start_step, recorder)
+    sync(s, start_step)  # the rollout starts from the trainer's weights (the checkpoint's, on resume)
+    return s
 
-    def sync(step):
-        rac.sync_weights(rollout_model, trainer)
-        if rac_ratio > 0 and step % cfg.rac_refresh == 0:
-            rac.calibrate_rac(rollout_model, calib_tokens)
 
-    def save(step):
-        atomic_save({"step": step, "trainer": trainer.state_dict(), "optimizer": optimizer.state_dict(),
-                     "config": dataclasses.asdict(cfg)}, ckpt_path)
+def sync(s, step):
+    """Trainer -> rollout weights through nvfp4 (bit-identical to what a QAT trainer used); every
+    rac_refresh syncs, RAC re-chooses its compensated blocks on the calibration batch."""
+    rac.sync_weights(s.rollout_model, s.trainer)
+    if s.rac_ratio > 0 and step % s.cfg.rac_refresh == 0:
+        rac.calibrate_rac(s.rollout_model, s.calib_tokens)
 
-    def evaluate_both():
-        rac.sync_weights(eval_model, trainer)
-        return {"pass@1": evaluate(cfg, rollout_model, task, tokenizer, eval_problems),
-                "pass@1_bf16_trainer": evaluate(cfg, eval_model, task, tokenizer, eval_problems)}
 
-    sync(start_step)
+def save(s, step):
+    atomic_save({"step": step, "trainer": s.trainer.state_dict(), "optimizer": s.optimizer.state_dict(),
+                 "config": dataclasses.asdict(s.cfg)}, s.ckpt_path)
+
+
+def evaluate_both(s):
+    """pass@1 on the held-out problems of the rollout model and of the trainer's weights in BF16."""
+    rac.sync_weights(s.eval_model, s.trainer)
+    return {"pass@1": evaluate(s.cfg, s.rollout_model, s.task, s.tokenizer, s.eval_problems),
+            "pass@1_bf16_trainer": evaluate(s.cfg, s.eval_model, s.task, s.tokenizer, s.eval_problems)}
+
+
+def run(cfg, base_state=None):
+    """Warm-start (or reuse), then GRPO for cfg.steps; print a summary. Returns the run directory."""
+    t_start = time.perf_counter()
+    ckpt = check_run_dir(cfg)
+    if ckpt is not None and ckpt["step"] == cfg.steps:
+        run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+        print(f"run {run_dir} is complete at step {cfg.steps}: nothing to do "
+              f"(--steps N > {cfg.steps} extends it)")
+        print(report(cfg, run_dir))
+        return run_dir
+    s = setup(cfg, base_state, ckpt)
+    task, tokenizer, trainer, rollout_model, optimizer = s.task, s.tokenizer, s.trainer, s.rollout_model, \
+        s.optimizer
+    recorder = s.recorder
+    run_dir, ckpt_path, metrics_path, start_step = s.run_dir, s.ckpt_path, s.metrics_path, s.start_step
     if start_step == 0:  # the warm-started policy, before any RL: the baseline every curve starts from
         with open(metrics_path, "a") as f:
-            f.write(json.dumps({"step": 0, **evaluate_both()}) + "\n")
+            f.write(json.dumps({"step": 0, **evaluate_both(s)}) + "\n")
     G, P = cfg.group_size, cfg.prompts_per_step
     new_tokens = max_new_tokens(cfg, task)
     bar = tqdm(range(start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=start_step, total=cfg.steps)
-    last_eval = {}
+    last_eval = _last_eval(metrics_path)  # the bar shows pass@1 from step 0 (or the resumed run's last)
     step = start_step
     try:
         for step in bar:
@@ -465,7 +712,7 @@ def run(cfg, base_state=None):
             optimizer.step()
             if recorder is not None:
                 qat.use_rollout_codes(dict(trainer.named_modules()), None)  # free the recorded codes
-            sync(step + 1)
+            sync(s, step + 1)
             # 7. log, evaluate, checkpoint
             n_tokens = int(out.completion_mask.sum())
             record = {"step": step + 1, "reward": rewards.mean().item(), "loss": loss.item(),
@@ -474,7 +721,7 @@ def run(cfg, base_state=None):
                       "rollout_tokens_per_s": n_tokens / t_rollout, **{k: float(v) for k, v in stats.items()},
                       **{f"mismatch/{k}": v for k, v in mismatch.items()}}
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                last_eval = evaluate_both()
+                last_eval = evaluate_both(s)
                 record.update(last_eval)
             record["step_s"] = time.perf_counter() - t0
             with open(metrics_path, "a") as f:
@@ -482,15 +729,39 @@ def run(cfg, base_state=None):
             bar.set_postfix(reward=f"{record['reward']:.2f}", pass1=f"{last_eval.get('pass@1', float('nan')):.2f}",
                             dlogp=f"{mismatch['abs_diff_mean']:.1e}", max=f"{mismatch['abs_diff_max']:.2f}")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                save(step + 1)
+                save(s, step + 1)
     except KeyboardInterrupt:
         done = _last_logged_step(metrics_path)
         if done > start_step:
-            save(done)
+            save(s, done)
         print(f"\ninterrupted: checkpoint at step {done} in {ckpt_path}; continue with --resume")
         sys.exit(130)
     plot([run_dir], os.path.join(run_dir, "curves.png"))
+    print(report(cfg, run_dir, time.perf_counter() - t_start))
     return run_dir
+
+
+def report(cfg, run_dir, seconds=None):
+    """The end-of-run summary: final pass@1, mismatch over the run, wall time, where everything is."""
+    records = _read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    steps = [r for r in records if r["step"] > 0]
+    evals = [r for r in records if "pass@1" in r]
+    lines = [f"{cfg.run_name}: {steps[-1]['step'] if steps else 0} steps"
+             + (f" in {seconds:.0f} s" if seconds is not None else "")]
+    if evals:
+        first, last = evals[0], evals[-1]
+        lines.append(f"  pass@1        rollout {last['pass@1']:.3f}, BF16 trainer "
+                     f"{last['pass@1_bf16_trainer']:.3f} at step {last['step']} "
+                     f"(step {first['step']}: {first['pass@1']:.3f}, {first['pass@1_bf16_trainer']:.3f})")
+    if steps:
+        mean = sum(r["mismatch/abs_diff_mean"] for r in steps) / len(steps)
+        worst = max(r["mismatch/abs_diff_max"] for r in steps)
+        lines.append(f"  |delta logp|  mean {mean:.2e}, max {worst:.3f} over steps 1-{steps[-1]['step']}")
+    for name, file in (("metrics", "metrics.jsonl"), ("checkpoint", "checkpoint.pt"),
+                       ("figure", "curves.png")):
+        lines.append(f"  {name:<13} {os.path.join(run_dir, file)}")
+    lines.append(f"  {'warm-start':<13} {warmstart_path(cfg)}")
+    return "\n".join(lines)
 
 
 def _sync_device(cfg):
@@ -510,6 +781,11 @@ def _truncate_metrics(path, step):
     kept = [r for r in _read_metrics(path) if r["step"] <= step]
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)
+
+
+def _last_eval(path):
+    evals = [r for r in _read_metrics(path) if "pass@1" in r]
+    return {k: evals[-1][k] for k in ("pass@1", "pass@1_bf16_trainer")} if evals else {}
 
 
 def _last_logged_step(path):
@@ -535,19 +811,22 @@ def plot(run_dirs, path, window=10):
     import matplotlib.pyplot as plt
     panels = [("reward", "reward (train batch)"), ("pass@1", "pass@1 (rollout model, held-out)"),
               ("mismatch/abs_diff_mean", "mean |delta logp|"), ("mismatch/abs_diff_max", "max |delta logp|"),
-              ("mismatch/kl_k3", "K3 KL(rollout || trainer)"), ("routing_disagreement", "routing disagreement")]
+              ("mismatch/kl_k3", "K3 KL(rollout || trainer)"),
+              ("routing_disagreement", "routing disagreement")]
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
     for run_dir in run_dirs:
         records = _read_metrics(os.path.join(run_dir, "metrics.jsonl"))
         label = os.path.basename(os.path.normpath(run_dir))
         for ax, (key, title) in zip(axes.flat, panels):
-            points = [(r["step"], r[key]) for r in records if key in r and r[key] is not None and not math.isnan(r[key])]
+            points = [(r["step"], r[key]) for r in records
+                      if key in r and r[key] is not None and not math.isnan(r[key])]
             if points and key != "pass@1":
                 steps, values = zip(*points)
                 points = list(zip(steps, smooth(values, window)))
             if points:
                 ax.plot(*zip(*points), label=label, marker="o" if key == "pass@1" else None, markersize=3)
-            ax.set_title(title + ("" if key == "pass@1" or window == 1 else f", {window}-step mean"), fontsize=10)
+            smoothed = "" if key == "pass@1" or window == 1 else f", {window}-step mean"
+            ax.set_title(title + smoothed, fontsize=10)
             ax.set_xlabel("RL step", fontsize=8)
             if "mismatch" in key:
                 ax.set_yscale("log")
@@ -571,8 +850,9 @@ def summarize(run_dirs, checkpoints=(50, 100)):
         if not steps or not evals:
             continue
         marks = [c for c in checkpoints if c < steps[-1]["step"]] + [steps[-1]["step"]]
-        header = ["run", "pass@1 rollout / bf16 trainer"] + [f"{name} @ {', '.join(map(str, marks))}" for name in
-                                                               ("mean abs dlogp", "max abs dlogp", "routing disagr.")]
+        header = ["run", "pass@1 rollout / bf16 trainer"] + [
+            f"{name} @ {', '.join(map(str, marks))}"
+            for name in ("mean abs dlogp", "max abs dlogp", "routing disagr.")]
         header += ["rollout tok/s", "step s"]
 
         def window(key, end):
@@ -586,29 +866,93 @@ def summarize(run_dirs, checkpoints=(50, 100)):
                                         ("routing_disagreement", ".2%"))]
                     + [f"{sum(r['rollout_tokens_per_s'] for r in steps) / len(steps):,.0f}",
                        f"{sum(r['step_s'] for r in steps) / len(steps):.2f}"])
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- CLI
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's "prog: error: ..." and exit 2, without the 40-option usage
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _option_docs():
+    """TrainConfig's source -> {field: (group, help)}: a field's trailing comment is its help, a comment
+    line of its own opens a group. The dataclass stays the one place where an option is documented."""
+    docs, group = {}, "options"
+    for line in inspect.getsource(TrainConfig).splitlines()[1:]:
+        if line.startswith("    def "):
+            break
+        title = re.fullmatch(r"    # (.+)", line)
+        field = re.fullmatch(r"    (\w+): [^#]*?(?:#\s*(.*))?", line)
+        more = re.fullmatch(r"     +# (.+)", line)  # a help text continued on the next line
+        if title:
+            group = title.group(1)
+        elif field:
+            name = field.group(1)
+            docs[name] = (group, field.group(2) or "")
+        elif more:
+            docs[name] = (group, f"{docs[name][1]} {more.group(1)}")
+    return docs
+
+
+def build_parser():
+    """The CLI, built from TrainConfig: one option per field, grouped and documented as the fields are."""
+    parser = _Parser(prog="train.py", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                     usage="python train.py [--recipe R | --compare V1,V2,...] [options] (see --help)")
+    docs, groups, hints = _option_docs(), {}, typing.get_type_hints(TrainConfig)
     for field in dataclasses.fields(TrainConfig):
+        group_name, text = docs.get(field.name, ("options", ""))
+        if group_name not in groups:
+            groups[group_name] = parser.add_argument_group(group_name)
+        default = field.default
+        if field.name in CHOICES:
+            text += f" {{{', '.join(CHOICES[field.name])}}}"
+        if default is not None and default != "":
+            text += f" (default: {default})"
+        kind = hints[field.name]
+        kind = next((t for t in typing.get_args(kind) if t is not type(None)), kind)  # int | None -> int
         flag = "--" + field.name.replace("_", "-")
-        if field.type in (bool, "bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        if kind is bool:
+            groups[group_name].add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                            help=text.replace("%", "%%"))
         else:
-            parser.add_argument(flag, type=type(field.default), default=field.default)
-    return TrainConfig(**vars(parser.parse_args(argv)))
+            groups[group_name].add_argument(flag, type=kind, default=default, help=text.replace("%", "%%"),
+                                            metavar={int: "N", float: "X"}.get(kind, "STR"))
+    return parser
 
 
-def main(argv=None):
-    cfg = parse_args(argv)
-    if not cfg.compare:
-        return [run(cfg)]
-    # every variant from the same warm-start (computed once) and seed
-    variants = [dataclasses.replace(cfg, run_name="", compare="", **parse_variant(spec))
-                for spec in cfg.compare.split(",")]
+def parse_args(argv=None):
+    """Command line -> TrainConfig (a bad value raises ConfigError, as TrainConfig does)."""
+    return TrainConfig(**vars(build_parser().parse_args(argv)))
+
+
+def compare_paths(cfg, run_names):
+    """--compare's figure and table, named by the variants (so that another comparison keeps its own)."""
+    stem = "compare_" + "_".join(run_names)
+    if len(stem) > 100:  # file names have a length limit
+        digest = hashlib.sha1(",".join(run_names).encode()).hexdigest()[:10]
+        stem = f"compare_{len(run_names)}variants_{digest}"
+    return os.path.join(cfg.out_dir, stem + ".png"), os.path.join(cfg.out_dir, stem + ".md")
+
+
+def study(cfg):
+    """--compare: every variant from one warm-start (computed once) and seed; shared figure and table."""
+    variants = [dataclasses.replace(cfg, run_name="", compare="", jobs=1, **fields)
+                for fields in parse_compare(cfg.compare)]
+    names = [variant.run_name for variant in variants]
+    repeated = next((name for name in names if names.count(name) > 1), None)
+    if repeated:
+        raise ConfigError(f"argument --compare: {cfg.compare!r} names the run {repeated!r} twice")
+    outputs = compare_paths(cfg, names)
+    for variant in variants:  # refuse before the warm-start writes anything
+        check_run_dir(variant)
+    existing = [path for path in outputs if os.path.exists(path)]
+    if existing and not (cfg.resume or cfg.overwrite):
+        raise ConfigError(f"{existing[0]} exists: add --overwrite to replace it (or --resume to continue "
+                          "the runs)")
     task = build_task(variants[0])
     model, tokenizer = build_model(variants[0], task)
     base_state = copy.deepcopy(warmstart(variants[0], model, task, tokenizer).state_dict())
@@ -621,12 +965,35 @@ def main(argv=None):
         threads = max(1, torch.get_num_threads() // cfg.jobs)  # CPU: split the cores between processes
         with multiprocessing.get_context("spawn").Pool(cfg.jobs, torch.set_num_threads, (threads,)) as pool:
             run_dirs = pool.map(run, variants, chunksize=1)
-    plot(run_dirs, os.path.join(cfg.out_dir, "compare.png"))
+    figure, table_path = outputs
+    plot(run_dirs, figure)
     table = summarize(run_dirs)
-    with open(os.path.join(cfg.out_dir, "compare.md"), "w") as f:
+    with open(table_path, "w") as f:
         f.write(table + "\n")
     print(table)
+    print(f"table: {table_path}")
     return run_dirs
+
+
+def set_threads(cfg):
+    """CPU: torch's threads (--threads, or 1 on the tiny preset). The tiny model's matmuls are too small
+    to gain from a second thread, and two threads that synchronize at every op stall whenever another
+    process holds one of the cores: on a shared 2-core machine the default run is several times slower."""
+    threads = cfg.threads or (1 if cfg.preset == "tiny" else None)
+    if cfg.device == "cpu" and threads:
+        torch.set_num_threads(threads)
+
+
+def main(argv=None):
+    """The command line: one run, or a --compare study. A ConfigError exits 2 with its one line."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = TrainConfig(**vars(args))
+        set_threads(cfg)  # here, not in run(): a program that imports train.py keeps its own setting
+        return study(cfg) if cfg.compare else [run(cfg)]
+    except ConfigError as error:
+        parser.error(str(error))
 
 
 if __name__ == "__main__":

@@ -218,6 +218,37 @@ def test_bad_arguments_raise_clear_errors(model, kwargs, message):
         rollout.generate(model, **arguments)
 
 
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(prompts=[[1.0, 2.7]]), TypeError, r"prompts\[0\] must hold integer token ids, got 1.0"),
+    (dict(prompts=[[1, 2], [3, 4.5]]), TypeError, r"prompts\[1\] must hold integer token ids, got 4.5"),
+    (dict(prompts=[torch.tensor([1.0, 2.0])]), TypeError, r"prompts\[0\] must be a 1-D integer tensor"),
+    (dict(prompts=[torch.tensor([[1, 2]])]), TypeError, r"prompts\[0\] must be a 1-D integer tensor"),
+    (dict(prompts=["123"]), TypeError, r"prompts\[0\] must be a list of integer token ids, got str \(encode"),
+    (dict(prompts=[[1, None]]), TypeError, r"prompts\[0\] must hold integer token ids, got None"),
+    (dict(prompts=[[True, 2]]), TypeError, r"prompts\[0\] must hold integer token ids, got True"),
+    (dict(prompts=[[1, 2], [3, -1]]), ValueError, r"prompts\[1\] holds token id -1, outside \[0, 32\)"),
+    (dict(prompts=[torch.tensor([1, VOCAB + 5])]), ValueError, r"prompts\[0\] holds token id 37, outside"),
+    (dict(eos_id=6.5), TypeError, "eos_id must be None or an integer token id, got 6.5"),
+    (dict(eos_id="3"), TypeError, "eos_id must be None or an integer token id"),
+    (dict(pad_id=1.5), TypeError, "pad_id must be an integer token id, got 1.5"),
+    (dict(pad_id=torch.tensor(1.0)), TypeError, "pad_id must be an integer token id"),
+])
+def test_non_integer_and_out_of_vocabulary_ids_are_refused_naming_the_argument(model, kwargs, error, message):
+    arguments = dict(prompts=[[1, 2, 3, 4, 5]], num_samples=2, max_new_tokens=4)
+    arguments.update(kwargs)
+    with pytest.raises(error, match=message):
+        rollout.generate(model, **arguments)
+
+
+def test_integer_prompts_of_any_integer_kind_give_the_same_tokens(model):
+    """Lists, tuples, int64/int32 tensors and 0-d integer ids are the same prompt: no float path sneaks in."""
+    as_list = rollout.generate(model, [[1, 2, 3]], 2, 4, eos_id=5, pad_id=0, seed=3)
+    for prompts, eos_id, pad_id in (([(1, 2, 3)], 5, 0), ([torch.tensor([1, 2, 3])], torch.tensor(5), 0),
+                                    ([torch.tensor([1, 2, 3], dtype=torch.int32)], 5, torch.tensor(0))):
+        out = rollout.generate(model, prompts, 2, 4, eos_id=eos_id, pad_id=pad_id, seed=3)
+        assert torch.equal(out.completion_ids, as_list.completion_ids)
+
+
 def test_decode_state_is_reused_and_dropped_when_weights_are_replaced():
     model = tiny_model(seed=1)
     rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=5)

@@ -487,6 +487,40 @@ def prefill(model: MoETransformer, cache: KVCache, prompt_ids: Tensor, pad_lengt
     return torch.cat(last_logits), torch.cat(routes, dim=1)
 
 
+@torch.no_grad()
+def score(model: MoETransformer, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """Re-score token rows with the rollout model in one prefill (no sampling, no cache): (N, W) -> (N, W) fp32.
+
+    Column j holds log_softmax(z_{j-1} / temperature)[tokens[:, j]], the log-prob of token j given the
+    tokens before it, exactly what `generate` records while sampling (temperature 0: untempered); column
+    0 has no context and holds 0. Rows are right-padded (`Sequences.tokens`): with causal attention the
+    padding after a row's end never reaches its tokens, so no mask is needed; the values at padding
+    columns are meaningless (mask them with `Sequences.loss_mask`).
+
+    Why it exists: the same tokens scored by the same model in one prefill, instead of one decode step
+    at a time, separate the engine's own nondeterminism (a token's rounding depends on the other rows
+    and positions of its GEMM, e.g. through a dynamic per-tensor activation scale) from the trainer's
+    precision. Rows go through in chunks of at most PREFILL_LOGITS_BUDGET logits, as the sampler's
+    prefill does.
+    """
+    if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"tokens must be an integer tensor (N, W), got {tuple(tokens.shape)} {tokens.dtype}")
+    if tokens.shape[1] < 2:
+        raise ValueError(f"tokens must have at least 2 columns (a context and a token), got {tuple(tokens.shape)}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = untempered), got {temperature!r}")
+    N, W = tokens.shape
+    chunk = max(1, PREFILL_LOGITS_BUDGET // (W * model.config.vocab_size))
+    logprobs = torch.zeros(N, W, dtype=torch.float32, device=tokens.device)
+    for start in range(0, N, chunk):
+        rows = tokens[start:start + chunk]
+        logits = model(rows)[:, :-1].float()                                               # (n, W-1, V)
+        # the sampler's own formula (sample_tokens), so that only the model's numerics can differ
+        token_logprobs = F.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+        logprobs[start:start + chunk, 1:] = token_logprobs.gather(-1, rows[:, 1:, None].long()).squeeze(-1)
+    return logprobs
+
+
 def _check_arguments(config, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id, pad_id):
     """Validate generate's arguments; return the prompts as lists of ints."""
     if isinstance(prompts, Tensor) or not isinstance(prompts, (list, tuple)) or len(prompts) == 0:

@@ -105,6 +105,8 @@ class TrainConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28
     grad_clip: float = 1.0
+    minibatches: int = 1           # optimizer steps per rollout batch, each on a shuffled 1/N of its rows (1 = on-policy)
+    mipu: bool = False             # MIPU: ratios against the rollout's log-probs; keep an update only if the synced rollout policy improves
     # warm-start (supervised, on demonstrations)
     warmstart_steps: int = 0       # 0 = 300 on CPU, 1500 on GPU
     warmstart_batch: int = 64
@@ -119,6 +121,9 @@ class TrainConfig:
     seed: int = 0
     device: str = ""               # "" = cuda if available, else cpu
     cuda_graph: bool = True        # decode steps as a captured CUDA graph (GPU only)
+    # the log-prob audit (instead of training)
+    audit: str = ""                # a run directory or checkpoint .pt: score one rollout batch three ways per recipe
+    audit_recipes: str = "bf16,nvfp4,quads"  # --audit: the recipes whose rollout and trainer score the batch
 
     def __post_init__(self):
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -147,10 +152,21 @@ class TrainConfig:
             raise ValueError(f"--jobs must be >= 1, got {self.jobs}")
         if self.group_size < 2:
             raise ValueError(f"--group-size must be >= 2 (GRPO compares samples of one prompt), got {self.group_size}")
+        if not 1 <= self.minibatches <= self.prompts_per_step * self.group_size:
+            raise ValueError(f"--minibatches must be in [1, prompts x group size = "
+                             f"{self.prompts_per_step * self.group_size}], got {self.minibatches}")
+        if self.mipu and self.tis:
+            raise ValueError("--mipu takes its ratios against the rollout's own log-probs, so --tis has nothing "
+                             "left to correct: use one or the other")
+        for recipe in filter(None, self.audit_recipes.split(",")):
+            if recipe not in RECIPES:
+                raise ValueError(f"--audit-recipes: unknown recipe {recipe!r}; choose from {sorted(RECIPES)}")
         # named like a --compare variant, so runs that differ write to different directories
         ratio = f"@{self.rac_ratio:g}" if RECIPES[self.recipe][2] and self.rac_ratio != DEFAULT_RAC_RATIO else ""
         self.run_name = self.run_name or (self.recipe + ratio + (f"+tis{self.tis:g}" if self.tis else "")
-                                          + ("+r3" if self.r3 else ""))
+                                          + ("+r3" if self.r3 else "")
+                                          + (f"+mb{self.minibatches}" if self.minibatches > 1 else "")
+                                          + ("+mipu" if self.mipu else ""))
 
 
 DEFAULT_RAC_RATIO = TrainConfig.rac_ratio
@@ -306,6 +322,74 @@ def score(task, tokenizer, problems, out, group_size):
     return torch.tensor([task.reward(problems[i // group_size], text) for i, text in enumerate(completions)])
 
 
+# ----------------------------------------------------------------------------- the policy update
+def trainer_logprobs(cfg, trainer, seq, rows=slice(None)):
+    """The trainer's log-probs of the sampled tokens of `rows`, tempered as the rollout sampled them:
+    (n, W-1) fp32, aligned with seq.logprobs[:, 1:]; and the experts it chose, (L, n, W, A). With --r3 the
+    trainer replays the rollout's expert routes."""
+    tokens = seq.tokens[rows]
+    with autocast(cfg):
+        logits, routes = trainer(tokens, forced_routes=seq.routes[:, rows] if cfg.r3 else None, return_routes=True)
+    return grpo.token_logprobs(logits[:, :-1].float() / max(cfg.temperature, 1e-6), tokens[:, 1:]), routes
+
+
+def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed):
+    """GRPO on one rollout batch: cfg.minibatches optimizer steps, each on a shuffled 1/N of its rows.
+
+    Three log-probs per token (grpo.py): `rollout` (seq.logprobs, the engine's), `old` (the trainer under
+    the weights that sampled: one forward without gradient before the first step) and `new` (the
+    forward of each mini-batch, carrying the gradient). With one mini-batch, old is that one forward,
+    detached: the same weights, one forward fewer, and exactly the on-policy update. The PPO ratio is
+    new / old, or new / rollout with --mipu (a sampler-referenced candidate; TIS is then moot).
+    The loss of each mini-batch is normalized by its own valid tokens (DAPO, as verl per mini-batch).
+
+    Returns old (N, W-1), the trainer's routes under the sampling weights (L, N, W, A) and one dict of
+    float statistics per mini-batch (loss, grad_norm and grpo.policy_loss's).
+    """
+    mask, rollout_logp = seq.loss_mask[:, 1:], seq.logprobs[:, 1:]
+    if cfg.minibatches == 1:
+        minibatches = [slice(None)]
+    else:
+        with torch.no_grad():
+            old_logp, old_routes = trainer_logprobs(cfg, trainer, seq)
+        rows = torch.randperm(seq.tokens.shape[0], generator=torch.Generator().manual_seed(shuffle_seed))
+        minibatches = rows.to(seq.tokens.device).chunk(cfg.minibatches)
+    minibatch_stats = []
+    for rows in minibatches:
+        new_logp, routes = trainer_logprobs(cfg, trainer, seq, rows)
+        if cfg.minibatches == 1:
+            old_logp, old_routes = new_logp.detach(), routes
+        reference = rollout_logp if cfg.mipu else old_logp
+        loss, stats = grpo.policy_loss(new_logp, reference[rows], advantages[rows], mask[rows], cfg.clip_low,
+                                       cfg.clip_high, rollout_logprobs=rollout_logp[rows], tis_cap=cfg.tis or None)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss ({loss.item()})")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
+        optimizer.step()
+        minibatch_stats.append({"loss": loss.detach(), "grad_norm": grad_norm.detach(), **stats})
+    values = torch.stack([torch.stack(list(s.values())) for s in minibatch_stats]).tolist()  # one device sync
+    return old_logp, old_routes, [dict(zip(minibatch_stats[0], row)) for row in values]
+
+
+def update_metrics(cfg, minibatch_stats):
+    """What the log keeps of one policy update: loss and gradient norm (means over mini-batches), and,
+    when they can differ from their on-policy values, the PPO ratio's mean (mean over mini-batches),
+    min and max, the clipped fractions (TRL's names) and the K3 KL(old || new). With one mini-batch and
+    ratios against old, ratio = 1 and no token is clipped by construction, so none of those is logged."""
+    def mean(key):
+        return sum(s[key] for s in minibatch_stats) / len(minibatch_stats)
+
+    record = {"loss": mean("loss"), "grad_norm": mean("grad_norm")}
+    if cfg.minibatches > 1 or cfg.mipu:
+        record.update({key: mean(key) for key in ("ratio/mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                                                  "clip_ratio/region_mean", "approx_kl")})
+        record["ratio/min"] = min(s["ratio/min"] for s in minibatch_stats)
+        record["ratio/max"] = max(s["ratio/max"] for s in minibatch_stats)
+    return record
+
+
 # ----------------------------------------------------------------------------- one RL run
 def run(cfg, base_state=None):
     """Warm-start (or reuse), then GRPO for cfg.steps. Returns the run directory."""
@@ -374,6 +458,7 @@ def run(cfg, base_state=None):
     new_tokens = max_new_tokens(cfg, task)
     bar = tqdm(range(start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=start_step, total=cfg.steps)
     last_eval = {}
+    mipu_accepted = [r["mipu/accepted"] > 0 for r in _read_metrics(metrics_path) if "mipu/accepted" in r]
     step = start_step
     try:
         for step in bar:
@@ -386,39 +471,44 @@ def run(cfg, base_state=None):
                                    seed=cfg.seed * 1_000_003 + step, cuda_graph=cfg.cuda_graph)
             _sync_device(cfg)
             t_rollout = time.perf_counter() - t0
-            # 3. rewards
+            # 3. rewards and group advantages
             rewards = score(task, tokenizer, problems, out, G).to(cfg.device)
-            # 4. trainer log-probs on the same tokens (optionally replaying the rollout's expert routes)
-            seq = out.sequences()
-            with autocast(cfg):
-                logits, routes = trainer(seq.tokens, forced_routes=seq.routes if cfg.r3 else None, return_routes=True)
-            logp = grpo.token_logprobs(logits[:, :-1].float() / max(cfg.temperature, 1e-6), seq.tokens[:, 1:])
-            mask = seq.loss_mask[:, 1:]
-            rollout_logp = seq.logprobs[:, 1:]
-            # 5. advantages, loss, mismatch
             advantages = grpo.group_advantages(rewards, G)
-            loss, stats = grpo.policy_loss(logp, logp.detach(), advantages, mask, cfg.clip_low, cfg.clip_high,
-                                           rollout_logprobs=rollout_logp, tis_cap=cfg.tis or None)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"non-finite loss ({loss.item()}) at step {step}: stopping. The last good checkpoint "
-                    f"is kept at {ckpt_path} (resume with --resume after changing what diverged).")
-            mismatch = grpo.mismatch_metrics(logp, rollout_logp, mask, tis_cap=cfg.tis or None)
+            seq = out.sequences()
+            mask, rollout_logp = seq.loss_mask[:, 1:], seq.logprobs[:, 1:]
+            if cfg.mipu:  # what a rejected candidate restores, and the rollout policy's scores before it
+                before = copy.deepcopy(trainer.state_dict()), copy.deepcopy(optimizer.state_dict())
+                inference_logp = rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:]
+            # 4-5. trainer log-probs (old: under the weights that sampled), loss, cfg.minibatches optimizer steps
+            try:
+                old_logp, routes, minibatch_stats = policy_update(cfg, trainer, optimizer, seq, advantages,
+                                                                  shuffle_seed=cfg.seed * 1_000_003 + step)
+            except FloatingPointError as error:
+                raise FloatingPointError(f"{error} at step {step}: stopping. The last good checkpoint is kept at "
+                                         f"{ckpt_path} (resume with --resume after changing what diverged).") from None
+            mismatch = grpo.mismatch_metrics(old_logp, rollout_logp, mask, tis_cap=cfg.tis or None)
             disagreement = (grpo.routing_disagreement(routes, seq.routes, seq.loss_mask)
                             if seq.routes is not None else float("nan"))
-            # 6. step, then sync the rollout's weights through nvfp4
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
-            optimizer.step()
+            # 6. sync the rollout's weights through nvfp4; MIPU keeps them only if the rollout policy improved
             sync(step + 1)
+            if cfg.mipu:
+                proxy = grpo.mipu_proxy(rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:],
+                                        inference_logp, advantages, mask)
+                if proxy <= 0:
+                    trainer.load_state_dict(before[0])
+                    optimizer.load_state_dict(before[1])
+                    sync(step + 1)
+                mipu_accepted.append(proxy > 0)
             # 7. log, evaluate, checkpoint
             n_tokens = int(out.completion_mask.sum())
-            record = {"step": step + 1, "reward": rewards.mean().item(), "loss": loss.item(),
-                      "grad_norm": grad_norm.item(), "completion_len": n_tokens / out.completion_mask.shape[0],
+            record = {"step": step + 1, "reward": rewards.mean().item(), **update_metrics(cfg, minibatch_stats),
+                      "completion_len": n_tokens / out.completion_mask.shape[0],
                       "routing_disagreement": disagreement, "rollout_s": t_rollout,
-                      "rollout_tokens_per_s": n_tokens / t_rollout, **{k: float(v) for k, v in stats.items()},
+                      "rollout_tokens_per_s": n_tokens / t_rollout,
                       **{f"mismatch/{k}": v for k, v in mismatch.items()}}
+            if cfg.mipu:
+                record.update({"mipu/proxy": proxy, "mipu/accepted": float(proxy > 0),
+                               "mipu/accept_rate": sum(mipu_accepted) / len(mipu_accepted)})
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 last_eval = evaluate_both()
                 record.update(last_eval)

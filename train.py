@@ -494,6 +494,8 @@ def run(cfg, base_state=None):
             if cfg.mipu:
                 proxy = grpo.mipu_proxy(rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:],
                                         inference_logp, advantages, mask)
+                with torch.no_grad():  # the same estimate for the trainer's policy: what the update believes
+                    trainer_proxy = grpo.mipu_proxy(trainer_logprobs(cfg, trainer, seq)[0], old_logp, advantages, mask)
                 if proxy <= 0:
                     trainer.load_state_dict(before[0])
                     optimizer.load_state_dict(before[1])
@@ -507,7 +509,7 @@ def run(cfg, base_state=None):
                       "rollout_tokens_per_s": n_tokens / t_rollout,
                       **{f"mismatch/{k}": v for k, v in mismatch.items()}}
             if cfg.mipu:
-                record.update({"mipu/proxy": proxy, "mipu/accepted": float(proxy > 0),
+                record.update({"mipu/proxy": proxy, "mipu/trainer_proxy": trainer_proxy, "mipu/accepted": float(proxy > 0),
                                "mipu/accept_rate": sum(mipu_accepted) / len(mipu_accepted)})
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 last_eval = evaluate_both()
@@ -527,6 +529,100 @@ def run(cfg, base_state=None):
         sys.exit(130)
     plot([run_dir], os.path.join(run_dir, "curves.png"))
     return run_dir
+
+
+# ----------------------------------------------------------------------------- the log-prob audit
+AUDIT_STATS = [("signed mean", "diff_mean"), ("MAE", "abs_diff_mean"), ("p95", "abs_diff_p95"),
+               ("p99", "abs_diff_p99"), ("max", "abs_diff_max")]
+
+
+def audit(cfg):
+    """--audit PATH: one rollout batch per recipe, its tokens scored three ways, from a run's weights.
+
+        A  the log-probs the rollout engine recorded while it generated the batch (decode, one token a step)
+        B  the same rollout model re-scoring the same tokens in one prefill (rollout.score), done twice
+        C  the recipe's trainer forward on the same tokens (what the loss sees as `old`)
+
+    A - B isolates the engine's own nondeterminism (decode vs prefill numerics; the dynamic per-tensor
+    activation scale that makes a token's rounding depend on the rest of its GEMM); B - C is precision
+    (the rollout's quantized layers against the trainer's); B - B' must be 0 (a repeatable prefill). For
+    each, over the completion tokens: signed mean, mean absolute error, p95, p99 and max of |d|.
+
+    PATH is a run directory (its checkpoint.pt) or a checkpoint file; the run's own config (preset, task,
+    batch shape, temperature, RAC ratio, seed) is used, with this command's device and audit_recipes.
+    Every recipe starts from the checkpoint's weights and scores a batch it sampled itself (same prompts
+    and seed). Writes audit.md and audit.json beside the checkpoint, and each batch (tokens, A, B, C) as
+    audit_batch_<recipe>.pt; returns the path of audit.md.
+    """
+    ckpt_path = cfg.audit if os.path.isfile(cfg.audit) else os.path.join(cfg.audit, "checkpoint.pt")
+    if not os.path.isfile(ckpt_path):
+        raise ValueError(f"--audit {cfg.audit!r}: no checkpoint there; give a run directory holding "
+                         f"checkpoint.pt or a checkpoint file")
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    skipped = ("device", "run_name", "compare", "jobs", "resume", "audit", "audit_recipes", "mipu", "tis")
+    run_cfg = TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in known and k not in skipped},
+                          device=cfg.device)
+    task = build_task(run_cfg)
+    model, tokenizer = build_model(run_cfg, task)
+    model.load_state_dict(ckpt["trainer"])  # QAT layers keep moe.py's parameter names
+    problems = task.sample(run_cfg.prompts_per_step, "train", random.Random(run_cfg.seed + 4242))
+    calib_rng = random.Random(run_cfg.seed + 777)  # the run's RAC calibration batch
+    calib_rows = [tokenizer.encode(p.prompt + task.demonstration(p, calib_rng))
+                  for p in task.sample(16, "train", calib_rng)]
+    width = max(map(len, calib_rows))
+    calib_tokens = torch.tensor([r + [tokenizer.pad_id] * (width - len(r)) for r in calib_rows], device=cfg.device)
+    rollout_dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
+    out_dir = os.path.dirname(os.path.abspath(ckpt_path))
+
+    results = {}
+    for recipe in cfg.audit_recipes.split(","):
+        train_mode, rollout_mode, use_rac = RECIPES[recipe]
+        rac_ratio = run_cfg.rac_ratio if use_rac else 0.0
+        rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), rollout_mode, rac_ratio=rac_ratio)
+        if rac_ratio > 0:
+            rac.calibrate_rac(rollout_model, calib_tokens)
+        trainer = qat.convert_for_training(copy.deepcopy(model), train_mode)
+        out = rollout.generate(rollout_model, encode_prompts(tokenizer, problems), run_cfg.group_size,
+                               max_new_tokens(run_cfg, task), temperature=run_cfg.temperature,
+                               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=run_cfg.seed + 4242,
+                               cuda_graph=cfg.cuda_graph)
+        seq = out.sequences()
+        mask = seq.loss_mask[:, 1:]
+        recorded = seq.logprobs[:, 1:]                                                    # A
+        rescored, replayed = (rollout.score(rollout_model, seq.tokens, run_cfg.temperature)[:, 1:]
+                              for _ in range(2))                                          # B, B'
+        with torch.no_grad():
+            trainer_logp, _ = trainer_logprobs(run_cfg, trainer, seq)                     # C
+        results[recipe] = {
+            "tokens": int(mask.sum()),
+            "A-B": grpo.mismatch_metrics(recorded, rescored, mask),
+            "B-C": grpo.mismatch_metrics(rescored, trainer_logp, mask),
+            "B-B replay max": (rescored - replayed)[mask].abs().max().item(),
+        }
+        atomic_save({"tokens": seq.tokens.cpu(), "loss_mask": seq.loss_mask.cpu(), "A": recorded.cpu(),
+                     "B": rescored.cpu(), "C": trainer_logp.cpu()}, os.path.join(out_dir, f"audit_batch_{recipe}.pt"))
+        del rollout_model, trainer
+
+    header = (f"Log-prob audit of {ckpt_path} (RL step {ckpt['step']}): {run_cfg.prompts_per_step} prompts x "
+              f"{run_cfg.group_size} samples per recipe, preset {run_cfg.preset or run_cfg.model}, temperature "
+              f"{run_cfg.temperature:g}, {cfg.device}, torch {torch.__version__}. d in nats over completion "
+              f"tokens; A recorded at decode, B one-prefill re-score, C trainer forward.")
+    columns = ["recipe", "tokens"] + [f"A-B {name}" for name, _ in AUDIT_STATS] + \
+              [f"B-C {name}" for name, _ in AUDIT_STATS] + ["B replay max"]
+    lines = [header, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for recipe, r in results.items():
+        cells = [recipe, str(r["tokens"])] + [f"{r[pair][key]:.2e}" for pair in ("A-B", "B-C") for _, key in AUDIT_STATS]
+        lines.append("| " + " | ".join(cells + [f"{r['B-B replay max']:.1e}"]) + " |")
+    table = "\n".join(lines) + "\n"
+    md_path = os.path.join(out_dir, "audit.md")
+    with open(md_path, "w") as f:
+        f.write(table)
+    with open(os.path.join(out_dir, "audit.json"), "w") as f:
+        json.dump({"checkpoint": ckpt_path, "step": ckpt["step"], "device": cfg.device, "torch": torch.__version__,
+                   "config": dataclasses.asdict(run_cfg), "recipes": results}, f, indent=2)
+    print(table)
+    return md_path
 
 
 def _sync_device(cfg):
@@ -640,6 +736,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     cfg = parse_args(argv)
+    if cfg.audit:
+        return audit(cfg)
     if not cfg.compare:
         return [run(cfg)]
     # every variant from the same warm-start (computed once) and seed

@@ -52,6 +52,10 @@ prompts, arguments and seed -> same tokens, with or without the CUDA graph. The 
 whole (N, V) batch at once, so a row's *sampled* tokens depend on its place in the batch; greedy tokens do
 not, and a sampled row's log-probs are those of its prompt alone (the tests check both).
 
+Re-scoring. `score(model, tokens)` runs given rows through the rollout model in one prefill and returns
+the same per-token log-probs `generate` records, without sampling: the log-prob audit compares the two
+(decode one token at a time vs one prefill of the same tokens) to isolate the engine's own nondeterminism.
+
 Left out on purpose: continuous batching (finished rows keep their slot until the batch ends), paged or
 shared-prefix attention across prompts, chunked prefill of one long prompt, speculative decoding, stop
 strings, repetition penalties, min-p.
@@ -489,9 +493,9 @@ def prefill(model: MoETransformer, cache: KVCache, prompt_ids: Tensor, pad_lengt
 
 @torch.no_grad()
 def score(model: MoETransformer, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    """Re-score token rows with the rollout model in one prefill (no sampling, no cache): (N, W) -> (N, W) fp32.
+    """Re-score token rows with the rollout model in one prefill (no sampling, no cache): (N, W) -> (N, W).
 
-    Column j holds log_softmax(z_{j-1} / temperature)[tokens[:, j]], the log-prob of token j given the
+    fp32; column j holds log_softmax(z_{j-1} / temperature)[tokens[:, j]], the log-prob of token j given the
     tokens before it, exactly what `generate` records while sampling (temperature 0: untempered); column
     0 has no context and holds 0. Rows are right-padded (`Sequences.tokens`): with causal attention the
     padding after a row's end never reaches its tokens, so no mask is needed; the values at padding
@@ -506,7 +510,8 @@ def score(model: MoETransformer, tokens: Tensor, temperature: float = 1.0) -> Te
     if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"tokens must be an integer tensor (N, W), got {tuple(tokens.shape)} {tokens.dtype}")
     if tokens.shape[1] < 2:
-        raise ValueError(f"tokens must have at least 2 columns (a context and a token), got {tuple(tokens.shape)}")
+        raise ValueError(f"tokens must have at least 2 columns (a context and a token), "
+                         f"got {tuple(tokens.shape)}")
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = untempered), got {temperature!r}")
     N, W = tokens.shape

@@ -11,12 +11,14 @@ One RL step, as the code below reads:
 
     problems  = task.sample(P, "train")                              # tasks.py
     rollout   = generate(rollout_model, prompts, G)                  # rollout.py, rollout precision
-    rewards   = task.reward(problem, completion)                     # tasks.py, exact verifier
-    old_logp  = trainer(tokens [, forced routes])                    # BF16 or QAT trainer
+    rewards   = task.reward(problem, completion); A = advantages     # tasks.py, exact verifier; grpo.py
+    old_logp  = trainer(tokens [, forced routes])                    # BF16 or QAT trainer, sampling weights
     metrics   = mismatch(old_logp, rollout.logprobs), routing disagreement       # grpo.py
-    loss      = grpo.policy_loss(logp, old_logp, advantages [, tis])            # grpo.py
-    optimizer.step(); sync_weights(rollout_model, trainer)           # rac.py via nvfp4.quantize_weight
-    (recalibrate RAC, evaluate, log, checkpoint)
+    for each of N mini-batches:                                      # --minibatches N (default 1)
+        loss  = grpo.policy_loss(new_logp, old_logp, A [, tis])      # ratio new/old, TIS weight old/rollout
+        optimizer.step()
+    sync_weights(rollout_model, trainer)                             # rac.py via nvfp4.quantize_weight
+    (--mipu: keep the update only if the synced rollout policy improved; recalibrate RAC, evaluate, log)
 
 Recipes (DESIGN.md): what the trainer's forward computes and what precision the rollout runs in.
 
@@ -29,10 +31,16 @@ Recipes (DESIGN.md): what the trainer's forward computes and what precision the 
     quads    as qat                          as rac                    (both sides: the stable recipe)
     w4a4     NVFP4 weights and activations   NVFP4 W4A4                (the symmetric alternative)
 
-One update per rollout batch (fully on-policy): the trainer's log-probs under the weights that sampled,
-`old_logp`, are computed in the same forward that carries the gradient, so the PPO ratio is 1 and the
-clip is inactive; what differs from the rollout engine is exactly the mismatch being studied, which
-`--tis C` corrects per token. Mismatch is measured on every step, on the completion tokens.
+By default one update per rollout batch (fully on-policy): `old_logp` is the forward that carries the
+gradient, detached, so the PPO ratio is 1 and the clip is inactive; what differs from the rollout engine
+is exactly the mismatch being studied, which `--tis C` corrects per token. `--minibatches N` shuffles
+the batch's rows into N mini-batches with one optimizer step each (old: one extra forward without
+gradient before the first), so the ratio departs from 1 and clip-higher acts, as in QUADS, verl and
+slime. `--mipu` takes the ratio against the rollout's own log-probs and keeps an update only if the
+rollout model, synced with it, raises the batch's advantage-weighted likelihood (grpo.mipu_proxy);
+otherwise the weights and the optimizer state are restored. `--audit RUN` scores one batch of rollout
+tokens three ways per recipe (recorded at decode, re-scored in one prefill, the trainer), then exits.
+Mismatch is measured on every step, on the completion tokens.
 
 Warm-start: a short supervised run on the task's (deliberately imperfect) demonstrations, cached under
 out_dir/warmstart/ by everything that determines it, so every recipe and every later run with the same
@@ -105,8 +113,8 @@ class TrainConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28
     grad_clip: float = 1.0
-    minibatches: int = 1           # optimizer steps per rollout batch, each on a shuffled 1/N of its rows (1 = on-policy)
-    mipu: bool = False             # MIPU: ratios against the rollout's log-probs; keep an update only if the synced rollout policy improves
+    minibatches: int = 1           # optimizer steps per rollout batch, each on a shuffled 1/N of its rows
+    mipu: bool = False             # MIPU: ratios vs the rollout; keep an update only if the rollout improves
     # warm-start (supervised, on demonstrations)
     warmstart_steps: int = 0       # 0 = 300 on CPU, 1500 on GPU
     warmstart_batch: int = 64
@@ -122,7 +130,7 @@ class TrainConfig:
     device: str = ""               # "" = cuda if available, else cpu
     cuda_graph: bool = True        # decode steps as a captured CUDA graph (GPU only)
     # the log-prob audit (instead of training)
-    audit: str = ""                # a run directory or checkpoint .pt: score one rollout batch three ways per recipe
+    audit: str = ""                # a run directory or checkpoint: score one batch three ways per recipe
     audit_recipes: str = "bf16,nvfp4,quads"  # --audit: the recipes whose rollout and trainer score the batch
 
     def __post_init__(self):
@@ -156,8 +164,8 @@ class TrainConfig:
             raise ValueError(f"--minibatches must be in [1, prompts x group size = "
                              f"{self.prompts_per_step * self.group_size}], got {self.minibatches}")
         if self.mipu and self.tis:
-            raise ValueError("--mipu takes its ratios against the rollout's own log-probs, so --tis has nothing "
-                             "left to correct: use one or the other")
+            raise ValueError("--mipu takes its ratios against the rollout's own log-probs, so --tis has "
+                             "nothing left to correct: use one or the other")
         for recipe in filter(None, self.audit_recipes.split(",")):
             if recipe not in RECIPES:
                 raise ValueError(f"--audit-recipes: unknown recipe {recipe!r}; choose from {sorted(RECIPES)}")
@@ -329,7 +337,8 @@ def trainer_logprobs(cfg, trainer, seq, rows=slice(None)):
     trainer replays the rollout's expert routes."""
     tokens = seq.tokens[rows]
     with autocast(cfg):
-        logits, routes = trainer(tokens, forced_routes=seq.routes[:, rows] if cfg.r3 else None, return_routes=True)
+        forced_routes = seq.routes[:, rows] if cfg.r3 else None
+        logits, routes = trainer(tokens, forced_routes=forced_routes, return_routes=True)
     return grpo.token_logprobs(logits[:, :-1].float() / max(cfg.temperature, 1e-6), tokens[:, 1:]), routes
 
 
@@ -361,7 +370,8 @@ def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed):
             old_logp, old_routes = new_logp.detach(), routes
         reference = rollout_logp if cfg.mipu else old_logp
         loss, stats = grpo.policy_loss(new_logp, reference[rows], advantages[rows], mask[rows], cfg.clip_low,
-                                       cfg.clip_high, rollout_logprobs=rollout_logp[rows], tis_cap=cfg.tis or None)
+                                       cfg.clip_high, rollout_logprobs=rollout_logp[rows],
+                                       tis_cap=cfg.tis or None)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss ({loss.item()})")
         optimizer.zero_grad(set_to_none=True)
@@ -458,7 +468,8 @@ def run(cfg, base_state=None):
     new_tokens = max_new_tokens(cfg, task)
     bar = tqdm(range(start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=start_step, total=cfg.steps)
     last_eval = {}
-    mipu_accepted = [r["mipu/accepted"] > 0 for r in _read_metrics(metrics_path) if "mipu/accepted" in r]
+    mipu_accepted = [r["mipu/accepted"] > 0 for r in _read_metrics(metrics_path) if "mipu/accepted" in r] \
+        if cfg.mipu else []  # resumed runs count what they logged before
     step = start_step
     try:
         for step in bar:
@@ -479,13 +490,14 @@ def run(cfg, base_state=None):
             if cfg.mipu:  # what a rejected candidate restores, and the rollout policy's scores before it
                 before = copy.deepcopy(trainer.state_dict()), copy.deepcopy(optimizer.state_dict())
                 inference_logp = rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:]
-            # 4-5. trainer log-probs (old: under the weights that sampled), loss, cfg.minibatches optimizer steps
+            # 4-5. trainer log-probs (old: the weights that sampled), loss, cfg.minibatches optimizer steps
             try:
                 old_logp, routes, minibatch_stats = policy_update(cfg, trainer, optimizer, seq, advantages,
                                                                   shuffle_seed=cfg.seed * 1_000_003 + step)
             except FloatingPointError as error:
-                raise FloatingPointError(f"{error} at step {step}: stopping. The last good checkpoint is kept at "
-                                         f"{ckpt_path} (resume with --resume after changing what diverged).") from None
+                raise FloatingPointError(f"{error} at step {step}: stopping. The last good checkpoint is "
+                                         f"kept at {ckpt_path} (resume with --resume after changing what "
+                                         f"diverged).") from None
             mismatch = grpo.mismatch_metrics(old_logp, rollout_logp, mask, tis_cap=cfg.tis or None)
             disagreement = (grpo.routing_disagreement(routes, seq.routes, seq.loss_mask)
                             if seq.routes is not None else float("nan"))
@@ -495,7 +507,8 @@ def run(cfg, base_state=None):
                 proxy = grpo.mipu_proxy(rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:],
                                         inference_logp, advantages, mask)
                 with torch.no_grad():  # the same estimate for the trainer's policy: what the update believes
-                    trainer_proxy = grpo.mipu_proxy(trainer_logprobs(cfg, trainer, seq)[0], old_logp, advantages, mask)
+                    trainer_logp, _ = trainer_logprobs(cfg, trainer, seq)
+                    trainer_proxy = grpo.mipu_proxy(trainer_logp, old_logp, advantages, mask)
                 if proxy <= 0:
                     trainer.load_state_dict(before[0])
                     optimizer.load_state_dict(before[1])
@@ -503,13 +516,15 @@ def run(cfg, base_state=None):
                 mipu_accepted.append(proxy > 0)
             # 7. log, evaluate, checkpoint
             n_tokens = int(out.completion_mask.sum())
-            record = {"step": step + 1, "reward": rewards.mean().item(), **update_metrics(cfg, minibatch_stats),
+            record = {"step": step + 1, "reward": rewards.mean().item(),
+                      **update_metrics(cfg, minibatch_stats),
                       "completion_len": n_tokens / out.completion_mask.shape[0],
                       "routing_disagreement": disagreement, "rollout_s": t_rollout,
                       "rollout_tokens_per_s": n_tokens / t_rollout,
                       **{f"mismatch/{k}": v for k, v in mismatch.items()}}
             if cfg.mipu:
-                record.update({"mipu/proxy": proxy, "mipu/trainer_proxy": trainer_proxy, "mipu/accepted": float(proxy > 0),
+                record.update({"mipu/proxy": proxy, "mipu/trainer_proxy": trainer_proxy,
+                               "mipu/accepted": float(proxy > 0),
                                "mipu/accept_rate": sum(mipu_accepted) / len(mipu_accepted)})
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 last_eval = evaluate_both()
@@ -571,7 +586,8 @@ def audit(cfg):
     calib_rows = [tokenizer.encode(p.prompt + task.demonstration(p, calib_rng))
                   for p in task.sample(16, "train", calib_rng)]
     width = max(map(len, calib_rows))
-    calib_tokens = torch.tensor([r + [tokenizer.pad_id] * (width - len(r)) for r in calib_rows], device=cfg.device)
+    calib_tokens = torch.tensor([r + [tokenizer.pad_id] * (width - len(r)) for r in calib_rows],
+                                device=cfg.device)
     rollout_dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
     out_dir = os.path.dirname(os.path.abspath(ckpt_path))
 
@@ -579,7 +595,8 @@ def audit(cfg):
     for recipe in cfg.audit_recipes.split(","):
         train_mode, rollout_mode, use_rac = RECIPES[recipe]
         rac_ratio = run_cfg.rac_ratio if use_rac else 0.0
-        rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), rollout_mode, rac_ratio=rac_ratio)
+        rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), rollout_mode,
+                                                rac_ratio=rac_ratio)
         if rac_ratio > 0:
             rac.calibrate_rac(rollout_model, calib_tokens)
         trainer = qat.convert_for_training(copy.deepcopy(model), train_mode)
@@ -601,26 +618,29 @@ def audit(cfg):
             "B-B replay max": (rescored - replayed)[mask].abs().max().item(),
         }
         atomic_save({"tokens": seq.tokens.cpu(), "loss_mask": seq.loss_mask.cpu(), "A": recorded.cpu(),
-                     "B": rescored.cpu(), "C": trainer_logp.cpu()}, os.path.join(out_dir, f"audit_batch_{recipe}.pt"))
+                     "B": rescored.cpu(), "C": trainer_logp.cpu()},
+                    os.path.join(out_dir, f"audit_batch_{recipe}.pt"))
         del rollout_model, trainer
 
-    header = (f"Log-prob audit of {ckpt_path} (RL step {ckpt['step']}): {run_cfg.prompts_per_step} prompts x "
-              f"{run_cfg.group_size} samples per recipe, preset {run_cfg.preset or run_cfg.model}, temperature "
-              f"{run_cfg.temperature:g}, {cfg.device}, torch {torch.__version__}. d in nats over completion "
-              f"tokens; A recorded at decode, B one-prefill re-score, C trainer forward.")
+    header = (f"Log-prob audit of {ckpt_path} (RL step {ckpt['step']}): {run_cfg.prompts_per_step} prompts "
+              f"x {run_cfg.group_size} samples per recipe, preset {run_cfg.preset or run_cfg.model}, "
+              f"temperature {run_cfg.temperature:g}, {cfg.device}, torch {torch.__version__}. d in nats over "
+              f"completion tokens; A recorded at decode, B one-prefill re-score, C trainer forward.")
     columns = ["recipe", "tokens"] + [f"A-B {name}" for name, _ in AUDIT_STATS] + \
               [f"B-C {name}" for name, _ in AUDIT_STATS] + ["B replay max"]
     lines = [header, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for recipe, r in results.items():
-        cells = [recipe, str(r["tokens"])] + [f"{r[pair][key]:.2e}" for pair in ("A-B", "B-C") for _, key in AUDIT_STATS]
+        cells = [recipe, str(r["tokens"])] + [f"{r[pair][key]:.2e}" for pair in ("A-B", "B-C")
+                                              for _, key in AUDIT_STATS]
         lines.append("| " + " | ".join(cells + [f"{r['B-B replay max']:.1e}"]) + " |")
     table = "\n".join(lines) + "\n"
     md_path = os.path.join(out_dir, "audit.md")
     with open(md_path, "w") as f:
         f.write(table)
     with open(os.path.join(out_dir, "audit.json"), "w") as f:
-        json.dump({"checkpoint": ckpt_path, "step": ckpt["step"], "device": cfg.device, "torch": torch.__version__,
-                   "config": dataclasses.asdict(run_cfg), "recipes": results}, f, indent=2)
+        json.dump({"checkpoint": ckpt_path, "step": ckpt["step"], "device": cfg.device,
+                   "torch": torch.__version__, "config": dataclasses.asdict(run_cfg), "recipes": results},
+                  f, indent=2)
     print(table)
     return md_path
 

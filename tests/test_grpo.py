@@ -147,7 +147,7 @@ def test_clip_acts_on_new_over_old_and_the_weight_on_old_over_rollout():
                               rollout_logprobs=rollout, tis_cap=2.0)
     torch.testing.assert_close(loss, torch.tensor(-(2.0 * 1.28 + 0.5 * 1.0) / 2))
     loss.backward()
-    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0], [-0.5 / 2]]))   # clipped token: no gradient
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0], [-0.5 / 2]]))  # clipped: no gradient
     assert stats["clip_ratio/high_mean"].item() == pytest.approx(0.5)
 
 

@@ -310,7 +310,8 @@ def test_score_equals_per_prefix_forwards_and_the_sampler_recorded_logprobs(mode
     torch.testing.assert_close(scored[mask], seq.logprobs[mask], atol=2e-5, rtol=0)
     # rows in chunks of the logits budget: the same values
     monkeypatch.setattr(rollout, "PREFILL_LOGITS_BUDGET", seq.tokens.shape[1] * VOCAB * 3)
-    torch.testing.assert_close(rollout.score(model, seq.tokens, temperature)[mask], scored[mask], atol=2e-5, rtol=0)
+    chunked = rollout.score(model, seq.tokens, temperature)
+    torch.testing.assert_close(chunked[mask], scored[mask], atol=2e-5, rtol=0)
 
 
 def test_score_bad_arguments_raise_clear_errors(model):

@@ -258,8 +258,8 @@ def test_one_minibatch_is_the_plain_on_policy_update_bit_for_bit():
     # the update before mini-batches existed: one forward, old = its own detached log-probs, one step
     optimizer = adamw(cfg, reference)
     logp = grpo.token_logprobs(reference(seq.tokens)[:, :-1].float(), seq.tokens[:, 1:])
-    loss, _ = grpo.policy_loss(logp, logp.detach(), advantages, seq.loss_mask[:, 1:], cfg.clip_low, cfg.clip_high,
-                               rollout_logprobs=seq.logprobs[:, 1:], tis_cap=2.0)
+    loss, _ = grpo.policy_loss(logp, logp.detach(), advantages, seq.loss_mask[:, 1:], cfg.clip_low,
+                               cfg.clip_high, rollout_logprobs=seq.logprobs[:, 1:], tis_cap=2.0)
     optimizer.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.grad_clip)
@@ -276,11 +276,11 @@ def test_several_minibatches_move_the_ratio_after_the_first_and_the_clip_respond
         cfg, trainer, seq, advantages = update_fixture(minibatches=4, clip_high=clip_high)
         with torch.no_grad():
             sampling_weights_logp, _ = train.trainer_logprobs(cfg, trainer, seq)
-        old, _, stats = train.policy_update(cfg, trainer, adamw(cfg, trainer), seq, advantages, shuffle_seed=0)
+        old, _, stats = train.policy_update(cfg, trainer, adamw(cfg, trainer), seq, advantages, 0)
         assert torch.equal(old, sampling_weights_logp)  # old: before the first step, not after
         assert len(stats) == 4
         print(clip_high, [(round(s["ratio/min"], 4), round(s["ratio/max"], 4)) for s in stats])
-        assert 1 - 1e-5 < stats[0]["ratio/min"] <= stats[0]["ratio/max"] < 1 + 1e-5  # still the sampling weights
+        assert 1 - 1e-5 < stats[0]["ratio/min"] <= stats[0]["ratio/max"] < 1 + 1e-5  # the sampling weights
         assert all(s["ratio/max"] - s["ratio/min"] > 1e-3 for s in stats[1:])
         clipped_high[clip_high] = [s["clip_ratio/high_mean"] for s in stats]
     assert clipped_high[1e-3][0] == 0.0 and sum(clipped_high[1e-3][1:]) > 0.0
@@ -297,7 +297,8 @@ def test_mipu_keeps_an_accepted_candidate_and_restores_a_rejected_one(out_dir, m
     monkeypatch.setattr(train.grpo, "mipu_proxy", lambda *args: proxy)
     # the short warm-start rarely solves a problem: advantages of both signs, so that every update moves
     generator = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(train.grpo, "group_advantages", lambda rewards, G: torch.randn(len(rewards), generator=generator))
+    monkeypatch.setattr(train.grpo, "group_advantages",
+                        lambda rewards, G: torch.randn(len(rewards), generator=generator))
     # what the rollout model computes on a fixed probe, each time it samples (steps and evaluations)
     outputs, real_generate, probe = {}, train.rollout.generate, torch.tensor([[1, 2, 3, 4, 5, 6]])
 
@@ -321,11 +322,13 @@ def test_mipu_keeps_an_accepted_candidate_and_restores_a_rejected_one(out_dir, m
     if proxy < 0:  # weights, optimizer state and the rollout model: as before the first candidate
         assert all(unchanged) and checkpoint["optimizer"]["state"] == {} and all(rollout_unchanged)
     else:
-        assert not all(unchanged) and len(checkpoint["optimizer"]["state"]) > 0 and not all(rollout_unchanged[2:])
+        assert not all(unchanged) and len(checkpoint["optimizer"]["state"]) > 0
+        assert not all(rollout_unchanged[2:])
 
 
 def test_audit_scores_one_batch_three_ways_per_recipe(recipe_runs):
-    table_path = train.main(["--audit", recipe_runs["quads"], "--audit-recipes", "bf16,nvfp4", "--device", "cpu"])
+    table_path = train.main(["--audit", recipe_runs["quads"], "--audit-recipes", "bf16,nvfp4",
+                             "--device", "cpu"])
     with open(os.path.join(recipe_runs["quads"], "audit.json")) as f:
         results = json.load(f)["recipes"]
     bf16, nvfp4 = results["bf16"], results["nvfp4"]
@@ -366,4 +369,5 @@ def test_audit_of_a_missing_checkpoint_says_so(tmp_path):
 
 
 def test_minibatches_and_mipu_name_the_run():
-    assert train.TrainConfig(device="cpu", recipe="nvfp4", minibatches=4, mipu=True).run_name == "nvfp4+mb4+mipu"
+    cfg = train.TrainConfig(device="cpu", recipe="nvfp4", minibatches=4, mipu=True)
+    assert cfg.run_name == "nvfp4+mb4+mipu"

@@ -251,7 +251,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         stats["clip_ratio/low_mean"] = _masked_mean(clipped_low.float(), valid)
         stats["clip_ratio/high_mean"] = _masked_mean(clipped_high.float(), valid)
         stats["clip_ratio/region_mean"] = stats["clip_ratio/low_mean"] + stats["clip_ratio/high_mean"]
-        stats["approx_kl"] = _masked_mean(torch.exp(-log_ratio_d) + log_ratio_d - 1.0, valid)
+        # expm1: exp(-x) - 1 + x cancels catastrophically in fp32 for the small x of a near-on-policy step
+        stats["approx_kl"] = _masked_mean(torch.expm1(-log_ratio_d) + log_ratio_d, valid)
     return loss, stats
 
 

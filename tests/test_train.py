@@ -287,6 +287,20 @@ def test_several_minibatches_move_the_ratio_after_the_first_and_the_clip_respond
     assert sum(clipped_high[10.0]) == 0.0
 
 
+def test_update_metrics_average_over_minibatches_and_keep_the_extremes():
+    stats = [{"loss": 1.0, "grad_norm": 2.0, "ratio/mean": 1.0, "ratio/min": 1.0, "ratio/max": 1.0,
+              "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0,
+              "approx_kl": 0.0},
+             {"loss": 3.0, "grad_norm": 4.0, "ratio/mean": 1.2, "ratio/min": 0.5, "ratio/max": 3.0,
+              "clip_ratio/low_mean": 0.1, "clip_ratio/high_mean": 0.3, "clip_ratio/region_mean": 0.4,
+              "approx_kl": 0.2}]
+    record = train.update_metrics(tiny_config("unused", minibatches=2), stats)
+    assert record == pytest.approx({"loss": 2.0, "grad_norm": 3.0, "ratio/mean": 1.1, "ratio/min": 0.5,
+                                    "ratio/max": 3.0, "clip_ratio/low_mean": 0.05, "clip_ratio/high_mean": 0.15,
+                                    "clip_ratio/region_mean": 0.2, "approx_kl": 0.1})
+    assert train.update_metrics(tiny_config("unused"), stats[:1]) == {"loss": 1.0, "grad_norm": 2.0}
+
+
 def test_on_policy_runs_log_no_ratio_statistics(recipe_runs):
     record = read_metrics(recipe_runs["quads"], rl_steps_only=True)[0]
     assert not any(key.startswith(("ratio/", "clip_ratio/", "approx_kl", "mipu/")) for key in record)

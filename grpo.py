@@ -11,34 +11,50 @@ measured against its own group:
 
 A group whose rewards are all equal carries no signal and gets exactly A = 0 (hence no gradient).
 
-Policy loss (PPO clip with DAPO's asymmetric "clip-higher" and token-level normalization):
-
-    ratio_t = exp(logp_t - logp_old_t)
-    pg_t    = -min(ratio_t * A, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A)
-    loss    = sum_{valid t in batch} w_t * pg_t / (number of valid tokens in the batch)
-              + kl_coef * sum_{valid t} k3_t / (number of valid tokens)
-
-Every valid token of the batch weighs the same, whatever the length of its sequence (DAPO), unlike
-the per-sequence mean of the original GRPO, which lets tokens of short answers weigh more.
-
 Three policies meet here, and the names keep them apart:
 - `rollout_logprobs`: log pi_rollout, scored by the rollout engine (NVFP4, FP8 or BF16) while it
   sampled. Those are the probabilities the tokens were *actually* drawn from.
-- `old_logprobs`: log pi_train, the trainer's log-probs of the same tokens under the *same weights*
-  that the rollout used (computed before the first optimizer step on this batch). With perfect
-  numerics old == rollout; the gap between them is the train/rollout mismatch this project studies.
-- `logprobs`: the trainer's current log-probs, carrying the gradient.
+- `old_logprobs`: log pi_old, the trainer's log-probs of the same tokens under the *same weights*
+  that the rollout used, computed once, without gradient, before the first optimizer step on this
+  batch. With perfect numerics old == rollout; the gap between them is the train/rollout mismatch this
+  project studies.
+- `logprobs`: log pi_theta, the trainer's current log-probs, carrying the gradient. A rollout batch is
+  split into mini-batches with one optimizer step each, so from the second mini-batch on theta has
+  moved away from the sampling weights and pi_theta / pi_old departs from 1.
 
-Truncated importance sampling (TIS, FlashRL). The PPO ratio corrects for pi_theta vs pi_train, but the
-tokens were sampled from pi_rollout, not pi_train. TIS reweights each token's loss by the detached
+Policy loss: PPO's clip with DAPO's asymmetric "clip-higher", token-level normalization, and the
+rollout engine's mismatch corrected separately ("decoupled", as verl's and slime's rollout correction):
 
-    w_t = min(exp(logp_old_t - logp_rollout_t), tis_cap) = min(pi_train / pi_rollout, C)
+    ratio_t = pi_theta / pi_old = exp(logp_t - logp_old_t)            the update so far (PPO)
+    w_t     = min(pi_old / pi_rollout, C)   (constant, detached)      the engine's mismatch (TIS)
+    pg_t    = -w_t * min(ratio_t * A, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A)
+    loss    = sum_{valid t} pg_t / (number of valid tokens)  +  kl_coef * sum_{valid t} k3_t / (same)
 
-(C = 2 in verl and slime). Without `tis_cap`, w_t = 1.
+The PPO ratio only knows the trainer: it keeps an update close to the weights that sampled. The
+importance weight w_t (truncated importance sampling, FlashRL; C = 2 in verl and slime) accounts for
+the tokens having been drawn from pi_rollout, not pi_old. Without `tis_cap`, w_t = 1. With one
+mini-batch per rollout batch, ratio = 1 and the clip is inactive: only w_t remains.
+
+Every valid token of the mini-batch weighs the same, whatever the length of its sequence (DAPO), unlike
+the per-sequence mean of the original GRPO, which lets tokens of short answers weigh more.
 
 KL to a reference model (off by default, as in DAPO and most recent GRPO recipes): the K3 estimator
 
     k3_t = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1   >= 0
+
+MIPU's acceptance proxy (Monotonic Inference Policy Update; the objective is the rollout policy mu,
+the one that samples and is deployed, not the trainer's pi). After a candidate update is synced into
+the rollout model, the rollout model re-scores the batch's tokens; with mu the policy that sampled
+them and mu' the candidate, the importance-sampled estimate of how much mu' raises the expected
+advantage over mu (the first-order term of the policy-improvement identity, CPI / TRPO's surrogate) is
+
+    proxy = sum_{valid t} A_t * (mu'_t / mu_t - 1) / (number of valid tokens)
+
+and the candidate is kept only if proxy > 0. Both mu and mu' are the rollout model's prefill scores of
+the same tokens, so the engine's decode/prefill differences cancel. It is measured on the batch the
+update was fitted to (in-sample, so optimistic) and it leaves out the trust-region penalty of the
+monotonic-improvement bound: it rejects updates that do not move the *inference* policy the way the
+advantages ask, which is what a quantized rollout can silently do to a good trainer update.
 
 Mismatch metrics (what the field logs every step; completion tokens only), with
 
@@ -157,26 +173,27 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 rollout_logprobs: torch.Tensor | None = None, tis_cap: float | None = None,
                 ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
                 num_valid_tokens: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-level clipped GRPO loss (see the module docstring for every formula).
+    """Token-level clipped GRPO loss with decoupled truncated importance sampling (module docstring).
 
     logprobs (N, T) carries the gradient; old_logprobs, rollout_logprobs, ref_logprobs (N, T) and
     advantages (N,) are treated as constants (detached here). mask (N, T) marks valid tokens.
 
     clip_low/clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher keeps
     low-probability tokens that got a positive advantage growing, which slows entropy collapse).
-    tis_cap: if given, multiply each token's policy-gradient term by min(pi_train/pi_rollout, tis_cap),
-    with pi_train = exp(old_logprobs) (the trainer under the weights that sampled) and
-    pi_rollout = exp(rollout_logprobs) (what the rollout engine reported). Needs rollout_logprobs.
+    tis_cap: if given, multiply each token's policy-gradient term by w = min(pi_old/pi_rollout, tis_cap).
+    Needs rollout_logprobs. w is a constant of the rollout batch: its statistics are mismatch_metrics'
+    tis_ratio_* (computed once per batch), not repeated here for every mini-batch.
     kl_coef > 0: add kl_coef * K3(pi_theta || pi_ref) per token. Needs ref_logprobs.
     num_valid_tokens: the DAPO denominator. Defaults to the valid tokens in this call; when a batch is
     split into micro-batches for gradient accumulation, pass the whole batch's count so the summed
     micro-batch losses equal the full-batch loss.
 
     Returns (loss, stats). loss is a 0-d tensor; stats are 0-d detached fp32 tensors (float() them to
-    log): pg_loss, ratio_mean, ratio_max, clip_frac (tokens whose gradient the clip removed),
-    clip_frac_low (ratio < 1-clip_low with A < 0), clip_frac_high (ratio > 1+clip_high with A > 0),
-    approx_kl_old (K3 of pi_theta vs pi_old: how far the update has moved), and, when on,
-    tis_weight_mean, tis_clip_frac (tokens whose ratio exceeded the cap), kl.
+    log), named as TRL's GRPO trainer logs them where it has a name: pg_loss; ratio/mean, ratio/min,
+    ratio/max of pi_theta/pi_old; clip_ratio/low_mean (ratio < 1-clip_low with A < 0),
+    clip_ratio/high_mean (ratio > 1+clip_high with A > 0), clip_ratio/region_mean (their sum: the tokens
+    whose gradient the clip removed); approx_kl (K3 of KL(pi_old || pi_theta): how far the update has
+    moved); and kl (K3 to the reference) when kl_coef > 0.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be (N, T), got shape {tuple(logprobs.shape)}")
@@ -208,19 +225,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
     log_ratio = on_valid(logprobs - old_logprobs)                           # (N, T)
     ratio = torch.exp(log_ratio)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    pg_per_token = -torch.minimum(unclipped, clipped)                       # (N, T)
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg_per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)         # (N, T)
+    if tis_cap is not None:
+        old_over_rollout = torch.exp(on_valid(old_logprobs - rollout_logprobs.detach().float()))
+        pg_per_token = pg_per_token * old_over_rollout.clamp(max=tis_cap)   # w_t, a constant
+    pg_loss = batch_mean(pg_per_token)
 
     stats: dict[str, torch.Tensor] = {}
-    if tis_cap is not None:
-        train_over_rollout = torch.exp(on_valid(old_logprobs - rollout_logprobs.detach().float()))
-        tis_weight = train_over_rollout.clamp(max=tis_cap)                  # (N, T), constant
-        pg_per_token = pg_per_token * tis_weight
-        stats["tis_weight_mean"] = _masked_mean(tis_weight, valid)
-        stats["tis_clip_frac"] = _masked_mean((train_over_rollout > tis_cap).float(), valid)
-
-    pg_loss = batch_mean(pg_per_token)
     loss = pg_loss
     if kl_coef > 0:
         ref_log_ratio = on_valid(ref_logprobs.detach().float() - logprobs)  # (N, T)
@@ -233,12 +245,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         clipped_low = (ratio_d < 1.0 - clip_low) & (adv < 0)
         clipped_high = (ratio_d > 1.0 + clip_high) & (adv > 0)
         stats["pg_loss"] = pg_loss.detach()
-        stats["ratio_mean"] = _masked_mean(ratio_d, valid)
-        stats["ratio_max"] = _masked_max(ratio_d, valid)
-        stats["clip_frac_low"] = _masked_mean(clipped_low.float(), valid)
-        stats["clip_frac_high"] = _masked_mean(clipped_high.float(), valid)
-        stats["clip_frac"] = stats["clip_frac_low"] + stats["clip_frac_high"]
-        stats["approx_kl_old"] = _masked_mean(torch.exp(-log_ratio_d) + log_ratio_d - 1.0, valid)
+        stats["ratio/mean"] = _masked_mean(ratio_d, valid)
+        stats["ratio/min"] = _masked_min(ratio_d, valid)
+        stats["ratio/max"] = _masked_max(ratio_d, valid)
+        stats["clip_ratio/low_mean"] = _masked_mean(clipped_low.float(), valid)
+        stats["clip_ratio/high_mean"] = _masked_mean(clipped_high.float(), valid)
+        stats["clip_ratio/region_mean"] = stats["clip_ratio/low_mean"] + stats["clip_ratio/high_mean"]
+        # expm1: exp(-x) - 1 + x cancels catastrophically in fp32 for the small x of a near-on-policy step
+        stats["approx_kl"] = _masked_mean(torch.expm1(-log_ratio_d) + log_ratio_d, valid)
     return loss, stats
 
 
@@ -250,6 +264,13 @@ def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def _masked_max(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Max over valid entries of a non-negative tensor, 0 when there are none (no device sync)."""
     return torch.where(valid.bool(), values, torch.zeros_like(values)).amax().detach().float()
+
+
+def _masked_min(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Min over valid entries of a non-negative tensor, 0 when there are none (no device sync)."""
+    inf = torch.full_like(values, math.inf)
+    smallest = torch.where(valid.bool(), values, inf).amin()
+    return torch.where(torch.isinf(smallest), torch.zeros_like(smallest), smallest).detach().float()
 
 
 # -----------------------------------------------------------------------------
@@ -337,3 +358,27 @@ def routing_disagreement(trainer_routes: torch.Tensor, rollout_routes: torch.Ten
     if any_layer:
         return differs.any(dim=0)[valid].float().mean().item()
     return differs[:, valid].float().mean().item()
+
+
+# -----------------------------------------------------------------------------
+# MIPU
+
+def mipu_proxy(candidate_logprobs: torch.Tensor, current_logprobs: torch.Tensor, advantages: torch.Tensor,
+               mask: torch.Tensor) -> float:
+    """MIPU's acceptance proxy (module docstring): sum_valid A * (mu'/mu - 1) / valid tokens, a float.
+
+    candidate_logprobs: log mu', the rollout model's scores of the batch's tokens after the candidate
+    update was synced into it; current_logprobs: log mu, the same model's scores of the same tokens
+    before the update; both (N, T). advantages (N,), mask (N, T). > 0: the candidate raises the inference
+    policy's expected advantage on these tokens; accept it. Computed in float64; 0.0 with no valid token.
+    """
+    _check_same_shape("candidate_logprobs", candidate_logprobs, current_logprobs=current_logprobs, mask=mask)
+    if advantages.shape != candidate_logprobs.shape[:1]:
+        raise ValueError(f"advantages must be (N,) = ({candidate_logprobs.shape[0]},), got shape "
+                         f"{tuple(advantages.shape)}")
+    valid = mask.bool()
+    log_ratio = (candidate_logprobs.double() - current_logprobs.double())[valid]   # (M,)
+    token_advantages = advantages.double().unsqueeze(1).expand_as(valid)[valid]    # (M,)
+    if log_ratio.numel() == 0:
+        return 0.0
+    return (token_advantages * torch.expm1(log_ratio)).mean().item()

@@ -52,6 +52,10 @@ prompts, arguments and seed -> same tokens, with or without the CUDA graph. The 
 whole (N, V) batch at once, so a row's *sampled* tokens depend on its place in the batch; greedy tokens do
 not, and a sampled row's log-probs are those of its prompt alone (the tests check both).
 
+Re-scoring. `score(model, tokens)` runs given rows through the rollout model in one prefill and returns
+the same per-token log-probs `generate` records, without sampling: the log-prob audit compares the two
+(decode one token at a time vs one prefill of the same tokens) to isolate the engine's own nondeterminism.
+
 Left out on purpose: continuous batching (finished rows keep their slot until the batch ends), paged or
 shared-prefix attention across prompts, chunked prefill of one long prompt, speculative decoding, stop
 strings, repetition penalties, min-p.
@@ -515,6 +519,41 @@ def _token_ids(prompt, name) -> list[int]:
         if not _is_token_id(t):
             raise TypeError(f"{name} must hold integer token ids, got {t!r} ({type(t).__name__})")
     return [int(t) for t in prompt]
+
+
+@torch.no_grad()
+def score(model: MoETransformer, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """Re-score token rows with the rollout model in one prefill (no sampling, no cache): (N, W) -> (N, W).
+
+    fp32; column j holds log_softmax(z_{j-1} / temperature)[tokens[:, j]], the log-prob of token j given the
+    tokens before it, exactly what `generate` records while sampling (temperature 0: untempered); column
+    0 has no context and holds 0. Rows are right-padded (`Sequences.tokens`): with causal attention the
+    padding after a row's end never reaches its tokens, so no mask is needed; the values at padding
+    columns are meaningless (mask them with `Sequences.loss_mask`).
+
+    Why it exists: the same tokens scored by the same model in one prefill, instead of one decode step
+    at a time, separate the engine's own nondeterminism (a token's rounding depends on the other rows
+    and positions of its GEMM, e.g. through a dynamic per-tensor activation scale) from the trainer's
+    precision. Rows go through in chunks of at most PREFILL_LOGITS_BUDGET logits, as the sampler's
+    prefill does.
+    """
+    if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"tokens must be an integer tensor (N, W), got {tuple(tokens.shape)} {tokens.dtype}")
+    if tokens.shape[1] < 2:
+        raise ValueError(f"tokens must have at least 2 columns (a context and a token), "
+                         f"got {tuple(tokens.shape)}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = untempered), got {temperature!r}")
+    N, W = tokens.shape
+    chunk = max(1, PREFILL_LOGITS_BUDGET // (W * model.config.vocab_size))
+    logprobs = torch.zeros(N, W, dtype=torch.float32, device=tokens.device)
+    for start in range(0, N, chunk):
+        rows = tokens[start:start + chunk]
+        logits = model(rows)[:, :-1].float()                                               # (n, W-1, V)
+        # the sampler's own formula (sample_tokens), so that only the model's numerics can differ
+        token_logprobs = F.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+        logprobs[start:start + chunk, 1:] = token_logprobs.gather(-1, rows[:, 1:, None].long()).squeeze(-1)
+    return logprobs
 
 
 def _check_arguments(config, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id, pad_id):

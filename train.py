@@ -11,12 +11,14 @@ One RL step, as the code below reads:
 
     problems  = task.sample(P, "train")                              # tasks.py
     rollout   = generate(rollout_model, prompts, G)                  # rollout.py, rollout precision
-    rewards   = task.reward(problem, completion)                     # tasks.py, exact verifier
-    old_logp  = trainer(tokens [, forced routes])                    # BF16 or QAT trainer
+    rewards   = task.reward(problem, completion); A = advantages     # tasks.py, exact verifier; grpo.py
+    old_logp  = trainer(tokens [, forced routes])                    # BF16 or QAT trainer, sampling weights
     metrics   = mismatch(old_logp, rollout.logprobs), routing disagreement       # grpo.py
-    loss      = grpo.policy_loss(logp, old_logp, advantages [, tis])            # grpo.py
-    optimizer.step(); sync_weights(rollout_model, trainer)           # rac.py via nvfp4.quantize_weight
-    (recalibrate RAC, evaluate, log, checkpoint)
+    for each of N mini-batches:                                      # --minibatches N (default 1)
+        loss  = grpo.policy_loss(new_logp, old_logp, A [, tis])      # ratio new/old, TIS weight old/rollout
+        optimizer.step()
+    sync_weights(rollout_model, trainer)                             # rac.py via nvfp4.quantize_weight
+    (--mipu: keep the update only if the synced rollout policy improved; recalibrate RAC, evaluate, log)
 
 Recipes: what the trainer's forward computes and what precision the rollout runs in.
 
@@ -36,10 +38,16 @@ moeresq's trainer layers hold the rollout's own RAC block masks (one selection, 
 sides at once); trace's rollout records the codes it used for the completion tokens (hooks, hence no
 CUDA-graph decode) and the trainer takes them where its value is within one E2M1 step (qat.py).
 
-One update per rollout batch (fully on-policy): the trainer's log-probs under the weights that sampled,
-`old_logp`, are computed in the same forward that carries the gradient, so the PPO ratio is 1 and the
-clip is inactive; what differs from the rollout engine is exactly the mismatch being studied, which
-`--tis C` corrects per token. Mismatch is measured on every step, on the completion tokens.
+By default one update per rollout batch (fully on-policy): `old_logp` is the forward that carries the
+gradient, detached, so the PPO ratio is 1 and the clip is inactive; what differs from the rollout engine
+is exactly the mismatch being studied, which `--tis C` corrects per token. `--minibatches N` shuffles
+the batch's rows into N mini-batches with one optimizer step each (old: one extra forward without
+gradient before the first), so the ratio departs from 1 and clip-higher acts, as in QUADS, verl and
+slime. `--mipu` takes the ratio against the rollout's own log-probs and keeps an update only if the
+rollout model, synced with it, raises the batch's advantage-weighted likelihood (grpo.mipu_proxy);
+otherwise the weights and the optimizer state are restored. `--audit RUN` scores one batch of rollout
+tokens three ways per recipe (recorded at decode, re-scored in one prefill, the trainer), then exits.
+Mismatch is measured on every step, on the completion tokens.
 
 Warm-start: a short supervised run on the task's (deliberately imperfect) demonstrations, cached under
 out_dir/warmstart/ by everything that determines it, so every recipe and every later run with the same
@@ -138,6 +146,9 @@ class TrainConfig:
     clip_low: float = 0.2          # PPO ratio clip below 1 - clip_low
     clip_high: float = 0.28        # PPO ratio clip above 1 + clip_high (clip-higher, as in DAPO)
     grad_clip: float = 1.0         # max global gradient norm
+    minibatches: int = 1           # optimizer steps per rollout batch, each on a shuffled 1/N of its rows
+    mipu: bool = False             # MIPU: ratios against the rollout's log-probs; keep an update only if the
+                                   # rollout policy's proxy improves (else restore weights and optimizer)
     warmstart_steps: int | None = None  # supervised steps on demonstrations before RL
                                         # (default 300 on CPU, 1500 on GPU)
     warmstart_batch: int = 64      # demonstrations per warm-start step
@@ -157,6 +168,9 @@ class TrainConfig:
                                    # and seed, shared figures
     jobs: int = 1                  # --compare: variants run at once, one process each (a small model leaves
                                    # a GPU mostly idle)
+    audit: str = ""                # a run directory or checkpoint: score one rollout batch three ways per
+                                   # recipe instead of training (the log-prob audit)
+    audit_recipes: str = "bf16,nvfp4,quads"  # --audit: the recipes whose rollout and trainer score the batch
 
     def __post_init__(self):
         self._check_given()
@@ -176,16 +190,21 @@ class TrainConfig:
                 setattr(self, name, default)
         if self.eval_every is None:
             self.eval_every = max(1, self.steps // 5)
+        _require(self.minibatches <= self.prompts_per_step * self.group_size, "minibatches", self.minibatches,
+                 f"must be at most prompts x group size = {self.prompts_per_step * self.group_size}")
         # named like a --compare variant, so runs that differ write to different directories
         named_ratio = RECIPES[self.recipe][2] and self.rac_ratio != DEFAULT_RAC_RATIO
         ratio = f"@{self.rac_ratio:g}" if named_ratio else ""
         self.run_name = self.run_name or (self.recipe + ratio + (f"+tis{self.tis:g}" if self.tis else "")
-                                          + ("+r3" if self.r3 else ""))
+                                          + ("+r3" if self.r3 else "")
+                                          + (f"+mb{self.minibatches}" if self.minibatches > 1 else "")
+                                          + ("+mipu" if self.mipu else ""))
 
     def _check_given(self):
         """Each value as given, before the defaults fill in the rest: a ConfigError naming the flag."""
         at_least_one = ("steps", "prompts_per_step", "max_new_tokens", "warmstart_batch", "eval_every",
-                        "eval_prompts", "checkpoint_every", "rac_refresh", "jobs", "threads", "difficulty")
+                        "eval_prompts", "checkpoint_every", "rac_refresh", "jobs", "threads", "difficulty",
+                        "minibatches")
         lows = [(name, 1) for name in at_least_one] + [("group_size", 2), ("seed", 0), ("warmstart_steps", 0)]
         for name, low in lows:
             value = getattr(self, name)
@@ -222,6 +241,12 @@ class TrainConfig:
                  and self.run_name not in (".", "..", "warmstart"), "run-name", self.run_name,
                  "must be a directory name under --out-dir (no '/'; 'warmstart' holds the warm-start cache)")
         _refuse(self.resume and self.overwrite, "overwrite", "not allowed with argument --resume")
+        _refuse(self.mipu and self.tis, "mipu", "not allowed with argument --tis (MIPU takes its ratios against "
+                "the rollout's own log-probs, so there is no engine mismatch left for TIS to correct)")
+        for recipe in filter(None, self.audit_recipes.split(",")):
+            _require(recipe in RECIPES, "audit-recipes", recipe, f"choose from {', '.join(RECIPES)}")
+        _refuse(self.audit and (self.compare or self.resume), "audit",
+                "not allowed with arguments --compare or --resume (it scores a run, it does not train)")
         _refuse(self.jobs != 1 and not self.compare, "jobs", "applies to --compare only")
         _refuse(self.compare and self.run_name, "run-name",
                 "not allowed with argument --compare (it names each variant's directory itself)")
@@ -507,6 +532,83 @@ def hand_over_codes(recorder, trainer, out):
     width = int((out.prompt_lengths + out.completion_lengths).max())  # = out.sequences().tokens.shape[1]
     codes = recorder.codes(out.completion_mask, out.prompt_lengths, width)
     qat.use_rollout_codes(dict(trainer.named_modules()), codes)
+    return codes
+
+
+# ----------------------------------------------------------------------------- the policy update
+def trainer_logprobs(cfg, trainer, seq, rows=slice(None)):
+    """The trainer's log-probs of the sampled tokens of `rows`, tempered as the rollout sampled them:
+    (n, W-1) fp32, aligned with seq.logprobs[:, 1:]; and the experts it chose, (L, n, W, A). With --r3 the
+    trainer replays the rollout's expert routes."""
+    tokens = seq.tokens[rows]
+    with autocast(cfg):
+        forced_routes = seq.routes[:, rows] if cfg.r3 else None
+        logits, routes = trainer(tokens, forced_routes=forced_routes, return_routes=True)
+    return grpo.token_logprobs(logits[:, :-1].float() / max(cfg.temperature, 1e-6), tokens[:, 1:]), routes
+
+
+def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed, codes=None):
+    """GRPO on one rollout batch: cfg.minibatches optimizer steps, each on a shuffled 1/N of its rows.
+
+    Three log-probs per token (grpo.py): `rollout` (seq.logprobs, the engine's), `old` (the trainer under
+    the weights that sampled: one forward without gradient before the first step) and `new` (the
+    forward of each mini-batch, carrying the gradient). With one mini-batch, old is that one forward,
+    detached: the same weights, one forward fewer, and exactly the on-policy update. The PPO ratio is
+    new / old, or new / rollout with --mipu (a sampler-referenced candidate; TIS is then moot).
+    The loss of each mini-batch is normalized by its own valid tokens (DAPO, as verl per mini-batch).
+
+    codes (trace): the rollout's recorded codes, handed to the trainer's layers for the rows of each
+    forward. Returns old (N, W-1), the trainer's routes under the sampling weights (L, N, W, A) and one
+    dict of float statistics per mini-batch (loss, grad_norm and grpo.policy_loss's).
+    """
+    layers = dict(trainer.named_modules()) if codes is not None else None
+    mask, rollout_logp = seq.loss_mask[:, 1:], seq.logprobs[:, 1:]
+    if cfg.minibatches == 1:
+        minibatches = [slice(None)]
+    else:
+        with torch.no_grad():
+            old_logp, old_routes = trainer_logprobs(cfg, trainer, seq)
+        rows = torch.randperm(seq.tokens.shape[0], generator=torch.Generator().manual_seed(shuffle_seed))
+        minibatches = rows.to(seq.tokens.device).chunk(cfg.minibatches)
+    minibatch_stats = []
+    for rows in minibatches:
+        if codes is not None and cfg.minibatches > 1:  # the codes of this mini-batch's rows
+            qat.use_rollout_codes(layers, codes, rows=rows, width=seq.tokens.shape[1])
+        new_logp, routes = trainer_logprobs(cfg, trainer, seq, rows)
+        if cfg.minibatches == 1:
+            old_logp, old_routes = new_logp.detach(), routes
+        reference = rollout_logp if cfg.mipu else old_logp
+        loss, stats = grpo.policy_loss(new_logp, reference[rows], advantages[rows], mask[rows], cfg.clip_low,
+                                       cfg.clip_high, rollout_logprobs=rollout_logp[rows],
+                                       tis_cap=cfg.tis or None)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss ({loss.item()})")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
+        optimizer.step()
+        minibatch_stats.append({"loss": loss.detach(), "grad_norm": grad_norm.detach(), **stats})
+    if codes is not None and cfg.minibatches > 1:
+        qat.use_rollout_codes(layers, codes)  # every row's codes again, for a forward on the whole batch
+    values = torch.stack([torch.stack(list(s.values())) for s in minibatch_stats]).tolist()  # one device sync
+    return old_logp, old_routes, [dict(zip(minibatch_stats[0], row)) for row in values]
+
+
+def update_metrics(cfg, minibatch_stats):
+    """What the log keeps of one policy update: loss and gradient norm (means over mini-batches), and,
+    when they can differ from their on-policy values, the PPO ratio's mean (mean over mini-batches),
+    min and max, the clipped fractions (TRL's names) and the K3 KL(old || new). With one mini-batch and
+    ratios against old, ratio = 1 and no token is clipped by construction, so none of those is logged."""
+    def mean(key):
+        return sum(s[key] for s in minibatch_stats) / len(minibatch_stats)
+
+    record = {"loss": mean("loss"), "grad_norm": mean("grad_norm")}
+    if cfg.minibatches > 1 or cfg.mipu:
+        record.update({key: mean(key) for key in ("ratio/mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                                                  "clip_ratio/region_mean", "approx_kl")})
+        record["ratio/min"] = min(s["ratio/min"] for s in minibatch_stats)
+        record["ratio/max"] = max(s["ratio/max"] for s in minibatch_stats)
+    return record
 
 
 # ----------------------------------------------------------------------------- one RL run
@@ -668,6 +770,8 @@ def run(cfg, base_state=None):
     new_tokens = max_new_tokens(cfg, task)
     bar = tqdm(range(start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=start_step, total=cfg.steps)
     last_eval = _last_eval(metrics_path)  # the bar shows pass@1 from step 0 (or the resumed run's last)
+    mipu_accepted = [r["mipu/accepted"] > 0 for r in _read_metrics(metrics_path) if "mipu/accepted" in r] \
+        if cfg.mipu else []  # resumed runs count what they logged before
     step = start_step
     try:
         for step in bar:
@@ -681,45 +785,56 @@ def run(cfg, base_state=None):
                                    temperature=cfg.temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                    seed=cfg.seed * 1_000_003 + step,
                                    cuda_graph=cfg.cuda_graph and recorder is None)
-            if recorder is not None:
-                hand_over_codes(recorder, trainer, out)
+            codes = hand_over_codes(recorder, trainer, out) if recorder is not None else None
             _sync_device(cfg)
             t_rollout = time.perf_counter() - t0
-            # 3. rewards
+            # 3. rewards and group advantages
             rewards = score(task, tokenizer, problems, out, G).to(cfg.device)
-            # 4. trainer log-probs on the same tokens (optionally replaying the rollout's expert routes)
-            seq = out.sequences()
-            with autocast(cfg):
-                logits, routes = trainer(seq.tokens, forced_routes=seq.routes if cfg.r3 else None, return_routes=True)
-            logp = grpo.token_logprobs(logits[:, :-1].float() / max(cfg.temperature, 1e-6), seq.tokens[:, 1:])
-            mask = seq.loss_mask[:, 1:]
-            rollout_logp = seq.logprobs[:, 1:]
-            # 5. advantages, loss, mismatch
             advantages = grpo.group_advantages(rewards, G)
-            loss, stats = grpo.policy_loss(logp, logp.detach(), advantages, mask, cfg.clip_low, cfg.clip_high,
-                                           rollout_logprobs=rollout_logp, tis_cap=cfg.tis or None)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"non-finite loss ({loss.item()}) at step {step}: stopping. The last good checkpoint "
-                    f"is kept at {ckpt_path} (resume with --resume after changing what diverged).")
-            mismatch = grpo.mismatch_metrics(logp, rollout_logp, mask, tis_cap=cfg.tis or None)
+            seq = out.sequences()
+            mask, rollout_logp = seq.loss_mask[:, 1:], seq.logprobs[:, 1:]
+            if cfg.mipu:  # what a rejected candidate restores, and the rollout policy's scores before it
+                before = copy.deepcopy(trainer.state_dict()), copy.deepcopy(optimizer.state_dict())
+                inference_logp = rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:]
+            # 4-5. trainer log-probs (old: the weights that sampled), loss, cfg.minibatches optimizer steps
+            try:
+                old_logp, routes, minibatch_stats = policy_update(cfg, trainer, optimizer, seq, advantages,
+                                                                  shuffle_seed=cfg.seed * 1_000_003 + step,
+                                                                  codes=codes)
+            except FloatingPointError as error:
+                raise FloatingPointError(f"{error} at step {step}: stopping. The last good checkpoint is "
+                                         f"kept at {ckpt_path} (resume with --resume after changing what "
+                                         f"diverged).") from None
+            mismatch = grpo.mismatch_metrics(old_logp, rollout_logp, mask, tis_cap=cfg.tis or None)
             disagreement = (grpo.routing_disagreement(routes, seq.routes, seq.loss_mask)
                             if seq.routes is not None else float("nan"))
-            # 6. step, then sync the rollout's weights through nvfp4
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
-            optimizer.step()
+            # 6. sync the rollout's weights through nvfp4; MIPU keeps them only if the rollout policy improved
+            sync(s, step + 1)
+            if cfg.mipu:
+                proxy = grpo.mipu_proxy(rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:],
+                                        inference_logp, advantages, mask)
+                with torch.no_grad():  # the same estimate for the trainer's policy: what the update believes
+                    trainer_logp, _ = trainer_logprobs(cfg, trainer, seq)
+                    trainer_proxy = grpo.mipu_proxy(trainer_logp, old_logp, advantages, mask)
+                if proxy <= 0:
+                    trainer.load_state_dict(before[0])
+                    optimizer.load_state_dict(before[1])
+                    sync(s, step + 1)
+                mipu_accepted.append(proxy > 0)
             if recorder is not None:
                 qat.use_rollout_codes(dict(trainer.named_modules()), None)  # free the recorded codes
-            sync(s, step + 1)
             # 7. log, evaluate, checkpoint
             n_tokens = int(out.completion_mask.sum())
-            record = {"step": step + 1, "reward": rewards.mean().item(), "loss": loss.item(),
-                      "grad_norm": grad_norm.item(), "completion_len": n_tokens / out.completion_mask.shape[0],
+            record = {"step": step + 1, "reward": rewards.mean().item(),
+                      **update_metrics(cfg, minibatch_stats),
+                      "completion_len": n_tokens / out.completion_mask.shape[0],
                       "routing_disagreement": disagreement, "rollout_s": t_rollout,
-                      "rollout_tokens_per_s": n_tokens / t_rollout, **{k: float(v) for k, v in stats.items()},
+                      "rollout_tokens_per_s": n_tokens / t_rollout,
                       **{f"mismatch/{k}": v for k, v in mismatch.items()}}
+            if cfg.mipu:
+                record.update({"mipu/proxy": proxy, "mipu/trainer_proxy": trainer_proxy,
+                               "mipu/accepted": float(proxy > 0),
+                               "mipu/accept_rate": sum(mipu_accepted) / len(mipu_accepted)})
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 last_eval = evaluate_both(s)
                 record.update(last_eval)
@@ -762,6 +877,106 @@ def report(cfg, run_dir, seconds=None):
         lines.append(f"  {name:<13} {os.path.join(run_dir, file)}")
     lines.append(f"  {'warm-start':<13} {warmstart_path(cfg)}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the log-prob audit
+AUDIT_STATS = [("signed mean", "diff_mean"), ("MAE", "abs_diff_mean"), ("p95", "abs_diff_p95"),
+               ("p99", "abs_diff_p99"), ("max", "abs_diff_max")]
+
+
+def audit(cfg):
+    """--audit PATH: one rollout batch per recipe, its tokens scored three ways, from a run's weights.
+
+        A  the log-probs the rollout engine recorded while it generated the batch (decode, one token a step)
+        B  the same rollout model re-scoring the same tokens in one prefill (rollout.score), done twice
+        C  the recipe's trainer forward on the same tokens (what the loss sees as `old`)
+
+    A - B isolates the engine's own nondeterminism (decode vs prefill numerics; the dynamic per-tensor
+    activation scale that makes a token's rounding depend on the rest of its GEMM); B - C is precision
+    (the rollout's quantized layers against the trainer's); B - B' must be 0 (a repeatable prefill). For
+    each, over the completion tokens: signed mean, mean absolute error, p95, p99 and max of |d|.
+
+    PATH is a run directory (its checkpoint.pt) or a checkpoint file; the run's own config (preset, task,
+    batch shape, temperature, RAC ratio, seed) is used, with this command's device and audit_recipes.
+    Every recipe starts from the checkpoint's weights and scores a batch it sampled itself (same prompts
+    and seed). Writes audit.md and audit.json beside the checkpoint, and each batch (tokens, A, B, C) as
+    audit_batch_<recipe>.pt; returns the path of audit.md.
+    """
+    ckpt_path = cfg.audit if os.path.isfile(cfg.audit) else os.path.join(cfg.audit, "checkpoint.pt")
+    if not os.path.isfile(ckpt_path):
+        raise ConfigError(f"argument --audit: no checkpoint at {cfg.audit!r}; give a run directory holding "
+                          f"checkpoint.pt or a checkpoint file")
+    ckpt = load_file(ckpt_path, "cpu", "checkpoint", "give another run directory or checkpoint")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    skipped = ("device", "run_name", "compare", "jobs", "resume", "overwrite", "threads", "audit",
+               "audit_recipes", "mipu", "tis")
+    run_cfg = TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in known and k not in skipped},
+                          device=cfg.device)
+    task = build_task(run_cfg)
+    model, tokenizer = build_model(run_cfg, task)
+    model.load_state_dict(ckpt["trainer"])  # QAT layers keep moe.py's parameter names
+    problems = task.sample(run_cfg.prompts_per_step, "train", random.Random(run_cfg.seed + 4242))
+    calib_rng = random.Random(run_cfg.seed + 777)  # the run's RAC calibration batch
+    calib_rows = [tokenizer.encode(p.prompt + task.demonstration(p, calib_rng))
+                  for p in task.sample(16, "train", calib_rng)]
+    width = max(map(len, calib_rows))
+    calib_tokens = torch.tensor([r + [tokenizer.pad_id] * (width - len(r)) for r in calib_rows],
+                                device=cfg.device)
+    rollout_dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
+    out_dir = os.path.dirname(os.path.abspath(ckpt_path))
+
+    results = {}
+    for recipe in cfg.audit_recipes.split(","):
+        train_mode, rollout_mode, use_rac = RECIPES[recipe]
+        rac_ratio = run_cfg.rac_ratio if use_rac else 0.0
+        rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), rollout_mode,
+                                                rac_ratio=rac_ratio)
+        if rac_ratio > 0:
+            rac.calibrate_rac(rollout_model, calib_tokens)
+        trainer = qat.convert_for_training(copy.deepcopy(model), train_mode)
+        out = rollout.generate(rollout_model, encode_prompts(tokenizer, problems), run_cfg.group_size,
+                               max_new_tokens(run_cfg, task), temperature=run_cfg.temperature,
+                               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=run_cfg.seed + 4242,
+                               cuda_graph=cfg.cuda_graph)
+        seq = out.sequences()
+        mask = seq.loss_mask[:, 1:]
+        recorded = seq.logprobs[:, 1:]                                                    # A
+        rescored, replayed = (rollout.score(rollout_model, seq.tokens, run_cfg.temperature)[:, 1:]
+                              for _ in range(2))                                          # B, B'
+        with torch.no_grad():
+            trainer_logp, _ = trainer_logprobs(run_cfg, trainer, seq)                     # C
+        results[recipe] = {
+            "tokens": int(mask.sum()),
+            "A-B": grpo.mismatch_metrics(recorded, rescored, mask),
+            "B-C": grpo.mismatch_metrics(rescored, trainer_logp, mask),
+            "B-B replay max": (rescored - replayed)[mask].abs().max().item(),
+        }
+        atomic_save({"tokens": seq.tokens.cpu(), "loss_mask": seq.loss_mask.cpu(), "A": recorded.cpu(),
+                     "B": rescored.cpu(), "C": trainer_logp.cpu()},
+                    os.path.join(out_dir, f"audit_batch_{recipe}.pt"))
+        del rollout_model, trainer
+
+    header = (f"Log-prob audit of {ckpt_path} (RL step {ckpt['step']}): {run_cfg.prompts_per_step} prompts "
+              f"x {run_cfg.group_size} samples per recipe, preset {run_cfg.preset or run_cfg.model}, "
+              f"temperature {run_cfg.temperature:g}, {cfg.device}, torch {torch.__version__}. d in nats over "
+              f"completion tokens; A recorded at decode, B one-prefill re-score, C trainer forward.")
+    columns = ["recipe", "tokens"] + [f"A-B {name}" for name, _ in AUDIT_STATS] + \
+              [f"B-C {name}" for name, _ in AUDIT_STATS] + ["B replay max"]
+    lines = [header, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for recipe, r in results.items():
+        cells = [recipe, str(r["tokens"])] + [f"{r[pair][key]:.2e}" for pair in ("A-B", "B-C")
+                                              for _, key in AUDIT_STATS]
+        lines.append("| " + " | ".join(cells + [f"{r['B-B replay max']:.1e}"]) + " |")
+    table = "\n".join(lines) + "\n"
+    md_path = os.path.join(out_dir, "audit.md")
+    with open(md_path, "w") as f:
+        f.write(table)
+    with open(os.path.join(out_dir, "audit.json"), "w") as f:
+        json.dump({"checkpoint": ckpt_path, "step": ckpt["step"], "device": cfg.device,
+                   "torch": torch.__version__, "config": dataclasses.asdict(run_cfg), "recipes": results},
+                  f, indent=2)
+    print(table)
+    return md_path
 
 
 def _sync_device(cfg):
@@ -991,6 +1206,8 @@ def main(argv=None):
     try:
         cfg = TrainConfig(**vars(args))
         set_threads(cfg)  # here, not in run(): a program that imports train.py keeps its own setting
+        if cfg.audit:
+            return audit(cfg)
         return study(cfg) if cfg.compare else [run(cfg)]
     except ConfigError as error:
         parser.error(str(error))

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from grpo import (entropy_from_logits, group_advantages, mismatch_metrics, policy_loss,
+from grpo import (entropy_from_logits, group_advantages, mipu_proxy, mismatch_metrics, policy_loss,
                   routing_disagreement, token_logprobs)
 
 
@@ -63,11 +63,15 @@ def test_policy_loss_clip_on_both_sides_for_both_signs():
     loss.backward()
     # d/dlogp of -ratio * A / 4 = -ratio * A / 4 on the unclipped tokens
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0], [-0.5 / 4], [0.0], [3.0 / 4]]))
-    assert stats["clip_frac_high"].item() == pytest.approx(0.25)
-    assert stats["clip_frac_low"].item() == pytest.approx(0.25)
-    assert stats["clip_frac"].item() == pytest.approx(0.5)
-    assert stats["ratio_mean"].item() == pytest.approx(1.0)
-    assert stats["ratio_max"].item() == pytest.approx(1.5)
+    assert stats["clip_ratio/high_mean"].item() == pytest.approx(0.25)
+    assert stats["clip_ratio/low_mean"].item() == pytest.approx(0.25)
+    assert stats["clip_ratio/region_mean"].item() == pytest.approx(0.5)
+    assert stats["ratio/mean"].item() == pytest.approx(1.0)
+    assert stats["ratio/max"].item() == pytest.approx(1.5)
+    assert stats["ratio/min"].item() == pytest.approx(0.5)
+    # K3 of KL(old || new) over the four tokens: exp(-log r) + log r - 1
+    k3 = sum(1 / r + math.log(r) - 1 for r in (1.5, 0.5, 0.5, 1.5)) / 4
+    assert stats["approx_kl"].item() == pytest.approx(k3, rel=1e-6)
     assert all(value.dim() == 0 and not value.requires_grad for value in stats.values())
 
 
@@ -75,8 +79,8 @@ def test_policy_loss_at_ratio_one_is_minus_advantage():
     logprobs, old, adv, mask = _one_token_each([1.0, 1.0], [2.0, -0.5])
     loss, stats = policy_loss(logprobs, old, adv, mask)
     torch.testing.assert_close(loss, torch.tensor((-2.0 + 0.5) / 2))
-    assert stats["clip_frac"].item() == 0.0
-    assert stats["approx_kl_old"].item() == pytest.approx(0.0, abs=1e-7)
+    assert stats["clip_ratio/region_mean"].item() == 0.0
+    assert stats["approx_kl"].item() == pytest.approx(0.0, abs=1e-7)
 
 
 def test_dapo_token_level_normalization_across_lengths():
@@ -124,12 +128,39 @@ def test_truncated_importance_sampling_weights():
     torch.testing.assert_close(loss, torch.tensor(-(2.0 + 0.5) / 2))
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-2.0 / 2], [-0.5 / 2]]))
-    assert stats["tis_weight_mean"].item() == pytest.approx(1.25)
-    assert stats["tis_clip_frac"].item() == pytest.approx(0.5)
+    assert not any(name.startswith("tis") for name in stats)  # constant per batch: mismatch_metrics logs it
 
     # Without a cap, rollout log-probs are ignored.
     plain, _ = policy_loss(logprobs, old, adv, mask, rollout_logprobs=rollout)
     torch.testing.assert_close(plain, torch.tensor(-1.0))
+
+
+def test_clip_acts_on_new_over_old_and_the_weight_on_old_over_rollout():
+    # Decoupled: token 0 has new/old = 1.5 (clipped at 1.28, A > 0) and old/rollout = 3 (weight capped at 2);
+    # token 1 has new/old = 1 and old/rollout = 0.5. The clip must not see the rollout's log-probs, and the
+    # weight must not see the current policy's.
+    old = torch.tensor([[-1.0], [-1.0]])
+    logprobs = (old + torch.log(torch.tensor([[1.5], [1.0]]))).requires_grad_()
+    rollout = old - torch.log(torch.tensor([[3.0], [0.5]]))
+    adv, mask = torch.tensor([1.0, 1.0]), torch.ones(2, 1, dtype=torch.bool)
+    loss, stats = policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.28,
+                              rollout_logprobs=rollout, tis_cap=2.0)
+    torch.testing.assert_close(loss, torch.tensor(-(2.0 * 1.28 + 0.5 * 1.0) / 2))
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0], [-0.5 / 2]]))  # clipped: no gradient
+    assert stats["clip_ratio/high_mean"].item() == pytest.approx(0.5)
+
+
+def test_clip_fraction_responds_to_clip_high():
+    # ratios spread around 1, half the advantages positive: a wider upper clip clips fewer tokens
+    torch.manual_seed(0)
+    old = -torch.rand(8, 16)
+    logprobs = old + 0.3 * torch.randn(8, 16)
+    adv, mask = torch.tensor([1.0, -1.0] * 4), torch.ones(8, 16)
+    fractions = [policy_loss(logprobs, old, adv, mask, clip_high=c)[1]["clip_ratio/high_mean"].item()
+                 for c in (0.05, 0.28, 10.0)]
+    expected = [((logprobs - old).exp()[::2] > 1 + c).float().sum().item() / 128 for c in (0.05, 0.28, 10.0)]
+    assert fractions == pytest.approx(expected) and fractions[0] > fractions[1] > fractions[2] == 0.0
 
 
 def test_k3_kl_to_reference():
@@ -294,3 +325,30 @@ def test_routing_disagreement_shape_errors():
         routing_disagreement(routes, torch.zeros(2, 3, 4, 3, dtype=torch.long), torch.ones(3, 4))
     with pytest.raises(ValueError, match=r"token_mask has shape \(3, 5\)"):
         routing_disagreement(routes, routes, torch.ones(3, 5))
+
+
+# -----------------------------------------------------------------------------
+# mipu_proxy
+
+def test_mipu_proxy_is_the_advantage_weighted_change_of_the_inference_policy():
+    # tokens of a positive-advantage sequence become twice as likely, those of a negative one half as likely
+    current = torch.full((2, 3), -2.0)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -0.5])
+    better = current + torch.tensor([[math.log(2)] * 3, [math.log(0.5)] * 3])
+    better[0, 2] = 50.0                                              # padding: ignored
+    # (1 * (2 - 1) * 2 tokens + (-0.5) * (0.5 - 1) * 3 tokens) / 5 tokens
+    assert mipu_proxy(better, current, adv, mask) == pytest.approx((2.0 + 0.75) / 5)
+    # the opposite move: the inference policy got worse on the batch -> negative (reject)
+    worse = current - (better - current)
+    assert mipu_proxy(worse, current, adv, mask) == pytest.approx((2 * (0.5 - 1) - 0.5 * (2 - 1) * 3) / 5)
+    assert mipu_proxy(worse, current, adv, mask) < 0 < mipu_proxy(better, current, adv, mask)
+    assert mipu_proxy(current, current, adv, mask) == 0.0            # no change
+    assert mipu_proxy(better, current, adv, torch.zeros(2, 3)) == 0.0
+
+
+def test_mipu_proxy_shape_errors():
+    with pytest.raises(ValueError, match=r"current_logprobs has shape \(2, 4\)"):
+        mipu_proxy(torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2), torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"advantages must be \(N,\) = \(2,\)"):
+        mipu_proxy(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3))

@@ -311,3 +311,42 @@ def test_cuda_graph_captures_rac_rollout_layers(mode, rac_ratio):
     graph, eager = _graph_and_eager(model, num_samples=4, max_new_tokens=24, temperature=1.0, seed=3)
     assert torch.equal(graph.completion_ids, eager.completion_ids)
     assert torch.equal(graph.logprobs, eager.logprobs)
+
+
+# ----------------------------------------------------------------------------------------------- score
+def score_without_batching(model, tokens, temperature):
+    """The slow twin of rollout.score: every row alone, every position from a forward over its own prefix."""
+    expected = torch.zeros(tokens.shape)
+    for row in range(tokens.shape[0]):
+        for j in range(1, tokens.shape[1]):
+            logits = model(tokens[row:row + 1, :j])[0, -1].float()
+            logprobs = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+            expected[row, j] = logprobs[tokens[row, j]]
+    return expected
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_score_equals_per_prefix_forwards_and_the_sampler_recorded_logprobs(model, temperature, monkeypatch):
+    out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=8, temperature=temperature, seed=5)
+    seq = out.sequences()
+    scored = rollout.score(model, seq.tokens, temperature)
+    assert scored.shape == seq.tokens.shape and scored.dtype == torch.float32 and (scored[:, 0] == 0).all()
+    mask = seq.loss_mask
+    slow = score_without_batching(model, seq.tokens, temperature)
+    report_diff(scored[mask], slow[mask], "score vs per-prefix forwards")
+    torch.testing.assert_close(scored[mask], slow[mask], atol=2e-5, rtol=0)
+    # fp32 and no quantized layers: one prefill re-scores what decoding recorded, up to summation order
+    torch.testing.assert_close(scored[mask], seq.logprobs[mask], atol=2e-5, rtol=0)
+    # rows in chunks of the logits budget: the same values
+    monkeypatch.setattr(rollout, "PREFILL_LOGITS_BUDGET", seq.tokens.shape[1] * VOCAB * 3)
+    chunked = rollout.score(model, seq.tokens, temperature)
+    torch.testing.assert_close(chunked[mask], scored[mask], atol=2e-5, rtol=0)
+
+
+def test_score_bad_arguments_raise_clear_errors(model):
+    with pytest.raises(ValueError, match=r"integer tensor \(N, W\)"):
+        rollout.score(model, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="at least 2 columns"):
+        rollout.score(model, torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature"):
+        rollout.score(model, torch.zeros(2, 3, dtype=torch.long), temperature=-1.0)

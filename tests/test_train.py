@@ -5,6 +5,7 @@ import copy
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import grpo
 import moe
 import nvfp4
 import qat
@@ -303,7 +305,7 @@ def test_route_replay_removes_routing_disagreement_and_tis_logs_truncation(out_d
     assert cfg.run_name == "nvfp4+tis2+r3"
     records = read_metrics(train.run(cfg), rl_steps_only=True)
     assert all(r["routing_disagreement"] == 0.0 for r in records)  # the trainer ran the rollout's experts
-    assert all(r["mismatch/tis_ratio_max"] <= 2.0 and "tis_weight_mean" in r for r in records)
+    assert all(r["mismatch/tis_ratio_max"] <= 2.0 and "mismatch/tis_clip_frac" in r for r in records)
 
 
 @pytest.mark.slow
@@ -371,6 +373,12 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messag
     (["--compare", "quads+fast"], "argument --compare: cannot read variant 'quads+fast'"),
     (["--compare", "quads,quads@0.5"], "argument --compare: 'quads,quads@0.5' names the run 'quads' twice"),
     (["--compare", "bf16", "--run-name", "x"], "argument --run-name: not allowed with argument --compare"),
+    (["--minibatches", "0"], "argument --minibatches: must be an integer >= 1, got 0"),
+    (["--minibatches", "129", "--prompts-per-step", "16"],
+     "argument --minibatches: must be at most prompts x group size = 128, got 129"),
+    (["--mipu", "--tis", "2"], "argument --mipu: not allowed with argument --tis"),
+    (["--audit-recipes", "bf16,int3"], "argument --audit-recipes: choose from bf16"),
+    (["--audit", "/nonexistent/run"], "argument --audit: no checkpoint at '/nonexistent/run'"),
 ])
 def test_a_bad_value_exits_2_with_one_line_naming_the_flag_and_writes_nothing(flags, message, tmp_path, capsys):
     out_dir = tmp_path / "runs"
@@ -665,3 +673,143 @@ def test_compare_outputs_are_named_by_their_variants_and_never_replaced_unasked(
     code, _, err = main_exit(cli(tmp_path, compare="bf16,quads"), capsys)
     assert code == 2 and f"{tmp_path}/compare_bf16_quads.md exists: add --overwrite to replace it" in err
     assert tree_digest(tmp_path) == before
+
+
+# ----------------------------------------------------------------------------- mini-batches, MIPU, the audit
+def update_fixture(**overrides):
+    """A random tiny QAT trainer, one batch its NVFP4 rollout sampled (4 prompts x 4 samples), advantages of
+    both signs, and the run's AdamW."""
+    cfg = tiny_config("unused", recipe="quads", lr=1e-2, **overrides)
+    task = train.build_task(cfg)
+    model, tokenizer = train.build_model(cfg, task)
+    rollout_model = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")
+    trainer = qat.convert_for_training(model, "qat")
+    prompts = train.encode_prompts(tokenizer, task.sample(4, "train", random.Random(0)))
+    seq = rollout.generate(rollout_model, prompts, 4, 12, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                           seed=0).sequences()
+    advantages = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    return cfg, trainer, seq, advantages
+
+
+def adamw(cfg, model):
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
+
+
+def test_one_minibatch_is_the_plain_on_policy_update_bit_for_bit():
+    cfg, trainer, seq, advantages = update_fixture(tis=2.0)
+    reference = copy.deepcopy(trainer)
+    old, _, stats = train.policy_update(cfg, trainer, adamw(cfg, trainer), seq, advantages, shuffle_seed=0)
+    # the update before mini-batches existed: one forward, old = its own detached log-probs, one step
+    optimizer = adamw(cfg, reference)
+    logp = grpo.token_logprobs(reference(seq.tokens)[:, :-1].float(), seq.tokens[:, 1:])
+    loss, _ = grpo.policy_loss(logp, logp.detach(), advantages, seq.loss_mask[:, 1:], cfg.clip_low,
+                               cfg.clip_high, rollout_logprobs=seq.logprobs[:, 1:], tis_cap=2.0)
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.grad_clip)
+    optimizer.step()
+    assert torch.equal(old, logp.detach()) and len(stats) == 1 and stats[0]["loss"] == loss.item()
+    for (name, updated), expected in zip(trainer.named_parameters(), reference.parameters()):
+        assert torch.equal(updated, expected), name
+    assert stats[0]["ratio/min"] == stats[0]["ratio/max"] == 1.0 and stats[0]["clip_ratio/region_mean"] == 0.0
+
+
+def test_several_minibatches_move_the_ratio_after_the_first_and_the_clip_responds_to_clip_high():
+    clipped_high = {}
+    for clip_high in (1e-3, 10.0):
+        cfg, trainer, seq, advantages = update_fixture(minibatches=4, clip_high=clip_high)
+        with torch.no_grad():
+            sampling_weights_logp, _ = train.trainer_logprobs(cfg, trainer, seq)
+        old, _, stats = train.policy_update(cfg, trainer, adamw(cfg, trainer), seq, advantages, 0)
+        assert torch.equal(old, sampling_weights_logp)  # old: before the first step, not after
+        assert len(stats) == 4
+        print(clip_high, [(round(s["ratio/min"], 4), round(s["ratio/max"], 4)) for s in stats])
+        assert 1 - 1e-5 < stats[0]["ratio/min"] <= stats[0]["ratio/max"] < 1 + 1e-5  # the sampling weights
+        assert all(s["ratio/max"] - s["ratio/min"] > 1e-3 for s in stats[1:])
+        clipped_high[clip_high] = [s["clip_ratio/high_mean"] for s in stats]
+    assert clipped_high[1e-3][0] == 0.0 and sum(clipped_high[1e-3][1:]) > 0.0
+    assert sum(clipped_high[10.0]) == 0.0
+
+
+def test_update_metrics_average_over_minibatches_and_keep_the_extremes():
+    stats = [{"loss": 1.0, "grad_norm": 2.0, "ratio/mean": 1.0, "ratio/min": 1.0, "ratio/max": 1.0,
+              "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0,
+              "approx_kl": 0.0},
+             {"loss": 3.0, "grad_norm": 4.0, "ratio/mean": 1.2, "ratio/min": 0.5, "ratio/max": 3.0,
+              "clip_ratio/low_mean": 0.1, "clip_ratio/high_mean": 0.3, "clip_ratio/region_mean": 0.4,
+              "approx_kl": 0.2}]
+    record = train.update_metrics(tiny_config("unused", minibatches=2), stats)
+    assert record == pytest.approx({"loss": 2.0, "grad_norm": 3.0, "ratio/mean": 1.1, "ratio/min": 0.5,
+                                    "ratio/max": 3.0, "clip_ratio/low_mean": 0.05, "clip_ratio/high_mean": 0.15,
+                                    "clip_ratio/region_mean": 0.2, "approx_kl": 0.1})
+    assert train.update_metrics(tiny_config("unused"), stats[:1]) == {"loss": 1.0, "grad_norm": 2.0}
+
+
+def test_on_policy_runs_log_no_ratio_statistics(recipe_runs):
+    record = read_metrics(recipe_runs["quads"], rl_steps_only=True)[0]
+    assert not any(key.startswith(("ratio/", "clip_ratio/", "approx_kl", "mipu/")) for key in record)
+
+
+@pytest.mark.parametrize("proxy", [-1.0, 1.0])
+def test_mipu_keeps_an_accepted_candidate_and_restores_a_rejected_one(out_dir, monkeypatch, proxy):
+    monkeypatch.setattr(train.grpo, "mipu_proxy", lambda *args: proxy)
+    # the short warm-start rarely solves a problem: advantages of both signs, so that every update moves
+    generator = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(train.grpo, "group_advantages",
+                        lambda rewards, G: torch.randn(len(rewards), generator=generator))
+    # what the rollout model computes on a fixed probe, each time it samples (steps and evaluations)
+    outputs, real_generate, probe = {}, train.rollout.generate, torch.tensor([[1, 2, 3, 4, 5, 6]])
+
+    def recording_generate(model, *args, **kwargs):
+        with torch.no_grad():
+            outputs.setdefault(id(model), []).append(model(probe))
+        return real_generate(model, *args, **kwargs)
+
+    monkeypatch.setattr(train.rollout, "generate", recording_generate)
+    cfg = tiny_config(out_dir, recipe="quads", mipu=True, steps=2, eval_every=2, run_name=f"mipu{proxy:+g}")
+    records = read_metrics(train.run(cfg))
+    rollout_outputs = next(iter(outputs.values()))  # the rollout model samples first (the step-0 evaluation)
+    assert len(rollout_outputs) == 4  # evaluation, two steps, evaluation
+    rollout_unchanged = [torch.equal(output, rollout_outputs[0]) for output in rollout_outputs]
+    checkpoint = torch.load(os.path.join(out_dir, cfg.run_name, "checkpoint.pt"), weights_only=True)
+    task = train.build_task(cfg)
+    warm = train.warmstart(cfg, train.build_model(cfg, task)[0], task, None).state_dict()
+    unchanged = [torch.equal(checkpoint["trainer"][name], warm[name]) for name in warm]
+    assert [r["mipu/accept_rate"] for r in records[1:]] == ([0.0, 0.0] if proxy < 0 else [1.0, 1.0])
+    assert all("ratio/mean" in r and "mipu/trainer_proxy" in r for r in records[1:])
+    if proxy < 0:  # weights, optimizer state and the rollout model: as before the first candidate
+        assert all(unchanged) and checkpoint["optimizer"]["state"] == {} and all(rollout_unchanged)
+    else:
+        assert not all(unchanged) and len(checkpoint["optimizer"]["state"]) > 0
+        assert not all(rollout_unchanged[2:])
+
+
+def test_audit_scores_one_batch_three_ways_per_recipe(recipe_runs):
+    table_path = train.main(["--audit", recipe_runs["quads"], "--audit-recipes", "bf16,nvfp4",
+                             "--device", "cpu"])
+    with open(os.path.join(recipe_runs["quads"], "audit.json")) as f:
+        results = json.load(f)["recipes"]
+    bf16, nvfp4 = results["bf16"], results["nvfp4"]
+    # fp32 rollout and trainer: decode, prefill and the trainer agree up to summation order
+    assert bf16["A-B"]["abs_diff_max"] < 1e-4 and bf16["B-C"]["abs_diff_max"] < 1e-4
+    # NVFP4: a token's activation scale depends on its batch (A-B), and FP4 against a BF16 trainer (B-C)
+    assert nvfp4["A-B"]["abs_diff_mean"] > 1e-3 and nvfp4["B-C"]["abs_diff_mean"] > 1e-3
+    assert bf16["B-B replay max"] == nvfp4["B-B replay max"] == 0.0  # one prefill is repeatable
+    with open(table_path) as f:
+        rows = [line for line in f.read().splitlines() if line.startswith("| ") and "recipe" not in line
+                and not line.startswith("| ---")]
+    assert [row.split("|")[1].strip() for row in rows] == ["bf16", "nvfp4"]
+    assert float(rows[1].split("|")[4]) == pytest.approx(nvfp4["A-B"]["abs_diff_mean"], rel=1e-2)  # A-B MAE
+    batch = torch.load(os.path.join(recipe_runs["quads"], "audit_batch_nvfp4.pt"), weights_only=True)
+    mask = batch["loss_mask"][:, 1:]
+    assert (batch["A"] - batch["B"])[mask].abs().mean().item() == pytest.approx(nvfp4["A-B"]["abs_diff_mean"])
+    # a checkpoint file works as well as its run directory, and gives the same batch
+    train.main(["--audit", os.path.join(recipe_runs["quads"], "checkpoint.pt"), "--audit-recipes", "nvfp4",
+                "--device", "cpu"])
+    assert torch.equal(torch.load(os.path.join(recipe_runs["quads"], "audit_batch_nvfp4.pt"),
+                                  weights_only=True)["tokens"], batch["tokens"])
+
+
+def test_minibatches_and_mipu_name_the_run():
+    cfg = train.TrainConfig(device="cpu", recipe="nvfp4", minibatches=4, mipu=True)
+    assert cfg.run_name == "nvfp4+mb4+mipu"

@@ -57,6 +57,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from tqdm import tqdm
 
 import grpo
@@ -119,6 +123,7 @@ class TrainConfig:
     seed: int = 0
     device: str = ""               # "" = cuda if available, else cpu
     cuda_graph: bool = True        # decode steps as a captured CUDA graph (GPU only)
+    fsdp: bool = False             # under torchrun: shard the trainer with FSDP2 per block instead of replicating it (DDP)
 
     def __post_init__(self):
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -290,15 +295,170 @@ def warmstart(cfg, model, task, tokenizer):
     return model
 
 
+# ----------------------------------------------------------------------------- one node, every GPU (torchrun)
+# SPMD and colocated: every rank holds a rollout model and a trainer, samples its share of the step's
+# prompts (whole GRPO groups), scores them and computes its share of the loss. The loss of a rank is
+# (sum of its tokens' losses) / (tokens of the whole batch) * world_size, so that DDP's gradient
+# average is exactly the single-process gradient of the whole batch; the sampling noise follows each
+# row's id in the whole batch (rollout.py), so the ranks sample exactly the rollouts one process would.
+# Metrics are computed from the per-token tensors gathered from every rank: the same numbers as one
+# process. Only rank 0 writes files and draws the progress bar.
+@dataclass(frozen=True)
+class Distributed:
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def main(self):
+        return self.rank == 0
+
+    @property
+    def enabled(self):
+        return self.world_size > 1
+
+
+SINGLE = Distributed()
+
+
+def init_distributed(cfg):
+    """Under torchrun (RANK and WORLD_SIZE set): join the process group (NCCL on GPUs, gloo on CPUs) and
+    take this rank's GPU. Without torchrun: the single process, nothing initialized."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return SINGLE
+    if not dist.is_initialized():
+        cuda = cfg.device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return Distributed(dist.get_rank(), dist.get_world_size())
+
+
+def shard(n, ranks):
+    """This rank's contiguous share [start, stop) of n items (the first n % world ranks take one more)."""
+    per, extra = divmod(n, ranks.world_size)
+    start = ranks.rank * per + min(ranks.rank, extra)
+    return start, start + per + (ranks.rank < extra)
+
+
+def gather_rows(x, ranks, fill=0):
+    """Concatenate every rank's rows (N_r, T_r, ...) in rank order, padding dim 1 to the widest with `fill`.
+    (Collectives want one shape on every rank: rows are padded too, and the padding dropped again.)"""
+    if not ranks.enabled:
+        return x
+    shapes = [None] * ranks.world_size
+    dist.all_gather_object(shapes, tuple(x.shape))
+    rows = max(shape[0] for shape in shapes)
+    padded = list(x.shape)
+    padded[0] = rows
+    if x.dim() > 1:
+        padded[1] = max(shape[1] for shape in shapes)
+    flag = x.dtype == torch.bool                                  # gloo gathers no bools: send bytes
+    buffer = torch.full(padded, fill, dtype=torch.uint8 if flag else x.dtype, device=x.device)
+    buffer[tuple(slice(0, n) for n in x.shape)] = x
+    parts = [torch.empty_like(buffer) for _ in shapes]
+    dist.all_gather(parts, buffer)
+    gathered = torch.cat([part[:shape[0]] for part, shape in zip(parts, shapes)])
+    return gathered.bool() if flag else gathered
+
+
+def all_sum(values, ranks):
+    """Element-wise sum over ranks of a float64 vector (counts, sums of rewards)."""
+    values = torch.as_tensor(values, dtype=torch.float64)
+    if ranks.enabled:
+        values = values.to(_collective_device(ranks))
+        dist.all_reduce(values)
+    return values.cpu()
+
+
+def _collective_device(ranks):
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def rank0_first(ranks):
+    """A context in which rank 0 runs first and the others after it (e.g. rank 0 computes the warm-start
+    and writes its cache, the others load it)."""
+    class _RankZeroFirst:
+        def __enter__(self):
+            if ranks.enabled and not ranks.main:
+                dist.barrier()
+
+        def __exit__(self, *exc):
+            if ranks.enabled and ranks.main:
+                dist.barrier()
+    return _RankZeroFirst()
+
+
+def distribute_trainer(trainer, cfg, ranks):
+    """-> the module the loop calls: DDP(trainer) (gradients averaged across ranks), or with --fsdp the
+    trainer itself, sharded in place per transformer block and at the root (FSDP2's fully_shard)."""
+    if not ranks.enabled:
+        return trainer
+    if cfg.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for block in trainer.layers:
+            fully_shard(block)
+        fully_shard(trainer)
+        return trainer
+    from torch.nn.parallel import DistributedDataParallel
+    device_ids = [torch.cuda.current_device()] if cfg.device.startswith("cuda") else None
+    return DistributedDataParallel(trainer, device_ids=device_ids)
+
+
+def sharded(trainer):
+    """Whether the trainer's parameters are FSDP2 shards (DTensors) rather than whole tensors."""
+    return any(hasattr(p, "full_tensor") for p in trainer.parameters())
+
+
+@torch.no_grad()
+def sync_from_trainer(target, trainer):
+    """rac.sync_weights(target, trainer), also for an FSDP2-sharded trainer: then one block at a time is
+    gathered (unshard), re-quantized into the target and released (reshard), so the peak is the largest
+    block, never the whole model; the root's own parameters (embeddings, final norm, LM head) last."""
+    if not sharded(trainer):
+        rac.sync_weights(target, trainer)
+        return
+    for target_block, block in zip(target.layers, trainer.layers):
+        block.unshard()
+        try:
+            rac.sync_weights(target_block, block)
+        finally:
+            block.reshard()
+    blocks = {f"layers.{i}." for i in range(len(trainer.layers))}
+    targets = dict(target.named_parameters(remove_duplicate=False))
+    for name, param in trainer.named_parameters(remove_duplicate=False):
+        if not any(name.startswith(prefix) for prefix in blocks):
+            targets[name].copy_(param.full_tensor())
+
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def trainer_state(trainer, optimizer):
+    """Whole (unsharded) state dicts keyed by parameter name, whatever the world size or sharding, so a
+    checkpoint resumes on any number of ranks. Collective under FSDP2: every rank must call it."""
+    return get_model_state_dict(trainer, options=FULL_STATE), get_optimizer_state_dict(trainer, optimizer,
+                                                                                        options=FULL_STATE)
+
+
+def load_trainer_state(trainer, optimizer, model_state, optimizer_state):
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(trainer, model_state, options=options)
+    set_optimizer_state_dict(trainer, optimizer, optimizer_state, options=options)
+
+
 # ----------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def evaluate(cfg, model, task, tokenizer, problems):
-    """pass@1 by sampling one completion per held-out prompt at the training temperature."""
-    out = rollout.generate(model, encode_prompts(tokenizer, problems), 1, max_new_tokens(cfg, task),
-                           temperature=cfg.temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                           seed=cfg.seed + 12345, cuda_graph=cfg.cuda_graph)
-    rewards = score(task, tokenizer, problems, out, 1)
-    return rewards.mean().item()
+def evaluate(cfg, model, task, tokenizer, problems, ranks=SINGLE):
+    """pass@1 by sampling one completion per held-out prompt at the training temperature (each rank
+    samples its share of the prompts; row ids follow the prompt's index, so the result is the same)."""
+    start, stop = shard(len(problems), ranks)
+    total = 0.0
+    if stop > start:
+        out = rollout.generate(model, encode_prompts(tokenizer, problems[start:stop]), 1, max_new_tokens(cfg, task),
+                               temperature=cfg.temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                               seed=cfg.seed + 12345, cuda_graph=cfg.cuda_graph, row_offset=start)
+        total = score(task, tokenizer, problems[start:stop], out, 1).sum().item()
+    return (all_sum([total], ranks)[0] / len(problems)).item()
 
 
 def score(task, tokenizer, problems, out, group_size):
@@ -314,6 +474,7 @@ class Setup:
     task: object
     tokenizer: object
     trainer: torch.nn.Module        # FP32 master weights (fake-quantized forward per recipe); the optimizer steps these
+    train_forward: torch.nn.Module  # what the loop calls: DistributedDataParallel(trainer) under torchrun, else trainer
     rollout_model: torch.nn.Module  # the recipe's rollout precision; its weights come from the trainer by sync()
     eval_model: torch.nn.Module     # a BF16 copy of the trainer's weights, for the trainer's own pass@1
     optimizer: torch.optim.Optimizer
@@ -324,20 +485,23 @@ class Setup:
     ckpt_path: str
     metrics_path: str
     start_step: int                 # 0, or the checkpoint's step under --resume
+    ranks: Distributed              # this process's rank and the world size (1 without torchrun)
 
 
-def setup(cfg, base_state=None):
+def setup(cfg, base_state=None, ranks=SINGLE):
     """Build a run: task, warm-started policy (or base_state), trainer, rollout and evaluation models,
     optimizer, calibration and evaluation data; restore the checkpoint under --resume. -> Setup"""
     task = build_task(cfg)
     model, tokenizer = build_model(cfg, task)
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
-    print(f"run {cfg.run_name}: {json.dumps(dataclasses.asdict(cfg))}")
+    if ranks.main:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        print(f"run {cfg.run_name}: {json.dumps(dataclasses.asdict(cfg))}")
     if base_state is None:
-        warmstart(cfg, model, task, tokenizer)
+        with rank0_first(ranks):  # rank 0 computes (or loads) the warm-start; the others load its cache
+            warmstart(cfg, model, task, tokenizer)
     else:
         model.load_state_dict(base_state)  # --compare: every recipe from the one warm-start
     train_mode, rollout_mode, use_rac = RECIPES[cfg.recipe]
@@ -348,6 +512,7 @@ def setup(cfg, base_state=None):
     rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), rollout_mode, rac_ratio=rac_ratio)
     eval_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), "bf16")
     trainer = qat.convert_for_training(model, train_mode)
+    train_forward = distribute_trainer(trainer, cfg, ranks)   # before the optimizer: FSDP2 swaps the parameters
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
 
     calib_rng = random.Random(cfg.seed + 777)
@@ -362,50 +527,56 @@ def setup(cfg, base_state=None):
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if cfg.resume and os.path.exists(ckpt_path):
-        ckpt = torch.load(ckpt_path, map_location=cfg.device, weights_only=True)
-        trainer.load_state_dict(ckpt["trainer"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        load_trainer_state(trainer, optimizer, ckpt["trainer"], ckpt["optimizer"])
         start_step = ckpt["step"]
-        _truncate_metrics(metrics_path, start_step)
-        print(f"resumed {run_dir} at step {start_step}")
-    elif os.path.exists(metrics_path):
+        if ranks.main:
+            _truncate_metrics(metrics_path, start_step)
+            print(f"resumed {run_dir} at step {start_step}")
+    elif os.path.exists(metrics_path) and ranks.main:
         os.remove(metrics_path)
-    return Setup(cfg, task, tokenizer, trainer, rollout_model, eval_model, optimizer, rac_ratio, calib_tokens,
-                 eval_problems, run_dir, ckpt_path, metrics_path, start_step)
+    return Setup(cfg, task, tokenizer, trainer, train_forward, rollout_model, eval_model, optimizer, rac_ratio,
+                 calib_tokens, eval_problems, run_dir, ckpt_path, metrics_path, start_step, ranks)
 
 
 def sync(s, step):
     """Trainer -> rollout weights through nvfp4 (bit-identical to what a QAT trainer used); every
     rac_refresh syncs, RAC re-chooses its compensated blocks on the calibration batch."""
-    rac.sync_weights(s.rollout_model, s.trainer)
+    sync_from_trainer(s.rollout_model, s.trainer)
     if s.rac_ratio > 0 and step % s.cfg.rac_refresh == 0:
         rac.calibrate_rac(s.rollout_model, s.calib_tokens)
 
 
 def save(s, step):
-    atomic_save({"step": step, "trainer": s.trainer.state_dict(), "optimizer": s.optimizer.state_dict(),
-                 "config": dataclasses.asdict(s.cfg)}, s.ckpt_path)
+    """Rank 0 writes the whole trainer and optimizer state (gathered from the shards under FSDP2)."""
+    model_state, optimizer_state = trainer_state(s.trainer, s.optimizer)
+    if s.ranks.main:
+        atomic_save({"step": step, "trainer": model_state, "optimizer": optimizer_state,
+                     "config": dataclasses.asdict(s.cfg)}, s.ckpt_path)
 
 
 def evaluate_both(s):
     """pass@1 on the held-out problems of the rollout model and of the trainer's weights in BF16."""
-    rac.sync_weights(s.eval_model, s.trainer)
-    return {"pass@1": evaluate(s.cfg, s.rollout_model, s.task, s.tokenizer, s.eval_problems),
-            "pass@1_bf16_trainer": evaluate(s.cfg, s.eval_model, s.task, s.tokenizer, s.eval_problems)}
+    sync_from_trainer(s.eval_model, s.trainer)
+    return {"pass@1": evaluate(s.cfg, s.rollout_model, s.task, s.tokenizer, s.eval_problems, s.ranks),
+            "pass@1_bf16_trainer": evaluate(s.cfg, s.eval_model, s.task, s.tokenizer, s.eval_problems, s.ranks)}
 
 
-def run(cfg, base_state=None):
+def run(cfg, base_state=None, ranks=SINGLE):
     """Warm-start (or reuse), then GRPO for cfg.steps. Returns the run directory."""
-    s = setup(cfg, base_state)
+    s = setup(cfg, base_state, ranks)
     task, tokenizer, trainer, rollout_model, optimizer = s.task, s.tokenizer, s.trainer, s.rollout_model, s.optimizer
     run_dir, ckpt_path, metrics_path, start_step = s.run_dir, s.ckpt_path, s.metrics_path, s.start_step
     sync(s, start_step)
     if start_step == 0:  # the warm-started policy, before any RL: the baseline every curve starts from
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps({"step": 0, **evaluate_both(s)}) + "\n")
+        baseline = evaluate_both(s)
+        if ranks.main:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"step": 0, **baseline}) + "\n")
     G, P = cfg.group_size, cfg.prompts_per_step
     new_tokens = max_new_tokens(cfg, task)
-    bar = tqdm(range(start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=start_step, total=cfg.steps)
+    bar = tqdm(range(start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=start_step, total=cfg.steps,
+               disable=not ranks.main)
     last_eval = {}
     step = start_step
     try:
@@ -413,10 +584,13 @@ def run(cfg, base_state=None):
             t0 = time.perf_counter()
             # 1. prompts (the data order is a function of the seed and step: resumable)
             problems = task.sample(P, "train", random.Random(cfg.seed * 1_000_003 + step))
+            first, last = shard(P, ranks)               # this rank's whole groups (all of them without torchrun)
+            problems = problems[first:last]
             # 2. rollout in the recipe's precision
             out = rollout.generate(rollout_model, encode_prompts(tokenizer, problems), G, new_tokens,
                                    temperature=cfg.temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                                   seed=cfg.seed * 1_000_003 + step, cuda_graph=cfg.cuda_graph)
+                                   seed=cfg.seed * 1_000_003 + step, cuda_graph=cfg.cuda_graph,
+                                   row_offset=first * G)
             _sync_device(cfg)
             t_rollout = time.perf_counter() - t0
             # 3. rewards
@@ -424,7 +598,8 @@ def run(cfg, base_state=None):
             # 4. trainer log-probs on the same tokens (optionally replaying the rollout's expert routes)
             seq = out.sequences()
             with autocast(cfg):
-                logits, routes = trainer(seq.tokens, forced_routes=seq.routes if cfg.r3 else None, return_routes=True)
+                logits, routes = s.train_forward(seq.tokens, forced_routes=seq.routes if cfg.r3 else None,
+                                                 return_routes=True)
             logp = grpo.token_logprobs(logits[:, :-1].float() / max(cfg.temperature, 1e-6), seq.tokens[:, 1:])
             mask = seq.loss_mask[:, 1:]
             rollout_logp = seq.logprobs[:, 1:]
@@ -432,23 +607,38 @@ def run(cfg, base_state=None):
             advantages = grpo.group_advantages(rewards, G)
             loss, stats = grpo.policy_loss(logp, logp.detach(), advantages, mask, cfg.clip_low, cfg.clip_high,
                                            rollout_logprobs=rollout_logp, tis_cap=cfg.tis or None)
-            if not torch.isfinite(loss):
+            if all_sum([0.0 if torch.isfinite(loss) else 1.0], ranks)[0] > 0:   # any rank: every rank stops
                 raise FloatingPointError(
                     f"non-finite loss ({loss.item()}) at step {step}: stopping. The last good checkpoint "
                     f"is kept at {ckpt_path} (resume with --resume after changing what diverged).")
-            mismatch = grpo.mismatch_metrics(logp, rollout_logp, mask, tis_cap=cfg.tis or None)
-            disagreement = (grpo.routing_disagreement(routes, seq.routes, seq.loss_mask)
-                            if seq.routes is not None else float("nan"))
-            # 6. step, then sync the rollout's weights through nvfp4
+            local_tokens = mask.sum().item()
+            (step_tokens,) = all_sum([local_tokens], ranks).tolist()
+            # metrics of the whole batch, from every rank's per-token tensors (this rank's own alone without torchrun)
+            all_logp, all_rollout_logp = gather_rows(logp.detach(), ranks), gather_rows(rollout_logp, ranks)
+            all_mask, all_rewards = gather_rows(mask, ranks, fill=False), gather_rows(rewards, ranks)
+            logged_loss = loss
+            if ranks.enabled:
+                logged_loss, stats = grpo.policy_loss(all_logp, all_logp, gather_rows(advantages, ranks), all_mask,
+                                            cfg.clip_low, cfg.clip_high, rollout_logprobs=all_rollout_logp,
+                                            tis_cap=cfg.tis or None)
+            mismatch = grpo.mismatch_metrics(all_logp, all_rollout_logp, all_mask, tis_cap=cfg.tis or None)
+            disagreement = float("nan")
+            if seq.routes is not None:
+                pairs = seq.loss_mask.sum().item() * routes.shape[0]          # valid (token, layer) pairs
+                local = grpo.routing_disagreement(routes, seq.routes, seq.loss_mask) if pairs else 0.0
+                disagreed, total_pairs = all_sum([local * pairs, pairs], ranks).tolist()
+                disagreement = disagreed / total_pairs if total_pairs else float("nan")
+            # 6. step, then sync the rollout's weights through nvfp4. Scaled so that the ranks' averaged
+            # gradients are those of the whole batch's token mean (a no-op without torchrun).
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss * (local_tokens * ranks.world_size / step_tokens)).backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
             optimizer.step()
             sync(s, step + 1)
             # 7. log, evaluate, checkpoint
-            n_tokens = int(out.completion_mask.sum())
-            record = {"step": step + 1, "reward": rewards.mean().item(), "loss": loss.item(),
-                      "grad_norm": grad_norm.item(), "completion_len": n_tokens / out.completion_mask.shape[0],
+            n_tokens, n_rows = all_sum([out.completion_mask.sum().item(), out.completion_mask.shape[0]], ranks).tolist()
+            record = {"step": step + 1, "reward": all_rewards.mean().item(), "loss": logged_loss.item(),
+                      "grad_norm": grad_norm.item(), "completion_len": n_tokens / n_rows,
                       "routing_disagreement": disagreement, "rollout_s": t_rollout,
                       "rollout_tokens_per_s": n_tokens / t_rollout, **{k: float(v) for k, v in stats.items()},
                       **{f"mismatch/{k}": v for k, v in mismatch.items()}}
@@ -456,8 +646,9 @@ def run(cfg, base_state=None):
                 last_eval = evaluate_both(s)
                 record.update(last_eval)
             record["step_s"] = time.perf_counter() - t0
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            if ranks.main:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
             bar.set_postfix(reward=f"{record['reward']:.2f}", pass1=f"{last_eval.get('pass@1', float('nan')):.2f}",
                             dlogp=f"{mismatch['abs_diff_mean']:.1e}", max=f"{mismatch['abs_diff_max']:.2f}")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
@@ -466,9 +657,11 @@ def run(cfg, base_state=None):
         done = _last_logged_step(metrics_path)
         if done > start_step:
             save(s, done)
-        print(f"\ninterrupted: checkpoint at step {done} in {ckpt_path}; continue with --resume")
+        if ranks.main:
+            print(f"\ninterrupted: checkpoint at step {done} in {ckpt_path}; continue with --resume")
         sys.exit(130)
-    plot([run_dir], os.path.join(run_dir, "curves.png"))
+    if ranks.main:
+        plot([run_dir], os.path.join(run_dir, "curves.png"))
     return run_dir
 
 
@@ -583,6 +776,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     cfg = parse_args(argv)
+    ranks = init_distributed(cfg)
+    if ranks.enabled or cfg.fsdp:
+        return [run_distributed(cfg, ranks)]
     if not cfg.compare:
         return [run(cfg)]
     # every variant from the same warm-start (computed once) and seed
@@ -606,6 +802,23 @@ def main(argv=None):
         f.write(table + "\n")
     print(table)
     return run_dirs
+
+
+def run_distributed(cfg, ranks):
+    """One run under torchrun: every rank runs the same loop on its share of each step's groups."""
+    if not ranks.enabled:
+        raise SystemExit("train.py: error: --fsdp shards the trainer across torchrun ranks: run it as "
+                         "torchrun --nproc_per_node=N train.py --fsdp ...")
+    if cfg.compare or cfg.jobs > 1:
+        raise SystemExit("train.py: error: --compare and --jobs run several processes of their own: "
+                         "run them without torchrun")
+    if cfg.prompts_per_step < ranks.world_size:
+        raise SystemExit(f"train.py: error: --prompts-per-step {cfg.prompts_per_step} is smaller than the "
+                         f"{ranks.world_size} torchrun ranks: each rank needs at least one prompt group")
+    try:
+        return run(cfg, ranks=ranks)
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

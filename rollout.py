@@ -54,8 +54,8 @@ tokens with or without the CUDA graph, and a row's tokens do not depend on which
 batch. That is what lets torchrun ranks sample their own shares of a step's groups and still produce
 exactly the rollouts one process would (`row_offset` numbers a call's rows within the whole batch). The
 hash is two rounds of a 32-bit integer mixer (xor-shift, multiply); its top 23 bits give u in (0, 1) and
-E = -log(u). On CUDA a small Triton kernel computes the (N, V) uniforms in one pass; elsewhere the same
-integer arithmetic runs as torch ops (bit-identical: tested under the Triton interpreter).
+E = -log(u). On CUDA one small Triton kernel computes the (N, V) noise in one pass; elsewhere the same
+integer arithmetic runs as torch ops (the hash bit-identical, tested under the Triton interpreter).
 
 Left out on purpose: continuous batching (finished rows keep their slot until the batch ends), paged or
 shared-prefix attention across prompts, chunked prefill of one long prompt, speculative decoding, stop
@@ -207,53 +207,56 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def _row_keys(seed: Tensor, rows: Tensor, position: Tensor) -> Tensor:
-    """(N,) int64 keys in [0, 2^32), one per (seed, row id, position); seed and position are (1,) tensors."""
-    seed = _mix32((seed ^ (seed >> 32)) & MASK32)                   # seeds differing only above bit 32 differ
-    return _mix32((seed + rows * ROW_STRIDE + position * POSITION_STRIDE) & MASK32)
+def seed_key(seed: int) -> int:
+    """A 64-bit seed folded and mixed into the 32-bit key the noise starts from (seeds that differ only
+    above bit 32 still differ)."""
+    return int(_mix32(torch.tensor((seed ^ (seed >> 32)) & MASK32)))
 
 
-def sampling_uniforms_reference(keys: Tensor, vocab: int) -> Tensor:
-    """Twin of the noise kernel: u (N, V) fp32 in (0, 1) from the row keys, in torch integer ops."""
-    tokens = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    x = _mix32((keys[:, None] + tokens[None, :] * TOKEN_STRIDE) & MASK32)                      # (N, V)
-    return ((x >> (32 - UNIFORM_BITS)).float() + 0.5) * 2.0 ** -UNIFORM_BITS
+def sampling_noise_reference(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int) -> Tensor:
+    """Twin of the noise kernel in torch integer ops: E (N, V) = -log(u), u in (0, 1) from the hash of
+    (seed key, row id, position, token id). seed_key and position are (1,) int64 tensors, rows (N,)."""
+    keys = _mix32((seed_key + rows * ROW_STRIDE + position * POSITION_STRIDE) & MASK32)      # (N,)
+    tokens = torch.arange(vocab, device=rows.device, dtype=torch.int64)
+    x = _mix32((keys[:, None] + tokens[None, :] * TOKEN_STRIDE) & MASK32)                    # (N, V)
+    uniform = ((x >> (32 - UNIFORM_BITS)).float() + 0.5) * 2.0 ** -UNIFORM_BITS
+    return uniform.log_().neg_()
 
 
 if triton is not None:
     @triton.jit
-    def _uniforms_kernel(keys_ptr, out_ptr, V, BLOCK: tl.constexpr):
-        """One (row, token block) per program: the same uint32 arithmetic as the torch twin (uint32
-        products wrap mod 2^32 exactly as the twin's masked int64 ones)."""
-        row = tl.program_id(0)
-        tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        key = tl.load(keys_ptr + row).to(tl.uint32)
-        x = key + tokens.to(tl.uint32) * 0x61C88647
+    def _mix32_kernel(x):
         x = x ^ (x >> 16)
         x = x * 0x7FEB352D
         x = x ^ (x >> 15)
         x = x * 0x1B873593
-        x = x ^ (x >> 16)
-        u = ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07                        # 2^-23
-        tl.store(out_ptr + row.to(tl.int64) * V + tokens, u, mask=tokens < V)
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _noise_kernel(seed_key_ptr, rows_ptr, position_ptr, out_ptr, V, BLOCK: tl.constexpr):
+        """One (row, token block) per program, one pass: the twin's arithmetic in uint32, whose products
+        wrap mod 2^32 exactly as the twin's masked int64 ones."""
+        row = tl.program_id(0)
+        tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        key = (tl.load(seed_key_ptr).to(tl.uint32) + tl.load(rows_ptr + row).to(tl.uint32) * 0x27D4EB2F
+               + tl.load(position_ptr).to(tl.uint32) * 0x165667B1)
+        x = _mix32_kernel(_mix32_kernel(key) + tokens.to(tl.uint32) * 0x61C88647)
+        uniform = ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07                  # 2^-23
+        tl.store(out_ptr + row.to(tl.int64) * V + tokens, -tl.log(uniform), mask=tokens < V)
 
 
-def sampling_uniforms(keys: Tensor, vocab: int, use_kernel: bool | None = None) -> Tensor:
-    """u (N, V) fp32 in (0, 1), a pure function of the row keys: the Triton kernel on CUDA (or when asked,
-    e.g. under the interpreter in tests), the torch twin otherwise."""
+def sampling_noise(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int,
+                   use_kernel: bool | None = None) -> Tensor:
+    """E (N, V) ~ Exp(1) i.i.d., a pure function of (seed, row id, position, token id): one Triton launch
+    on CUDA (or when asked, e.g. under the interpreter in tests), the torch twin otherwise."""
     if use_kernel is None:
-        use_kernel = keys.is_cuda and triton is not None
+        use_kernel = rows.is_cuda and triton is not None
     if not use_kernel:
-        return sampling_uniforms_reference(keys, vocab)
-    out = torch.empty(keys.shape[0], vocab, dtype=torch.float32, device=keys.device)
+        return sampling_noise_reference(seed_key, rows, position, vocab)
+    out = torch.empty(rows.shape[0], vocab, dtype=torch.float32, device=rows.device)
     block = 1024
-    _uniforms_kernel[(keys.shape[0], triton.cdiv(vocab, block))](keys, out, vocab, BLOCK=block)
+    _noise_kernel[(rows.shape[0], triton.cdiv(vocab, block))](seed_key, rows, position, out, vocab, BLOCK=block)
     return out
-
-
-def sampling_noise(seed: Tensor, rows: Tensor, position: Tensor, vocab: int) -> Tensor:
-    """E (N, V) ~ Exp(1) i.i.d., a pure function of (seed, row id, position, token id)."""
-    return sampling_uniforms(_row_keys(seed, rows, position), vocab).log_().neg_()
 
 
 # ----------------------------------------------------------------------------------------------- sampling
@@ -312,7 +315,7 @@ class DecodeState:
     token_mask: Tensor        # (N, Tmax + 1) bool
     token_logprobs: Tensor    # (N, Tmax + 1) fp32
     routes: Tensor            # (L, N, Tmax, A) int64: experts of completion token t, recorded when it is fed
-    seed: Tensor              # (1,) int64: the noise seed of the current call (read by the graph at replay)
+    seed: Tensor              # (1,) int64: the current call's seed_key (read by the graph at each replay)
     row_ids: Tensor           # (N,) int64: each row's id within the whole batch (row_offset + n)
     sampling: dict            # temperature, top_k, top_p, eos_id, pad_id (constants of the captured step)
     graph: "torch.cuda.CUDAGraph | None" = None
@@ -466,7 +469,8 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
     temperature 0 is greedy; top_k 0 and top_p 1 disable truncation. eos_id None: every row runs to
     max_new_tokens. pad_id fills prompt padding and the columns after EOS (any valid token id). seed and
     row_offset choose the sampling noise: row n of this call draws the noise of row id row_offset + n (so a
-    process sampling rows [r, r + N) of a larger batch gets exactly those rows' tokens). cuda_graph: replay the decode step as a CUDA graph (CUDA only; False runs it eagerly).
+    process sampling rows [r, r + N) of a larger batch gets exactly those rows' tokens). cuda_graph: replay
+    the decode step as a CUDA graph (CUDA only; False runs it eagerly).
     Runs under no_grad (not inference_mode, so the results can serve as constants in the trainer's graph).
     """
     c = model.config
@@ -496,7 +500,7 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
         try_capture(model, state)
 
     # ---- first token of every sample, from its prompt's last logits; reset the decode buffers
-    state.seed.fill_(seed)
+    state.seed.fill_(seed_key(seed))
     state.row_ids.copy_(torch.arange(row_offset, row_offset + N, device=device))
     noise = None if temperature == 0 else sampling_noise(state.seed, state.row_ids, torch.zeros_like(state.seed),
                                                          c.vocab_size)

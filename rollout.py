@@ -47,10 +47,15 @@ the model (so the last token is fed once more, after the loop's last sample, to 
 for every prompt token from the prefill. `Rollout.sequences()` lays prompt + completion out as the trainer's
 rows, routes included, for routing replay (R3) or for measuring routing disagreement.
 
-Random numbers. One torch.Generator on the model's device, seeded with `seed` at each call: same model,
-prompts, arguments and seed -> same tokens, with or without the CUDA graph. The noise is drawn for the
-whole (N, V) batch at once, so a row's *sampled* tokens depend on its place in the batch; greedy tokens do
-not, and a sampled row's log-probs are those of its prompt alone (the tests check both).
+Random numbers. Counter-based: the exponential noise E_v of row n at completion position t is a hash
+of (seed, row id, t, v) (`sampling_noise`), not a draw from a stateful generator. So a sampled row depends
+only on its own logits and on (seed, row id): the same model, prompts, arguments and seed give the same
+tokens with or without the CUDA graph, and a row's tokens do not depend on which other rows share its
+batch. That is what lets torchrun ranks sample their own shares of a step's groups and still produce
+exactly the rollouts one process would (`row_offset` numbers a call's rows within the whole batch). The
+hash is two rounds of a 32-bit integer mixer (xor-shift, multiply); its top 23 bits give u in (0, 1) and
+E = -log(u). On CUDA one small Triton kernel computes the (N, V) noise in one pass; elsewhere the same
+integer arithmetic runs as torch ops (the hash bit-identical, tested under the Triton interpreter).
 
 Re-scoring. `score(model, tokens)` runs given rows through the rollout model in one prefill and returns
 the same per-token log-probs `generate` records, without sampling: the log-prob audit compares the two
@@ -79,6 +84,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe import MoETransformer
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch twin of the noise kernel runs instead
+    triton = None
 
 PROMPT_WIDTH_MULTIPLE = 16        # prompt widths are rounded up to this, so nearby lengths share a graph
 FINISHED_CHECK_INTERVAL = 16      # CUDA: decode steps between host checks for "every row has finished"
@@ -185,13 +196,82 @@ class KVCache:
         return keys, values
 
 
+# ----------------------------------------------------------------------------------------------- sampling noise
+MASK32 = 0xFFFFFFFF
+MIX_MULTIPLIERS = (0x7FEB352D, 0x1B873593)    # odd and < 2^31: a product with a 32-bit value fits in int64
+ROW_STRIDE, POSITION_STRIDE, TOKEN_STRIDE = 0x27D4EB2F, 0x165667B1, 0x61C88647   # odd "Weyl" increments
+UNIFORM_BITS = 23                             # u = (top 23 bits + 1/2) * 2^-23: exact in fp32, never 0 or 1
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xor-shift / multiply rounds) of int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * MIX_MULTIPLIERS[0]) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * MIX_MULTIPLIERS[1]) & MASK32
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """A 64-bit seed folded and mixed into the 32-bit key the noise starts from (seeds that differ only
+    above bit 32 still differ)."""
+    return int(_mix32(torch.tensor((seed ^ (seed >> 32)) & MASK32)))
+
+
+def sampling_noise_reference(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int) -> Tensor:
+    """Twin of the noise kernel in torch integer ops: E (N, V) = -log(u), u in (0, 1) from the hash of
+    (seed key, row id, position, token id). seed_key and position are (1,) int64 tensors, rows (N,)."""
+    keys = _mix32((seed_key + rows * ROW_STRIDE + position * POSITION_STRIDE) & MASK32)      # (N,)
+    tokens = torch.arange(vocab, device=rows.device, dtype=torch.int64)
+    x = _mix32((keys[:, None] + tokens[None, :] * TOKEN_STRIDE) & MASK32)                    # (N, V)
+    uniform = ((x >> (32 - UNIFORM_BITS)).float() + 0.5) * 2.0 ** -UNIFORM_BITS
+    return uniform.log_().neg_()
+
+
+if triton is not None:
+    @triton.jit
+    def _mix32_kernel(x):
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x1B873593
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _noise_kernel(seed_key_ptr, rows_ptr, position_ptr, out_ptr, V, BLOCK: tl.constexpr):
+        """One (row, token block) per program, one pass: the twin's arithmetic in uint32, whose products
+        wrap mod 2^32 exactly as the twin's masked int64 ones."""
+        row = tl.program_id(0)
+        tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        key = (tl.load(seed_key_ptr).to(tl.uint32) + tl.load(rows_ptr + row).to(tl.uint32) * 0x27D4EB2F
+               + tl.load(position_ptr).to(tl.uint32) * 0x165667B1)
+        x = _mix32_kernel(_mix32_kernel(key) + tokens.to(tl.uint32) * 0x61C88647)
+        uniform = ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07                  # 2^-23
+        tl.store(out_ptr + row.to(tl.int64) * V + tokens, -tl.log(uniform), mask=tokens < V)
+
+
+def sampling_noise(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int,
+                   use_kernel: bool | None = None) -> Tensor:
+    """E (N, V) ~ Exp(1) i.i.d., a pure function of (seed, row id, position, token id): one Triton launch
+    on CUDA (or when asked, e.g. under the interpreter in tests), the torch twin otherwise."""
+    if use_kernel is None:
+        use_kernel = rows.is_cuda and triton is not None
+    if not use_kernel:
+        return sampling_noise_reference(seed_key, rows, position, vocab)
+    out = torch.empty(rows.shape[0], vocab, dtype=torch.float32, device=rows.device)
+    block = 1024
+    _noise_kernel[(rows.shape[0], triton.cdiv(vocab, block))](seed_key, rows, position, out, vocab, BLOCK=block)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- sampling
 def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+                  noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """logits (B, V) -> (tokens (B,) int64, logprobs (B,) fp32 of those tokens under log_softmax(z / tau)).
 
     Sampling uses the top-k/top-p truncated distribution; the log-prob is the full tempered one (see the
-    module docstring). temperature 0: argmax, untempered log-prob. No host sync.
+    module docstring). noise (B, V): i.i.d. Exp(1) draws (`sampling_noise`; needed unless greedy).
+    temperature 0: argmax, untempered log-prob. No host sync.
     """
     logits = logits.float()
     if temperature == 0:
@@ -200,9 +280,10 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
     else:
         logprobs = F.log_softmax(logits / temperature, dim=-1)                             # (B, V)
         kept = truncate(logprobs, top_k, top_p)                                             # -inf outside
-        noise = torch.empty_like(kept).exponential_(generator=generator)
+        if noise is None:
+            raise ValueError("sample_tokens: temperature > 0 needs noise (B, V) of Exp(1) draws")
         # p / E with E ~ Exp(1) is an exponential race: argmax picks v with probability p_v / sum(p).
-        # exponential_ may return 0; the clamp keeps 0/0 (a truncated token) from becoming NaN.
+        # The clamp keeps 0/0 (a truncated token) from becoming NaN should E underflow to 0.
         tokens = (kept.exp() / noise.clamp_min(1e-20)).argmax(dim=-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
@@ -239,7 +320,8 @@ class DecodeState:
     token_mask: Tensor        # (N, Tmax + 1) bool
     token_logprobs: Tensor    # (N, Tmax + 1) fp32
     routes: Tensor            # (L, N, Tmax, A) int64: experts of completion token t, recorded when it is fed
-    generator: torch.Generator
+    seed: Tensor              # (1,) int64: the current call's seed_key (read by the graph at each replay)
+    row_ids: Tensor           # (N,) int64: each row's id within the whole batch (row_offset + n)
     sampling: dict            # temperature, top_k, top_p, eos_id, pad_id (constants of the captured step)
     graph: "torch.cuda.CUDAGraph | None" = None
     capture_tried: bool = False
@@ -262,7 +344,8 @@ def new_decode_state(model: MoETransformer, rows: int, prompt_width: int, max_ne
         token_mask=torch.zeros(rows, max_new_tokens + 1, dtype=torch.bool, device=device),
         token_logprobs=torch.zeros(rows, max_new_tokens + 1, dtype=torch.float32, device=device),
         routes=torch.zeros(c.n_layers, rows, max_new_tokens, c.n_active, dtype=torch.int64, device=device),
-        generator=torch.Generator(device=device),
+        seed=torch.zeros(1, dtype=torch.int64, device=device),
+        row_ids=torch.arange(rows, dtype=torch.int64, device=device),
         sampling=sampling,
     )
 
@@ -282,9 +365,10 @@ def decode_step(model: MoETransformer, state: DecodeState) -> None:
     alive = state.alive
     if s["eos_id"] is not None:
         alive = alive & (state.next_input[:, 0] != s["eos_id"])     # a row that just fed EOS has ended
-    tokens, logprobs = sample_tokens(logits[:, -1], s["temperature"], s["top_k"], s["top_p"], state.generator)
-    tokens = torch.where(alive, tokens, s["pad_id"])
     column = step + 1
+    noise = None if s["temperature"] == 0 else sampling_noise(state.seed, state.row_ids, column, logits.shape[-1])
+    tokens, logprobs = sample_tokens(logits[:, -1], s["temperature"], s["top_k"], s["top_p"], noise)
+    tokens = torch.where(alive, tokens, s["pad_id"])
     state.tokens.index_copy_(1, column, tokens[:, None])
     state.token_mask.index_copy_(1, column, alive[:, None])
     state.token_logprobs.index_copy_(1, column, torch.where(alive, logprobs, 0.0)[:, None])
@@ -309,9 +393,8 @@ def capture_decode_graph(model: MoETransformer, state: DecodeState) -> "torch.cu
             decode_step(model, state)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    # The graph reads the generator's seed and offset at each replay and advances the offset, so reseeding
-    # between calls reproduces the same draws.
-    graph.register_generator_state(state.generator)
+    # The noise is a function of state.seed, state.row_ids and the cache length, all device tensors the
+    # graph reads at each replay: no generator state to register.
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         decode_step(model, state)
     return graph
@@ -385,16 +468,22 @@ def free_decode_states(model: nn.Module) -> None:
 @torch.no_grad()
 def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, eos_id: int | None = None, pad_id: int = 0, seed: int = 0,
-             cuda_graph: bool = True) -> Rollout:
+             cuda_graph: bool = True, row_offset: int = 0) -> Rollout:
     """Sample num_samples completions of each prompt (a list of token-id lists, any lengths) -> Rollout.
 
     temperature 0 is greedy; top_k 0 and top_p 1 disable truncation. eos_id None: every row runs to
-    max_new_tokens. pad_id fills prompt padding and the columns after EOS (any valid token id). seed seeds the
-    device generator. cuda_graph: replay the decode step as a CUDA graph (CUDA only; False runs it eagerly).
+    max_new_tokens. pad_id fills prompt padding and the columns after EOS (any valid token id). seed and
+    row_offset choose the sampling noise: row n of this call draws the noise of row id row_offset + n (so a
+    process sampling rows [r, r + N) of a larger batch gets exactly those rows' tokens). cuda_graph: replay
+    the decode step as a CUDA graph (CUDA only; False runs it eagerly).
     Runs under no_grad (not inference_mode, so the results can serve as constants in the trainer's graph).
     """
     c = model.config
     prompts = _check_arguments(c, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id, pad_id)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
+    if isinstance(row_offset, bool) or not isinstance(row_offset, int) or row_offset < 0:
+        raise ValueError(f"row_offset must be an int >= 0, got {row_offset!r}")
     device = model.embed.weight.device
     P, G = len(prompts), num_samples
     N = P * G
@@ -416,9 +505,12 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
         try_capture(model, state)
 
     # ---- first token of every sample, from its prompt's last logits; reset the decode buffers
-    state.generator.manual_seed(seed)
+    state.seed.fill_(seed_key(seed))
+    state.row_ids.copy_(torch.arange(row_offset, row_offset + N, device=device))
+    noise = None if temperature == 0 else sampling_noise(state.seed, state.row_ids, torch.zeros_like(state.seed),
+                                                         c.vocab_size)
     tokens, logprobs = sample_tokens(last_logits.repeat_interleave(G, dim=0), temperature, top_k, top_p,
-                                     state.generator)                                        # (N,) each
+                                     noise)                                                  # (N,) each
     state.pad_lengths.copy_(pad_lengths.repeat_interleave(G))
     state.cache.length.fill_(prompt_width)
     state.next_input.copy_(tokens[:, None])

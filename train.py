@@ -82,6 +82,10 @@ import typing
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from tqdm import tqdm
 
 import grpo
@@ -127,6 +131,8 @@ class TrainConfig:
                                    # nothing from a second thread, which stalls when the other core is busy)
     checkpoint_every: int = 25     # steps between checkpoints (also written at the end and on Ctrl-C)
     cuda_graph: bool = True        # decode steps as a captured CUDA graph (GPU only)
+    fsdp: bool = False             # under torchrun: shard the trainer with FSDP2 per transformer block
+                                   # instead of a whole copy per GPU (DDP)
     # model and task
     preset: str | None = None      # model size (default tiny on CPU, small on GPU; none with --model)
     model: str = ""                # a Hugging Face Qwen3-MoE directory or hub id instead of a preset
@@ -480,15 +486,175 @@ def warmstart(cfg, model, task, tokenizer):
     return model
 
 
+# ----------------------------------------------------------------------------- one node, every GPU (torchrun)
+# SPMD and colocated: every rank holds a rollout model and a trainer, samples its share of the step's
+# prompts (whole GRPO groups), scores them and computes its share of the loss. The loss of a rank is
+# (sum of its tokens' losses) / (tokens of the whole batch) * world_size, so that DDP's gradient
+# average is exactly the single-process gradient of the whole batch; the sampling noise follows each
+# row's id in the whole batch (rollout.py), so the ranks sample exactly the rollouts one process would.
+# Metrics are computed from the per-token tensors gathered from every rank: the same numbers as one
+# process. Only rank 0 writes files and draws the progress bar.
+@dataclass(frozen=True)
+class Distributed:
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def main(self):
+        return self.rank == 0
+
+    @property
+    def enabled(self):
+        return self.world_size > 1
+
+
+SINGLE = Distributed()
+
+
+def init_distributed(cfg):
+    """Under torchrun (RANK and WORLD_SIZE set): join the process group (NCCL on GPUs, gloo on CPUs) and
+    take this rank's GPU. Without torchrun: the single process, nothing initialized."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return SINGLE
+    if not dist.is_initialized():
+        cuda = cfg.device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return Distributed(dist.get_rank(), dist.get_world_size())
+
+
+def shard(n, ranks):
+    """This rank's contiguous share [start, stop) of n items (the first n % world ranks take one more)."""
+    per, extra = divmod(n, ranks.world_size)
+    start = ranks.rank * per + min(ranks.rank, extra)
+    return start, start + per + (ranks.rank < extra)
+
+
+def gather_rows(x, ranks, fill=0):
+    """Concatenate every rank's rows (N_r, T_r, ...) in rank order, padding dim 1 to the widest with `fill`.
+    (Collectives want one shape on every rank: rows are padded too, and the padding dropped again.)"""
+    if not ranks.enabled:
+        return x
+    shapes = [None] * ranks.world_size
+    dist.all_gather_object(shapes, tuple(x.shape))
+    rows = max(shape[0] for shape in shapes)
+    padded = list(x.shape)
+    padded[0] = rows
+    if x.dim() > 1:
+        padded[1] = max(shape[1] for shape in shapes)
+    flag = x.dtype == torch.bool                                  # gloo gathers no bools: send bytes
+    buffer = torch.full(padded, fill, dtype=torch.uint8 if flag else x.dtype, device=x.device)
+    buffer[tuple(slice(0, n) for n in x.shape)] = x
+    parts = [torch.empty_like(buffer) for _ in shapes]
+    dist.all_gather(parts, buffer)
+    gathered = torch.cat([part[:shape[0]] for part, shape in zip(parts, shapes)])
+    return gathered.bool() if flag else gathered
+
+
+def all_sum(values, ranks):
+    """Element-wise sum over ranks of a float64 vector (counts, sums of rewards)."""
+    values = torch.as_tensor(values, dtype=torch.float64)
+    if ranks.enabled:
+        values = values.to(_collective_device(ranks))
+        dist.all_reduce(values)
+    return values.cpu()
+
+
+def _collective_device(ranks):
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def barrier(ranks):
+    if ranks.enabled:
+        dist.barrier()
+
+
+def rank0_first(ranks):
+    """A context in which rank 0 runs first and the others after it (e.g. rank 0 computes the warm-start
+    and writes its cache, the others load it)."""
+    class _RankZeroFirst:
+        def __enter__(self):
+            if ranks.enabled and not ranks.main:
+                dist.barrier()
+
+        def __exit__(self, *exc):
+            if ranks.enabled and ranks.main:
+                dist.barrier()
+    return _RankZeroFirst()
+
+
+def distribute_trainer(trainer, cfg, ranks):
+    """-> the module the loop calls: DDP(trainer) (gradients averaged across ranks), or with --fsdp the
+    trainer itself, sharded in place per transformer block and at the root (FSDP2's fully_shard)."""
+    if not ranks.enabled:
+        return trainer
+    if cfg.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for block in trainer.layers:
+            fully_shard(block)
+        fully_shard(trainer)
+        return trainer
+    from torch.nn.parallel import DistributedDataParallel
+    device_ids = [torch.cuda.current_device()] if cfg.device.startswith("cuda") else None
+    return DistributedDataParallel(trainer, device_ids=device_ids)
+
+
+def sharded(trainer):
+    """Whether the trainer's parameters are FSDP2 shards (DTensors) rather than whole tensors."""
+    return any(hasattr(p, "full_tensor") for p in trainer.parameters())
+
+
+@torch.no_grad()
+def sync_from_trainer(target, trainer):
+    """rac.sync_weights(target, trainer), also for an FSDP2-sharded trainer: then one block at a time is
+    gathered (unshard), re-quantized into the target and released (reshard), so the peak is the largest
+    block, never the whole model; the root's own parameters (embeddings, final norm, LM head) last."""
+    if not sharded(trainer):
+        rac.sync_weights(target, trainer)
+        return
+    for target_block, block in zip(target.layers, trainer.layers):
+        block.unshard()
+        try:
+            rac.sync_weights(target_block, block)
+        finally:
+            block.reshard()
+    blocks = {f"layers.{i}." for i in range(len(trainer.layers))}
+    targets = dict(target.named_parameters(remove_duplicate=False))
+    for name, param in trainer.named_parameters(remove_duplicate=False):
+        if not any(name.startswith(prefix) for prefix in blocks):
+            targets[name].copy_(param.full_tensor())
+
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def trainer_state(trainer, optimizer):
+    """Whole (unsharded) state dicts keyed by parameter name, whatever the world size or sharding, so a
+    checkpoint resumes on any number of ranks. Collective under FSDP2: every rank must call it."""
+    return get_model_state_dict(trainer, options=FULL_STATE), get_optimizer_state_dict(trainer, optimizer,
+                                                                                        options=FULL_STATE)
+
+
+def load_trainer_state(trainer, optimizer, model_state, optimizer_state):
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(trainer, model_state, options=options)
+    set_optimizer_state_dict(trainer, optimizer, optimizer_state, options=options)
+
+
 # ----------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def evaluate(cfg, model, task, tokenizer, problems):
-    """pass@1 by sampling one completion per held-out prompt at the training temperature."""
-    out = rollout.generate(model, encode_prompts(tokenizer, problems), 1, max_new_tokens(cfg, task),
-                           temperature=cfg.temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                           seed=cfg.seed + 12345, cuda_graph=cfg.cuda_graph)
-    rewards = score(task, tokenizer, problems, out, 1)
-    return rewards.mean().item()
+def evaluate(cfg, model, task, tokenizer, problems, ranks=SINGLE):
+    """pass@1 by sampling one completion per held-out prompt at the training temperature (each rank
+    samples its share of the prompts; row ids follow the prompt's index, so the result is the same)."""
+    start, stop = shard(len(problems), ranks)
+    total = 0.0
+    if stop > start:
+        out = rollout.generate(model, encode_prompts(tokenizer, problems[start:stop]), 1, max_new_tokens(cfg, task),
+                               temperature=cfg.temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                               seed=cfg.seed + 12345, cuda_graph=cfg.cuda_graph, row_offset=start)
+        total = score(task, tokenizer, problems[start:stop], out, 1).sum().item()
+    return (all_sum([total], ranks)[0] / len(problems)).item()
 
 
 def score(task, tokenizer, problems, out, group_size):
@@ -547,7 +713,7 @@ def trainer_logprobs(cfg, trainer, seq, rows=slice(None)):
     return grpo.token_logprobs(logits[:, :-1].float() / max(cfg.temperature, 1e-6), tokens[:, 1:]), routes
 
 
-def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed, codes=None):
+def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed, codes=None, ranks=SINGLE):
     """GRPO on one rollout batch: cfg.minibatches optimizer steps, each on a shuffled 1/N of its rows.
 
     Three log-probs per token (grpo.py): `rollout` (seq.logprobs, the engine's), `old` (the trainer under
@@ -557,18 +723,22 @@ def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed, codes=
     new / old, or new / rollout with --mipu (a sampler-referenced candidate; TIS is then moot).
     The loss of each mini-batch is normalized by its own valid tokens (DAPO, as verl per mini-batch).
 
+    Under torchrun each rank shuffles its own rows into the mini-batches, and its loss is weighted by its
+    share of the mini-batch's tokens over all ranks, so that DDP's gradient average is the token mean of
+    the whole mini-batch; the logged loss and ratio statistics are those of the whole mini-batch.
     codes (trace): the rollout's recorded codes, handed to the trainer's layers for the rows of each
     forward. Returns old (N, W-1), the trainer's routes under the sampling weights (L, N, W, A) and one
     dict of float statistics per mini-batch (loss, grad_norm and grpo.policy_loss's).
     """
-    layers = dict(trainer.named_modules()) if codes is not None else None
+    layers = dict(getattr(trainer, "module", trainer).named_modules()) if codes is not None else None  # DDP
     mask, rollout_logp = seq.loss_mask[:, 1:], seq.logprobs[:, 1:]
     if cfg.minibatches == 1:
         minibatches = [slice(None)]
     else:
         with torch.no_grad():
             old_logp, old_routes = trainer_logprobs(cfg, trainer, seq)
-        rows = torch.randperm(seq.tokens.shape[0], generator=torch.Generator().manual_seed(shuffle_seed))
+        generator = torch.Generator().manual_seed(shuffle_seed + 7919 * ranks.rank)
+        rows = torch.randperm(seq.tokens.shape[0], generator=generator)
         minibatches = rows.to(seq.tokens.device).chunk(cfg.minibatches)
     minibatch_stats = []
     for rows in minibatches:
@@ -581,17 +751,46 @@ def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed, codes=
         loss, stats = grpo.policy_loss(new_logp, reference[rows], advantages[rows], mask[rows], cfg.clip_low,
                                        cfg.clip_high, rollout_logprobs=rollout_logp[rows],
                                        tis_cap=cfg.tis or None)
-        if not torch.isfinite(loss):
+        if all_sum([0.0 if torch.isfinite(loss) else 1.0], ranks)[0] > 0:   # on any rank: every rank stops
             raise FloatingPointError(f"non-finite loss ({loss.item()})")
+        share = 1.0
+        if ranks.enabled:
+            tokens = mask[rows].sum().item()
+            share = tokens * ranks.world_size / all_sum([tokens], ranks)[0].item()
+            stats = reduce_stats({"loss": loss.detach(), **stats}, share / ranks.world_size, ranks)
+            loss_logged = stats.pop("loss")
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * share).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a (replicated) DTensor
+            grad_norm = grad_norm.full_tensor()
         optimizer.step()
-        minibatch_stats.append({"loss": loss.detach(), "grad_norm": grad_norm.detach(), **stats})
+        logged = loss_logged if ranks.enabled else loss.detach()
+        minibatch_stats.append({"loss": logged, "grad_norm": grad_norm.detach(), **stats})
     if codes is not None and cfg.minibatches > 1:
         qat.use_rollout_codes(layers, codes)  # every row's codes again, for a forward on the whole batch
-    values = torch.stack([torch.stack(list(s.values())) for s in minibatch_stats]).tolist()  # one device sync
+    values = torch.stack([torch.stack([torch.as_tensor(v, dtype=torch.float32, device=grad_norm.device)
+                                       for v in s.values()]) for s in minibatch_stats]).tolist()  # one sync
     return old_logp, old_routes, [dict(zip(minibatch_stats[0], row)) for row in values]
+
+
+# grpo.policy_loss statistics that are extremes over the tokens (the rest are token means)
+MIN_STATS, MAX_STATS = ("ratio/min",), ("ratio/max",)
+
+
+def reduce_stats(stats, weight, ranks):
+    """A rank's token-mean statistics -> those of all ranks' tokens (weight: this rank's share of them);
+    MIN_STATS / MAX_STATS -> the extreme over ranks."""
+    out = {}
+    for key, value in stats.items():
+        value = value.detach().float().reshape(1).to(_collective_device(ranks))
+        if key in MIN_STATS or key in MAX_STATS:
+            dist.all_reduce(value, op=dist.ReduceOp.MIN if key in MIN_STATS else dist.ReduceOp.MAX)
+        else:
+            value = value * weight
+            dist.all_reduce(value)
+        out[key] = value[0]
+    return out
 
 
 def update_metrics(cfg, minibatch_stats):
@@ -619,6 +818,8 @@ class Setup:
     task: object
     tokenizer: object
     trainer: torch.nn.Module        # FP32 master weights, the optimizer's (forward fake-quantized per recipe)
+    train_forward: torch.nn.Module  # what the loop calls: DistributedDataParallel(trainer) under torchrun, else
+                                    # the trainer itself (also under --fsdp, which shards it in place)
     rollout_model: torch.nn.Module  # the recipe's rollout precision; sync() loads it from the trainer
     eval_model: torch.nn.Module     # a BF16 copy of the trainer's weights, for the trainer's own pass@1
     optimizer: torch.optim.Optimizer
@@ -630,12 +831,13 @@ class Setup:
     metrics_path: str
     start_step: int                 # 0, or the checkpoint's step under --resume
     recorder: object = None         # trace: the qat.RolloutRecorder fed by hooks on the rollout's quantizers
+    ranks: Distributed = SINGLE     # this process's rank and the world size (1 without torchrun)
 
 
 RUN_FILES = ("metrics.jsonl", "checkpoint.pt")  # what makes a directory hold a run
 # what a resumed run may change: when it stops and what it writes, not what it computes
 RESUMABLE_FIELDS = {"steps", "eval_every", "checkpoint_every", "resume", "overwrite", "out_dir", "run_name",
-                    "compare", "jobs", "threads", "cuda_graph"}
+                    "compare", "jobs", "threads", "cuda_graph", "fsdp"}
 
 
 def check_run_dir(cfg):
@@ -672,7 +874,7 @@ def check_run_dir(cfg):
     return ckpt
 
 
-def setup(cfg, base_state=None, ckpt=None):
+def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
     """Build a run: task, warm-started policy (or base_state), trainer, rollout and evaluation models,
     optimizer, calibration and evaluation data; restore the checkpoint under --resume. -> Setup
 
@@ -682,16 +884,18 @@ def setup(cfg, base_state=None, ckpt=None):
     task = build_task(cfg)
     model, tokenizer = build_model(cfg, task)
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    if cfg.overwrite:
-        for name in RUN_FILES + ("curves.png",):
-            if os.path.exists(os.path.join(run_dir, name)):
-                os.remove(os.path.join(run_dir, name))
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
-    print(f"run {cfg.run_name}: {json.dumps(dataclasses.asdict(cfg))}")
+    if ranks.main:  # only rank 0 writes
+        os.makedirs(run_dir, exist_ok=True)
+        if cfg.overwrite:
+            for name in RUN_FILES + ("curves.png",):
+                if os.path.exists(os.path.join(run_dir, name)):
+                    os.remove(os.path.join(run_dir, name))
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        print(f"run {cfg.run_name}: {json.dumps(dataclasses.asdict(cfg))}")
     if base_state is None:
-        warmstart(cfg, model, task, tokenizer)
+        with rank0_first(ranks):  # rank 0 computes (or loads) the warm-start; the others load its cache
+            warmstart(cfg, model, task, tokenizer)
     else:
         model.load_state_dict(base_state)  # --compare: every recipe from the one warm-start
     train_mode, rollout_mode, use_rac = RECIPES[cfg.recipe]
@@ -703,6 +907,7 @@ def setup(cfg, base_state=None, ckpt=None):
     eval_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), "bf16")
     trainer = qat.convert_for_training(model, train_mode)
     recorder = link_trainer_to_rollout(trainer, rollout_model, train_mode)  # moeresq, trace: shared state
+    train_forward = distribute_trainer(trainer, cfg, ranks)   # before the optimizer: FSDP2 swaps the parameters
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
 
     calib_rng = random.Random(cfg.seed + 777)
@@ -717,13 +922,13 @@ def setup(cfg, base_state=None, ckpt=None):
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if ckpt is not None:
-        trainer.load_state_dict(ckpt["trainer"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_trainer_state(trainer, optimizer, ckpt["trainer"], ckpt["optimizer"])
         start_step = ckpt["step"]
-        _truncate_metrics(metrics_path, start_step)
-        print(f"resumed {run_dir} at step {start_step}")
-    s = Setup(cfg, task, tokenizer, trainer, rollout_model, eval_model, optimizer, rac_ratio, calib_tokens,
-              eval_problems, run_dir, ckpt_path, metrics_path, start_step, recorder)
+        if ranks.main:
+            _truncate_metrics(metrics_path, start_step)
+            print(f"resumed {run_dir} at step {start_step}")
+    s = Setup(cfg, task, tokenizer, trainer, train_forward, rollout_model, eval_model, optimizer, rac_ratio,
+              calib_tokens, eval_problems, run_dir, ckpt_path, metrics_path, start_step, recorder, ranks)
     sync(s, start_step)  # the rollout starts from the trainer's weights (the checkpoint's, on resume)
     return s
 
@@ -731,44 +936,52 @@ def setup(cfg, base_state=None, ckpt=None):
 def sync(s, step):
     """Trainer -> rollout weights through nvfp4 (bit-identical to what a QAT trainer used); every
     rac_refresh syncs, RAC re-chooses its compensated blocks on the calibration batch."""
-    rac.sync_weights(s.rollout_model, s.trainer)
+    sync_from_trainer(s.rollout_model, s.trainer)
     if s.rac_ratio > 0 and step % s.cfg.rac_refresh == 0:
         rac.calibrate_rac(s.rollout_model, s.calib_tokens)
 
 
 def save(s, step):
-    atomic_save({"step": step, "trainer": s.trainer.state_dict(), "optimizer": s.optimizer.state_dict(),
-                 "config": dataclasses.asdict(s.cfg)}, s.ckpt_path)
+    """Rank 0 writes the whole trainer and optimizer state (gathered from the shards under FSDP2)."""
+    model_state, optimizer_state = trainer_state(s.trainer, s.optimizer)
+    if s.ranks.main:
+        atomic_save({"step": step, "trainer": model_state, "optimizer": optimizer_state,
+                     "config": dataclasses.asdict(s.cfg)}, s.ckpt_path)
 
 
 def evaluate_both(s):
     """pass@1 on the held-out problems of the rollout model and of the trainer's weights in BF16."""
-    rac.sync_weights(s.eval_model, s.trainer)
-    return {"pass@1": evaluate(s.cfg, s.rollout_model, s.task, s.tokenizer, s.eval_problems),
-            "pass@1_bf16_trainer": evaluate(s.cfg, s.eval_model, s.task, s.tokenizer, s.eval_problems)}
+    sync_from_trainer(s.eval_model, s.trainer)
+    return {"pass@1": evaluate(s.cfg, s.rollout_model, s.task, s.tokenizer, s.eval_problems, s.ranks),
+            "pass@1_bf16_trainer": evaluate(s.cfg, s.eval_model, s.task, s.tokenizer, s.eval_problems, s.ranks)}
 
 
-def run(cfg, base_state=None):
+def run(cfg, base_state=None, ranks=SINGLE):
     """Warm-start (or reuse), then GRPO for cfg.steps; print a summary. Returns the run directory."""
     t_start = time.perf_counter()
     ckpt = check_run_dir(cfg)
+    barrier(ranks)  # every rank has checked the run directory before rank 0 writes to it
     if ckpt is not None and ckpt["step"] == cfg.steps:
         run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-        print(f"run {run_dir} is complete at step {cfg.steps}: nothing to do "
-              f"(--steps N > {cfg.steps} extends it)")
-        print(report(cfg, run_dir))
+        if ranks.main:
+            print(f"run {run_dir} is complete at step {cfg.steps}: nothing to do "
+                  f"(--steps N > {cfg.steps} extends it)")
+            print(report(cfg, run_dir))
         return run_dir
-    s = setup(cfg, base_state, ckpt)
+    s = setup(cfg, base_state, ckpt, ranks)
     task, tokenizer, trainer, rollout_model, optimizer = s.task, s.tokenizer, s.trainer, s.rollout_model, \
         s.optimizer
     recorder = s.recorder
     run_dir, ckpt_path, metrics_path, start_step = s.run_dir, s.ckpt_path, s.metrics_path, s.start_step
     if start_step == 0:  # the warm-started policy, before any RL: the baseline every curve starts from
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps({"step": 0, **evaluate_both(s)}) + "\n")
+        baseline = evaluate_both(s)
+        if ranks.main:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"step": 0, **baseline}) + "\n")
     G, P = cfg.group_size, cfg.prompts_per_step
     new_tokens = max_new_tokens(cfg, task)
-    bar = tqdm(range(start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=start_step, total=cfg.steps)
+    bar = tqdm(range(start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=start_step,
+               total=cfg.steps, disable=not ranks.main)
     last_eval = _last_eval(metrics_path)  # the bar shows pass@1 from step 0 (or the resumed run's last)
     mipu_accepted = [r["mipu/accepted"] > 0 for r in _read_metrics(metrics_path) if "mipu/accepted" in r] \
         if cfg.mipu else []  # resumed runs count what they logged before
@@ -778,12 +991,14 @@ def run(cfg, base_state=None):
             t0 = time.perf_counter()
             # 1. prompts (the data order is a function of the seed and step: resumable)
             problems = task.sample(P, "train", random.Random(cfg.seed * 1_000_003 + step))
+            first, last = shard(P, ranks)               # this rank's whole groups (all of them without torchrun)
+            problems = problems[first:last]
             # 2. rollout in the recipe's precision (trace: recording its codes, so eagerly: hooks)
             if recorder is not None:
                 recorder.start()
             out = rollout.generate(rollout_model, encode_prompts(tokenizer, problems), G, new_tokens,
                                    temperature=cfg.temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                                   seed=cfg.seed * 1_000_003 + step,
+                                   seed=cfg.seed * 1_000_003 + step, row_offset=first * G,
                                    cuda_graph=cfg.cuda_graph and recorder is None)
             codes = hand_over_codes(recorder, trainer, out) if recorder is not None else None
             _sync_device(cfg)
@@ -798,16 +1013,23 @@ def run(cfg, base_state=None):
                 inference_logp = rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:]
             # 4-5. trainer log-probs (old: the weights that sampled), loss, cfg.minibatches optimizer steps
             try:
-                old_logp, routes, minibatch_stats = policy_update(cfg, trainer, optimizer, seq, advantages,
+                old_logp, routes, minibatch_stats = policy_update(cfg, s.train_forward, optimizer, seq, advantages,
                                                                   shuffle_seed=cfg.seed * 1_000_003 + step,
-                                                                  codes=codes)
+                                                                  codes=codes, ranks=ranks)
             except FloatingPointError as error:
                 raise FloatingPointError(f"{error} at step {step}: stopping. The last good checkpoint is "
                                          f"kept at {ckpt_path} (resume with --resume after changing what "
                                          f"diverged).") from None
-            mismatch = grpo.mismatch_metrics(old_logp, rollout_logp, mask, tis_cap=cfg.tis or None)
-            disagreement = (grpo.routing_disagreement(routes, seq.routes, seq.loss_mask)
-                            if seq.routes is not None else float("nan"))
+            # metrics of the whole batch, from every rank's per-token tensors (this rank's own without torchrun)
+            all_mask, all_rewards = gather_rows(mask, ranks, fill=False), gather_rows(rewards, ranks)
+            mismatch = grpo.mismatch_metrics(gather_rows(old_logp, ranks), gather_rows(rollout_logp, ranks),
+                                             all_mask, tis_cap=cfg.tis or None)
+            disagreement = float("nan")
+            if seq.routes is not None:
+                pairs = seq.loss_mask.sum().item() * routes.shape[0]          # valid (token, layer) pairs
+                local = grpo.routing_disagreement(routes, seq.routes, seq.loss_mask) if pairs else 0.0
+                disagreed, total_pairs = all_sum([local * pairs, pairs], ranks).tolist()
+                disagreement = disagreed / total_pairs if total_pairs else float("nan")
             # 6. sync the rollout's weights through nvfp4; MIPU keeps them only if the rollout policy improved
             sync(s, step + 1)
             if cfg.mipu:
@@ -824,10 +1046,11 @@ def run(cfg, base_state=None):
             if recorder is not None:
                 qat.use_rollout_codes(dict(trainer.named_modules()), None)  # free the recorded codes
             # 7. log, evaluate, checkpoint
-            n_tokens = int(out.completion_mask.sum())
-            record = {"step": step + 1, "reward": rewards.mean().item(),
+            n_tokens, n_rows = all_sum([out.completion_mask.sum().item(), out.completion_mask.shape[0]],
+                                       ranks).tolist()
+            record = {"step": step + 1, "reward": all_rewards.mean().item(),
                       **update_metrics(cfg, minibatch_stats),
-                      "completion_len": n_tokens / out.completion_mask.shape[0],
+                      "completion_len": n_tokens / n_rows,
                       "routing_disagreement": disagreement, "rollout_s": t_rollout,
                       "rollout_tokens_per_s": n_tokens / t_rollout,
                       **{f"mismatch/{k}": v for k, v in mismatch.items()}}
@@ -839,8 +1062,9 @@ def run(cfg, base_state=None):
                 last_eval = evaluate_both(s)
                 record.update(last_eval)
             record["step_s"] = time.perf_counter() - t0
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            if ranks.main:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
             bar.set_postfix(reward=f"{record['reward']:.2f}", pass1=f"{last_eval.get('pass@1', float('nan')):.2f}",
                             dlogp=f"{mismatch['abs_diff_mean']:.1e}", max=f"{mismatch['abs_diff_max']:.2f}")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
@@ -849,10 +1073,12 @@ def run(cfg, base_state=None):
         done = _last_logged_step(metrics_path)
         if done > start_step:
             save(s, done)
-        print(f"\ninterrupted: checkpoint at step {done} in {ckpt_path}; continue with --resume")
+        if ranks.main:
+            print(f"\ninterrupted: checkpoint at step {done} in {ckpt_path}; continue with --resume")
         sys.exit(130)
-    plot([run_dir], os.path.join(run_dir, "curves.png"))
-    print(report(cfg, run_dir, time.perf_counter() - t_start))
+    if ranks.main:
+        plot([run_dir], os.path.join(run_dir, "curves.png"))
+        print(report(cfg, run_dir, time.perf_counter() - t_start))
     return run_dir
 
 
@@ -1208,9 +1434,29 @@ def main(argv=None):
         set_threads(cfg)  # here, not in run(): a program that imports train.py keeps its own setting
         if cfg.audit:
             return audit(cfg)
+        ranks = init_distributed(cfg)
+        if ranks.enabled or cfg.fsdp:
+            return [run_distributed(cfg, ranks)]
         return study(cfg) if cfg.compare else [run(cfg)]
     except ConfigError as error:
         parser.error(str(error))
+
+
+def run_distributed(cfg, ranks):
+    """One run under torchrun: every rank runs the same loop on its share of each step's groups."""
+    _refuse(not ranks.enabled, "fsdp", "shards the trainer across torchrun ranks: run it as "
+            "torchrun --nproc_per_node=N train.py --fsdp ...")
+    _refuse(cfg.compare, "compare", "not allowed under torchrun (it runs processes of its own)")
+    _refuse(cfg.mipu and cfg.fsdp, "mipu", "not allowed with argument --fsdp (a rejected update restores "
+            "whole state dicts)")
+    rows = cfg.prompts_per_step // ranks.world_size * cfg.group_size
+    _require(rows >= cfg.minibatches, "prompts-per-step", cfg.prompts_per_step,
+             f"must give each of the {ranks.world_size} ranks at least --minibatches {cfg.minibatches} rows "
+             f"({cfg.group_size} per prompt)")
+    try:
+        return run(cfg, ranks=ranks)
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

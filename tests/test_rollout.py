@@ -4,6 +4,7 @@ CPU, fp32, the tiny preset with a small vocabulary. The CUDA tests (graph replay
 with rac.py's quantized layers when rac.py is importable) are skipped without a GPU.
 """
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -72,8 +73,8 @@ def test_padded_batch_rows_equal_each_prompt_alone(model):
         for g in range(3):
             assert completion_list(batch, p * 3 + g) == completion_list(alone, 0)
             torch.testing.assert_close(batch.logprobs[p * 3 + g], alone.logprobs[0], atol=1e-5, rtol=0)
-    # Sampled rows depend on their place in the batch (one noise draw for the whole batch), so sampled
-    # tokens are not compared; each sampled row's log-probs must still be those of its prompt alone.
+    # Sampled rows: the noise follows the row id, so tokens are compared in the batch-invariance test
+    # below; here each sampled row's log-probs must be those of its prompt alone.
     sampled = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=10, temperature=1.0, seed=3)
     for row in range(len(PROMPTS) * 2):
         prompt, completion = PROMPTS[row // 2], completion_list(sampled, row)
@@ -184,8 +185,8 @@ def test_truncate_keeps_the_smallest_set_reaching_top_p_after_top_k():
 
 def test_sampling_frequencies_follow_the_truncated_tempered_distribution():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0]).expand(40000, 5)
-    generator = torch.Generator().manual_seed(0)
-    tokens, logprobs = rollout.sample_tokens(logits, temperature=2.0, top_k=3, generator=generator)
+    noise = rollout.sampling_noise(torch.tensor([rollout.seed_key(0)]), torch.arange(40000), torch.tensor([0]), 5)
+    tokens, logprobs = rollout.sample_tokens(logits, temperature=2.0, top_k=3, noise=noise)
     full = torch.log_softmax(logits[0] / 2.0, dim=-1)
     expected = torch.zeros(5)
     expected[:3] = torch.softmax(logits[0, :3] / 2.0, dim=-1)
@@ -193,6 +194,66 @@ def test_sampling_frequencies_follow_the_truncated_tempered_distribution():
     mx, _ = report_diff(frequencies, expected, "sampled frequencies")
     assert mx < 0.01
     assert torch.equal(logprobs, full[tokens])   # the returned log-prob is the full tempered one
+
+
+def _mix32_python(x):
+    """The noise hash in plain Python integers (arbitrary precision, explicit mod 2^32): the oracle."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) % 2 ** 32
+    x ^= x >> 15
+    x = (x * 0x1B873593) % 2 ** 32
+    return x ^ (x >> 16)
+
+
+def test_sampling_noise_matches_a_python_integer_oracle():
+    seed, rows, position, vocab = 2 ** 40 + 12345, [0, 1, 7, 1000], 5, 9
+    key = rollout.seed_key(seed)
+    assert key == _mix32_python((seed ^ (seed >> 32)) % 2 ** 32)
+    noise = rollout.sampling_noise_reference(torch.tensor([key]), torch.tensor(rows), torch.tensor([position]), vocab)
+    for i, row in enumerate(rows):
+        row_key = _mix32_python((key + row * 0x27D4EB2F + position * 0x165667B1) % 2 ** 32)
+        for v in range(vocab):
+            x = _mix32_python((row_key + v * 0x61C88647) % 2 ** 32)
+            uniform = ((x >> 9) + 0.5) / 2 ** 23
+            assert noise[i, v].item() == pytest.approx(-math.log(uniform), rel=1e-6)
+
+
+def test_noise_kernel_equals_its_torch_twin(kernel_device):
+    """One launch computes keys, hash and -log(u): equal to the twin up to the last ulp of the log (a
+    wrong bit anywhere in the hash would move E by far more)."""
+    for seed, position, vocab in ((3, 11, 1), (2 ** 33 + 5, 0, 37), (7, 200, 1500)):   # partial block, several
+        args = (torch.tensor([rollout.seed_key(seed)], device=kernel_device),
+                torch.arange(5, device=kernel_device) * 1001, torch.tensor([position], device=kernel_device), vocab)
+        fast = rollout.sampling_noise(*args, use_kernel=True)
+        torch.testing.assert_close(fast, rollout.sampling_noise_reference(*args), rtol=1e-6, atol=1e-7)
+
+
+def test_noise_is_exponential_and_independent_across_rows_positions_and_seeds():
+    def draw(seed, position):
+        return rollout.sampling_noise(torch.tensor([rollout.seed_key(seed)]), torch.arange(2000),
+                                      torch.tensor([position]), 64)
+    e = draw(0, 0)
+    assert abs(e.mean().item() - 1.0) < 0.01 and abs(e.var().item() - 1.0) < 0.03       # Exp(1) moments
+    assert (e > 0).all() and torch.isfinite(e).all()
+    for other in (draw(0, 1), draw(1, 0), draw(2 ** 32, 0)):                            # position, seed, seed >> 32
+        assert abs(torch.corrcoef(torch.stack([e.flatten(), other.flatten()]))[0, 1].item()) < 0.01
+    rows = torch.corrcoef(torch.stack([e[:-1].flatten(), e[1:].flatten()]))[0, 1].item()  # neighbouring rows
+    assert abs(rows) < 0.01
+
+
+def test_sampled_rows_do_not_depend_on_the_rest_of_the_batch(model):
+    """A row's samples are a function of (seed, row id): sampling a slice of the rows with row_offset gives
+    exactly the batch's tokens for them, which is what lets each torchrun rank sample its own groups."""
+    kwargs = dict(num_samples=2, max_new_tokens=10, temperature=1.0, seed=3)
+    batch = rollout.generate(model, PROMPTS, **kwargs)
+    for p, prompt in enumerate(PROMPTS):
+        alone = rollout.generate(model, [prompt], row_offset=2 * p, **kwargs)
+        for g in range(2):
+            assert completion_list(alone, g) == completion_list(batch, 2 * p + g)
+            torch.testing.assert_close(alone.logprobs[g], batch.logprobs[2 * p + g], atol=1e-5, rtol=0)
+    shifted = rollout.generate(model, PROMPTS[:1], row_offset=2, **kwargs)            # another row id: new noise
+    assert completion_list(shifted, 0) != completion_list(batch, 0) or \
+        completion_list(shifted, 1) != completion_list(batch, 1)
 
 
 # ----------------------------------------------------------------------------------------------- arguments, pool

@@ -813,3 +813,84 @@ def test_audit_scores_one_batch_three_ways_per_recipe(recipe_runs):
 def test_minibatches_and_mipu_name_the_run():
     cfg = train.TrainConfig(device="cpu", recipe="nvfp4", minibatches=4, mipu=True)
     assert cfg.run_name == "nvfp4+mb4+mipu"
+
+
+# ----------------------------------------------------------------------------- torchrun (gloo, 2 CPU processes)
+TORCHRUN_ARGS = ["--recipe", "bf16", "--difficulty", "1", "--warmstart-steps", "100", "--prompts-per-step", "5",
+                 "--group-size", "4", "--eval-prompts", "9", "--eval-every", "3", "--checkpoint-every", "1",
+                 "--lr", "1e-3", "--device", "cpu"]
+COMPARED = ("reward", "loss", "grad_norm", "completion_len", "pass@1", "pass@1_bf16_trainer",
+            "mismatch/trainer_ppl", "mismatch/rollout_ppl")
+
+
+def _train_py(out_dir, *extra, nproc=0):
+    """train.py in a fresh process, under torchrun with nproc ranks (nproc=0: plain python)."""
+    import subprocess
+    import sys
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
+        if nproc else [sys.executable]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(launcher + [os.path.join(repo, "train.py"), *TORCHRUN_ARGS, "--out-dir", str(out_dir),
+                                        *extra], capture_output=True, text=True, env=env, cwd=repo, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return os.path.join(str(out_dir), "bf16")
+
+
+def _same_run(a, b, steps, rel=1e-5):
+    """Metrics of the steps in `steps` and the final weights agree to fp32 reduction-order tolerance."""
+    ma = {r["step"]: r for r in read_metrics(a)}
+    mb = {r["step"]: r for r in read_metrics(b)}
+    for step in steps:
+        for key in COMPARED:
+            if key in ma[step]:
+                assert ma[step][key] == pytest.approx(mb[step][key], rel=rel, abs=1e-6), (step, key)
+    wa = torch.load(os.path.join(a, "checkpoint.pt"), weights_only=True)
+    wb = torch.load(os.path.join(b, "checkpoint.pt"), weights_only=True)
+    assert wa["step"] == wb["step"]
+    for name, weight in wa["trainer"].items():
+        torch.testing.assert_close(wb["trainer"][name], weight, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory):
+    """The reference: one process, 3 steps of 5 prompts x 4 samples; its warm-start cache is reused."""
+    out = tmp_path_factory.mktemp("single")
+    run_dir = _train_py(out, "--steps", "3")
+    assert any(r.get("grad_norm", 0) > 0 for r in read_metrics(run_dir))   # the steps do learn something
+    return out, run_dir
+
+
+def _with_warmstart(single_out, tmp_path):
+    import shutil
+    shutil.copytree(os.path.join(single_out, "warmstart"), tmp_path / "warmstart")
+    return tmp_path
+
+
+def test_shards_cover_every_item_once_in_order():
+    for n in (1, 5, 8, 13):
+        for world in (1, 2, 3, 8):
+            spans = [train.shard(n, train.Distributed(rank, world)) for rank in range(world)]
+            assert [i for start, stop in spans for i in range(start, stop)] == list(range(n))
+            sizes = [stop - start for start, stop in spans]
+            assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_give_the_single_process_run(single_process_run, tmp_path, mode):
+    """Same global batch (5 groups: shards of 3 and 2, so the token-mean loss must be weighted right):
+    same rewards, losses, gradient norms, pass@1 and final weights as one process."""
+    single_out, single_dir = single_process_run
+    extra = ["--fsdp"] if mode == "fsdp" else []
+    run_dir = _train_py(_with_warmstart(single_out, tmp_path), "--steps", "3", *extra, nproc=2)
+    _same_run(single_dir, run_dir, steps=(0, 1, 2, 3))
+
+
+@pytest.mark.slow
+def test_a_two_rank_checkpoint_resumes_in_one_process(single_process_run, tmp_path):
+    single_out, single_dir = single_process_run
+    out = _with_warmstart(single_out, tmp_path)
+    _train_py(out, "--steps", "2", nproc=2)
+    run_dir = _train_py(out, "--steps", "3", "--resume")
+    _same_run(single_dir, run_dir, steps=(1, 2, 3))

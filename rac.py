@@ -80,7 +80,7 @@ MODES = ("bf16", "fp8", "nvfp4")
 TENSOR_SCALE_DIVISOR = nvfp4.E2M1_MAX * nvfp4.E4M3_MAX   # 2688: global_scale = amax / (6 * 448)
 OPERAND_SHIFT = 2.0 ** -6          # the Hopper kernels' fp16 operands hold value * block_scale * 2^-6
 EPILOGUE_SCALE = 2.0 ** 12         # undoes the two operands' 2^-6
-FUSED_ELEMENTS = 32768             # inputs up to this size (M * K) are quantized inside the GEMM
+FUSED_ELEMENTS = 4096              # inputs up to this size (M * K) are quantized inside the GEMM
 PREFILL_ROWS = 1024                # from this many rows on, the weight is decoded once per call
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -638,39 +638,57 @@ if triton is not None:
         return even, odd
 
     @triton.jit
-    def _weight_tile(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
-                     ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GPU: tl.constexpr):
+    def _weight_tile(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale, ROWS: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GPU: tl.constexpr, BLOCKED: tl.constexpr = False):
         """Columns k0..k0+BLOCK_K of NVFP4 rows as (ROWS, BLOCK_K/2) fp16 even and odd tiles holding
-        value * block_scale * 2^-6 exactly. Each row's BLOCK_K/2 bytes are one contiguous run."""
+        value * block_scale * 2^-6 exactly; BLOCKED: as (ROWS, BLOCK_K/16, 8) tiles, one block per row of 8.
+        Flat tiles load each row's BLOCK_K/2 bytes as one run (16-byte loads; the tensor-core path, whose
+        operands go through shared memory anyway); blocked ones load 8 bytes at a time, the width at
+        which Triton lays the GEMV's fp16 activation out the same way, so the product needs no shuffle."""
         GB: tl.constexpr = BLOCK_K // 16
         blocks = k0 // 16 + tl.arange(0, GB)                                            # (GB,)
-        byte_cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)                                 # (BLOCK_K/2,)
-        data_ptrs = data_ptr + rows[:, None] * stride_data + byte_cols[None, :]
+        if BLOCKED:
+            byte_cols = (blocks[:, None] * 8 + tl.arange(0, 8)[None, :])[None, :, :]       # (1, GB, 8)
+            data_ptrs = data_ptr + rows[:, None, None] * stride_data + byte_cols
+            data_mask = row_mask[:, None, None] & (byte_cols < K // 2)
+        else:
+            byte_cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]                   # (1, BLOCK_K/2)
+            data_ptrs = data_ptr + rows[:, None] * stride_data + byte_cols
+            data_mask = row_mask[:, None] & (byte_cols < K // 2)
         scale_ptrs = scale_ptr + rows[:, None] * stride_scale + blocks[None, :]
         if EVEN_K:  # masks constant along K: wide loads
-            packed = tl.load(data_ptrs, mask=row_mask[:, None], other=0)                  # (ROWS, BLOCK_K/2)
+            packed = tl.load(data_ptrs, mask=data_mask if not BLOCKED else row_mask[:, None, None], other=0)
             scale_byte = tl.load(scale_ptrs, mask=row_mask[:, None], other=0)           # (ROWS, GB)
         else:
-            packed = tl.load(data_ptrs, mask=row_mask[:, None] & (byte_cols < K // 2)[None, :], other=0)
+            packed = tl.load(data_ptrs, mask=data_mask, other=0)
             scale_byte = tl.load(scale_ptrs, mask=row_mask[:, None] & (blocks < K // 16)[None, :], other=0)
         block_scale = _e4m3_to_fp16(scale_byte, GPU)[:, :, None]                        # (ROWS, GB, 1)
         even, odd = _e2m1_pairs_to_fp16(packed, GPU)
-        even = tl.reshape(tl.reshape(even, (ROWS, GB, 8)) * block_scale, (ROWS, BLOCK_K // 2))  # exact in fp16
-        odd = tl.reshape(tl.reshape(odd, (ROWS, GB, 8)) * block_scale, (ROWS, BLOCK_K // 2))
+        if BLOCKED:
+            even, odd = even * block_scale, odd * block_scale                           # exact in fp16
+        else:
+            even = tl.reshape(tl.reshape(even, (ROWS, GB, 8)) * block_scale, (ROWS, BLOCK_K // 2))
+            odd = tl.reshape(tl.reshape(odd, (ROWS, GB, 8)) * block_scale, (ROWS, BLOCK_K // 2))
         return even, odd
 
     @triton.jit
     def _operand_tile(x_ptr, rows, row_mask, k0, K, stride_row, plane_size, BLOCK_K: tl.constexpr,
-                      EVEN_K: tl.constexpr):
-        """Columns k0..k0+BLOCK_K of fp16 operand planes (2, rows, K/2) as (rows, BLOCK_K/2) even and odd tiles."""
-        cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (cols < K // 2)[None, :]
-        ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :]
+                      EVEN_K: tl.constexpr, BLOCKED: tl.constexpr = False):
+        """Columns k0..k0+BLOCK_K of fp16 operand planes (2, rows, K/2) as (rows, BLOCK_K/2) even and odd
+        tiles, or (rows, BLOCK_K/16, 8) ones (BLOCKED)."""
+        if BLOCKED:
+            cols = (k0 // 2 + tl.arange(0, BLOCK_K // 16)[:, None] * 8 + tl.arange(0, 8)[None, :])[None, :, :]
+            ptrs = x_ptr + rows[:, None, None].to(tl.int64) * stride_row + cols
+            mask = row_mask[:, None, None] & (cols < K // 2)
+        else:
+            cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
+            ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_row + cols
+            mask = row_mask[:, None] & (cols < K // 2)
         return tl.load(ptrs, mask=mask, other=0.0), tl.load(ptrs + plane_size, mask=mask, other=0.0)
 
     @triton.jit
     def _quantized_tile(x_words_ptr, rac_mask_ptr, global_scale, row0, M, k0, K, HAS_RESIDUAL: tl.constexpr,
-                        X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                        X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKED: tl.constexpr):
         """The fused path's activation tile: rows row0.. and columns k0..k0+BLOCK_K of x quantized here
         (as the quantizer kernel does, bit for bit) -> (BLOCK_M, BLOCK_K/2) fp16 even and odd tiles."""
         GB: tl.constexpr = BLOCK_K // 16
@@ -680,9 +698,9 @@ if triton is not None:
         blocks = row.to(tl.int64) * (K // 16) + block
         _, _, _, _, _, _, value_even, value_odd = _quantize_blocks(
             x_words_ptr, rac_mask_ptr, blocks, in_range, K // 16, global_scale, HAS_RESIDUAL, X_BF16)
-        even = tl.reshape((value_even * 0.015625).to(tl.float16), (BLOCK_M, BLOCK_K // 2))
-        odd = tl.reshape((value_odd * 0.015625).to(tl.float16), (BLOCK_M, BLOCK_K // 2))
-        return even, odd
+        shape: tl.constexpr = (BLOCK_M, GB, 8) if BLOCKED else (BLOCK_M, BLOCK_K // 2)
+        return (tl.reshape((value_even * 0.015625).to(tl.float16), shape),
+                tl.reshape((value_odd * 0.015625).to(tl.float16), shape))
 
     @triton.jit
     def _mainloop(x_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols, col_mask,
@@ -697,26 +715,32 @@ if triton is not None:
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        GEMV: tl.constexpr = BLOCK_M == 1
         for k0 in range(k_begin, k_end, BLOCK_K):
             if W_FP16:
                 w_even, w_odd = _operand_tile(w_ptr, cols, col_mask, k0, K, stride_w, w_plane, BLOCK_K, EVEN_K)
             else:
                 w_even, w_odd = _weight_tile(w_ptr, w_scale_ptr, cols, col_mask, k0, K, stride_w, stride_ws,
-                                             BLOCK_N, BLOCK_K, EVEN_K, GPU)
+                                             BLOCK_N, BLOCK_K, EVEN_K, GPU, GEMV)
             if FUSED:
                 x_even, x_odd = _quantized_tile(x_ptr, rac_mask_ptr, x_global, row0, M, k0, K, HAS_RESIDUAL, X_BF16,
-                                                BLOCK_M, BLOCK_K)
+                                                BLOCK_M, BLOCK_K, GEMV)
+            elif GEMV:  # the one row, loaded once per weight row (from L1) so that it has the weight's layout
+                x_even, x_odd = _operand_tile(x_ptr, x_rows + 0 * cols, row_mask | (cols < 0), k0, K, stride_x,
+                                              x_plane, BLOCK_K, EVEN_K, GEMV)
             else:
-                x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K, EVEN_K)
-            if BLOCK_M == 1:  # products of fp16 values are exact in fp32
+                x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K, EVEN_K,
+                                              GEMV)
+            if GEMV:  # (BLOCK_N, GB, 8) * (1, GB, 8): products of fp16 values are exact in fp32
                 products = w_even.to(tl.float32) * x_even.to(tl.float32) + w_odd.to(tl.float32) * x_odd.to(tl.float32)
-                acc += tl.sum(products, axis=1)
+                acc += tl.sum(tl.sum(products, axis=2), axis=1)
             else:
                 acc = tl.dot(w_even, tl.trans(x_even), acc)
                 acc = tl.dot(w_odd, tl.trans(x_odd), acc)
-        if BLOCK_M == 1:
+        if GEMV:
             acc = acc[:, None]                                                           # (BLOCK_N, 1)
         return acc
+
 
     @triton.jit
     def _store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, value, OUT_BF16: tl.constexpr):
@@ -750,9 +774,9 @@ if triton is not None:
     # enough (N tile, K split) programs to keep every SM's loads in flight. Under the interpreter one
     # small configuration per bucket, splitting K in the decode buckets so tests run the split epilogue.
     DENSE_CONFIGS = {
-        1: [(1, 32, 512, 4, 1, 4), (1, 64, 512, 8, 1, 4), (1, 32, 256, 4, 2, 2)],
-        16: [(16, 64, 256, 4, 3, 4), (16, 32, 256, 4, 3, 8), (16, 128, 256, 8, 3, 2)],
-        64: [(32, 64, 256, 4, 3, 2), (64, 64, 256, 8, 3, 4), (32, 128, 256, 8, 3, 1)],
+        1: [(1, 32, 512, 4, 1, 4), (1, 16, 512, 4, 1, 4), (1, 64, 512, 8, 1, 4), (16, 64, 256, 4, 3, 4)],
+        16: [(16, 64, 256, 4, 3, 4), (16, 32, 256, 4, 3, 8), (16, 64, 256, 4, 3, 2), (16, 128, 256, 8, 3, 2)],
+        64: [(32, 64, 256, 4, 3, 2), (64, 64, 256, 8, 3, 4), (32, 64, 256, 4, 3, 4)],
         256: [(64, 128, 128, 4, 3, 1), (128, 64, 128, 4, 3, 1), (128, 128, 64, 8, 3, 1)],
         4096: [(128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1)],
     }
@@ -760,7 +784,8 @@ if triton is not None:
     # with it gave non-deterministic results with NaN rows; tests/test_rac.py runs every configuration
     # of both kernels repeatedly on the GPU.
     GROUPED_CONFIGS = {
-        16: [(16, 64, 256, 4, 3, 1), (16, 64, 512, 8, 2, 1), (16, 128, 256, 8, 3, 1)],
+        16: [(16, 64, 256, 4, 3, 1), (16, 32, 256, 4, 3, 1), (16, 64, 256, 4, 4, 1), (16, 64, 128, 4, 4, 1),
+             (16, 128, 128, 4, 3, 1)],
         64: [(32, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
         256: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
         4096: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
@@ -817,7 +842,7 @@ if triton is not None:
         k_begin = pid_k * k_per_split
         k_end = tl.minimum(K, k_begin + k_per_split)
         if FUSED:
-            x_global = _scale_from_amax(_abs_max(x_ptr, 0, M * K, 2048))
+            x_global = _scale_from_amax(_abs_max(x_ptr, 0, M * K, 4096))  # FUSED_ELEMENTS: one load
         else:
             x_global = tl.load(x_global_ptr)
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -1024,8 +1049,8 @@ class Activation(NamedTuple):
     global_scale: torch.Tensor       # () fp32
 
 
-_AMAX_CHUNK = 2048       # elements per load in the amax loops
-_QUANT_BLOCKS = 128      # 16-element blocks per quantizer program (2048 elements)
+_AMAX_CHUNK = 4096       # elements per load in the amax loops (= FUSED_ELEMENTS: small inputs in one load)
+_QUANT_BLOCKS = 32       # 16-element blocks per quantizer program (512 elements: many programs, short chains)
 
 
 def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
@@ -1050,7 +1075,7 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
     global_scale = torch.empty((), dtype=torch.float32, device=device)
     amax_here, partials, slice_ = x.numel() <= FUSED_ELEMENTS, dummy, 0
     if not amax_here:
-        slice_ = max(8 * _AMAX_CHUNK, triton.next_power_of_2(triton.cdiv(x.numel(), _AMAX_CHUNK)))
+        slice_ = _AMAX_CHUNK * triton.cdiv(triton.cdiv(x.numel(), _AMAX_CHUNK), _AMAX_CHUNK)  # <= CHUNK partials
         partials = torch.empty(triton.cdiv(x.numel(), slice_), dtype=torch.float32, device=device)
         _partial_amax_kernel[(partials.numel(),)](x, partials, x.numel(), SLICE=slice_, CHUNK=_AMAX_CHUNK)
 

@@ -248,12 +248,15 @@ def test_grouped_kernel_matches_the_twin_on_qwen3_expert_shapes(tokens):
     assert report_diff(y, reference, f"gpu grouped down T={tokens}")[0] <= 1e-4 * reference.abs().max().item()
 
 
-def _forced_configs(kernel, bucket):
-    """Each of the kernel's autotuning configurations of every bucket in turn, relabelled for `bucket`."""
+def _forced_configs(kernel, bucket, relabel=lambda config: True):
+    """Each of the kernel's autotuning configurations in turn: the bucket's own, and those of other
+    buckets that `relabel` accepts, relabelled for `bucket` so the pruner keeps them."""
     import triton
     configs = list(kernel.configs)
     try:
         for config in configs:
+            if config.kwargs["BUCKET"] != bucket and not relabel(config):
+                continue
             kernel.configs = [triton.Config({**config.kwargs, "BUCKET": bucket}, num_warps=config.num_warps,
                                             num_stages=config.num_stages)]
             kernel.cache.clear()
@@ -267,7 +270,7 @@ def _forced_configs(kernel, bucket):
 def test_every_gpu_config_is_deterministic_and_matches_the_twin():
     # Autotuning may pick any configuration, so each one is forced and repeated (a miscompiled one showed
     # as run-to-run differences): the experts at a prefill of 512 evaluation prompts (26k tokens, the small
-    # preset's shapes), the dense kernel at decode (fused, with RAC: split-K, GEMV) and at prefill size.
+    # preset's shapes), the dense kernel at each decode bucket (GEMV, split-K; RAC) and at prefill size.
     import triton
     torch.manual_seed(0)
     E, D, I, A, T, repeats = 32, 512, 256, 4, 26112, 10
@@ -294,15 +297,18 @@ def test_every_gpu_config_is_deterministic_and_matches_the_twin():
                           rac.w4a4_matmul_reference(x.x_q, w_q, out_dtype=torch.float32)),
     }
     mask = torch.arange(D // 16, device="cuda") % 2 == 0
-    for rows in (1, 16, 64):
+    for rows in (1, 16, 64):  # each decode bucket, activation quantized inside the GEMM and before it
         x_small = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16)
-        calls[f"dense decode M={rows}"] = (
-            rac._dense_kernel, rac._m_bucket(rows, rac.DENSE_CONFIGS),
-            lambda x_small=x_small: rac._dense_portable(w_q, torch.float32, x=x_small, rac_mask=mask),
-            rac.nvfp4_linear_reference(x_small, w_q, mask))
+        act = rac.quantize_activation_triton(x_small, mask)
+        reference = rac.nvfp4_linear_reference(x_small, w_q, mask)
+        for label, kwargs in (("fused", dict(x=x_small, rac_mask=mask)), ("quantizer launch", dict(act=act))):
+            calls[f"dense decode M={rows} {label}"] = (
+                rac._dense_kernel, rac._m_bucket(rows, rac.DENSE_CONFIGS),
+                lambda kwargs=kwargs: rac._dense_portable(w_q, torch.float32, **kwargs), reference)
     failures = []
     for name, (kernel, bucket, call, reference) in calls.items():
-        for config in _forced_configs(kernel, bucket):
+        # split-K scratch is sized for the call's own bucket: only unsplit configurations move between buckets
+        for config in _forced_configs(kernel, bucket, relabel=lambda config: config.kwargs["SPLIT_K"] == 1):
             first = call()
             differing = sum(not torch.equal(call(), first) for _ in range(repeats))
             error = ((first - reference).abs().max() / reference.abs().max()).item()

@@ -236,7 +236,7 @@ def bench_gemm(args):
                 t["two launches"] = graph_us([lambda w=w: rac.nvfp4_linear_triton(x, w, mask) for w in wqs])
                 rac.FUSED_ELEMENTS = fused
                 t["GEMM alone"] = graph_us([lambda w=w: rac._dense_portable(w, bf16, act=act) for w in wqs])
-                t["quantizer alone"] = graph_us([lambda: rac.quantize_activation_triton(x, mask)])
+                t["quantizer alone"] = graph_us([lambda: rac.quantize_activation_triton(x, mask)] * 20)
                 t["configs"] = {label: graph_us([lambda w=w: rac.nvfp4_linear_triton(x, w, mask) for w in wqs])
                                 for label in forced(rac._dense_kernel, rac._m_bucket(M, rac.DENSE_CONFIGS))}
             rows.append((name, N, K, M, t, bytes_["w4a4"] / copy_bw * 1e6))

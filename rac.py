@@ -31,13 +31,15 @@ bits). The activation operand is (DQ(x_q) + DQ(r_q)) / global_scale * 2^-6 in fp
 term; the sum rounds to fp16's 11 bits (bf16's 8 would lose much of what the residual adds back). A
 weight byte holds elements 2i and 2i+1, so K is consumed as an even and an odd half: two products per
 K step, no shuffles. Accumulation is fp32; 2^12 and both global scales are applied at the end.
-  - Decode (M * K <= FUSED_ELEMENTS): one launch per layer. Every program reads the whole (small) x,
-    reduces its amax, quantizes the rows and K range it needs (codes, block scales, the residual of
-    the selected blocks; nvfp4.py's arithmetic, so bit-identical to the twin) and streams its weight
-    rows. M = 1 runs as a GEMV on fp32 FMAs, larger M as y.T = W @ x.T on the fp16 tensor cores (the
-    weight rows fill the MMA's wide side). Split-K gives the streaming enough programs: each split
-    stores a partial tile; the last to arrive (an atomic counter per tile) sums them in a fixed order.
-  - Larger inputs: one quantizer launch writes the fp16 operand once, the GEMM loads it.
+  - Decode, one token (M * K <= FUSED_ELEMENTS): one launch per layer. Every program reads the whole
+    x (a few KB, from L2), reduces its amax, quantizes the K range it needs (codes, block scales, the
+    residual of the selected blocks: nvfp4.py's arithmetic, bit-identical to the twin) and streams its
+    weight rows as a GEMV on fp32 FMAs (tl.dot needs 16 rows).
+  - Decode, M <= 64 or so: one quantizer launch writes the fp16 operand once; the GEMM computes
+    y.T = W @ x.T on the fp16 tensor cores (the weight rows fill the MMA's wide side; a GEMV at M = 1).
+    Re-quantizing 16 rows in every program costs more than the extra launch (measured in bench.py).
+    Split-K gives the weight stream enough programs: each split stores a partial tile, and the last
+    to arrive (an atomic counter per tile) sums them in a fixed order: deterministic.
   - Prefill (M >= PREFILL_ROWS): one pass decodes the weight to fp16 (exactly), then both operands
     stream into shared memory; an in-register decode would repeat M / BLOCK_M times.
   - Experts: one grouped launch over (expert, row tile, N tile). Rows are sorted by expert once
@@ -106,8 +108,9 @@ def _check_rac_mask(rac_mask, x):
         return
     n_blocks = x.shape[-1] // BLOCK_SIZE
     if not isinstance(rac_mask, torch.Tensor) or rac_mask.dtype != torch.bool or rac_mask.shape != (n_blocks,):
-        raise ValueError(f"rac_mask must be a bool tensor of shape (G,) = ({n_blocks},), got "
-                         f"{getattr(rac_mask, 'dtype', type(rac_mask).__name__)} {tuple(getattr(rac_mask, 'shape', ()))}")
+        got = (f"{rac_mask.dtype} {tuple(rac_mask.shape)}" if isinstance(rac_mask, torch.Tensor)
+               else type(rac_mask).__name__)
+        raise ValueError(f"rac_mask must be a bool tensor of shape (G,) = ({n_blocks},), got {got}")
     if rac_mask.device != x.device:
         raise ValueError(f"rac_mask is on {rac_mask.device} but the activation is on {x.device}")
 
@@ -225,7 +228,7 @@ def activation_operand(x_q, residual=None):
 
 
 def weight_operand_reference(w_q):
-    """Twin of the prefill path's weight pass: DQ(w_q) / global_scale * 2^-6 as fp16 planes (2, N, K/2), exact."""
+    """Twin of the prefill weight pass: DQ(w_q) / global_scale * 2^-6 as fp16 planes (2, N, K/2), exact."""
     return _planes(_values_without_global_scale(w_q) * OPERAND_SHIFT)
 
 
@@ -340,7 +343,7 @@ class NVFP4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self):
-        return f"in_features={self.in_features}, out_features={self.out_features}, rac_ratio={self.rac.rac_ratio}"
+        return f"in={self.in_features}, out={self.out_features}, rac_ratio={self.rac.rac_ratio}"
 
 
 class NVFP4Experts(nn.Module):
@@ -401,7 +404,7 @@ class NVFP4Experts(nn.Module):
 
     def _forward_triton(self, x, routing, row_weights):
         native = _gemm_backend(x.device) == "native"  # codes for tl.dot_scaled, else the fp16 operand
-        act = quantize_activation_triton(x, self.rac_gate_up(x), codes=native, operand=not native)  # (T, D) once
+        act = quantize_activation_triton(x, self.rac_gate_up(x), codes=native, operand=not native)  # (T, D)
         hidden = grouped_matmul_triton(act, self.gate_up_q, routing.counts, row_ids=routing.token_ids,
                                        swiglu=True, out_dtype=x.dtype)                   # (R, I)
         act = quantize_activation_triton(hidden, self.rac_down(hidden), codes=native, operand=not native)
@@ -440,10 +443,11 @@ def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quant
     if mode == "bf16":
         return model
     for parent, name, child in moe.swappable_layers(model, quantize_router, quantize_lm_head):
-        if isinstance(child, moe.Experts):
-            new = NVFP4Experts.from_float(child, rac_ratio) if mode == "nvfp4" else fp8.FP8Experts.from_float(child)
+        experts = isinstance(child, moe.Experts)
+        if mode == "nvfp4":
+            new = (NVFP4Experts if experts else NVFP4Linear).from_float(child, rac_ratio)
         else:
-            new = NVFP4Linear.from_float(child, rac_ratio) if mode == "nvfp4" else fp8.FP8Linear.from_float(child)
+            new = (fp8.FP8Experts if experts else fp8.FP8Linear).from_float(child)
         setattr(parent, name, new)
     return model
 
@@ -466,7 +470,7 @@ def sync_weights(rollout_model, trainer_model):
     def master(path, name):
         key = f"{path}.{name}" if path else name
         if key not in params:
-            raise ValueError(f"sync_weights: the trainer model has no parameter {key!r} for rollout layer {path!r}")
+            raise ValueError(f"sync_weights: the trainer model has no parameter {key!r} (rollout layer {path!r})")
         return params[key]
 
     quantized = set()
@@ -508,6 +512,10 @@ def calibrate_rac(rollout_model, tokens, rac_ratio=None, **forward_kwargs):
 if triton is not None:
     from nvfp4 import _e2m1_value, _load_pairs, _quantize_pairs, _to_bf16_bits
 
+    _DIVISOR = tl.constexpr(TENSOR_SCALE_DIVISOR)
+    _SHIFT = tl.constexpr(OPERAND_SHIFT)
+    _EPILOGUE = tl.constexpr(EPILOGUE_SCALE)
+
     # ------------------------------------------------------------------ activation quantizer
     # Twin: quantize_activation_reference (codes) and activation_operand (the fp16 operand). A program
     # quantizes BLOCKS 16-element blocks of the flattened (M * G, 16) input as two (BLOCKS, 8) tiles of
@@ -516,7 +524,7 @@ if triton is not None:
     @triton.jit
     def _scale_from_amax(amax):
         """nvfp4.compute_global_scale: amax / 2688, 1.0 for an all-zero input, NaN if not finite."""
-        scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, 2688.0))
+        scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, _DIVISOR))
         return tl.where(amax < float("inf"), scale, float("nan"))
 
     @triton.jit
@@ -565,14 +573,15 @@ if triton is not None:
         numel, n_blocks, blocks_per_row, n_partials, plane_size,
         # meta-parameters
         AMAX_HERE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, WRITE_CODES: tl.constexpr,
-        WRITE_OPERAND: tl.constexpr, BLOCKS: tl.constexpr, CHUNK: tl.constexpr,
+        WRITE_OPERAND: tl.constexpr, BLOCKS: tl.constexpr, CHUNK: tl.constexpr, PARTIALS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if AMAX_HERE:  # a small input: every program reduces all of it (L2-resident) itself
             global_scale = _scale_from_amax(_abs_max(x_ptr, 0, numel, CHUNK))
         else:          # the maxima of _partial_amax_kernel's slices
-            idx = tl.arange(0, CHUNK)
-            global_scale = _scale_from_amax(tl.max(tl.load(partial_amax_ptr + idx, mask=idx < n_partials, other=0.0), axis=0))
+            idx = tl.arange(0, PARTIALS)
+            partial = tl.load(partial_amax_ptr + idx, mask=idx < n_partials, other=0.0)
+            global_scale = _scale_from_amax(tl.max(partial, axis=0))
         tl.store(global_scale_ptr, global_scale, mask=pid == 0)
         blocks = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
         in_range = blocks < n_blocks
@@ -584,14 +593,15 @@ if triton is not None:
                 _store_codes(res_data_ptr, res_block_scale_ptr, blocks, in_range, r_even, r_odd, r_byte)
         if WRITE_OPERAND:  # fp16 planes, 16 contiguous bytes per block in each
             offs = blocks[:, None] * 8 + tl.arange(0, 8)[None, :]
-            tl.store(operand_ptr + offs, (value_even * 0.015625).to(tl.float16), mask=in_range[:, None])
-            tl.store(operand_ptr + plane_size + offs, (value_odd * 0.015625).to(tl.float16), mask=in_range[:, None])
+            tl.store(operand_ptr + offs, (value_even * _SHIFT).to(tl.float16), mask=in_range[:, None])
+            tl.store(operand_ptr + plane_size + offs, (value_odd * _SHIFT).to(tl.float16), mask=in_range[:, None])
 
     @triton.jit
     def _partial_amax_kernel(x_ptr, partial_ptr, numel, SLICE: tl.constexpr, CHUNK: tl.constexpr):
         """One max |x| per program over a slice (no atomics, nothing to zero first)."""
         start = tl.program_id(0).to(tl.int64) * SLICE
-        tl.store(partial_ptr + tl.program_id(0), _abs_max(x_ptr, start, tl.minimum(start + SLICE, numel), CHUNK))
+        amax = _abs_max(x_ptr, start, tl.minimum(start + SLICE, numel), CHUNK)
+        tl.store(partial_ptr + tl.program_id(0), amax)
 
     # ------------------------------------------------------------------ GEMM building blocks
     @triton.jit
@@ -607,7 +617,7 @@ if triton is not None:
         """Packed bytes -> (even, odd) fp16 tensors of the same shape: the low and the high nibble's
         E2M1 value times 2^-6, via the code's E4M3 byte ((c & 7) << 2 | (c & 8) << 4). On the GPU the
         bit arithmetic runs on 32-bit words (4 codes per instruction) and cvt.rn.f16x2.e4m3x2 converts
-        two bytes per instruction; elementwise, so however Triton groups the 4 bytes the result is the same."""
+        two bytes per instruction; elementwise, so however Triton groups 4 bytes the result is the same."""
         if GPU:
             even, odd = tl.inline_asm_elementwise(
                 asm="""
@@ -699,8 +709,8 @@ if triton is not None:
         _, _, _, _, _, _, value_even, value_odd = _quantize_blocks(
             x_words_ptr, rac_mask_ptr, blocks, in_range, K // 16, global_scale, HAS_RESIDUAL, X_BF16)
         shape: tl.constexpr = (BLOCK_M, GB, 8) if BLOCKED else (BLOCK_M, BLOCK_K // 2)
-        return (tl.reshape((value_even * 0.015625).to(tl.float16), shape),
-                tl.reshape((value_odd * 0.015625).to(tl.float16), shape))
+        return (tl.reshape((value_even * _SHIFT).to(tl.float16), shape),
+                tl.reshape((value_odd * _SHIFT).to(tl.float16), shape))
 
     @triton.jit
     def _mainloop(x_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols, col_mask,
@@ -732,7 +742,8 @@ if triton is not None:
                 x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K, EVEN_K,
                                               GEMV)
             if GEMV:  # (BLOCK_N, GB, 8) * (1, GB, 8): products of fp16 values are exact in fp32
-                products = w_even.to(tl.float32) * x_even.to(tl.float32) + w_odd.to(tl.float32) * x_odd.to(tl.float32)
+                products = (w_even.to(tl.float32) * x_even.to(tl.float32)
+                            + w_odd.to(tl.float32) * x_odd.to(tl.float32))
                 acc += tl.sum(tl.sum(products, axis=2), axis=1)
             else:
                 acc = tl.dot(w_even, tl.trans(x_even), acc)
@@ -756,7 +767,7 @@ if triton is not None:
     @triton.jit
     def _weight_operand_kernel(data_ptr, scale_ptr, out_ptr, N, K, stride_data, stride_scale, plane_size,
                                GPU: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Prefill: NVFP4 (N, K) -> fp16 operand planes (2, N, K/2), once per call. Twin: weight_operand_reference."""
+        """Prefill: NVFP4 (N, K) -> fp16 planes (2, N, K/2), once per call. Twin: weight_operand_reference."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         k0 = tl.program_id(1) * BLOCK_K
         row_mask = rows < N
@@ -774,7 +785,7 @@ if triton is not None:
     # enough (N tile, K split) programs to keep every SM's loads in flight. Under the interpreter one
     # small configuration per bucket, splitting K in the decode buckets so tests run the split epilogue.
     DENSE_CONFIGS = {
-        1: [(1, 32, 512, 4, 1, 4), (1, 16, 512, 4, 1, 4), (1, 64, 512, 8, 1, 4), (16, 64, 256, 4, 3, 4)],
+        1: [(1, 16, 512, 4, 1, 4), (1, 32, 512, 4, 1, 4), (1, 16, 1024, 4, 1, 2), (1, 16, 512, 4, 2, 1)],
         16: [(16, 64, 256, 4, 3, 4), (16, 32, 256, 4, 3, 8), (16, 64, 256, 4, 3, 2), (16, 128, 256, 8, 3, 2)],
         64: [(32, 64, 256, 4, 3, 2), (64, 64, 256, 8, 3, 4), (32, 64, 256, 4, 3, 4)],
         256: [(64, 128, 128, 4, 3, 1), (128, 64, 128, 4, 3, 1), (128, 128, 64, 8, 3, 1)],
@@ -785,12 +796,13 @@ if triton is not None:
     # of both kernels repeatedly on the GPU.
     GROUPED_CONFIGS = {
         16: [(16, 64, 256, 4, 3, 1), (16, 32, 256, 4, 3, 1), (16, 64, 256, 4, 4, 1), (16, 64, 128, 4, 4, 1),
-             (16, 128, 128, 4, 3, 1)],
+             (16, 128, 128, 4, 3, 1), (16, 32, 128, 4, 4, 1)],
         64: [(32, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
         256: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
         4096: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
     }
-    _INTERPRETER_CONFIGS = {b: [(1 if b == 1 else 16, 32, 64, 4, 1, 1 if b > 16 else 2)] for b in DENSE_CONFIGS}
+    _INTERPRETER_CONFIGS = {bucket: [(1 if bucket == 1 else 16, 32, 64, 4, 1, 2 if bucket <= 16 else 1)]
+                            for bucket in DENSE_CONFIGS}
 
     def _m_bucket(m, table):
         return next(b for b in table if m <= b or b == 4096)
@@ -811,10 +823,15 @@ if triton is not None:
 
     _HEURISTICS = {"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0}
 
+    def _bench_in_graph(kernel_call, quantiles):
+        """Autotuning times candidates as CUDA-graph replays: decode kernels run for a few microseconds,
+        where eager timing is mostly launch overhead and picked poor configurations (seen on the H200)."""
+        return triton.testing.do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
+
     # ------------------------------------------------------------------ dense GEMM (Hopper)
     # Twin: nvfp4_linear_reference (FUSED) / w4a4_matmul_reference on the operand.
     @triton.autotune(configs=_configs(DENSE_CONFIGS), key=["M_BUCKET", "N", "K", "FUSED", "W_FP16"],
-                     prune_configs_by={"early_config_prune": _prune})
+                     prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
     @triton.heuristics(_HEURISTICS)
     @triton.jit(do_not_specialize=["M"])
     def _dense_kernel(
@@ -849,7 +866,7 @@ if triton is not None:
         acc = _mainloop(x_words_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols,
                         col_mask, stride_w, stride_ws, w_plane, K, k_begin, k_end, FUSED, HAS_RESIDUAL, X_BF16, W_FP16,
                         GPU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, rows)
-        scale = 4096.0 * x_global * tl.load(w_global_ptr)                               # EPILOGUE_SCALE
+        scale = _EPILOGUE * x_global * tl.load(w_global_ptr)
         if SPLIT_K == 1:
             _store_tile(y_ptr, rows, rows < M, cols, col_mask, stride_y, acc * scale, OUT_BF16)
         else:
@@ -888,7 +905,7 @@ if triton is not None:
 
     # Twin: w4a4_grouped_matmul_reference.
     @triton.autotune(configs=_configs(GROUPED_CONFIGS), key=["M_BUCKET", "N", "K"],
-                     prune_configs_by={"early_config_prune": _prune})
+                     prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
     @triton.heuristics(_HEURISTICS)
     @triton.jit(do_not_specialize=["n_rows"])
     def _grouped_kernel(
@@ -915,13 +932,14 @@ if triton is not None:
         col_mask = cols < n_out
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
-        scale = 4096.0 * tl.load(x_global_ptr) * tl.load(w_global_ptr + expert)
+        scale = _EPILOGUE * tl.load(x_global_ptr) * tl.load(w_global_ptr + expert)
         if SWIGLU:  # one stacked tile: the gate rows cols (of [0, I)), then the up rows I + cols
             stacked = tl.arange(0, 2 * BLOCK_N)
             w_rows = pid_n * BLOCK_N + stacked % BLOCK_N + (stacked // BLOCK_N) * n_out
             w_mask = pid_n * BLOCK_N + stacked % BLOCK_N < n_out
-            acc = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, w_rows.to(tl.int64),
-                            w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU, BLOCK_M,
+            acc = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base,
+                            w_rows.to(tl.int64), w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False,
+                            GPU, BLOCK_M,
                             2 * BLOCK_N, BLOCK_K, EVEN_K, x_rows) * scale               # (2 BLOCK_N, BLOCK_M)
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
             out = gate / (1.0 + tl.exp(-gate)) * up                                      # silu(gate) * up
@@ -935,18 +953,18 @@ if triton is not None:
 
     # ------------------------------------------------------------------ Blackwell (sm_100+, numerics untested)
     @triton.jit
-    def _native_tile_product(acc, x_ptr, xs_ptr, rows, row_mask, stride_x, stride_xs, w_ptr, ws_ptr, cols, col_mask,
-                             stride_w, stride_ws, k0, K, BLOCK_K: tl.constexpr):
+    def _native_tile_product(acc, x_ptr, xs_ptr, rows, row_mask, stride_x, stride_xs, w_ptr, ws_ptr, cols,
+                             col_mask, stride_w, stride_ws, k0, K, BLOCK_K: tl.constexpr):
         """acc (BLOCK_M, BLOCK_N) += X[rows] @ W[cols].T over k0..k0+BLOCK_K on FP4 tensor cores."""
         byte_idx = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         block_idx = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         byte_ok, block_ok = byte_idx < K // 2, block_idx < K // 16
-        x = tl.load(x_ptr + rows[:, None] * stride_x + byte_idx[None, :], mask=row_mask[:, None] & byte_ok[None, :],
-                    other=0)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + byte_idx[None, :],
+                    mask=row_mask[:, None] & byte_ok[None, :], other=0)
         xs = tl.load(xs_ptr + rows[:, None] * stride_xs + block_idx[None, :],
                      mask=row_mask[:, None] & block_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * stride_w + byte_idx[None, :], mask=col_mask[:, None] & byte_ok[None, :],
-                    other=0)
+        w = tl.load(w_ptr + cols[:, None] * stride_w + byte_idx[None, :],
+                    mask=col_mask[:, None] & byte_ok[None, :], other=0)
         ws = tl.load(ws_ptr + cols[:, None] * stride_ws + block_idx[None, :],
                      mask=col_mask[:, None] & block_ok[None, :], other=0.0)
         return tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
@@ -1050,7 +1068,6 @@ class Activation(NamedTuple):
 
 
 _AMAX_CHUNK = 4096       # elements per load in the amax loops (= FUSED_ELEMENTS: small inputs in one load)
-_QUANT_BLOCKS = 32       # 16-element blocks per quantizer program (512 elements: many programs, short chains)
 
 
 def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
@@ -1075,20 +1092,22 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
     global_scale = torch.empty((), dtype=torch.float32, device=device)
     amax_here, partials, slice_ = x.numel() <= FUSED_ELEMENTS, dummy, 0
     if not amax_here:
-        slice_ = _AMAX_CHUNK * triton.cdiv(triton.cdiv(x.numel(), _AMAX_CHUNK), _AMAX_CHUNK)  # <= CHUNK partials
+        slice_ = _AMAX_CHUNK * triton.cdiv(triton.cdiv(x.numel(), _AMAX_CHUNK), _AMAX_CHUNK)  # <= CHUNK slices
         partials = torch.empty(triton.cdiv(x.numel(), slice_), dtype=torch.float32, device=device)
         _partial_amax_kernel[(partials.numel(),)](x, partials, x.numel(), SLICE=slice_, CHUNK=_AMAX_CHUNK)
 
     def ptr(t, view=None):
         return dummy if t is None else (t.view(view) if view is not None else t)
 
-    _quantize_activation_kernel[(triton.cdiv(n_blocks, _QUANT_BLOCKS),)](
+    blocks = 32 if n_blocks <= 16384 else 128  # small inputs: more programs, shorter chains
+    _quantize_activation_kernel[(triton.cdiv(n_blocks, blocks),)](
         x, nvfp4._pair_view(x), ptr(rac_mask, torch.uint8), partials, global_scale,
         ptr(data), ptr(block_scale, torch.uint8), ptr(res_data), ptr(res_block_scale, torch.uint8), ptr(out_operand),
         x.numel(), n_blocks, K // BLOCK_SIZE, partials.numel() if not amax_here else 0,
         out_operand.stride(0) if operand else 0,
         AMAX_HERE=amax_here, HAS_RESIDUAL=rac_mask is not None, X_BF16=x.dtype == torch.bfloat16,
-        WRITE_CODES=codes, WRITE_OPERAND=operand, BLOCKS=_QUANT_BLOCKS, CHUNK=_AMAX_CHUNK)
+        WRITE_CODES=codes, WRITE_OPERAND=operand, BLOCKS=blocks, CHUNK=_AMAX_CHUNK,
+        PARTIALS=triton.next_power_of_2(partials.numel()))
     x_q = NVFP4Tensor(data, block_scale, global_scale) if codes else None
     residual = NVFP4Tensor(res_data, res_block_scale, global_scale) if codes and rac_mask is not None else None
     return Activation(x_q, residual, out_operand, global_scale)
@@ -1193,7 +1212,8 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16):
     return _dense_portable(w_q, out_dtype, act=quantize_activation_triton(x, rac_mask))
 
 
-def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swiglu=False, out_dtype=torch.bfloat16):
+def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swiglu=False,
+                          out_dtype=torch.bfloat16):
     """The experts' GEMM (twin: w4a4_grouped_matmul_reference) on a quantized Activation: rows
     (act's, or act's row_ids[r]) grouped by expert per counts (E,), w_q (E, N, K). No host sync."""
     _require_triton()
@@ -1241,7 +1261,8 @@ def _native_agrees(device, dense=None, grouped=None):
     """Run the native kernels once on a check problem and compare them with the Hopper kernels.
     Any disagreement or error: warn once, in one line, and return False (use the portable kernels)."""
     dense = dense or (lambda act, w_q: _dense_native(act.x_q, act.residual, w_q, torch.float32))
-    grouped = grouped or (lambda act, w_q, counts: grouped_matmul_triton(act, w_q, counts, out_dtype=torch.float32))
+    grouped = grouped or (lambda act, w_q, counts: grouped_matmul_triton(act, w_q, counts,
+                                                                          out_dtype=torch.float32))
     generator = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(48, 256, generator=generator).to(device, torch.bfloat16)
     w_q = nvfp4.quantize_weight(torch.randn(80, 256, generator=generator).to(device, torch.bfloat16))

@@ -1092,7 +1092,8 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
     global_scale = torch.empty((), dtype=torch.float32, device=device)
     amax_here, partials, slice_ = x.numel() <= FUSED_ELEMENTS, dummy, 0
     if not amax_here:
-        slice_ = _AMAX_CHUNK * triton.cdiv(triton.cdiv(x.numel(), _AMAX_CHUNK), _AMAX_CHUNK)  # <= CHUNK slices
+        # at most 256 slices: every quantizer program reads all the partial maxima
+        slice_ = _AMAX_CHUNK * triton.cdiv(triton.cdiv(x.numel(), _AMAX_CHUNK), 256)
         partials = torch.empty(triton.cdiv(x.numel(), slice_), dtype=torch.float32, device=device)
         _partial_amax_kernel[(partials.numel(),)](x, partials, x.numel(), SLICE=slice_, CHUNK=_AMAX_CHUNK)
 

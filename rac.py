@@ -20,8 +20,9 @@ scale goes stale between syncs, and anything above it saturates: exactly the out
 hurt NVFP4 most. The price is that a token's rounding depends on the largest value in its batch.
 
 How to read this file: the slow twins (plain PyTorch: quantize, dequantize, matmul in fp32) come first,
-then block selection, the layers, conversion and sync; then the Triton kernels, each after the twin
-it must equal, and the one place a hardware path is chosen.
+then block selection, the layers, conversion and sync; then the Triton kernels, one section per twin
+(quantizer, dense GEMM, experts' grouped GEMM, Blackwell), each ending with the function that launches
+them; last, the one place a hardware path is chosen.
 
 Hopper kernels (also run on the CPU under TRITON_INTERPRET=1). Hopper has no FP4 tensor cores and
 `tl.dot_scaled` does not compile for sm_90, so the weight is decoded in registers: an E2M1 code c put
@@ -508,7 +509,7 @@ def calibrate_rac(rollout_model, tokens, rac_ratio=None, **forward_kwargs):
     return rollout_model
 
 
-# ============================================================================ Triton kernels
+# ============================================================================ Triton: the activation quantizer
 if triton is not None:
     from nvfp4 import _e2m1_value, _load_pairs, _quantize_pairs, _to_bf16_bits
 
@@ -516,7 +517,6 @@ if triton is not None:
     _SHIFT = tl.constexpr(OPERAND_SHIFT)
     _EPILOGUE = tl.constexpr(EPILOGUE_SCALE)
 
-    # ------------------------------------------------------------------ activation quantizer
     # Twin: quantize_activation_reference (codes) and activation_operand (the fp16 operand). A program
     # quantizes BLOCKS 16-element blocks of the flattened (M * G, 16) input as two (BLOCKS, 8) tiles of
     # even and odd elements (nvfp4.py's pair layout: a bf16 pair is one 32-bit load, and a packed byte
@@ -603,6 +603,94 @@ if triton is not None:
         amax = _abs_max(x_ptr, start, tl.minimum(start + SLICE, numel), CHUNK)
         tl.store(partial_ptr + tl.program_id(0), amax)
 
+
+def _require_triton():
+    if triton is None:
+        raise RuntimeError("the Triton kernels need the `triton` package; use the *_reference twins instead")
+
+
+def _as_int16(y):
+    return y.view(torch.int16) if y.dtype == torch.bfloat16 else y
+
+
+def _check_out_dtype(out_dtype):
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"out_dtype must be bfloat16/float16/float32, got {out_dtype}")
+
+
+def _empty_planes(rows, half_k, device):
+    """An fp16 operand buffer (2, rows, K/2), the planes a multiple of 64 elements apart (16-byte aligned)."""
+    plane = triton.cdiv(rows * half_k, 64) * 64
+    return torch.empty((2, plane), dtype=torch.float16, device=device)[:, :rows * half_k].view(2, rows, half_k)
+
+
+class Activation(NamedTuple):
+    """An activation quantized for the W4A4 GEMMs (the fields a path does not need are None)."""
+    x_q: NVFP4Tensor | None          # codes and block scales of x, with the global scale
+    residual: NVFP4Tensor | None     # RAC residual codes (zero blocks where not compensated), same global scale
+    operand: torch.Tensor | None     # (2, M, K/2) fp16 planes of (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
+    global_scale: torch.Tensor       # () fp32
+
+
+_AMAX_CHUNK = 4096       # elements per load in the amax loops (= FUSED_ELEMENTS: small inputs in one load)
+
+
+def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
+    """The quantizer: x (M, K) -> Activation with the fp16 operand (operand=True) and/or the NVFP4
+    codes of x and of its RAC residual (codes=True). Dynamic global scale amax(|x|) / 2688: reduced
+    inside the launch for inputs up to FUSED_ELEMENTS, by one partial-max launch before it otherwise."""
+    _require_triton()
+    _check_matrix(x, "quantize_activation")
+    _check_rac_mask(rac_mask, x)
+    x = nvfp4._contiguous_pairs(x)
+    M, K = x.shape
+    n_blocks, device = M * K // BLOCK_SIZE, x.device
+    dummy = torch.empty(1, dtype=torch.uint8, device=device)
+    data = block_scale = res_data = res_block_scale = out_operand = None
+    if codes:
+        data = torch.empty((M, K // 2), dtype=torch.uint8, device=device)
+        block_scale = torch.empty((M, K // BLOCK_SIZE), dtype=torch.float8_e4m3fn, device=device)
+        if rac_mask is not None:
+            res_data, res_block_scale = torch.empty_like(data), torch.empty_like(block_scale)
+    if operand:
+        out_operand = _empty_planes(M, K // 2, device)
+    global_scale = torch.empty((), dtype=torch.float32, device=device)
+    amax_here, partials, slice_ = x.numel() <= FUSED_ELEMENTS, dummy, 0
+    if not amax_here:
+        # at most 256 slices: every quantizer program reads all the partial maxima
+        slice_ = _AMAX_CHUNK * triton.cdiv(triton.cdiv(x.numel(), _AMAX_CHUNK), 256)
+        partials = torch.empty(triton.cdiv(x.numel(), slice_), dtype=torch.float32, device=device)
+        _partial_amax_kernel[(partials.numel(),)](x, partials, x.numel(), SLICE=slice_, CHUNK=_AMAX_CHUNK)
+
+    def ptr(t, view=None):
+        return dummy if t is None else (t.view(view) if view is not None else t)
+
+    blocks = 32 if n_blocks <= 16384 else 128  # small inputs: more programs, shorter chains
+    _quantize_activation_kernel[(triton.cdiv(n_blocks, blocks),)](
+        x, nvfp4._pair_view(x), ptr(rac_mask, torch.uint8), partials, global_scale,
+        ptr(data), ptr(block_scale, torch.uint8), ptr(res_data), ptr(res_block_scale, torch.uint8), ptr(out_operand),
+        x.numel(), n_blocks, K // BLOCK_SIZE, partials.numel() if not amax_here else 0,
+        out_operand.stride(0) if operand else 0,
+        AMAX_HERE=amax_here, HAS_RESIDUAL=rac_mask is not None, X_BF16=x.dtype == torch.bfloat16,
+        WRITE_CODES=codes, WRITE_OPERAND=operand, BLOCKS=blocks, CHUNK=_AMAX_CHUNK,
+        PARTIALS=triton.next_power_of_2(partials.numel()))
+    x_q = NVFP4Tensor(data, block_scale, global_scale) if codes else None
+    residual = NVFP4Tensor(res_data, res_block_scale, global_scale) if codes and rac_mask is not None else None
+    return Activation(x_q, residual, out_operand, global_scale)
+
+
+def quantize_activation(x, rac_mask=None):
+    """x (M, K) -> (x_q, residual): NVFP4 codes of x and, on the blocks where rac_mask (G,) bool is True,
+    of its residual x - DQ(x_q) (same global scale; None without a mask). Triton on CUDA (one read of x),
+    the torch twin elsewhere; bit-identical."""
+    if isinstance(x, torch.Tensor) and _use_triton(x):
+        act = quantize_activation_triton(x, rac_mask, codes=True, operand=False)
+        return act.x_q, act.residual
+    return quantize_activation_reference(x, rac_mask)
+
+
+# ============================================================================ Triton: the dense GEMM
+if triton is not None:
     # ------------------------------------------------------------------ GEMM building blocks
     @triton.jit
     def _e4m3_to_fp16(byte, GPU: tl.constexpr):
@@ -886,7 +974,84 @@ if triton is not None:
                 tl.atomic_xchg(counter_ptr + pid, 0)                                     # ready for the next call
                 _store_tile(y_ptr, rows, rows < M, cols, col_mask, stride_y, total * scale, OUT_BF16)
 
-    # ------------------------------------------------------------------ grouped GEMM (experts, Hopper)
+
+_SPLIT_COUNTERS = {}
+
+
+def _split_k_buffers(M, N, bucket, device):
+    """Scratch for split-K partial tiles (written before read: no init) and the per-tile arrival
+    counters (zero, reset to zero by the kernel itself: kept per device). Counters are shared by all
+    calls, so split-K launches must not run concurrently on two streams."""
+    configs = (_INTERPRETER_CONFIGS if _INTERPRET else DENSE_CONFIGS)[bucket]
+    splits = [(bm, bn, split) for bm, bn, _, _, _, split in configs if split > 1]
+    if not splits:
+        return torch.empty(1, dtype=torch.float32, device=device), torch.empty(1, dtype=torch.int32, device=device)
+    size = max(split * triton.cdiv(M, bm) * bm * triton.cdiv(N, bn) * bn for bm, bn, split in splits)
+    tiles = max(triton.cdiv(M, bm) * triton.cdiv(N, bn) for bm, bn, _ in splits)
+    counters = _SPLIT_COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = _SPLIT_COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return torch.empty(size, dtype=torch.float32, device=device), counters
+
+
+def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None):
+    """The Hopper dense kernel: on x itself (quantized inside the GEMM) or on a quantized `act`."""
+    fused = act is None
+    M = x.shape[0] if fused else act.operand.shape[1]
+    N, K = w_q.shape
+    device = w_q.device
+    y = torch.empty((M, N), dtype=out_dtype, device=device)
+    w_data, w_scale = w_q.data.contiguous(), w_q.block_scale.contiguous().view(torch.uint8)
+    w_fp16 = M >= PREFILL_ROWS
+    w_ptr, stride_w, w_plane = w_data, w_data.stride(0), 0
+    if w_fp16:
+        w_operand = _empty_planes(N, K // 2, device)
+        rows, block_k = 64, 256
+        _weight_operand_kernel[(triton.cdiv(N, rows), triton.cdiv(K, block_k))](
+            w_data, w_scale, w_operand, N, K, w_data.stride(0), w_scale.stride(0), w_operand.stride(0),
+            GPU=not _INTERPRET, ROWS=rows, BLOCK_K=block_k)
+        w_ptr, stride_w, w_plane = w_operand, K // 2, w_operand.stride(0)
+    if fused:
+        x = nvfp4._contiguous_pairs(x)
+        mask = rac_mask.view(torch.uint8) if rac_mask is not None else w_data
+        x_args = (x, nvfp4._pair_view(x), mask, w_q.global_scale)                     # (x_global_ptr unused)
+        x_plane, stride_x, x_bf16 = 0, K, x.dtype == torch.bfloat16
+    else:
+        x_args = (act.operand, act.operand, w_data, act.global_scale)
+        x_plane, stride_x, x_bf16 = act.operand.stride(0), act.operand.stride(1), False
+    bucket = _m_bucket(M, DENSE_CONFIGS)
+    workspace, counters = _split_k_buffers(M, N, bucket, device)
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+    _dense_kernel[grid](*x_args, w_ptr, w_scale, w_q.global_scale.contiguous(), _as_int16(y), workspace, counters,
+                        M, N, K, bucket, x_plane, w_plane, stride_x, stride_w, w_scale.stride(0), y.stride(0),
+                        FUSED=fused, HAS_RESIDUAL=fused and rac_mask is not None, X_BF16=x_bf16, W_FP16=w_fp16,
+                        OUT_BF16=out_dtype == torch.bfloat16, GPU=not _INTERPRET)
+    return y
+
+
+def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16):
+    """The NVFP4 layer's fast path, x (M, K) -> (M, N): a decode-sized x is quantized inside the GEMM
+    (one launch); larger inputs take one quantizer launch and one GEMM; Blackwell the native kernel."""
+    _require_triton()
+    _check_matrix(x, "nvfp4_linear")
+    _check_rac_mask(rac_mask, x)
+    _check_out_dtype(out_dtype)
+    if x.shape[1] != w_q.shape[1] or x.device != w_q.device:
+        raise ValueError(f"nvfp4_linear: x {tuple(x.shape)} on {x.device} does not match the weight "
+                         f"{tuple(w_q.shape)} on {w_q.device}")
+    if _gemm_backend(x.device) == "native":
+        act = quantize_activation_triton(x, rac_mask, codes=True, operand=False)
+        return _dense_native(act.x_q, act.residual, w_q, out_dtype)
+    if x.numel() <= FUSED_ELEMENTS:
+        return _dense_portable(w_q, out_dtype, x=x, rac_mask=rac_mask)
+    return _dense_portable(w_q, out_dtype, act=quantize_activation_triton(x, rac_mask))
+
+
+# ============================================================================ Triton: the experts' grouped GEMM
+if triton is not None:
     @triton.jit
     def _expert_tile(counts_ptr, E, pid_m, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
         """Which (expert, row tile) is program pid_m's? Expert e owns cdiv(counts[e], BLOCK_M) tiles,
@@ -951,7 +1116,51 @@ if triton is not None:
             out = out * tl.load(row_weights_ptr + sorted_rows, mask=row_mask, other=0.0)[None, :]
         _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, out, OUT_BF16)
 
-    # ------------------------------------------------------------------ Blackwell (sm_100+, numerics untested)
+
+def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swiglu=False,
+                          out_dtype=torch.bfloat16):
+    """The experts' GEMM (twin: w4a4_grouped_matmul_reference) on a quantized Activation: rows
+    (act's, or act's row_ids[r]) grouped by expert per counts (E,), w_q (E, N, K). No host sync."""
+    _require_triton()
+    _check_out_dtype(out_dtype)
+    E, N, K = w_q.shape
+    act_rows = act.operand.shape[1] if act.operand is not None else act.x_q.shape[0]
+    n_rows = row_ids.numel() if row_ids is not None else act_rows
+    n_out = N // 2 if swiglu else N
+    y = torch.empty((n_rows, n_out), dtype=out_dtype, device=w_q.device)
+    if n_rows == 0:
+        return y
+    flags = dict(GATHER=row_ids is not None, ROW_WEIGHTS=row_weights is not None, SWIGLU=swiglu,
+                 OUT_BF16=out_dtype == torch.bfloat16, E_POW2=max(2, triton.next_power_of_2(E)))
+    row_ids = row_ids if row_ids is not None else counts
+    row_weights = row_weights if row_weights is not None else counts
+    if act.operand is None:  # codes only: the native kernel
+        r = act.residual if act.residual is not None else act.x_q
+        block_m, block_n, block_k = 128, 128, 128
+        _grouped_native_kernel[(triton.cdiv(n_rows, block_m) + min(E, n_rows), triton.cdiv(n_out, block_n))](
+            act.x_q.data, act.x_q.block_scale, r.data, r.block_scale, act.global_scale, row_ids, row_weights,
+            w_q.data, w_q.block_scale, w_q.global_scale, counts, _as_int16(y), N, K, E, act.x_q.data.stride(0),
+            act.x_q.block_scale.stride(0), w_q.data.stride(0), w_q.data.stride(1), w_q.block_scale.stride(0),
+            w_q.block_scale.stride(1), y.stride(0), HAS_RESIDUAL=act.residual is not None, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **flags)
+        return y
+    w_data, w_scale = w_q.data.contiguous(), w_q.block_scale.contiguous().view(torch.uint8)
+    operand = act.operand
+
+    def grid(meta):  # an upper bound on sum_e cdiv(counts[e], BLOCK_M): no host sync
+        return (triton.cdiv(n_rows, meta["BLOCK_M"]) + min(E, n_rows), triton.cdiv(n_out, meta["BLOCK_N"]))
+
+    _grouped_kernel[grid](operand, act.global_scale, row_ids, row_weights, w_data, w_scale,
+                          w_q.global_scale.contiguous(), counts, _as_int16(y), n_rows, N, K, E,
+                          _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS), operand.stride(0), operand.stride(1),
+                          w_data.stride(0), w_data.stride(1), w_scale.stride(0), w_scale.stride(1), y.stride(0),
+                          GPU=not _INTERPRET, **flags)
+    return y
+
+
+# ============================================================================ Blackwell: native FP4 kernels
+if triton is not None:
+    # sm_100+; compiled for sm_100 by a CPU test, numerics untested (no such GPU here)
     @triton.jit
     def _native_tile_product(acc, x_ptr, xs_ptr, rows, row_mask, stride_x, stride_xs, w_ptr, ws_ptr, cols,
                              col_mask, stride_w, stride_ws, k0, K, BLOCK_K: tl.constexpr):
@@ -1038,149 +1247,6 @@ if triton is not None:
         _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, tl.trans(out), OUT_BF16)
 
 
-# ============================================================================ launchers
-def _require_triton():
-    if triton is None:
-        raise RuntimeError("the Triton kernels need the `triton` package; use the *_reference twins instead")
-
-
-def _as_int16(y):
-    return y.view(torch.int16) if y.dtype == torch.bfloat16 else y
-
-
-def _check_out_dtype(out_dtype):
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"out_dtype must be bfloat16/float16/float32, got {out_dtype}")
-
-
-def _empty_planes(rows, half_k, device):
-    """An fp16 operand buffer (2, rows, K/2), the planes a multiple of 64 elements apart (16-byte aligned)."""
-    plane = triton.cdiv(rows * half_k, 64) * 64
-    return torch.empty((2, plane), dtype=torch.float16, device=device)[:, :rows * half_k].view(2, rows, half_k)
-
-
-class Activation(NamedTuple):
-    """An activation quantized for the W4A4 GEMMs (the fields a path does not need are None)."""
-    x_q: NVFP4Tensor | None          # codes and block scales of x, with the global scale
-    residual: NVFP4Tensor | None     # RAC residual codes (zero blocks where not compensated), same global scale
-    operand: torch.Tensor | None     # (2, M, K/2) fp16 planes of (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
-    global_scale: torch.Tensor       # () fp32
-
-
-_AMAX_CHUNK = 4096       # elements per load in the amax loops (= FUSED_ELEMENTS: small inputs in one load)
-
-
-def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
-    """The quantizer: x (M, K) -> Activation with the fp16 operand (operand=True) and/or the NVFP4
-    codes of x and of its RAC residual (codes=True). Dynamic global scale amax(|x|) / 2688: reduced
-    inside the launch for inputs up to FUSED_ELEMENTS, by one partial-max launch before it otherwise."""
-    _require_triton()
-    _check_matrix(x, "quantize_activation")
-    _check_rac_mask(rac_mask, x)
-    x = nvfp4._contiguous_pairs(x)
-    M, K = x.shape
-    n_blocks, device = M * K // BLOCK_SIZE, x.device
-    dummy = torch.empty(1, dtype=torch.uint8, device=device)
-    data = block_scale = res_data = res_block_scale = out_operand = None
-    if codes:
-        data = torch.empty((M, K // 2), dtype=torch.uint8, device=device)
-        block_scale = torch.empty((M, K // BLOCK_SIZE), dtype=torch.float8_e4m3fn, device=device)
-        if rac_mask is not None:
-            res_data, res_block_scale = torch.empty_like(data), torch.empty_like(block_scale)
-    if operand:
-        out_operand = _empty_planes(M, K // 2, device)
-    global_scale = torch.empty((), dtype=torch.float32, device=device)
-    amax_here, partials, slice_ = x.numel() <= FUSED_ELEMENTS, dummy, 0
-    if not amax_here:
-        # at most 256 slices: every quantizer program reads all the partial maxima
-        slice_ = _AMAX_CHUNK * triton.cdiv(triton.cdiv(x.numel(), _AMAX_CHUNK), 256)
-        partials = torch.empty(triton.cdiv(x.numel(), slice_), dtype=torch.float32, device=device)
-        _partial_amax_kernel[(partials.numel(),)](x, partials, x.numel(), SLICE=slice_, CHUNK=_AMAX_CHUNK)
-
-    def ptr(t, view=None):
-        return dummy if t is None else (t.view(view) if view is not None else t)
-
-    blocks = 32 if n_blocks <= 16384 else 128  # small inputs: more programs, shorter chains
-    _quantize_activation_kernel[(triton.cdiv(n_blocks, blocks),)](
-        x, nvfp4._pair_view(x), ptr(rac_mask, torch.uint8), partials, global_scale,
-        ptr(data), ptr(block_scale, torch.uint8), ptr(res_data), ptr(res_block_scale, torch.uint8), ptr(out_operand),
-        x.numel(), n_blocks, K // BLOCK_SIZE, partials.numel() if not amax_here else 0,
-        out_operand.stride(0) if operand else 0,
-        AMAX_HERE=amax_here, HAS_RESIDUAL=rac_mask is not None, X_BF16=x.dtype == torch.bfloat16,
-        WRITE_CODES=codes, WRITE_OPERAND=operand, BLOCKS=blocks, CHUNK=_AMAX_CHUNK,
-        PARTIALS=triton.next_power_of_2(partials.numel()))
-    x_q = NVFP4Tensor(data, block_scale, global_scale) if codes else None
-    residual = NVFP4Tensor(res_data, res_block_scale, global_scale) if codes and rac_mask is not None else None
-    return Activation(x_q, residual, out_operand, global_scale)
-
-
-def quantize_activation(x, rac_mask=None):
-    """x (M, K) -> (x_q, residual): NVFP4 codes of x and, on the blocks where rac_mask (G,) bool is True,
-    of its residual x - DQ(x_q) (same global scale; None without a mask). Triton on CUDA (one read of x),
-    the torch twin elsewhere; bit-identical."""
-    if isinstance(x, torch.Tensor) and _use_triton(x):
-        act = quantize_activation_triton(x, rac_mask, codes=True, operand=False)
-        return act.x_q, act.residual
-    return quantize_activation_reference(x, rac_mask)
-
-
-_SPLIT_COUNTERS = {}
-
-
-def _split_k_buffers(M, N, bucket, device):
-    """Scratch for split-K partial tiles (written before read: no init) and the per-tile arrival
-    counters (zero, reset to zero by the kernel itself: kept per device). Counters are shared by all
-    calls, so split-K launches must not run concurrently on two streams."""
-    configs = (_INTERPRETER_CONFIGS if _INTERPRET else DENSE_CONFIGS)[bucket]
-    splits = [(bm, bn, split) for bm, bn, _, _, _, split in configs if split > 1]
-    if not splits:
-        return torch.empty(1, dtype=torch.float32, device=device), torch.empty(1, dtype=torch.int32, device=device)
-    size = max(split * triton.cdiv(M, bm) * bm * triton.cdiv(N, bn) * bn for bm, bn, split in splits)
-    tiles = max(triton.cdiv(M, bm) * triton.cdiv(N, bn) for bm, bn, _ in splits)
-    counters = _SPLIT_COUNTERS.get(device)
-    if counters is None or counters.numel() < tiles:
-        counters = _SPLIT_COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return torch.empty(size, dtype=torch.float32, device=device), counters
-
-
-def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None):
-    """The Hopper dense kernel: on x itself (quantized inside the GEMM) or on a quantized `act`."""
-    fused = act is None
-    M = x.shape[0] if fused else act.operand.shape[1]
-    N, K = w_q.shape
-    device = w_q.device
-    y = torch.empty((M, N), dtype=out_dtype, device=device)
-    w_data, w_scale = w_q.data.contiguous(), w_q.block_scale.contiguous().view(torch.uint8)
-    w_fp16 = M >= PREFILL_ROWS
-    w_ptr, stride_w, w_plane = w_data, w_data.stride(0), 0
-    if w_fp16:
-        w_operand = _empty_planes(N, K // 2, device)
-        rows, block_k = 64, 256
-        _weight_operand_kernel[(triton.cdiv(N, rows), triton.cdiv(K, block_k))](
-            w_data, w_scale, w_operand, N, K, w_data.stride(0), w_scale.stride(0), w_operand.stride(0),
-            GPU=not _INTERPRET, ROWS=rows, BLOCK_K=block_k)
-        w_ptr, stride_w, w_plane = w_operand, K // 2, w_operand.stride(0)
-    if fused:
-        x = nvfp4._contiguous_pairs(x)
-        mask = rac_mask.view(torch.uint8) if rac_mask is not None else w_data
-        x_args = (x, nvfp4._pair_view(x), mask, w_q.global_scale)                     # (x_global_ptr unused)
-        x_plane, stride_x, x_bf16 = 0, K, x.dtype == torch.bfloat16
-    else:
-        x_args = (act.operand, act.operand, w_data, act.global_scale)
-        x_plane, stride_x, x_bf16 = act.operand.stride(0), act.operand.stride(1), False
-    bucket = _m_bucket(M, DENSE_CONFIGS)
-    workspace, counters = _split_k_buffers(M, N, bucket, device)
-
-    def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
-
-    _dense_kernel[grid](*x_args, w_ptr, w_scale, w_q.global_scale.contiguous(), _as_int16(y), workspace, counters,
-                        M, N, K, bucket, x_plane, w_plane, stride_x, stride_w, w_scale.stride(0), y.stride(0),
-                        FUSED=fused, HAS_RESIDUAL=fused and rac_mask is not None, X_BF16=x_bf16, W_FP16=w_fp16,
-                        OUT_BF16=out_dtype == torch.bfloat16, GPU=not _INTERPRET)
-    return y
-
-
 def _dense_native(x_q, residual, w_q, out_dtype):
     M, K = x_q.shape
     N = w_q.shape[0]
@@ -1192,65 +1258,6 @@ def _dense_native(x_q, residual, w_q, out_dtype):
         w_q.global_scale, _as_int16(y), M, N, K, x_q.data.stride(0), x_q.block_scale.stride(0), w_q.data.stride(0),
         w_q.block_scale.stride(0), y.stride(0), HAS_RESIDUAL=residual is not None,
         OUT_BF16=out_dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
-    return y
-
-
-def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16):
-    """The NVFP4 layer's fast path, x (M, K) -> (M, N): a decode-sized x is quantized inside the GEMM
-    (one launch); larger inputs take one quantizer launch and one GEMM; Blackwell the native kernel."""
-    _require_triton()
-    _check_matrix(x, "nvfp4_linear")
-    _check_rac_mask(rac_mask, x)
-    _check_out_dtype(out_dtype)
-    if x.shape[1] != w_q.shape[1] or x.device != w_q.device:
-        raise ValueError(f"nvfp4_linear: x {tuple(x.shape)} on {x.device} does not match the weight "
-                         f"{tuple(w_q.shape)} on {w_q.device}")
-    if _gemm_backend(x.device) == "native":
-        act = quantize_activation_triton(x, rac_mask, codes=True, operand=False)
-        return _dense_native(act.x_q, act.residual, w_q, out_dtype)
-    if x.numel() <= FUSED_ELEMENTS:
-        return _dense_portable(w_q, out_dtype, x=x, rac_mask=rac_mask)
-    return _dense_portable(w_q, out_dtype, act=quantize_activation_triton(x, rac_mask))
-
-
-def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swiglu=False,
-                          out_dtype=torch.bfloat16):
-    """The experts' GEMM (twin: w4a4_grouped_matmul_reference) on a quantized Activation: rows
-    (act's, or act's row_ids[r]) grouped by expert per counts (E,), w_q (E, N, K). No host sync."""
-    _require_triton()
-    _check_out_dtype(out_dtype)
-    E, N, K = w_q.shape
-    act_rows = act.operand.shape[1] if act.operand is not None else act.x_q.shape[0]
-    n_rows = row_ids.numel() if row_ids is not None else act_rows
-    n_out = N // 2 if swiglu else N
-    y = torch.empty((n_rows, n_out), dtype=out_dtype, device=w_q.device)
-    if n_rows == 0:
-        return y
-    flags = dict(GATHER=row_ids is not None, ROW_WEIGHTS=row_weights is not None, SWIGLU=swiglu,
-                 OUT_BF16=out_dtype == torch.bfloat16, E_POW2=max(2, triton.next_power_of_2(E)))
-    row_ids = row_ids if row_ids is not None else counts
-    row_weights = row_weights if row_weights is not None else counts
-    if act.operand is None:  # codes only: the native kernel
-        r = act.residual if act.residual is not None else act.x_q
-        block_m, block_n, block_k = 128, 128, 128
-        _grouped_native_kernel[(triton.cdiv(n_rows, block_m) + min(E, n_rows), triton.cdiv(n_out, block_n))](
-            act.x_q.data, act.x_q.block_scale, r.data, r.block_scale, act.global_scale, row_ids, row_weights,
-            w_q.data, w_q.block_scale, w_q.global_scale, counts, _as_int16(y), N, K, E, act.x_q.data.stride(0),
-            act.x_q.block_scale.stride(0), w_q.data.stride(0), w_q.data.stride(1), w_q.block_scale.stride(0),
-            w_q.block_scale.stride(1), y.stride(0), HAS_RESIDUAL=act.residual is not None, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **flags)
-        return y
-    w_data, w_scale = w_q.data.contiguous(), w_q.block_scale.contiguous().view(torch.uint8)
-    operand = act.operand
-
-    def grid(meta):  # an upper bound on sum_e cdiv(counts[e], BLOCK_M): no host sync
-        return (triton.cdiv(n_rows, meta["BLOCK_M"]) + min(E, n_rows), triton.cdiv(n_out, meta["BLOCK_N"]))
-
-    _grouped_kernel[grid](operand, act.global_scale, row_ids, row_weights, w_data, w_scale,
-                          w_q.global_scale.contiguous(), counts, _as_int16(y), n_rows, N, K, E,
-                          _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS), operand.stride(0), operand.stride(1),
-                          w_data.stride(0), w_data.stride(1), w_scale.stride(0), w_scale.stride(1), y.stride(0),
-                          GPU=not _INTERPRET, **flags)
     return y
 
 

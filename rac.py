@@ -740,9 +740,10 @@ if triton is not None:
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GPU: tl.constexpr, BLOCKED: tl.constexpr = False):
         """Columns k0..k0+BLOCK_K of NVFP4 rows as (ROWS, BLOCK_K/2) fp16 even and odd tiles holding
         value * block_scale * 2^-6 exactly; BLOCKED: as (ROWS, BLOCK_K/16, 8) tiles, one block per row of 8.
-        Flat tiles load each row's BLOCK_K/2 bytes as one run (16-byte loads; the tensor-core path, whose
-        operands go through shared memory anyway); blocked ones load 8 bytes at a time, the width at
-        which Triton lays the GEMV's fp16 activation out the same way, so the product needs no shuffle."""
+        Flat tiles load each row's BLOCK_K/2 bytes as one run (16-byte loads) for the tensor cores, whose
+        operands go through shared memory anyway. Blocked tiles are the GEMV's: it loads its activation
+        row in the same (ROWS, BLOCK_K/16, 8) shape, so Triton gives both one layout and the product
+        needs no shuffle of the decoded tile through shared memory (checked in the compiled IR)."""
         GB: tl.constexpr = BLOCK_K // 16
         blocks = k0 // 16 + tl.arange(0, GB)                                            # (GB,)
         if BLOCKED:
@@ -788,7 +789,9 @@ if triton is not None:
     def _quantized_tile(x_words_ptr, rac_mask_ptr, global_scale, row0, M, k0, K, HAS_RESIDUAL: tl.constexpr,
                         X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKED: tl.constexpr):
         """The fused path's activation tile: rows row0.. and columns k0..k0+BLOCK_K of x quantized here
-        (as the quantizer kernel does, bit for bit) -> (BLOCK_M, BLOCK_K/2) fp16 even and odd tiles."""
+        (as the quantizer kernel does, bit for bit) -> (BLOCK_M, BLOCK_K/2) fp16 even and odd tiles, or
+        (BLOCK_M, BLOCK_K/16, 8) ones (BLOCKED). In the fused GEMV Triton still moves the decoded weight
+        tile to this tile's layout (a shared-memory round trip); bench.py's variants measure the cost."""
         GB: tl.constexpr = BLOCK_K // 16
         idx = tl.arange(0, BLOCK_M * GB)
         row, block = row0 + idx // GB, k0 // 16 + idx % GB
@@ -839,7 +842,6 @@ if triton is not None:
         if GEMV:
             acc = acc[:, None]                                                           # (BLOCK_N, 1)
         return acc
-
 
     @triton.jit
     def _store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, value, OUT_BF16: tl.constexpr):

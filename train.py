@@ -498,6 +498,7 @@ def warmstart(cfg, model, task, tokenizer):
 class Distributed:
     rank: int = 0
     world_size: int = 1
+    launched: bool = False         # under torchrun (a process group exists), even with one process
 
     @property
     def main(self):
@@ -505,7 +506,7 @@ class Distributed:
 
     @property
     def enabled(self):
-        return self.world_size > 1
+        return self.launched
 
 
 SINGLE = Distributed()
@@ -521,7 +522,7 @@ def init_distributed(cfg):
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if cuda else "gloo")
-    return Distributed(dist.get_rank(), dist.get_world_size())
+    return Distributed(dist.get_rank(), dist.get_world_size(), launched=True)
 
 
 def shard(n, ranks):

@@ -8,30 +8,13 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from conftest import report_diff
+from conftest import bits, report_diff, same_bits, tiny_model
 
 import fp8
 import moe
 import nvfp4
 import qat
 import rac
-
-
-def _bits(t):
-    view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-            torch.float8_e4m3fn: torch.uint8, torch.uint8: torch.uint8}[t.dtype]
-    return t.cpu().view(view)
-
-
-def _same_bits(a, b):
-    """Bitwise equality; NaNs must sit in the same places (their payload is not part of the contract)."""
-    a, b = a.cpu(), b.cpu()
-    if a.is_floating_point():
-        nan = a.float().isnan()
-        if not torch.equal(nan, b.float().isnan()):
-            return False
-        a, b = a[~nan], b[~nan]
-    return torch.equal(_bits(a), _bits(b))
 
 
 def _relative_error(y, reference):
@@ -61,17 +44,17 @@ def test_quantizer_matches_its_twin_bit_for_bit(kernel_device, rows, cols, compe
     mask = (torch.arange(cols // 16, device=kernel_device) % 2 == 0) if compensate else None
     act = rac.quantize_activation_triton(x, mask, codes=True, operand=True)
     x_q, residual = rac.quantize_activation_reference(x.cpu(), None if mask is None else mask.cpu())
-    assert _same_bits(act.global_scale, x_q.global_scale)
-    assert _same_bits(act.x_q.data, x_q.data) and _same_bits(act.x_q.block_scale, x_q.block_scale)
+    assert same_bits(act.global_scale, x_q.global_scale)
+    assert same_bits(act.x_q.data, x_q.data) and same_bits(act.x_q.block_scale, x_q.block_scale)
     if compensate:
-        assert _same_bits(act.residual.data, residual.data)
-        assert _same_bits(act.residual.block_scale, residual.block_scale)
+        assert same_bits(act.residual.data, residual.data)
+        assert same_bits(act.residual.block_scale, residual.block_scale)
         # unselected blocks carry no residual; selected ones do (the test input has no exact blocks)
         scales = residual.block_scale.float()
         assert (scales[:, ~mask.cpu()] == 0).all() and (scales[:, mask.cpu()] > 0).any()
     else:
         assert act.residual is None
-    assert _same_bits(act.operand, rac.activation_operand(x_q, residual))
+    assert same_bits(act.operand, rac.activation_operand(x_q, residual))
     # the operand twin is the definition: (code value * block scale, x's and r's summed) * 2^-6 in fp16
     def values(q):
         codes = nvfp4.unpack_codes(q.data.cpu())
@@ -92,7 +75,7 @@ def test_quantizer_zeros_and_nan(kernel_device):
     act = rac.quantize_activation_triton(x, torch.ones(2, dtype=torch.bool, device=kernel_device))
     x_q, residual = rac.quantize_activation_reference(x.cpu(), torch.ones(2, dtype=torch.bool))
     assert act.global_scale.isnan().item() and x_q.global_scale.isnan().item()
-    assert _same_bits(act.operand, rac.activation_operand(x_q, residual))
+    assert same_bits(act.operand, rac.activation_operand(x_q, residual))
     assert act.operand[:, 1, 8:].isnan().all()  # the NaN block (columns 16..31) stays NaN
 
 
@@ -141,7 +124,7 @@ def test_prefill_weight_pass_matches_its_twin(kernel_device):
     operand = rac._empty_planes(40, 48, kernel_device)
     rac._weight_operand_kernel[(1, 1)](w_q.data, w_q.block_scale.view(torch.uint8), operand, 40, 96, 48, 6,
                                        operand.stride(0), GPU=kernel_device == "cuda", ROWS=64, BLOCK_K=256)
-    assert _same_bits(operand, rac.weight_operand_reference(w_q))
+    assert same_bits(operand, rac.weight_operand_reference(w_q))
 
 
 def test_split_k_counters_are_reset_so_repeated_calls_agree(kernel_device):
@@ -351,7 +334,7 @@ def test_selector_picks_the_highest_error_blocks_and_calibrate_rac_refreshes_the
     x2[:, 16 * 7:] *= 30.0
     assert selector(x2).tolist() == mask.tolist()                     # frozen after its first input
 
-    model = _tiny_model()
+    model = tiny_model(vocab_size=48)
     rollout = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4", rac_ratio=0.5)
     selectors = [m for m in rollout.modules() if isinstance(m, rac.RACSelector)]
     assert len(selectors) == 2 * (4 + 2)  # per layer: q, k, v, o inputs and the experts' two GEMM inputs
@@ -363,19 +346,13 @@ def test_selector_picks_the_highest_error_blocks_and_calibrate_rac_refreshes_the
 
 
 # ============================================================================ conversion and sync
-def _tiny_model(dtype=torch.float32):
-    torch.manual_seed(0)
-    config = moe.MoEConfig.from_preset("tiny", vocab_size=48, max_seq_len=64)
-    return moe.MoETransformer(config).to(dtype).eval()  # Hugging Face's N(0, 0.02) init
-
-
 def _tokens(batch=2, length=12):
     return torch.randint(0, 48, (batch, length), generator=torch.Generator().manual_seed(1))
 
 
 @torch.no_grad()
 def test_convert_for_rollout_logits_bf16_identical_fp8_closer_than_nvfp4():
-    model, tokens = _tiny_model(), _tokens()
+    model, tokens = tiny_model(vocab_size=48), _tokens()
     reference = model(tokens)
     errors = {}
     for mode, ratio in (("bf16", 0.0), ("fp8", 0.0), ("nvfp4", 0.0), ("nvfp4", 0.5)):
@@ -410,7 +387,7 @@ def _assert_rollout_weights_are_the_qat_weights(rollout, trainer):
             continue
         for quantized, master in pairs:
             with torch.no_grad():
-                assert _same_bits(quantized.dequantize(master.dtype), nvfp4.fake_quantize_weight(master)), path
+                assert same_bits(quantized.dequantize(master.dtype), nvfp4.fake_quantize_weight(master)), path
             checked += 1
     assert checked == 2 * (4 + 2)
     for name, param in rollout.named_parameters():  # norms, embeddings, routers, LM head: copied
@@ -418,12 +395,12 @@ def _assert_rollout_weights_are_the_qat_weights(rollout, trainer):
 
 
 def test_sync_weights_reloads_exactly_the_qat_weights():
-    trainer = _tiny_model()
+    trainer = tiny_model(vocab_size=48)
     rollout = rac.convert_for_rollout(copy.deepcopy(trainer), "nvfp4", rac_ratio=0.5)
     with torch.no_grad():
         for p in trainer.parameters():  # a training step happened: the rollout copy is stale
             p.add_(torch.randn_like(p) * 0.05)
-    assert not _same_bits(rollout.layers[0].attn.q_proj.weight_q.dequantize(torch.float32),
+    assert not same_bits(rollout.layers[0].attn.q_proj.weight_q.dequantize(torch.float32),
                           nvfp4.fake_quantize_weight(trainer.layers[0].attn.q_proj.weight).detach())
     rac.sync_weights(rollout, trainer)
     _assert_rollout_weights_are_the_qat_weights(rollout, trainer)
@@ -435,10 +412,10 @@ def test_sync_weights_reloads_exactly_the_qat_weights():
     rac.sync_weights(rollout, trainer)
     _assert_rollout_weights_are_the_qat_weights(rollout, trainer)
 
-    fp8_rollout = rac.convert_for_rollout(copy.deepcopy(_tiny_model()), "fp8")
+    fp8_rollout = rac.convert_for_rollout(copy.deepcopy(tiny_model(vocab_size=48)), "fp8")
     rac.sync_weights(fp8_rollout, trainer)
     codes, scale = fp8.quantize_weight(trainer.layers[1].mlp.experts.down_proj)
-    assert torch.equal(_bits(fp8_rollout.layers[1].mlp.experts.down_fp8), _bits(codes))
+    assert torch.equal(bits(fp8_rollout.layers[1].mlp.experts.down_fp8), bits(codes))
     assert torch.equal(fp8_rollout.layers[1].mlp.experts.down_scale, scale)
 
 
@@ -542,10 +519,10 @@ def test_native_kernels_compile_to_blackwell_fp4_tensor_core_instructions():
     (lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 32)),
                                      torch.ones(2)), "rac_mask must be a bool"),
     (lambda: rac.RACSelector(4, 1.5), "rac_ratio"),
-    (lambda: rac.convert_for_rollout(_tiny_model(), "nvfp4", rac_ratio=-0.1), "rac_ratio"),
-    (lambda: rac.convert_for_rollout(_tiny_model(), "int4"), "unknown rollout mode"),
-    (lambda: rac.convert_for_rollout(_tiny_model(), "fp8", rac_ratio=0.5), "compensates NVFP4 activations"),
-    (lambda: rac.sync_weights(rac.convert_for_rollout(_tiny_model(), "nvfp4"), nn.Linear(2, 2)), "no parameter"),
+    (lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4", rac_ratio=-0.1), "rac_ratio"),
+    (lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "int4"), "unknown rollout mode"),
+    (lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "fp8", rac_ratio=0.5), "compensates NVFP4 activations"),
+    (lambda: rac.sync_weights(rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4"), nn.Linear(2, 2)), "no parameter"),
 ])
 def test_bad_input_raises_a_clear_value_error(call, message):
     with pytest.raises(ValueError, match=message):

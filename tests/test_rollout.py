@@ -3,33 +3,28 @@
 CPU, fp32, the tiny preset with a small vocabulary. The CUDA tests (graph replay against eager decoding,
 with rac.py's quantized layers when rac.py is importable) are skipped without a GPU.
 """
-import importlib.util
 import math
 
 import pytest
 import torch
 import torch.nn as nn
 
-import moe
 import rollout
-from conftest import report_diff
+from conftest import report_diff, tiny_model
 
 VOCAB = 32
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [19]]
 
 
-def tiny_model(seed=0, vocab=VOCAB, device="cpu", dtype=torch.float32):
-    torch.manual_seed(seed)
-    config = moe.MoEConfig.from_preset("tiny", vocab_size=vocab, max_seq_len=64)
-    # a wider init than the default, so the random model has peaked, seed-dependent next-token distributions
-    model = moe.MoETransformer(config)
-    model.init_weights(std=0.2)
-    return model.to(device=device, dtype=dtype).eval()
+def peaked_model(seed=0, **kwargs):
+    """conftest's tiny model with this file's vocabulary, in eval mode, with a wider init (N(0, 0.2)) than
+    the default, so the random model has peaked, seed-dependent next-token distributions."""
+    return tiny_model(seed, std=0.2, vocab_size=VOCAB, **kwargs).eval()
 
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model()
+    return peaked_model()
 
 
 def greedy_without_cache(model, prompt, max_new_tokens, eos_id=None):
@@ -311,7 +306,7 @@ def test_integer_prompts_of_any_integer_kind_give_the_same_tokens(model):
 
 
 def test_decode_state_is_reused_and_dropped_when_weights_are_replaced():
-    model = tiny_model(seed=1)
+    model = peaked_model(seed=1)
     rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=5)
     state = rollout.get_decode_state(model, 8, 16, 5, dict(temperature=1.0, top_k=0, top_p=1.0, eos_id=None,
                                                            pad_id=0), cuda_graph=False)
@@ -328,7 +323,7 @@ def test_rollout_through_rac_fp8_layers_matches_their_forward():
     # FP8 scales activations per token, so a decode step computes each token as the full forward does: the
     # cached sampler with quantized layers must reproduce that forward's log-probs and routes
     import rac
-    model = rac.convert_for_rollout(tiny_model(), "fp8")
+    model = rac.convert_for_rollout(peaked_model(), "fp8")
     out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=8, temperature=1.0, seed=0)
     seq = out.sequences()
     mx, _ = report_diff(seq.logprobs[:, 1:], trainer_logprobs(model, seq, 1.0), "fp8 rollout vs fp8 forward")
@@ -348,7 +343,7 @@ def _graph_and_eager(model, **kwargs):
 @pytest.mark.cuda
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_cuda_graph_decode_equals_eager_decode(temperature):
-    model = tiny_model(device="cuda", dtype=torch.bfloat16)
+    model = peaked_model(device="cuda", dtype=torch.bfloat16)
     graph, eager = _graph_and_eager(model, num_samples=4, max_new_tokens=40, temperature=temperature, top_p=0.9,
                                     eos_id=3, seed=7)
     assert torch.equal(graph.completion_ids, eager.completion_ids)
@@ -367,7 +362,7 @@ def test_cuda_graph_decode_equals_eager_decode(temperature):
 @pytest.mark.parametrize("mode,rac_ratio", [("bf16", 0.0), ("fp8", 0.0), ("nvfp4", 0.0), ("nvfp4", 0.5)])
 def test_cuda_graph_captures_rac_rollout_layers(mode, rac_ratio):
     import rac
-    model = tiny_model(device="cuda", dtype=torch.bfloat16)
+    model = peaked_model(device="cuda", dtype=torch.bfloat16)
     rac.convert_for_rollout(model, mode, rac_ratio=rac_ratio)
     graph, eager = _graph_and_eager(model, num_samples=4, max_new_tokens=24, temperature=1.0, seed=3)
     assert torch.equal(graph.completion_ids, eager.completion_ids)

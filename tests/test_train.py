@@ -73,10 +73,7 @@ def out_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def recipe_runs(out_dir):
     """bf16, nvfp4 and quads from one cached warm-start (the first run writes it, the others load it)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model runs fastest on one thread (as train.py's CLI sets it)
-    yield {recipe: train.run(tiny_config(out_dir, recipe=recipe)) for recipe in ("bf16", "nvfp4", "quads")}
-    torch.set_num_threads(threads)
+    return {recipe: train.run(tiny_config(out_dir, recipe=recipe)) for recipe in ("bf16", "nvfp4", "quads")}
 
 
 @pytest.mark.slow

@@ -111,7 +111,8 @@ def test_cuda_triton_fake_quantized_weights_match_the_cpu_reference():
             continue
         for quantized, master in pairs:
             w = master.detach().cpu()
-            expected = nvfp4.dequantize_reference(nvfp4.quantize_reference(w, nvfp4.weight_global_scale(w)), w.dtype)
+            expected = nvfp4.dequantize_reference(nvfp4.quantize_reference(w, nvfp4.weight_global_scale(w)),
+                                                  w.dtype)
             assert same_bits(quantized.cpu(), expected)
 
 

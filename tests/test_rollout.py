@@ -39,12 +39,13 @@ def greedy_without_cache(model, prompt, max_new_tokens, eos_id=None):
 
 
 def trainer_logprobs(model, seq, temperature):
-    """What the trainer computes: log_softmax(logits / temperature) of each next token, from a plain forward."""
+    """What the trainer computes: log_softmax(logits / temperature) of each next token, from a plain
+    forward."""
     logits = model(seq.tokens).float()
     if temperature > 0:
         logits = logits / temperature
     logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, seq.tokens[:, 1:, None]).squeeze(-1)
-    return torch.where(seq.loss_mask[:, 1:], logprobs, 0.0)                                # aligned with [:, 1:]
+    return torch.where(seq.loss_mask[:, 1:], logprobs, 0.0)  # aligned with [:, 1:]
 
 
 def completion_list(out, row):
@@ -74,12 +75,14 @@ def test_padded_batch_rows_equal_each_prompt_alone(model):
     for row in range(len(PROMPTS) * 2):
         prompt, completion = PROMPTS[row // 2], completion_list(sampled, row)
         logits = model(torch.tensor([prompt + completion])).float()
-        alone = torch.log_softmax(logits[0, len(prompt) - 1:-1], dim=-1).gather(-1, torch.tensor(completion)[:, None])
+        alone = torch.log_softmax(logits[0, len(prompt) - 1:-1], dim=-1)
+        alone = alone.gather(-1, torch.tensor(completion)[:, None])
         mx, _ = report_diff(sampled.logprobs[row, :len(completion)], alone.squeeze(-1), f"row {row}")
         assert mx < 1e-5
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.6, 5, 0.9), (0.0, 0, 1.0)])
+@pytest.mark.parametrize("temperature,top_k,top_p",
+                         [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.6, 5, 0.9), (0.0, 0, 1.0)])
 def test_logprobs_equal_trainer_logprobs_of_the_full_tempered_distribution(model, temperature, top_k, top_p):
     out = rollout.generate(model, PROMPTS, num_samples=3, max_new_tokens=12, temperature=temperature,
                            top_k=top_k, top_p=top_p, eos_id=5, seed=1)
@@ -132,7 +135,8 @@ def test_all_rows_ending_stops_the_loop_and_trims(model):
 
 
 def test_prompt_layout_and_sequences(model):
-    out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=6, temperature=1.0, pad_id=31, seed=4)
+    out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=6, temperature=1.0, pad_id=31,
+                           seed=4)
     longest = max(map(len, PROMPTS))
     assert out.prompt_ids.shape == (8, longest)
     for row in range(8):
@@ -163,7 +167,8 @@ def test_same_seed_same_tokens_different_seed_different(model):
 @pytest.mark.parametrize("truncation", [dict(top_k=1), dict(top_p=1e-6), dict(top_k=3, top_p=1e-6)])
 def test_top_k_one_and_tiny_top_p_are_greedy(model, truncation):
     greedy = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=10, temperature=0.0)
-    out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=10, temperature=0.8, seed=5, **truncation)
+    out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=10, temperature=0.8, seed=5,
+                           **truncation)
     assert torch.equal(out.completion_ids, greedy.completion_ids)
 
 
@@ -174,13 +179,15 @@ def test_truncate_keeps_the_smallest_set_reaching_top_p_after_top_k():
     assert kept(top_p=0.79) == [False, True, False, True]
     assert kept(top_p=0.81) == [True, True, False, True]
     assert kept(top_k=2) == [False, True, False, True]
-    assert kept(top_k=3, top_p=0.9) == [True, True, False, True]   # (0.5+0.3)/0.95 < 0.9: the third survivor stays
+    # (0.5+0.3)/0.95 < 0.9: the third survivor stays
+    assert kept(top_k=3, top_p=0.9) == [True, True, False, True]
     assert kept(top_k=3, top_p=0.8) == [False, True, False, True]
 
 
 def test_sampling_frequencies_follow_the_truncated_tempered_distribution():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0]).expand(40000, 5)
-    noise = rollout.sampling_noise(torch.tensor([rollout.seed_key(0)]), torch.arange(40000), torch.tensor([0]), 5)
+    noise = rollout.sampling_noise(torch.tensor([rollout.seed_key(0)]), torch.arange(40000),
+                                   torch.tensor([0]), 5)
     tokens, logprobs = rollout.sample_tokens(logits, temperature=2.0, top_k=3, noise=noise)
     full = torch.log_softmax(logits[0] / 2.0, dim=-1)
     expected = torch.zeros(5)
@@ -204,7 +211,8 @@ def test_sampling_noise_matches_a_python_integer_oracle():
     seed, rows, position, vocab = 2 ** 40 + 12345, [0, 1, 7, 1000], 5, 9
     key = rollout.seed_key(seed)
     assert key == _mix32_python((seed ^ (seed >> 32)) % 2 ** 32)
-    noise = rollout.sampling_noise_reference(torch.tensor([key]), torch.tensor(rows), torch.tensor([position]), vocab)
+    noise = rollout.sampling_noise_reference(torch.tensor([key]), torch.tensor(rows),
+                                             torch.tensor([position]), vocab)
     for i, row in enumerate(rows):
         row_key = _mix32_python((key + row * 0x27D4EB2F + position * 0x165667B1) % 2 ** 32)
         for v in range(vocab):
@@ -216,9 +224,10 @@ def test_sampling_noise_matches_a_python_integer_oracle():
 def test_noise_kernel_equals_its_torch_twin(kernel_device):
     """One launch computes keys, hash and -log(u): equal to the twin up to the last ulp of the log (a
     wrong bit anywhere in the hash would move E by far more)."""
-    for seed, position, vocab in ((3, 11, 1), (2 ** 33 + 5, 0, 37), (7, 200, 1500)):   # partial block, several
+    for seed, position, vocab in ((3, 11, 1), (2 ** 33 + 5, 0, 37), (7, 200, 1500)):  # partial block, several
         args = (torch.tensor([rollout.seed_key(seed)], device=kernel_device),
-                torch.arange(5, device=kernel_device) * 1001, torch.tensor([position], device=kernel_device), vocab)
+                torch.arange(5, device=kernel_device) * 1001,
+                torch.tensor([position], device=kernel_device), vocab)
         fast = rollout.sampling_noise(*args, use_kernel=True)
         torch.testing.assert_close(fast, rollout.sampling_noise_reference(*args), rtol=1e-6, atol=1e-7)
 
@@ -230,7 +239,7 @@ def test_noise_is_exponential_and_independent_across_rows_positions_and_seeds():
     e = draw(0, 0)
     assert abs(e.mean().item() - 1.0) < 0.01 and abs(e.var().item() - 1.0) < 0.03       # Exp(1) moments
     assert (e > 0).all() and torch.isfinite(e).all()
-    for other in (draw(0, 1), draw(1, 0), draw(2 ** 32, 0)):                            # position, seed, seed >> 32
+    for other in (draw(0, 1), draw(1, 0), draw(2 ** 32, 0)):  # position, seed, seed >> 32
         assert abs(torch.corrcoef(torch.stack([e.flatten(), other.flatten()]))[0, 1].item()) < 0.01
     rows = torch.corrcoef(torch.stack([e[:-1].flatten(), e[1:].flatten()]))[0, 1].item()  # neighbouring rows
     assert abs(rows) < 0.01
@@ -246,12 +255,12 @@ def test_sampled_rows_do_not_depend_on_the_rest_of_the_batch(model):
         for g in range(2):
             assert completion_list(alone, g) == completion_list(batch, 2 * p + g)
             torch.testing.assert_close(alone.logprobs[g], batch.logprobs[2 * p + g], atol=1e-5, rtol=0)
-    shifted = rollout.generate(model, PROMPTS[:1], row_offset=2, **kwargs)            # another row id: new noise
+    shifted = rollout.generate(model, PROMPTS[:1], row_offset=2, **kwargs)  # another row id: new noise
     assert completion_list(shifted, 0) != completion_list(batch, 0) or \
         completion_list(shifted, 1) != completion_list(batch, 1)
 
 
-# ----------------------------------------------------------------------------------------------- arguments, pool
+# -------------------------------------------------------------------------------------------- arguments, pool
 @pytest.mark.parametrize("kwargs,message", [
     (dict(temperature=-0.5), "temperature"),
     (dict(temperature=float("nan")), "temperature"),
@@ -344,17 +353,19 @@ def _graph_and_eager(model, **kwargs):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_cuda_graph_decode_equals_eager_decode(temperature):
     model = peaked_model(device="cuda", dtype=torch.bfloat16)
-    graph, eager = _graph_and_eager(model, num_samples=4, max_new_tokens=40, temperature=temperature, top_p=0.9,
-                                    eos_id=3, seed=7)
+    graph, eager = _graph_and_eager(model, num_samples=4, max_new_tokens=40, temperature=temperature,
+                                    top_p=0.9, eos_id=3, seed=7)
     assert torch.equal(graph.completion_ids, eager.completion_ids)
     assert torch.equal(graph.logprobs, eager.logprobs) and torch.equal(graph.routes, eager.routes)
     again = rollout.generate(model, PROMPTS * 4, num_samples=4, max_new_tokens=40, temperature=temperature,
                              top_p=0.9, eos_id=3, seed=7)
     assert torch.equal(again.completion_ids, graph.completion_ids)
-    # BF16 rollout against the BF16 trainer forward on the same tokens: small, not bit-exact (different kernels)
+    # BF16 rollout against the BF16 trainer forward on the same tokens: small, not bit-exact (different
+    # kernels)
     seq = graph.sequences()
     mx, mean = report_diff(seq.logprobs[:, 1:][seq.loss_mask[:, 1:]],
-                           trainer_logprobs(model, seq, temperature)[seq.loss_mask[:, 1:]], "bf16 rollout vs trainer")
+                           trainer_logprobs(model, seq, temperature)[seq.loss_mask[:, 1:]],
+                           "bf16 rollout vs trainer")
     assert mean < 0.05
 
 

@@ -6,6 +6,7 @@
     python train.py --compare rac@0,rac@0.25,rac@0.5,nvfp4+tis2,quads+r3   # variants: RAC ratio, TIS, R3
     python train.py --compare bf16,fp8,nvfp4,quads --jobs 4                # four processes sharing one GPU
     python train.py --model path/to/qwen3-moe --task gsm8k --recipe quads
+    torchrun --nproc_per_node=8 train.py --recipe quads [--fsdp]          # every GPU of one node
 
 One RL step, as the code below reads:
 
@@ -18,7 +19,8 @@ One RL step, as the code below reads:
         loss  = grpo.policy_loss(new_logp, old_logp, A [, tis])      # ratio new/old, TIS weight old/rollout
         optimizer.step()
     sync_weights(rollout_model, trainer)                             # rac.py via nvfp4.quantize_weight
-    (--mipu: keep the update only if the synced rollout policy improved; recalibrate RAC, evaluate, log)
+    (--mipu: keep the update only if the synced rollout policy improved; recalibrate RAC)
+    log the step to metrics.jsonl; every eval_every steps pass@1; every checkpoint_every a checkpoint
 
 Recipes: what the trainer's forward computes and what precision the rollout runs in.
 
@@ -48,6 +50,10 @@ rollout model, synced with it, raises the batch's advantage-weighted likelihood 
 otherwise the weights and the optimizer state are restored. `--audit RUN` scores one batch of rollout
 tokens three ways per recipe (recorded at decode, re-scored in one prefill, the trainer), then exits.
 Mismatch is measured on every step, on the completion tokens.
+
+Under torchrun every rank holds a rollout model and a trainer (DDP, or FSDP2 sharded per block with
+`--fsdp`), samples and scores its share of each step's prompts (whole groups), and the losses are scaled
+so the averaged gradient is the one-process gradient; rank 0 alone writes. Without torchrun, one process.
 
 Warm-start: a short supervised run on the task's (deliberately imperfect) demonstrations, cached under
 out_dir/warmstart/ by everything that determines it, so every recipe and every later run with the same

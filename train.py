@@ -1035,8 +1035,8 @@ def run(cfg, base_state=None, ranks=SINGLE):
                 raise FloatingPointError(f"{error} at step {step}: stopping. The last good checkpoint is "
                                          f"kept at {ckpt_path} (resume with --resume after changing what "
                                          f"diverged).") from None
-            # metrics of the whole batch, from every rank's per-token tensors (this rank's alone without
-            # torchrun)
+            # metrics of the whole batch, from every rank's per-token tensors (without torchrun: this
+            # process's own)
             all_mask, all_rewards = gather_rows(mask, ranks, fill=False), gather_rows(rewards, ranks)
             mismatch = grpo.mismatch_metrics(gather_rows(old_logp, ranks), gather_rows(rollout_logp, ranks),
                                              all_mask, tis_cap=cfg.tis or None)

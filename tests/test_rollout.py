@@ -360,8 +360,8 @@ def test_cuda_graph_decode_equals_eager_decode(temperature):
     again = rollout.generate(model, PROMPTS * 4, num_samples=4, max_new_tokens=40, temperature=temperature,
                              top_p=0.9, eos_id=3, seed=7)
     assert torch.equal(again.completion_ids, graph.completion_ids)
-    # BF16 rollout against the BF16 trainer forward on the same tokens: small, not bit-exact (different
-    # kernels)
+    # BF16 rollout against the BF16 trainer forward on the same tokens: small, not bit-exact
+    # (different kernels)
     seq = graph.sequences()
     mx, mean = report_diff(seq.logprobs[:, 1:][seq.loss_mask[:, 1:]],
                            trainer_logprobs(model, seq, temperature)[seq.loss_mask[:, 1:]],

@@ -117,9 +117,10 @@ def test_bf16_mismatch_is_near_zero_and_nvfp4_clearly_above(recipe_runs):
 
 @pytest.mark.slow
 def test_bf16_routes_agree_and_nvfp4_routes_sometimes_differ(recipe_runs):
-    bf16, nvfp4 = (read_metrics(recipe_runs[recipe], rl_steps_only=True) for recipe in ("bf16", "nvfp4"))
-    assert max(r["routing_disagreement"] for r in bf16) < 0.01
-    assert max(r["routing_disagreement"] for r in nvfp4) > 0.0
+    bf16_records, nvfp4_records = (read_metrics(recipe_runs[recipe], rl_steps_only=True)
+                                   for recipe in ("bf16", "nvfp4"))
+    assert max(r["routing_disagreement"] for r in bf16_records) < 0.01
+    assert max(r["routing_disagreement"] for r in nvfp4_records) > 0.0
 
 
 @pytest.mark.slow
@@ -164,8 +165,8 @@ def test_compare_variants_set_recipe_rac_ratio_tis_and_r3():
 
 @pytest.mark.slow
 def test_compare_with_jobs_runs_variants_in_processes_and_matches_the_sequential_runs(recipe_runs, out_dir):
-    # same warm-start cache (same out_dir and settings) and seeds: the parallel runs repeat recipe_runs
-    # exactly
+    # same warm-start cache (same out_dir and settings) and seeds: the parallel runs repeat
+    # recipe_runs exactly
     settings = tiny_config(out_dir)
     flags = [f"--{k.replace('_', '-')}={getattr(settings, k)}" for k in
              ("preset", "difficulty", "steps", "prompts_per_step", "group_size", "warmstart_steps",

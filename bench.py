@@ -6,7 +6,7 @@
     python bench.py qat             # qat.py training step time: bf16 vs qat, w4a4, moeresq, trace
     python bench.py rollout         # rollout.py sampler vs HF generate; decode tokens/s per precision
     python bench.py decode          # the second half of `rollout` alone: decode tokens/s per precision
-    python bench.py racsweep        # decode tokens/s of NVFP4 rollouts at RAC ratios 0 .. 1 (the study's sweep)
+    python bench.py racsweep        # decode tokens/s of NVFP4 rollouts at RAC ratios 0 .. 1 (study's sweep)
 
 Each subcommand prints a markdown table (GPU, shapes, median times) that goes into the README as is.
 Timings use CUDA events through `triton.testing.do_bench` (median), after warm-up; inputs are random,
@@ -83,7 +83,8 @@ def bench_quantize(args):
 
 # ---------------------------------------------------------------------------- model (moe.py)
 def bench_model(args):
-    """Forward+backward tokens/s of the "small" preset in BF16 on a random training batch, eager vs compiled."""
+    """Forward+backward tokens/s of the "small" preset in BF16 on a random training batch, eager vs
+    compiled."""
     import torch.nn.functional as F
     from moe import MoEConfig, MoETransformer
 
@@ -181,7 +182,8 @@ def bench_gemm(args):
                 kernel.configs = [c]
                 kernel.cache.clear()
                 kw = c.kwargs
-                yield f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']} split-K {kw['SPLIT_K']} {c.num_warps}w {c.num_stages}s"
+                yield (f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']} split-K {kw['SPLIT_K']} "
+                       f"{c.num_warps}w {c.num_stages}s")
         finally:
             kernel.configs = configs
             kernel.cache.clear()
@@ -190,7 +192,8 @@ def bench_gemm(args):
         return max(1, min(64, math.ceil(rotate_bytes / nbytes)))
 
     def int4_weight(w):
-        """torch's int4 weight-only format (group 128, asymmetric, as gpt-fast quantizes) for F.linear-shaped w."""
+        """torch's int4 weight-only format (group 128, asymmetric, as gpt-fast quantizes) for F.linear-shaped
+        w."""
         N, K = w.shape
         groups = w.float().view(N, K // 128, 128)
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
@@ -198,7 +201,8 @@ def bench_gemm(args):
         q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).view(N, K)
         packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
         zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
-        scales_and_zeros = torch.stack((scale, zero), dim=-1).view(N, K // 128, 2).transpose(0, 1).contiguous()
+        scales_and_zeros = (torch.stack((scale, zero), dim=-1).view(N, K // 128, 2)
+                            .transpose(0, 1).contiguous())
         return packed, scales_and_zeros.to(bf16)
 
     dense = []
@@ -209,13 +213,16 @@ def bench_gemm(args):
         try:
             int4 = int4_weight(w)
         except Exception as error:
-            print(f"  (int4 weight packing failed: {type(error).__name__}: {str(error).splitlines()[0][:160]})")
+            print(f"  (int4 weight packing failed: {type(error).__name__}: "
+                  f"{str(error).splitlines()[0][:160]})")
             int4 = None
         dense.append((name, N, K, bytes_, [w.clone() for _ in range(copies(bytes_["bf16"]))],
-                      [tuple(t.clone() for t in fp8.quantize_weight(w)) for _ in range(copies(bytes_["fp8"]))],
+                      [tuple(t.clone() for t in fp8.quantize_weight(w))
+                       for _ in range(copies(bytes_["fp8"]))],
                       [nvfp4.NVFP4Tensor(w_q.data.clone(), w_q.block_scale.clone(), w_q.global_scale.clone())
                        for _ in range(copies(bytes_["w4a4"]))],
-                      [tuple(t.clone() for t in int4) for _ in range(copies(bytes_["w4a4"]))] if int4 else []))
+                      [tuple(t.clone() for t in int4) for _ in range(copies(bytes_["w4a4"]))]
+                      if int4 else []))
 
     def dense_times(M, variants=False):
         rows = []
@@ -237,8 +244,9 @@ def bench_gemm(args):
                 rac.FUSED_ELEMENTS = fused
                 t["GEMM alone"] = graph_us([lambda w=w: rac._dense_portable(w, bf16, act=act) for w in wqs])
                 t["quantizer alone"] = graph_us([lambda: rac.quantize_activation_triton(x, mask)] * 20)
-                t["configs"] = {label: graph_us([lambda w=w: rac.nvfp4_linear_triton(x, w, mask) for w in wqs])
-                                for label in forced(rac._dense_kernel, rac._m_bucket(M, rac.DENSE_CONFIGS))}
+                t["configs"] = {
+                    label: graph_us([lambda w=w: rac.nvfp4_linear_triton(x, w, mask) for w in wqs])
+                    for label in forced(rac._dense_kernel, rac._m_bucket(M, rac.DENSE_CONFIGS))}
             rows.append((name, N, K, M, t, bytes_["w4a4"] / copy_bw * 1e6))
         return rows
 
@@ -252,9 +260,10 @@ def bench_gemm(args):
         rows = dense_times(M, variants=M in (1, 16, 64))
         variant_rows += rows
         for name, N, K, M, t, floor in rows:
-            print(f"| {name} ({N}x{K}) | {M} | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['int4']:.1f} | {t['w4a4']:.1f} | "
-                  f"{t['rac0.5']:.1f} | {t['bf16'] / t['rac0.5']:.2f}x | {t['int4'] / t['rac0.5']:.2f}x | "
-                  f"{t['fp8'] / t['rac0.5']:.2f}x | {t['rac0.5'] / t['w4a4']:.2f}x | {100 * floor / t['rac0.5']:.0f}% |")
+            print(f"| {name} ({N}x{K}) | {M} | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['int4']:.1f} | "
+                  f"{t['w4a4']:.1f} | {t['rac0.5']:.1f} | {t['bf16'] / t['rac0.5']:.2f}x | "
+                  f"{t['int4'] / t['rac0.5']:.2f}x | {t['fp8'] / t['rac0.5']:.2f}x | "
+                  f"{t['rac0.5'] / t['w4a4']:.2f}x | {100 * floor / t['rac0.5']:.0f}% |")
 
     # ------------------------------------------------------------------ 2. variants
     print("\n### Decode layer variants, RAC 0.5 (us): what each stage costs\n")
@@ -271,7 +280,8 @@ def bench_gemm(args):
     down = torch.randn(E, D, I, device="cuda", dtype=bf16) * 0.02
     gate_up_q, down_q = nvfp4.quantize_weight(gate_up), nvfp4.quantize_weight(down)
     (gate_up8, gate_up_s), (down8, down_s) = fp8.quantize_weight(gate_up), fp8.quantize_weight(down)
-    print("\n### Expert layer, decode (128 experts, top-8; gate/up 2048 -> 2x768, SwiGLU, down 768 -> 2048)\n")
+    print("\n### Expert layer, decode (128 experts, top-8; gate/up 2048 -> 2x768, SwiGLU, "
+          "down 768 -> 2048)\n")
     print("| tokens | experts hit | BF16 | FP8 | W4A4 | W4A4 RAC 0.5 | vs BF16 | vs FP8 | % floor | "
           "GEMMs alone: gate/up, down | floor: gate/up, down | grouped configurations forced (layer time) |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |")
@@ -311,28 +321,35 @@ def bench_gemm(args):
              "w4a4": graph_us([lambda: layer._forward_triton(x, routing, row_weights)]),
              "rac": graph_us([lambda: rac_layer._forward_triton(x, routing, row_weights)]),
              "gate_up": graph_us([lambda: rac.grouped_matmul_triton(act_x, gate_up_q, routing.counts,
-                                                                     row_ids=routing.token_ids, swiglu=True)]),
+                                                                     row_ids=routing.token_ids,
+                                                                     swiglu=True)]),
              "down": graph_us([lambda: rac.grouped_matmul_triton(act_h, down_q, routing.counts,
                                                                   row_weights=row_weights)])}
         bucket = rac._m_bucket(-(-T * A // E), rac.GROUPED_CONFIGS)
-        configs = "; ".join(f"{label}: {graph_us([lambda: layer._forward_triton(x, routing, row_weights)]):.1f}"
-                            for label in forced(rac._grouped_kernel, bucket))
-        floor = {k: hit * n * (0.5 + 1 / 16) / copy_bw * 1e6 for k, n in (("gate_up", 2 * I * D), ("down", D * I))}
+        configs = "; ".join(
+            f"{label}: {graph_us([lambda: layer._forward_triton(x, routing, row_weights)]):.1f}"
+            for label in forced(rac._grouped_kernel, bucket))
+        floor = {k: hit * n * (0.5 + 1 / 16) / copy_bw * 1e6
+                 for k, n in (("gate_up", 2 * I * D), ("down", D * I))}
         total = floor["gate_up"] + floor["down"]
         print(f"| {T} | {hit} | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['w4a4']:.1f} | {t['rac']:.1f} | "
               f"{t['bf16'] / t['rac']:.2f}x | {t['fp8'] / t['rac']:.2f}x | {100 * total / t['rac']:.0f}% | "
-              f"{t['gate_up']:.1f}, {t['down']:.1f} | {floor['gate_up']:.1f}, {floor['down']:.1f} | {configs} |")
+              f"{t['gate_up']:.1f}, {t['down']:.1f} | {floor['gate_up']:.1f}, {floor['down']:.1f} | "
+              f"{configs} |")
     del gate_up, down, gate_up_q, down_q, gate_up8, down8
 
     # ------------------------------------------------------------------ 4. prefill
-    print("\n### Dense projections, prefill (M = 4096; the W4A4 GEMM decodes the weight once, to fp16 planes)\n")
-    print("| layer (N x K) | BF16 | FP8 | W4A4 | W4A4 RAC 0.5 | W4A4 / BF16 time | W4A4 TFLOP/s | BF16 TFLOP/s |")
+    print("\n### Dense projections, prefill (M = 4096; the W4A4 GEMM decodes the weight once, "
+          "to fp16 planes)\n")
+    print("| layer (N x K) | BF16 | FP8 | W4A4 | W4A4 RAC 0.5 | W4A4 / BF16 time | W4A4 TFLOP/s | "
+          "BF16 TFLOP/s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     dense = [(name, N, K, b, ws[:1], w8s[:1], wqs[:1], w4s[:1]) for name, N, K, b, ws, w8s, wqs, w4s in dense]
     for name, N, K, M, t, _ in dense_times(4096):
         flops = 2 * M * N * K
-        print(f"| {name} ({N}x{K}) | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['w4a4']:.1f} | {t['rac0.5']:.1f} | "
-              f"{t['w4a4'] / t['bf16']:.2f}x | {flops / t['w4a4'] / 1e6:.0f} | {flops / t['bf16'] / 1e6:.0f} |")
+        print(f"| {name} ({N}x{K}) | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['w4a4']:.1f} | "
+              f"{t['rac0.5']:.1f} | {t['w4a4'] / t['bf16']:.2f}x | {flops / t['w4a4'] / 1e6:.0f} | "
+              f"{flops / t['bf16'] / 1e6:.0f} |")
 
     print("\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages):")
     for kernel in (rac._dense_kernel, rac._grouped_kernel):
@@ -372,7 +389,8 @@ def bench_qat(args):
     def random_codes(keys, K):  # what a rollout would have recorded for these rows (random codes)
         n = keys.numel()
         q = nvfp4.quantize(torch.randn(n, K, device="cuda", dtype=torch.bfloat16))
-        return qat.RolloutCodes(keys, q.data, q.block_scale, torch.full((n,), float(q.global_scale), device="cuda"))
+        return qat.RolloutCodes(keys, q.data, q.block_scale,
+                                torch.full((n,), float(q.global_scale), device="cuda"))
 
     def link(model, mode):
         layer_index = {id(b.mlp.experts): i for i, b in enumerate(model.layers)}
@@ -407,7 +425,8 @@ def bench_qat(args):
         rows.append((mode, ms))
         if mode == "qat":
             layers = [m for m in model.modules() if isinstance(m, (qat.QATLinear, qat.QATExperts))]
-            refresh = [m.quantized_weight if isinstance(m, qat.QATLinear) else m.quantized_weights for m in layers]
+            refresh = [m.quantized_weight if isinstance(m, qat.QATLinear) else m.quantized_weights
+                       for m in layers]
             rows.append(("qat: weight fake quantization alone", bench_ms(lambda: [f() for f in refresh])))
         del model, optimizer
         torch.cuda.empty_cache()
@@ -424,7 +443,8 @@ def bench_qat(args):
 
 # ---------------------------------------------------------------------------- rollout (rollout.py)
 def bench_rollout(args):
-    """(a) rollout.generate against Hugging Face `generate` on one checkpoint; (b) decode tokens/s per precision.
+    """(a) rollout.generate against Hugging Face `generate` on one checkpoint; (b) decode tokens/s per
+    precision.
 
     (a) A random "small"-preset Qwen3-MoE (vocab 32768) is built with transformers, saved with
         save_pretrained, and loaded by both sides (moe.load_hf / from_pretrained), BF16. 16 prompts of 32..63
@@ -451,7 +471,8 @@ def _time_generate(model, prompts, num_samples, max_new_tokens, repeats=3):
     import statistics
     import time
     import rollout
-    out = rollout.generate(model, prompts, num_samples, max_new_tokens, seed=0)  # warm-up: pool, graph capture
+    # warm-up: the pool, the graph capture
+    out = rollout.generate(model, prompts, num_samples, max_new_tokens, seed=0)
     times = []
     for seed in range(1, repeats + 1):
         torch.cuda.synchronize()
@@ -497,9 +518,9 @@ def _bench_rollout_vs_hf(n_prompts=16, num_samples=16, max_new_tokens=128, vocab
     input_ids, attention_mask = input_ids.cuda(), attention_mask.cuda()
 
     def hf_generate():
-        return hf.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=1.0,
-                           top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                           num_return_sequences=num_samples, pad_token_id=0)
+        return hf.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
+                           temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                           min_new_tokens=max_new_tokens, num_return_sequences=num_samples, pad_token_id=0)
 
     with torch.no_grad():
         out = hf_generate()  # warm-up
@@ -529,8 +550,8 @@ def _bench_rollout_vs_hf(n_prompts=16, num_samples=16, max_new_tokens=128, vocab
           f'"small" preset (D {c.dim}, {c.n_layers} layers, {c.n_experts} experts top-{c.n_active}, '
           f"vocab {vocab_size}), prompts of 32..63 tokens, temperature 1, no EOS")
     print(f"HF: transformers {transformers.__version__}, attention {hf.config._attn_implementation}, "
-          f"experts {getattr(hf.config, '_experts_implementation', 'n/a')}, dynamic cache; greedy tokens equal to "
-          f"ours on 4 prompts x {check} tokens: {100 * agreement:.0f}%")
+          f"experts {getattr(hf.config, '_experts_implementation', 'n/a')}, dynamic cache; "
+          f"greedy tokens equal to ours on 4 prompts x {check} tokens: {100 * agreement:.0f}%")
     print("| sampler | time (s) | tokens/s | vs HF generate |")
     print("| --- | ---: | ---: | ---: |")
     print(f"| HF transformers generate | {hf_seconds:.2f} | {tokens / hf_seconds:,.0f} | 1.00x |")
@@ -541,8 +562,9 @@ def _bench_rollout_vs_hf(n_prompts=16, num_samples=16, max_new_tokens=128, vocab
     torch.cuda.empty_cache()
 
 
-DECODE_VARIANTS = [("moe.py BF16 (not converted)", None, 0.0), ("rac bf16", "bf16", 0.0), ("rac fp8", "fp8", 0.0),
-                   ("rac nvfp4", "nvfp4", 0.0), ("rac nvfp4 + RAC 0.5", "nvfp4", 0.5)]
+DECODE_VARIANTS = [("moe.py BF16 (not converted)", None, 0.0), ("rac bf16", "bf16", 0.0),
+                   ("rac fp8", "fp8", 0.0), ("rac nvfp4", "nvfp4", 0.0),
+                   ("rac nvfp4 + RAC 0.5", "nvfp4", 0.5)]
 DECODE_CHECKS = [("rac nvfp4 / rac fp8", "rac nvfp4", "rac fp8", 1.3),
                  ("rac nvfp4 / rac bf16", "rac nvfp4", "rac bf16", 1.6),
                  ("rac nvfp4 + RAC 0.5 / rac nvfp4", "rac nvfp4 + RAC 0.5", "rac nvfp4", 0.95)]
@@ -554,7 +576,8 @@ def bench_racsweep(args):
     import rac
     ratios = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)
     variants = [("rac bf16", "bf16", 0.0)] + [(f"rac nvfp4 + RAC {r:g}", "nvfp4", r) for r in ratios]
-    checks = [(f"RAC {r:g} / RAC 0", f"rac nvfp4 + RAC {r:g}", "rac nvfp4 + RAC 0", 1 / 1.15) for r in ratios[1:]]
+    checks = [(f"RAC {r:g} / RAC 0", f"rac nvfp4 + RAC {r:g}", "rac nvfp4 + RAC 0", 1 / 1.15)
+              for r in ratios[1:]]
     _bench_decode_per_precision(rac, variants=variants, checks=checks)
 
 
@@ -607,7 +630,8 @@ def _bench_decode_per_precision(rac, batches=(64, 256), prompt_len=64, short=16,
         for label, fast, slow, target in checks:
             if (fast, b) in rates and (slow, b) in rates:
                 ratio = rates[fast, b] / rates[slow, b]
-                print(f"| {label} | {ratio:.2f}x | >= {target:.2f}x {'(met)' if ratio >= target else '(NOT met)'} |")
+                print(f"| {label} | {ratio:.2f}x | >= {target:.2f}x "
+                      f"{'(met)' if ratio >= target else '(NOT met)'} |")
             else:
                 print(f"| {label} | not measured | >= {target:.2f}x |")
 
@@ -629,7 +653,8 @@ COMMANDS = {
 }
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=list(COMMANDS), nargs="+")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -72,7 +72,8 @@ def grouped_linear(x_sorted, routing, w_codes, w_scale):
                                         offs=routing.offsets, out_dtype=torch.bfloat16)
     outputs, start = [], 0
     for e, n in enumerate(routing.counts.tolist()):  # the twin: one host sync, a loop over experts
-        outputs.append(linear_reference(x_codes[start:start + n], x_scale[start:start + n], w_codes[e], w_scale[e]))
+        outputs.append(linear_reference(x_codes[start:start + n], x_scale[start:start + n], w_codes[e],
+                                        w_scale[e]))
         start += n
     return torch.cat(outputs) if outputs else x_sorted.new_zeros((0, N), dtype=torch.bfloat16)
 
@@ -96,7 +97,8 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight_fp8",
                              torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+        self.bias = (nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
+                     if bias else None)
 
     @classmethod
     def from_float(cls, linear_layer):
@@ -108,7 +110,8 @@ class FP8Linear(nn.Module):
     @torch.no_grad()
     def load_weight(self, weight, bias=None):
         if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"FP8Linear: weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
+            raise ValueError(f"FP8Linear: weight shape {tuple(weight.shape)} != "
+                             f"{(self.out_features, self.in_features)}")
         codes, scale = quantize_weight(weight)
         self.weight_fp8.copy_(codes)
         self.weight_scale.copy_(scale)
@@ -131,7 +134,8 @@ class FP8Experts(nn.Module):
         self.n_experts, self.dim, self.expert_dim = n_experts, dim, expert_dim
         E, D, I = n_experts, dim, expert_dim
         for name, (N, K) in (("gate_up", (2 * I, D)), ("down", (D, I))):
-            self.register_buffer(f"{name}_fp8", torch.zeros(E, N, K, dtype=torch.float8_e4m3fn, device=device))
+            self.register_buffer(f"{name}_fp8",
+                                 torch.zeros(E, N, K, dtype=torch.float8_e4m3fn, device=device))
             self.register_buffer(f"{name}_scale", torch.ones(E, N, dtype=torch.float32, device=device))
 
     @classmethod
@@ -156,6 +160,8 @@ class FP8Experts(nn.Module):
         _check_input(x, self.dim, self.gate_up_fp8.device, "FP8Experts")
         routing = moe.route_tokens(expert_ids, self.n_experts)
         x_sorted = x[routing.token_ids]                                                      # (R, D)
-        gate, up = grouped_linear(x_sorted, routing, self.gate_up_fp8, self.gate_up_scale).to(x.dtype).chunk(2, -1)
-        y_sorted = grouped_linear(F.silu(gate) * up, routing, self.down_fp8, self.down_scale).to(x.dtype)  # (R, D)
+        gate, up = (grouped_linear(x_sorted, routing, self.gate_up_fp8, self.gate_up_scale)    # (R, 2I)
+                    .to(x.dtype).chunk(2, -1))
+        y_sorted = (grouped_linear(F.silu(gate) * up, routing, self.down_fp8, self.down_scale)  # (R, D)
+                    .to(x.dtype))
         return moe.combine_expert_outputs(y_sorted, routing, expert_weights)

@@ -1,4 +1,5 @@
-"""The rollout sampler: G completions per prompt from a KV-cached model, with what RL needs to learn from them.
+"""The rollout sampler: G completions per prompt from a KV-cached model, with what RL needs to learn from
+them.
 
 What `generate` returns for every sampled token: its id, whether it belongs to the completion (mask), the
 log-prob the rollout model gave it, and for every MoE layer the experts it was routed to. Those are the
@@ -66,9 +67,9 @@ shared-prefix attention across prompts, chunked prefill of one long prompt, spec
 strings, repetition penalties, min-p.
 
 Shape letters:
-    P prompts in the batch, G samples per prompt, N = P*G rows (prompt-major: rows p*G .. p*G+G-1 are prompt p's),
-    Tp padded prompt width, T completion width, W = prompt + completion width (trainer rows), S cache slots,
-    V vocab, L layers, Hkv key/value heads, hd head dim, A experts per token
+    P prompts in the batch, G samples per prompt, N = P*G rows (prompt-major: rows p*G .. p*G+G-1 are
+    prompt p's), Tp padded prompt width, T completion width, W = prompt + completion width (trainer rows),
+    S cache slots, V vocab, L layers, Hkv key/value heads, hd head dim, A experts per token
 """
 import dataclasses
 import operator
@@ -121,9 +122,12 @@ class Rollout:
     prompt_lengths: Tensor      # (N,) int64
     completion_ids: Tensor      # (N, T) int64; the EOS token is included, pad_id after it
     completion_mask: Tensor     # (N, T) bool; True up to and including EOS
-    logprobs: Tensor            # (N, T) fp32: log_softmax(z / temperature)[token] (full distribution), 0 where masked
-    routes: Tensor | None       # (L, N, T, A) int64: experts per completion token and layer (meaningful where masked 1)
-    prompt_routes: Tensor | None  # (L, N, Tp, A) int64: experts per prompt token (meaningful where prompt_mask)
+    logprobs: Tensor            # (N, T) fp32: log_softmax(z / temperature)[token] (full distribution),
+                                # 0 where masked
+    routes: Tensor | None       # (L, N, T, A) int64: experts per completion token and layer (meaningful
+                                # where masked 1)
+    prompt_routes: Tensor | None  # (L, N, Tp, A) int64: experts per prompt token (meaningful where
+                                  # prompt_mask)
     num_samples: int            # G
     temperature: float          # the trainer must score the tokens at this temperature (0: untempered)
     pad_id: int
@@ -151,7 +155,7 @@ class Rollout:
         logprobs = torch.cat((torch.zeros_like(self.prompt_ids, dtype=torch.float32), self.logprobs), dim=1)
         routes = None
         if self.routes is not None:
-            all_routes = torch.cat((self.prompt_routes, self.routes), dim=2)                # (L, N, Tp + T, A)
+            all_routes = torch.cat((self.prompt_routes, self.routes), dim=2)  # (L, N, Tp + T, A)
             index = source[None, :, :, None].expand(all_routes.shape[0], -1, -1, all_routes.shape[-1])
             routes = all_routes.gather(2, index)                                             # (L, N, W, A)
         return Sequences(
@@ -179,7 +183,8 @@ class KVCache:
         shape = (n_layers, rows, n_kv_heads, slots, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = torch.zeros(1, dtype=torch.int64, device=device)  # slots written; the next write goes here
+        self.length = torch.zeros(1, dtype=torch.int64, device=device)  # slots written: the next write
+                                                                        # goes here
         self.prefill_rows: slice | None = None   # cache rows the current prefill chunk fills
         self.samples_per_prompt = 1               # G: each prompt's keys are copied to this many rows
 
@@ -196,7 +201,7 @@ class KVCache:
         return keys, values
 
 
-# ----------------------------------------------------------------------------------------------- sampling noise
+# --------------------------------------------------------------------------------------------- sampling noise
 MASK32 = 0xFFFFFFFF
 MIX_MULTIPLIERS = (0x7FEB352D, 0x1B873593)    # odd and < 2^31: a product with a 32-bit value fits in int64
 ROW_STRIDE, POSITION_STRIDE, TOKEN_STRIDE = 0x27D4EB2F, 0x165667B1, 0x61C88647   # odd "Weyl" increments
@@ -366,7 +371,8 @@ def decode_step(model: MoETransformer, state: DecodeState) -> None:
     if s["eos_id"] is not None:
         alive = alive & (state.next_input[:, 0] != s["eos_id"])     # a row that just fed EOS has ended
     column = step + 1
-    noise = None if s["temperature"] == 0 else sampling_noise(state.seed, state.row_ids, column, logits.shape[-1])
+    noise = None if s["temperature"] == 0 else sampling_noise(state.seed, state.row_ids, column,
+                                                              logits.shape[-1])
     tokens, logprobs = sample_tokens(logits[:, -1], s["temperature"], s["top_k"], s["top_p"], noise)
     tokens = torch.where(alive, tokens, s["pad_id"])
     state.tokens.index_copy_(1, column, tokens[:, None])
@@ -479,7 +485,8 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
     Runs under no_grad (not inference_mode, so the results can serve as constants in the trainer's graph).
     """
     c = model.config
-    prompts = _check_arguments(c, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id, pad_id)
+    prompts = _check_arguments(c, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id,
+                               pad_id)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
         raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
     if isinstance(row_offset, bool) or not isinstance(row_offset, int) or row_offset < 0:
@@ -500,14 +507,16 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
         prompt_ids[p, prompt_width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
     prompt_ids = prompt_ids.to(device)
     pad_lengths = prompt_width - torch.tensor(lengths, dtype=torch.int64, device=device)   # (P,)
-    last_logits, prompt_routes = prefill(model, state.cache, prompt_ids, pad_lengths, G)   # (P, V), (L, P, Tp, A)
+    last_logits, prompt_routes = prefill(model, state.cache, prompt_ids, pad_lengths, G)  # (P, V),
+                                                                                          # (L, P, Tp, A)
     if use_graph and not state.capture_tried:
         try_capture(model, state)
 
     # ---- first token of every sample, from its prompt's last logits; reset the decode buffers
     state.seed.fill_(seed_key(seed))
     state.row_ids.copy_(torch.arange(row_offset, row_offset + N, device=device))
-    noise = None if temperature == 0 else sampling_noise(state.seed, state.row_ids, torch.zeros_like(state.seed),
+    noise = None if temperature == 0 else sampling_noise(state.seed, state.row_ids,
+                                                         torch.zeros_like(state.seed),
                                                          c.vocab_size)
     tokens, logprobs = sample_tokens(last_logits.repeat_interleave(G, dim=0), temperature, top_k, top_p,
                                      noise)                                                  # (N,) each
@@ -600,13 +609,15 @@ def _token_ids(prompt, name) -> list[int]:
     """One prompt (a list/tuple of integers or a 1-D integer tensor) -> list of ints; anything else, such
     as a string or float ids, is a TypeError naming the argument (int() would silently truncate 2.7)."""
     if isinstance(prompt, Tensor):
-        if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+        if (prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex()
+                or prompt.dtype == torch.bool):
             raise TypeError(f"{name} must be a 1-D integer tensor of token ids, got {prompt.dtype} of shape "
                             f"{tuple(prompt.shape)}")
         return prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
         raise TypeError(f"{name} must be a list of integer token ids, got {type(prompt).__name__}"
-                        + (" (encode text with the tokenizer first)" if isinstance(prompt, (str, bytes)) else ""))
+                        + (" (encode text with the tokenizer first)" if isinstance(prompt, (str, bytes))
+                           else ""))
     for t in prompt:
         if not _is_token_id(t):
             raise TypeError(f"{name} must hold integer token ids, got {t!r} ({type(t).__name__})")
@@ -651,7 +662,8 @@ def score(model: MoETransformer, tokens: Tensor, temperature: float = 1.0) -> Te
 def _check_arguments(config, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id, pad_id):
     """Validate generate's arguments; return the prompts as lists of ints."""
     if isinstance(prompts, Tensor) or not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists (one list per prompt, any lengths)")
+        raise ValueError("prompts must be a non-empty list of token-id lists (one list per prompt, any "
+                         "lengths)")
     prompts = [_token_ids(prompt, f"prompts[{i}]") for i, prompt in enumerate(prompts)]
     V = config.vocab_size
     for i, prompt in enumerate(prompts):
@@ -681,5 +693,6 @@ def _check_arguments(config, prompts, num_samples, max_new_tokens, temperature, 
     if eos_id is not None and not 0 <= eos_id < V:
         raise ValueError(f"eos_id must be None or a token id in [0, {V}), got {eos_id!r}")
     if not 0 <= pad_id < V:
-        raise ValueError(f"pad_id must be a token id in [0, {V}) (finished rows feed it to the model), got {pad_id!r}")
+        raise ValueError(f"pad_id must be a token id in [0, {V}) (finished rows feed it to the model), "
+                         f"got {pad_id!r}")
     return prompts

@@ -6,6 +6,7 @@
     python train.py --compare rac@0,rac@0.25,rac@0.5,nvfp4+tis2,quads+r3   # variants: RAC ratio, TIS, R3
     python train.py --compare bf16,fp8,nvfp4,quads --jobs 4                # four processes sharing one GPU
     python train.py --model path/to/qwen3-moe --task gsm8k --recipe quads
+    torchrun --nproc_per_node=8 train.py --recipe quads [--fsdp]          # every GPU of one node
 
 One RL step, as the code below reads:
 
@@ -18,7 +19,8 @@ One RL step, as the code below reads:
         loss  = grpo.policy_loss(new_logp, old_logp, A [, tis])      # ratio new/old, TIS weight old/rollout
         optimizer.step()
     sync_weights(rollout_model, trainer)                             # rac.py via nvfp4.quantize_weight
-    (--mipu: keep the update only if the synced rollout policy improved; recalibrate RAC, evaluate, log)
+    (--mipu: keep the update only if the synced rollout policy improved; recalibrate RAC)
+    log the step to metrics.jsonl; every eval_every steps pass@1; every checkpoint_every a checkpoint
 
 Recipes: what the trainer's forward computes and what precision the rollout runs in.
 
@@ -48,6 +50,10 @@ rollout model, synced with it, raises the batch's advantage-weighted likelihood 
 otherwise the weights and the optimizer state are restored. `--audit RUN` scores one batch of rollout
 tokens three ways per recipe (recorded at decode, re-scored in one prefill, the trainer), then exits.
 Mismatch is measured on every step, on the completion tokens.
+
+Under torchrun every rank holds a rollout model and a trainer (DDP, or FSDP2 sharded per block with
+`--fsdp`), samples and scores its share of each step's prompts (whole groups), and the losses are scaled
+so the averaged gradient is the one-process gradient; rank 0 alone writes. Without torchrun, one process.
 
 Warm-start: a short supervised run on the task's (deliberately imperfect) demonstrations, cached under
 out_dir/warmstart/ by everything that determines it, so every recipe and every later run with the same
@@ -247,8 +253,9 @@ class TrainConfig:
                  and self.run_name not in (".", "..", "warmstart"), "run-name", self.run_name,
                  "must be a directory name under --out-dir (no '/'; 'warmstart' holds the warm-start cache)")
         _refuse(self.resume and self.overwrite, "overwrite", "not allowed with argument --resume")
-        _refuse(self.mipu and self.tis, "mipu", "not allowed with argument --tis (MIPU takes its ratios against "
-                "the rollout's own log-probs, so there is no engine mismatch left for TIS to correct)")
+        _refuse(self.mipu and self.tis, "mipu", "not allowed with argument --tis (MIPU takes its ratios "
+                "against the rollout's own log-probs, so there is no engine mismatch left for TIS to "
+                "correct)")
         for recipe in filter(None, self.audit_recipes.split(",")):
             _require(recipe in RECIPES, "audit-recipes", recipe, f"choose from {', '.join(RECIPES)}")
         _refuse(self.audit and (self.compare or self.resume), "audit",
@@ -563,7 +570,8 @@ def all_sum(values, ranks):
 
 
 def _collective_device(ranks):
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+            else torch.device("cpu"))
 
 
 def barrier(ranks):
@@ -651,7 +659,8 @@ def evaluate(cfg, model, task, tokenizer, problems, ranks=SINGLE):
     start, stop = shard(len(problems), ranks)
     total = 0.0
     if stop > start:
-        out = rollout.generate(model, encode_prompts(tokenizer, problems[start:stop]), 1, max_new_tokens(cfg, task),
+        out = rollout.generate(model, encode_prompts(tokenizer, problems[start:stop]), 1,
+                               max_new_tokens(cfg, task),
                                temperature=cfg.temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                seed=cfg.seed + 12345, cuda_graph=cfg.cuda_graph, row_offset=start)
         total = score(task, tokenizer, problems[start:stop], out, 1).sum().item()
@@ -689,7 +698,8 @@ def link_trainer_to_rollout(trainer, rollout_model, train_mode):
         elif isinstance(module, rac.NVFP4Experts):
             module.register_forward_pre_hook(lambda m, args, p=path: recorder.route(p, args[1], m.n_experts))
             for index, selector in enumerate((module.rac_gate_up, module.rac_down)):  # gate/up, down inputs
-                selector.register_forward_pre_hook(lambda m, args, p=path, i=index: recorder.record(p, i, args[0]))
+                selector.register_forward_pre_hook(
+                    lambda m, args, p=path, i=index: recorder.record(p, i, args[0]))
     return recorder
 
 
@@ -763,7 +773,8 @@ def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed, codes=
         optimizer.zero_grad(set_to_none=True)
         (loss * share).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a (replicated) DTensor
+        # FSDP2: the norm of sharded gradients is a (replicated) DTensor
+        if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         optimizer.step()
         logged = loss_logged if ranks.enabled else loss.detach()
@@ -819,8 +830,8 @@ class Setup:
     task: object
     tokenizer: object
     trainer: torch.nn.Module        # FP32 master weights, the optimizer's (forward fake-quantized per recipe)
-    train_forward: torch.nn.Module  # what the loop calls: DistributedDataParallel(trainer) under torchrun, else
-                                    # the trainer itself (also under --fsdp, which shards it in place)
+    train_forward: torch.nn.Module  # what the loop calls: DistributedDataParallel(trainer) under torchrun,
+                                    # else the trainer itself (also under --fsdp, which shards it in place)
     rollout_model: torch.nn.Module  # the recipe's rollout precision; sync() loads it from the trainer
     eval_model: torch.nn.Module     # a BF16 copy of the trainer's weights, for the trainer's own pass@1
     optimizer: torch.optim.Optimizer
@@ -904,11 +915,13 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
 
     # the rollout engine and a BF16 copy for evaluating the trainer's own weights
     rollout_dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
-    rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), rollout_mode, rac_ratio=rac_ratio)
+    rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), rollout_mode,
+                                            rac_ratio=rac_ratio)
     eval_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), "bf16")
     trainer = qat.convert_for_training(model, train_mode)
     recorder = link_trainer_to_rollout(trainer, rollout_model, train_mode)  # moeresq, trace: shared state
-    train_forward = distribute_trainer(trainer, cfg, ranks)   # before the optimizer: FSDP2 swaps the parameters
+    # before the optimizer: FSDP2 swaps the parameters
+    train_forward = distribute_trainer(trainer, cfg, ranks)
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
 
     calib_rng = random.Random(cfg.seed + 777)
@@ -954,7 +967,8 @@ def evaluate_both(s):
     """pass@1 on the held-out problems of the rollout model and of the trainer's weights in BF16."""
     sync_from_trainer(s.eval_model, s.trainer)
     return {"pass@1": evaluate(s.cfg, s.rollout_model, s.task, s.tokenizer, s.eval_problems, s.ranks),
-            "pass@1_bf16_trainer": evaluate(s.cfg, s.eval_model, s.task, s.tokenizer, s.eval_problems, s.ranks)}
+            "pass@1_bf16_trainer": evaluate(s.cfg, s.eval_model, s.task, s.tokenizer, s.eval_problems,
+                                            s.ranks)}
 
 
 def run(cfg, base_state=None, ranks=SINGLE):
@@ -992,14 +1006,15 @@ def run(cfg, base_state=None, ranks=SINGLE):
             t0 = time.perf_counter()
             # 1. prompts (the data order is a function of the seed and step: resumable)
             problems = task.sample(P, "train", random.Random(cfg.seed * 1_000_003 + step))
-            first, last = shard(P, ranks)               # this rank's whole groups (all of them without torchrun)
+            first, last = shard(P, ranks)  # this rank's whole groups (all of them without torchrun)
             problems = problems[first:last]
             # 2. rollout in the recipe's precision (trace: recording its codes, so eagerly: hooks)
             if recorder is not None:
                 recorder.start()
             out = rollout.generate(rollout_model, encode_prompts(tokenizer, problems), G, new_tokens,
-                                   temperature=cfg.temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                                   seed=cfg.seed * 1_000_003 + step, row_offset=first * G,
+                                   temperature=cfg.temperature, eos_id=tokenizer.eos_id,
+                                   pad_id=tokenizer.pad_id, seed=cfg.seed * 1_000_003 + step,
+                                   row_offset=first * G,
                                    cuda_graph=cfg.cuda_graph and recorder is None)
             codes = hand_over_codes(recorder, trainer, out) if recorder is not None else None
             _sync_device(cfg)
@@ -1014,14 +1029,15 @@ def run(cfg, base_state=None, ranks=SINGLE):
                 inference_logp = rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:]
             # 4-5. trainer log-probs (old: the weights that sampled), loss, cfg.minibatches optimizer steps
             try:
-                old_logp, routes, minibatch_stats = policy_update(cfg, s.train_forward, optimizer, seq, advantages,
-                                                                  shuffle_seed=cfg.seed * 1_000_003 + step,
-                                                                  codes=codes, ranks=ranks)
+                old_logp, routes, minibatch_stats = policy_update(
+                    cfg, s.train_forward, optimizer, seq, advantages,
+                    shuffle_seed=cfg.seed * 1_000_003 + step, codes=codes, ranks=ranks)
             except FloatingPointError as error:
                 raise FloatingPointError(f"{error} at step {step}: stopping. The last good checkpoint is "
                                          f"kept at {ckpt_path} (resume with --resume after changing what "
                                          f"diverged).") from None
-            # metrics of the whole batch, from every rank's per-token tensors (this rank's own without torchrun)
+            # metrics of the whole batch, from every rank's per-token tensors (without torchrun: this
+            # process's own)
             all_mask, all_rewards = gather_rows(mask, ranks, fill=False), gather_rows(rewards, ranks)
             mismatch = grpo.mismatch_metrics(gather_rows(old_logp, ranks), gather_rows(rollout_logp, ranks),
                                              all_mask, tis_cap=cfg.tis or None)
@@ -1066,7 +1082,8 @@ def run(cfg, base_state=None, ranks=SINGLE):
             if ranks.main:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(record) + "\n")
-            bar.set_postfix(reward=f"{record['reward']:.2f}", pass1=f"{last_eval.get('pass@1', float('nan')):.2f}",
+            bar.set_postfix(reward=f"{record['reward']:.2f}",
+                            pass1=f"{last_eval.get('pass@1', float('nan')):.2f}",
                             dlogp=f"{mismatch['abs_diff_mean']:.1e}", max=f"{mismatch['abs_diff_max']:.2f}")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 save(s, step + 1)

@@ -49,10 +49,10 @@ def test_fp8_experts_match_a_per_expert_loop_and_moe():
     nn.init.normal_(experts.down_proj, std=0.1)
     layer = fp8.FP8Experts.from_float(experts)
     x = torch.randn(9, 64)
-    expert_ids = torch.tensor([[0, 1], [1, 3], [3, 0]] * 3)                            # expert 2 and 4: no tokens
+    expert_ids = torch.tensor([[0, 1], [1, 3], [3, 0]] * 3)  # expert 2 and 4: no tokens
     weights = torch.softmax(torch.randn(9, 2), dim=-1)
     y = layer(x, expert_ids, weights)
-    loop = torch.zeros(9, 64)                                                           # oracle: token by token
+    loop = torch.zeros(9, 64)  # oracle: token by token
     for t in range(9):
         for a in range(2):
             e = int(expert_ids[t, a])
@@ -72,7 +72,8 @@ def test_fp8_experts_match_a_per_expert_loop_and_moe():
     (lambda: fp8.FP8Linear(32, 8)(torch.randn(2, 48)), "last dim 32"),
     (lambda: fp8.FP8Linear(32, 8)(torch.randint(0, 3, (2, 32))), "bfloat16/float16/float32"),
     (lambda: fp8.FP8Linear(32, 8).load_weight(torch.randn(8, 16)), "weight shape"),
-    (lambda: fp8.FP8Experts(4, 32, 16).load_weights(torch.randn(4, 16, 32), torch.randn(4, 32, 16)), "gate_up"),
+    (lambda: fp8.FP8Experts(4, 32, 16).load_weights(torch.randn(4, 16, 32), torch.randn(4, 32, 16)),
+     "gate_up"),
 ])
 def test_bad_input_raises_a_clear_value_error(call, message):
     with pytest.raises(ValueError, match=message):
@@ -86,11 +87,13 @@ def test_scaled_mm_and_scaled_grouped_mm_match_their_twins():
     w_codes, w_scale = fp8.quantize_weight(torch.randn(512, 2048, device="cuda") * 0.02)
     fast = fp8.linear(x, w_codes, w_scale)
     twin = fp8.linear_reference(*fp8.quantize_rowwise(x), w_codes, w_scale)
-    assert report_diff(fast.float(), twin.float(), "fp8 _scaled_mm vs twin")[0] <= 1e-2 * twin.abs().max().item()
+    assert report_diff(fast.float(), twin.float(),
+                       "fp8 _scaled_mm vs twin")[0] <= 1e-2 * twin.abs().max().item()
     routing = moe.route_tokens(torch.rand(16, 8, device="cuda").topk(2, dim=-1).indices, 8)
     stacked_codes, stacked_scale = fp8.quantize_weight(torch.randn(8, 256, 2048, device="cuda") * 0.02)
     x_sorted = x[:16][routing.token_ids]
     fast = fp8.grouped_linear(x_sorted, routing, stacked_codes, stacked_scale)
-    twin = fp8.grouped_linear(x_sorted.cpu(), routing._replace(counts=routing.counts.cpu()), stacked_codes.cpu(),
-                              stacked_scale.cpu())                                       # the CPU loop
-    assert report_diff(fast.float().cpu(), twin.float(), "fp8 grouped vs loop")[0] <= 1e-2 * twin.abs().max().item()
+    twin = fp8.grouped_linear(x_sorted.cpu(), routing._replace(counts=routing.counts.cpu()),  # the CPU loop
+                              stacked_codes.cpu(), stacked_scale.cpu())
+    assert report_diff(fast.float().cpu(), twin.float(),
+                       "fp8 grouped vs loop")[0] <= 1e-2 * twin.abs().max().item()

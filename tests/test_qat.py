@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import report_diff
+from conftest import report_diff, same_bits, tiny_model
 
 import moe
 import nvfp4
@@ -18,22 +18,6 @@ import rollout
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These shapes are tiny: one thread is fastest, and immune to other processes on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny_model(seed=0, std=0.1, **overrides):
-    torch.manual_seed(seed)
-    model = moe.MoETransformer(moe.MoEConfig.from_preset("tiny", **{"max_seq_len": 64, **overrides}))
-    model.init_weights(std=std)
-    return model
-
-
 def tokens(batch=4, length=16, seed=1):
     return torch.randint(64, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -43,17 +27,13 @@ def weight_rule(w):
     return nvfp4.dequantize(nvfp4.quantize_weight(w), w.dtype)
 
 
-def same_bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-
-
 def oracle_weight_fake_quant(w):
     """NVFP4 weight fake quantization written from the format's definition, without nvfp4.py: one global
     scale per matrix (fp32 amax / 2688), block scales rounded to the nearest E4M3 value (ties to the even
     mantissa, from an enumerated table), unit = block_scale * global_scale in fp32, and the E2M1 code of
     |x| = the number of midpoints m * unit (fp32 products) it passes (at a midpoint: up iff the code below
     is odd, i.e. ties to even); value = code value * block_scale * global_scale, exact, rounded once to
-    fp32, then to w's dtype; zero is +0."""
+    fp32, then to w's dtype; a zero keeps x's sign (E2M1 has a sign bit: -0.1 at a unit of 1 gives -0)."""
     e4m3 = [(m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7), m % 2 == 1)
             for e in range(16) for m in range(8) if not (e == 15 and m == 7)]
     e4m3_values = torch.tensor([v for v, _ in e4m3], dtype=torch.float64)
@@ -74,7 +54,7 @@ def oracle_weight_fake_quant(w):
         code = sum(((blocks.abs() >= mid * unit) if up else (blocks.abs() > mid * unit)).long()
                    for mid, up in midpoints)
         value = e2m1[code] * block_scale[..., None] * global_scale.double()   # exact in float64
-        out.append(torch.where(code > 0, value * blocks.sign().double(), 0.0).float().reshape(m.shape))
+        out.append(torch.copysign(value, blocks.double()).float().reshape(m.shape))
     return torch.stack(out).reshape(w.shape).to(w.dtype)
 
 
@@ -93,7 +73,7 @@ def random_experts(mode="qat", seed=0):
 # ----------------------------------------------------------------------------------------------- the weights
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_qat_layer_uses_the_rollout_weight_rule_bit_for_bit(dtype):
-    model = qat.convert_for_training(tiny_model().to(dtype), "qat")
+    model = qat.convert_for_training(tiny_model(std=0.1).to(dtype), "qat")
     linears = [m for m in model.modules() if isinstance(m, qat.QATLinear)]
     experts = [m for m in model.modules() if isinstance(m, qat.QATExperts)]
     assert len(linears) == 4 * 2 and len(experts) == 2
@@ -121,7 +101,7 @@ def test_qat_experts_forward_is_moe_experts_with_the_quantized_weights():
 
 @pytest.mark.cuda
 def test_cuda_triton_fake_quantized_weights_match_the_cpu_reference():
-    model = qat.convert_for_training(tiny_model().cuda().bfloat16(), "qat")
+    model = qat.convert_for_training(tiny_model(std=0.1).cuda().bfloat16(), "qat")
     for layer in model.modules():
         if isinstance(layer, qat.QATLinear):
             pairs = [(layer.quantized_weight(), layer.weight)]
@@ -131,13 +111,14 @@ def test_cuda_triton_fake_quantized_weights_match_the_cpu_reference():
             continue
         for quantized, master in pairs:
             w = master.detach().cpu()
-            expected = nvfp4.dequantize_reference(nvfp4.quantize_reference(w, nvfp4.weight_global_scale(w)), w.dtype)
+            expected = nvfp4.dequantize_reference(nvfp4.quantize_reference(w, nvfp4.weight_global_scale(w)),
+                                                  w.dtype)
             assert same_bits(quantized.cpu(), expected)
 
 
 @pytest.mark.cuda
 def test_cuda_weights_fake_quantized_together_match_the_cpu_reference():
-    model = qat.convert_for_training(tiny_model().cuda().bfloat16(), "qat")
+    model = qat.convert_for_training(tiny_model(std=0.1).cuda().bfloat16(), "qat")
     layers = [m for m in model.modules() if isinstance(m, (qat.QATLinear, qat.QATExperts))]
     weights = [w for m in layers for w in m.master_weights()]
     with torch.no_grad():
@@ -150,7 +131,7 @@ def test_cuda_weights_fake_quantized_together_match_the_cpu_reference():
 
 
 def test_trainer_weights_equal_rac_rollout_weights_after_sync():
-    trainer = tiny_model()
+    trainer = tiny_model(std=0.1)
     rollout = rac.convert_for_rollout(copy.deepcopy(trainer), "nvfp4")
     qat.convert_for_training(trainer, "qat")
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2)
@@ -206,7 +187,7 @@ def test_qat_experts_gradients_reach_the_master_weights_straight_through():
 
 
 def test_gradients_reach_every_master_weight_of_a_converted_model():
-    model = qat.convert_for_training(tiny_model(), "qat")
+    model = qat.convert_for_training(tiny_model(std=0.1), "qat")
     model(tokens()).float().logsumexp(-1).mean().backward()
     for name, param in model.named_parameters():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
@@ -219,7 +200,7 @@ def test_gradients_reach_every_master_weight_of_a_converted_model():
     lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),           # fused: does not
 ], ids=["sgd", "adamw", "adamw_fused"])
 def test_the_forward_uses_the_weights_of_the_latest_optimizer_step(make_optimizer):
-    model = tiny_model()
+    model = tiny_model(std=0.1)
     optimizer = make_optimizer(model.parameters())  # created before conversion: the parameters are reused
     qat.convert_for_training(model, "qat")
     layer = model.layers[0].attn.q_proj
@@ -248,7 +229,7 @@ def test_weights_fake_quantized_together_equal_each_alone_bit_for_bit():
 
 
 def test_a_models_forward_fake_quantizes_all_its_weights_once_together(monkeypatch):
-    model = qat.convert_for_training(tiny_model(), "qat")
+    model = qat.convert_for_training(tiny_model(std=0.1), "qat")
     qat.convert_for_training(model, "qat")  # converting again registers nothing twice
     calls = []
     monkeypatch.setattr(qat, "fake_quantize_weights", lambda ws: calls.append(len(ws)) or [
@@ -269,7 +250,7 @@ def test_a_models_forward_fake_quantizes_all_its_weights_once_together(monkeypat
 
 
 def test_a_forward_under_inference_mode_does_not_break_the_next_training_step():
-    model = qat.convert_for_training(tiny_model(), "qat")
+    model = qat.convert_for_training(tiny_model(std=0.1), "qat")
     with torch.inference_mode():
         model(tokens())  # e.g. scoring old log-probs before the first step
     model(tokens()).float().logsumexp(-1).mean().backward()
@@ -319,7 +300,7 @@ def test_w4a4_fake_quantizes_activations_with_a_straight_through_gradient():
 
 
 def test_q_k_and_v_quantize_their_shared_input_once_per_forward(monkeypatch):
-    model = qat.convert_for_training(tiny_model(), "w4a4")
+    model = qat.convert_for_training(tiny_model(std=0.1), "w4a4")
     batch = tokens()
     calls = []
     original = qat.quantize_input
@@ -364,7 +345,7 @@ def test_w4a4_grouped_linear_matches_its_loop_twin_in_bf16():
 
 # ----------------------------------------------------------------------------------------------- bf16_forward
 def test_bf16_forward_restores_exact_full_precision_outputs_and_reenters_qat():
-    model = tiny_model()
+    model = tiny_model(std=0.1)
     batch = tokens()
     reference = model(batch)
     qat.convert_for_training(model, "w4a4")
@@ -380,7 +361,7 @@ def test_bf16_forward_restores_exact_full_precision_outputs_and_reenters_qat():
 
 # ----------------------------------------------------------------------------------------------- conversion
 def test_conversion_keeps_parameters_names_and_full_precision_layers():
-    model = tiny_model(tie_embeddings=True)
+    model = tiny_model(std=0.1, tie_embeddings=True)
     params = {name: p for name, p in model.named_parameters()}
     keys = list(model.state_dict())
     assert qat.convert_for_training(model, "bf16") is model
@@ -406,11 +387,11 @@ def test_conversion_keeps_parameters_names_and_full_precision_layers():
 ])
 def test_bad_settings_raise_a_clear_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        qat.convert_for_training(tiny_model(), **kwargs)
+        qat.convert_for_training(tiny_model(std=0.1), **kwargs)
 
 
 def test_moeresq_without_the_rollouts_selection_raises_a_clear_error():
-    model = qat.convert_for_training(tiny_model(), "moeresq")
+    model = qat.convert_for_training(tiny_model(std=0.1), "moeresq")
     with pytest.raises(ValueError, match="has no RAC selection"):
         model(tokens())
 

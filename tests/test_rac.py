@@ -8,30 +8,13 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from conftest import report_diff
+from conftest import bits, report_diff, same_bits, tiny_model
 
 import fp8
 import moe
 import nvfp4
 import qat
 import rac
-
-
-def _bits(t):
-    view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-            torch.float8_e4m3fn: torch.uint8, torch.uint8: torch.uint8}[t.dtype]
-    return t.cpu().view(view)
-
-
-def _same_bits(a, b):
-    """Bitwise equality; NaNs must sit in the same places (their payload is not part of the contract)."""
-    a, b = a.cpu(), b.cpu()
-    if a.is_floating_point():
-        nan = a.float().isnan()
-        if not torch.equal(nan, b.float().isnan()):
-            return False
-        a, b = a[~nan], b[~nan]
-    return torch.equal(_bits(a), _bits(b))
 
 
 def _relative_error(y, reference):
@@ -61,17 +44,17 @@ def test_quantizer_matches_its_twin_bit_for_bit(kernel_device, rows, cols, compe
     mask = (torch.arange(cols // 16, device=kernel_device) % 2 == 0) if compensate else None
     act = rac.quantize_activation_triton(x, mask, codes=True, operand=True)
     x_q, residual = rac.quantize_activation_reference(x.cpu(), None if mask is None else mask.cpu())
-    assert _same_bits(act.global_scale, x_q.global_scale)
-    assert _same_bits(act.x_q.data, x_q.data) and _same_bits(act.x_q.block_scale, x_q.block_scale)
+    assert same_bits(act.global_scale, x_q.global_scale)
+    assert same_bits(act.x_q.data, x_q.data) and same_bits(act.x_q.block_scale, x_q.block_scale)
     if compensate:
-        assert _same_bits(act.residual.data, residual.data)
-        assert _same_bits(act.residual.block_scale, residual.block_scale)
+        assert same_bits(act.residual.data, residual.data)
+        assert same_bits(act.residual.block_scale, residual.block_scale)
         # unselected blocks carry no residual; selected ones do (the test input has no exact blocks)
         scales = residual.block_scale.float()
         assert (scales[:, ~mask.cpu()] == 0).all() and (scales[:, mask.cpu()] > 0).any()
     else:
         assert act.residual is None
-    assert _same_bits(act.operand, rac.activation_operand(x_q, residual))
+    assert same_bits(act.operand, rac.activation_operand(x_q, residual))
     # the operand twin is the definition: (code value * block scale, x's and r's summed) * 2^-6 in fp16
     def values(q):
         codes = nvfp4.unpack_codes(q.data.cpu())
@@ -85,14 +68,15 @@ def test_quantizer_matches_its_twin_bit_for_bit(kernel_device, rows, cols, compe
 
 def test_quantizer_zeros_and_nan(kernel_device):
     zeros = torch.zeros(2, 32, device=kernel_device, dtype=torch.bfloat16)
-    act = rac.quantize_activation_triton(zeros, torch.ones(2, dtype=torch.bool, device=kernel_device), codes=True)
+    act = rac.quantize_activation_triton(zeros, torch.ones(2, dtype=torch.bool, device=kernel_device),
+                                         codes=True)
     assert act.global_scale.item() == 1.0 and (act.operand == 0).all() and (act.residual.data == 0).all()
     x = torch.randn(3, 32, device=kernel_device)
     x[1, 20] = float("nan")
     act = rac.quantize_activation_triton(x, torch.ones(2, dtype=torch.bool, device=kernel_device))
     x_q, residual = rac.quantize_activation_reference(x.cpu(), torch.ones(2, dtype=torch.bool))
     assert act.global_scale.isnan().item() and x_q.global_scale.isnan().item()
-    assert _same_bits(act.operand, rac.activation_operand(x_q, residual))
+    assert same_bits(act.operand, rac.activation_operand(x_q, residual))
     assert act.operand[:, 1, 8:].isnan().all()  # the NaN block (columns 16..31) stays NaN
 
 
@@ -141,7 +125,7 @@ def test_prefill_weight_pass_matches_its_twin(kernel_device):
     operand = rac._empty_planes(40, 48, kernel_device)
     rac._weight_operand_kernel[(1, 1)](w_q.data, w_q.block_scale.view(torch.uint8), operand, 40, 96, 48, 6,
                                        operand.stride(0), GPU=kernel_device == "cuda", ROWS=64, BLOCK_K=256)
-    assert _same_bits(operand, rac.weight_operand_reference(w_q))
+    assert same_bits(operand, rac.weight_operand_reference(w_q))
 
 
 def test_split_k_counters_are_reset_so_repeated_calls_agree(kernel_device):
@@ -162,7 +146,8 @@ def test_dense_kernel_matches_the_twin_on_gpu_shapes(rows, out_features, cols):
     for mask in (None, torch.arange(cols // 16, device="cuda") % 2 == 0):
         y = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
         reference = rac.nvfp4_linear_reference(x, w_q, mask)
-        max_diff, _ = report_diff(y, reference, f"gpu dense M={rows} N={out_features} K={cols} rac={mask is not None}")
+        max_diff, _ = report_diff(y, reference,
+                                  f"gpu dense M={rows} N={out_features} K={cols} rac={mask is not None}")
         assert max_diff <= (2e-3 if mask is not None else 1e-4) * reference.abs().max().item()
 
 
@@ -184,19 +169,23 @@ def test_grouped_kernel_matches_the_per_expert_twin(kernel_device, tokens):
     expert_ids, routing = _routing_with_empty_experts(E, tokens, A, kernel_device, seed=tokens)
     assert (routing.counts[[0, 2, E - 1]] == 0).all()
     x = torch.randn(tokens, D, device=kernel_device, dtype=torch.bfloat16)
-    act = rac.quantize_activation_triton(x, torch.tensor([True, False, True], device=kernel_device), codes=True)
+    act = rac.quantize_activation_triton(x, torch.tensor([True, False, True], device=kernel_device),
+                                         codes=True)
     gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device=kernel_device))
     hidden = rac.grouped_matmul_triton(act, gate_up_q, routing.counts, row_ids=routing.token_ids, swiglu=True,
                                        out_dtype=torch.float32)
     reference = rac.w4a4_grouped_matmul_reference(act.x_q, gate_up_q, routing.counts, act.residual,
-                                                  row_ids=routing.token_ids, swiglu=True, out_dtype=torch.float32)
+                                                  row_ids=routing.token_ids, swiglu=True,
+                                                  out_dtype=torch.float32)
     assert hidden.shape == (tokens * A, I)
-    assert report_diff(hidden, reference, "grouped gate/up + swiglu")[0] <= 2e-3 * reference.abs().max().item()
+    assert report_diff(hidden, reference,
+                       "grouped gate/up + swiglu")[0] <= 2e-3 * reference.abs().max().item()
 
     act = rac.quantize_activation_triton(reference, codes=True)
     down_q = nvfp4.quantize_weight(torch.randn(E, D, I, device=kernel_device))
     row_weights = torch.rand(tokens * A, device=kernel_device)
-    y = rac.grouped_matmul_triton(act, down_q, routing.counts, row_weights=row_weights, out_dtype=torch.float32)
+    y = rac.grouped_matmul_triton(act, down_q, routing.counts, row_weights=row_weights,
+                                  out_dtype=torch.float32)
     reference = rac.w4a4_grouped_matmul_reference(act.x_q, down_q, routing.counts, row_weights=row_weights,
                                                   out_dtype=torch.float32)
     assert report_diff(y, reference, "grouped down * router weight")[0] <= 1e-5 * reference.abs().max().item()
@@ -222,7 +211,8 @@ def test_nvfp4_experts_fast_path_matches_the_twin_and_moe(kernel_device):
         assert torch.equal(layer(x, expert_ids, weights), combined)
     with torch.no_grad():
         exact = experts(x.float(), expert_ids, weights)
-    assert _relative_error(combined.float(), exact) < 0.35  # two W4A4 GEMMs of NVFP4 noise, not another function
+    # two W4A4 GEMMs of NVFP4 noise, not another function
+    assert _relative_error(combined.float(), exact) < 0.35
 
 
 @pytest.mark.cuda
@@ -237,12 +227,15 @@ def test_grouped_kernel_matches_the_twin_on_qwen3_expert_shapes(tokens):
     hidden = rac.grouped_matmul_triton(act, gate_up_q, routing.counts, row_ids=routing.token_ids, swiglu=True,
                                        out_dtype=torch.float32)
     reference = rac.w4a4_grouped_matmul_reference(act.x_q, gate_up_q, routing.counts, act.residual,
-                                                  row_ids=routing.token_ids, swiglu=True, out_dtype=torch.float32)
-    assert report_diff(hidden, reference, f"gpu grouped gate/up T={tokens}")[0] <= 2e-3 * reference.abs().max().item()
+                                                  row_ids=routing.token_ids, swiglu=True,
+                                                  out_dtype=torch.float32)
+    assert report_diff(hidden, reference,
+                       f"gpu grouped gate/up T={tokens}")[0] <= 2e-3 * reference.abs().max().item()
     act = rac.quantize_activation_triton(reference.bfloat16(), codes=True)
     down_q = nvfp4.quantize_weight(torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02)
     row_weights = torch.rand(tokens * A, device="cuda")
-    y = rac.grouped_matmul_triton(act, down_q, routing.counts, row_weights=row_weights, out_dtype=torch.float32)
+    y = rac.grouped_matmul_triton(act, down_q, routing.counts, row_weights=row_weights,
+                                  out_dtype=torch.float32)
     reference = rac.w4a4_grouped_matmul_reference(act.x_q, down_q, routing.counts, row_weights=row_weights,
                                                   out_dtype=torch.float32)
     assert report_diff(y, reference, f"gpu grouped down T={tokens}")[0] <= 1e-4 * reference.abs().max().item()
@@ -286,8 +279,9 @@ def test_every_gpu_config_is_deterministic_and_matches_the_twin():
         "gate/up": (rac._grouped_kernel, bucket,
                     lambda: rac.grouped_matmul_triton(x, gate_up_q, routing.counts, row_ids=routing.token_ids,
                                                       swiglu=True, out_dtype=torch.float32),
-                    rac.w4a4_grouped_matmul_reference(x.x_q, gate_up_q, routing.counts, row_ids=routing.token_ids,
-                                                      swiglu=True, out_dtype=torch.float32)),
+                    rac.w4a4_grouped_matmul_reference(x.x_q, gate_up_q, routing.counts,
+                                                      row_ids=routing.token_ids, swiglu=True,
+                                                      out_dtype=torch.float32)),
         "down": (rac._grouped_kernel, bucket,
                  lambda: rac.grouped_matmul_triton(h, down_q, routing.counts, row_weights=row_weights,
                                                    out_dtype=torch.float32),
@@ -315,7 +309,8 @@ def test_every_gpu_config_is_deterministic_and_matches_the_twin():
             differing = sum(not torch.equal(call(), first) for _ in range(repeats))
             error = ((first - reference).abs().max() / reference.abs().max()).item()
             if differing or not error <= 2e-3:  # NaN fails too
-                failures.append(f"{name} {config}: {differing}/{repeats} repeats differ, relative error {error:.2e}")
+                failures.append(f"{name} {config}: {differing}/{repeats} repeats differ, "
+                                f"relative error {error:.2e}")
     assert not failures, "\n".join(failures)
 
 
@@ -345,13 +340,13 @@ def test_selector_picks_the_highest_error_blocks_and_calibrate_rac_refreshes_the
     x = torch.randn(32, 128)
     x[:, 16 * 5 + 3] *= 40.0                                          # blocks 5 and 2 hold large values
     x[:, 16 * 2:16 * 3] *= 10.0
-    mask = selector(x)                                                # never calibrated: the first input decides
+    mask = selector(x)  # never calibrated: the first input decides
     assert mask.tolist() == [i in (2, 5) for i in range(8)]
     x2 = torch.randn(32, 128)
     x2[:, 16 * 7:] *= 30.0
     assert selector(x2).tolist() == mask.tolist()                     # frozen after its first input
 
-    model = _tiny_model()
+    model = tiny_model(vocab_size=48)
     rollout = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4", rac_ratio=0.5)
     selectors = [m for m in rollout.modules() if isinstance(m, rac.RACSelector)]
     assert len(selectors) == 2 * (4 + 2)  # per layer: q, k, v, o inputs and the experts' two GEMM inputs
@@ -363,19 +358,13 @@ def test_selector_picks_the_highest_error_blocks_and_calibrate_rac_refreshes_the
 
 
 # ============================================================================ conversion and sync
-def _tiny_model(dtype=torch.float32):
-    torch.manual_seed(0)
-    config = moe.MoEConfig.from_preset("tiny", vocab_size=48, max_seq_len=64)
-    return moe.MoETransformer(config).to(dtype).eval()  # Hugging Face's N(0, 0.02) init
-
-
 def _tokens(batch=2, length=12):
     return torch.randint(0, 48, (batch, length), generator=torch.Generator().manual_seed(1))
 
 
 @torch.no_grad()
 def test_convert_for_rollout_logits_bf16_identical_fp8_closer_than_nvfp4():
-    model, tokens = _tiny_model(), _tokens()
+    model, tokens = tiny_model(vocab_size=48), _tokens()
     reference = model(tokens)
     errors = {}
     for mode, ratio in (("bf16", 0.0), ("fp8", 0.0), ("nvfp4", 0.0), ("nvfp4", 0.5)):
@@ -394,8 +383,10 @@ def test_convert_for_rollout_logits_bf16_identical_fp8_closer_than_nvfp4():
     assert 0 < 2 * errors[("fp8", 0.0)] < errors[("nvfp4", 0.0)] < 0.3
     assert errors[("nvfp4", 0.5)] < errors[("nvfp4", 0.0)]
 
-    rollout = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4", quantize_router=True, quantize_lm_head=True)
-    assert isinstance(rollout.layers[0].mlp.gate, rac.NVFP4Linear) and isinstance(rollout.lm_head, rac.NVFP4Linear)
+    rollout = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4", quantize_router=True,
+                                      quantize_lm_head=True)
+    assert isinstance(rollout.layers[0].mlp.gate, rac.NVFP4Linear)
+    assert isinstance(rollout.lm_head, rac.NVFP4Linear)
 
 
 def _assert_rollout_weights_are_the_qat_weights(rollout, trainer):
@@ -405,12 +396,13 @@ def _assert_rollout_weights_are_the_qat_weights(rollout, trainer):
         if isinstance(module, rac.NVFP4Linear):
             pairs = [(module.weight_q, masters[f"{path}.weight"])]
         elif isinstance(module, rac.NVFP4Experts):
-            pairs = [(module.gate_up_q, masters[f"{path}.gate_up_proj"]), (module.down_q, masters[f"{path}.down_proj"])]
+            pairs = [(module.gate_up_q, masters[f"{path}.gate_up_proj"]),
+                     (module.down_q, masters[f"{path}.down_proj"])]
         else:
             continue
         for quantized, master in pairs:
             with torch.no_grad():
-                assert _same_bits(quantized.dequantize(master.dtype), nvfp4.fake_quantize_weight(master)), path
+                assert same_bits(quantized.dequantize(master.dtype), nvfp4.fake_quantize_weight(master)), path
             checked += 1
     assert checked == 2 * (4 + 2)
     for name, param in rollout.named_parameters():  # norms, embeddings, routers, LM head: copied
@@ -418,12 +410,12 @@ def _assert_rollout_weights_are_the_qat_weights(rollout, trainer):
 
 
 def test_sync_weights_reloads_exactly_the_qat_weights():
-    trainer = _tiny_model()
+    trainer = tiny_model(vocab_size=48)
     rollout = rac.convert_for_rollout(copy.deepcopy(trainer), "nvfp4", rac_ratio=0.5)
     with torch.no_grad():
         for p in trainer.parameters():  # a training step happened: the rollout copy is stale
             p.add_(torch.randn_like(p) * 0.05)
-    assert not _same_bits(rollout.layers[0].attn.q_proj.weight_q.dequantize(torch.float32),
+    assert not same_bits(rollout.layers[0].attn.q_proj.weight_q.dequantize(torch.float32),
                           nvfp4.fake_quantize_weight(trainer.layers[0].attn.q_proj.weight).detach())
     rac.sync_weights(rollout, trainer)
     _assert_rollout_weights_are_the_qat_weights(rollout, trainer)
@@ -435,10 +427,10 @@ def test_sync_weights_reloads_exactly_the_qat_weights():
     rac.sync_weights(rollout, trainer)
     _assert_rollout_weights_are_the_qat_weights(rollout, trainer)
 
-    fp8_rollout = rac.convert_for_rollout(copy.deepcopy(_tiny_model()), "fp8")
+    fp8_rollout = rac.convert_for_rollout(copy.deepcopy(tiny_model(vocab_size=48)), "fp8")
     rac.sync_weights(fp8_rollout, trainer)
     codes, scale = fp8.quantize_weight(trainer.layers[1].mlp.experts.down_proj)
-    assert torch.equal(_bits(fp8_rollout.layers[1].mlp.experts.down_fp8), _bits(codes))
+    assert torch.equal(bits(fp8_rollout.layers[1].mlp.experts.down_fp8), bits(codes))
     assert torch.equal(fp8_rollout.layers[1].mlp.experts.down_scale, scale)
 
 
@@ -494,7 +486,8 @@ kernels = {
               [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, p8, "*fp8e4nv", pf, "*i16"] + [i] * 8,
               dict(HAS_RESIDUAL=True, **common)),
     "grouped": (rac._grouped_native_kernel,
-                [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, p8, "*fp8e4nv", pf, "*i64", "*i16"] + [i] * 10,
+                [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, p8, "*fp8e4nv", pf, "*i64", "*i16"]
+                + [i] * 10,
                 dict(GATHER=True, ROW_WEIGHTS=False, SWIGLU=True, HAS_RESIDUAL=True, E_POW2=128, **common)),
 }
 for name, (kernel, types, constants) in kernels.items():
@@ -514,8 +507,8 @@ def test_native_kernels_compile_to_blackwell_fp4_tensor_core_instructions():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM100], env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM100], env=env, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     counts = dict(line.split() for line in result.stdout.splitlines())
     assert set(counts) == {"dense", "grouped"} and all(int(n) > 0 for n in counts.values()), result.stdout
@@ -528,24 +521,30 @@ def test_native_kernels_compile_to_blackwell_fp4_tensor_core_instructions():
     (lambda: rac.quantize_activation(torch.randn(2, 32), torch.ones(3, dtype=torch.bool)), "rac_mask"),
     (lambda: rac.NVFP4Linear(40, 8), "multiple of the NVFP4 block size"),
     (lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32, device="meta")), "input on meta but weights on cpu"),
-    (lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32).to(torch.float8_e4m3fn)), "dtype|bfloat16/float16/float32"),
+    (lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32).to(torch.float8_e4m3fn)),
+     "dtype|bfloat16/float16/float32"),
     (lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 48)), "last dim 32"),
-    (lambda: rac.w4a4_matmul_reference(nvfp4.quantize(torch.randn(2, 32)), nvfp4.quantize(torch.randn(4, 48))),
+    (lambda: rac.w4a4_matmul_reference(nvfp4.quantize(torch.randn(2, 32)),
+                                       nvfp4.quantize(torch.randn(4, 48))),
      "K differs"),
     (lambda: rac.w4a4_matmul_reference(nvfp4.quantize(torch.randn(2, 32)), nvfp4.quantize(torch.randn(4, 32)),
                                        nvfp4.quantize(torch.randn(2, 32))), "share x_q's global scale"),
-    (lambda: rac.w4a4_matmul_reference(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 32))), "NVFP4Tensor"),
+    (lambda: rac.w4a4_matmul_reference(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 32))),
+     "NVFP4Tensor"),
     (lambda: rac.nvfp4_linear_triton(torch.randn(2, 40), nvfp4.quantize(torch.randn(4, 48))), "multiple of"),
-    (lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 48))), "does not match"),
+    (lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 48))),
+     "does not match"),
     (lambda: rac.nvfp4_linear_triton(torch.randn(2, 32).half(), nvfp4.quantize(torch.randn(4, 32)),
                                      out_dtype=torch.int8), "out_dtype"),
     (lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 32)),
                                      torch.ones(2)), "rac_mask must be a bool"),
     (lambda: rac.RACSelector(4, 1.5), "rac_ratio"),
-    (lambda: rac.convert_for_rollout(_tiny_model(), "nvfp4", rac_ratio=-0.1), "rac_ratio"),
-    (lambda: rac.convert_for_rollout(_tiny_model(), "int4"), "unknown rollout mode"),
-    (lambda: rac.convert_for_rollout(_tiny_model(), "fp8", rac_ratio=0.5), "compensates NVFP4 activations"),
-    (lambda: rac.sync_weights(rac.convert_for_rollout(_tiny_model(), "nvfp4"), nn.Linear(2, 2)), "no parameter"),
+    (lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4", rac_ratio=-0.1), "rac_ratio"),
+    (lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "int4"), "unknown rollout mode"),
+    (lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "fp8", rac_ratio=0.5),
+     "compensates NVFP4 activations"),
+    (lambda: rac.sync_weights(rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4"), nn.Linear(2, 2)),
+     "no parameter"),
 ])
 def test_bad_input_raises_a_clear_value_error(call, message):
     with pytest.raises(ValueError, match=message):

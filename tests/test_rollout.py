@@ -3,33 +3,28 @@
 CPU, fp32, the tiny preset with a small vocabulary. The CUDA tests (graph replay against eager decoding,
 with rac.py's quantized layers when rac.py is importable) are skipped without a GPU.
 """
-import importlib.util
 import math
 
 import pytest
 import torch
 import torch.nn as nn
 
-import moe
 import rollout
-from conftest import report_diff
+from conftest import report_diff, tiny_model
 
 VOCAB = 32
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [19]]
 
 
-def tiny_model(seed=0, vocab=VOCAB, device="cpu", dtype=torch.float32):
-    torch.manual_seed(seed)
-    config = moe.MoEConfig.from_preset("tiny", vocab_size=vocab, max_seq_len=64)
-    # a wider init than the default, so the random model has peaked, seed-dependent next-token distributions
-    model = moe.MoETransformer(config)
-    model.init_weights(std=0.2)
-    return model.to(device=device, dtype=dtype).eval()
+def peaked_model(seed=0, **kwargs):
+    """conftest's tiny model with this file's vocabulary, in eval mode, with a wider init (N(0, 0.2)) than
+    the default, so the random model has peaked, seed-dependent next-token distributions."""
+    return tiny_model(seed, std=0.2, vocab_size=VOCAB, **kwargs).eval()
 
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model()
+    return peaked_model()
 
 
 def greedy_without_cache(model, prompt, max_new_tokens, eos_id=None):
@@ -44,12 +39,13 @@ def greedy_without_cache(model, prompt, max_new_tokens, eos_id=None):
 
 
 def trainer_logprobs(model, seq, temperature):
-    """What the trainer computes: log_softmax(logits / temperature) of each next token, from a plain forward."""
+    """What the trainer computes: log_softmax(logits / temperature) of each next token, from a plain
+    forward."""
     logits = model(seq.tokens).float()
     if temperature > 0:
         logits = logits / temperature
     logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, seq.tokens[:, 1:, None]).squeeze(-1)
-    return torch.where(seq.loss_mask[:, 1:], logprobs, 0.0)                                # aligned with [:, 1:]
+    return torch.where(seq.loss_mask[:, 1:], logprobs, 0.0)  # aligned with [:, 1:]
 
 
 def completion_list(out, row):
@@ -79,12 +75,14 @@ def test_padded_batch_rows_equal_each_prompt_alone(model):
     for row in range(len(PROMPTS) * 2):
         prompt, completion = PROMPTS[row // 2], completion_list(sampled, row)
         logits = model(torch.tensor([prompt + completion])).float()
-        alone = torch.log_softmax(logits[0, len(prompt) - 1:-1], dim=-1).gather(-1, torch.tensor(completion)[:, None])
+        alone = torch.log_softmax(logits[0, len(prompt) - 1:-1], dim=-1)
+        alone = alone.gather(-1, torch.tensor(completion)[:, None])
         mx, _ = report_diff(sampled.logprobs[row, :len(completion)], alone.squeeze(-1), f"row {row}")
         assert mx < 1e-5
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.6, 5, 0.9), (0.0, 0, 1.0)])
+@pytest.mark.parametrize("temperature,top_k,top_p",
+                         [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.6, 5, 0.9), (0.0, 0, 1.0)])
 def test_logprobs_equal_trainer_logprobs_of_the_full_tempered_distribution(model, temperature, top_k, top_p):
     out = rollout.generate(model, PROMPTS, num_samples=3, max_new_tokens=12, temperature=temperature,
                            top_k=top_k, top_p=top_p, eos_id=5, seed=1)
@@ -137,7 +135,8 @@ def test_all_rows_ending_stops_the_loop_and_trims(model):
 
 
 def test_prompt_layout_and_sequences(model):
-    out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=6, temperature=1.0, pad_id=31, seed=4)
+    out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=6, temperature=1.0, pad_id=31,
+                           seed=4)
     longest = max(map(len, PROMPTS))
     assert out.prompt_ids.shape == (8, longest)
     for row in range(8):
@@ -168,7 +167,8 @@ def test_same_seed_same_tokens_different_seed_different(model):
 @pytest.mark.parametrize("truncation", [dict(top_k=1), dict(top_p=1e-6), dict(top_k=3, top_p=1e-6)])
 def test_top_k_one_and_tiny_top_p_are_greedy(model, truncation):
     greedy = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=10, temperature=0.0)
-    out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=10, temperature=0.8, seed=5, **truncation)
+    out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=10, temperature=0.8, seed=5,
+                           **truncation)
     assert torch.equal(out.completion_ids, greedy.completion_ids)
 
 
@@ -179,13 +179,15 @@ def test_truncate_keeps_the_smallest_set_reaching_top_p_after_top_k():
     assert kept(top_p=0.79) == [False, True, False, True]
     assert kept(top_p=0.81) == [True, True, False, True]
     assert kept(top_k=2) == [False, True, False, True]
-    assert kept(top_k=3, top_p=0.9) == [True, True, False, True]   # (0.5+0.3)/0.95 < 0.9: the third survivor stays
+    # (0.5+0.3)/0.95 < 0.9: the third survivor stays
+    assert kept(top_k=3, top_p=0.9) == [True, True, False, True]
     assert kept(top_k=3, top_p=0.8) == [False, True, False, True]
 
 
 def test_sampling_frequencies_follow_the_truncated_tempered_distribution():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0]).expand(40000, 5)
-    noise = rollout.sampling_noise(torch.tensor([rollout.seed_key(0)]), torch.arange(40000), torch.tensor([0]), 5)
+    noise = rollout.sampling_noise(torch.tensor([rollout.seed_key(0)]), torch.arange(40000),
+                                   torch.tensor([0]), 5)
     tokens, logprobs = rollout.sample_tokens(logits, temperature=2.0, top_k=3, noise=noise)
     full = torch.log_softmax(logits[0] / 2.0, dim=-1)
     expected = torch.zeros(5)
@@ -209,7 +211,8 @@ def test_sampling_noise_matches_a_python_integer_oracle():
     seed, rows, position, vocab = 2 ** 40 + 12345, [0, 1, 7, 1000], 5, 9
     key = rollout.seed_key(seed)
     assert key == _mix32_python((seed ^ (seed >> 32)) % 2 ** 32)
-    noise = rollout.sampling_noise_reference(torch.tensor([key]), torch.tensor(rows), torch.tensor([position]), vocab)
+    noise = rollout.sampling_noise_reference(torch.tensor([key]), torch.tensor(rows),
+                                             torch.tensor([position]), vocab)
     for i, row in enumerate(rows):
         row_key = _mix32_python((key + row * 0x27D4EB2F + position * 0x165667B1) % 2 ** 32)
         for v in range(vocab):
@@ -221,9 +224,10 @@ def test_sampling_noise_matches_a_python_integer_oracle():
 def test_noise_kernel_equals_its_torch_twin(kernel_device):
     """One launch computes keys, hash and -log(u): equal to the twin up to the last ulp of the log (a
     wrong bit anywhere in the hash would move E by far more)."""
-    for seed, position, vocab in ((3, 11, 1), (2 ** 33 + 5, 0, 37), (7, 200, 1500)):   # partial block, several
+    for seed, position, vocab in ((3, 11, 1), (2 ** 33 + 5, 0, 37), (7, 200, 1500)):  # partial block, several
         args = (torch.tensor([rollout.seed_key(seed)], device=kernel_device),
-                torch.arange(5, device=kernel_device) * 1001, torch.tensor([position], device=kernel_device), vocab)
+                torch.arange(5, device=kernel_device) * 1001,
+                torch.tensor([position], device=kernel_device), vocab)
         fast = rollout.sampling_noise(*args, use_kernel=True)
         torch.testing.assert_close(fast, rollout.sampling_noise_reference(*args), rtol=1e-6, atol=1e-7)
 
@@ -235,7 +239,7 @@ def test_noise_is_exponential_and_independent_across_rows_positions_and_seeds():
     e = draw(0, 0)
     assert abs(e.mean().item() - 1.0) < 0.01 and abs(e.var().item() - 1.0) < 0.03       # Exp(1) moments
     assert (e > 0).all() and torch.isfinite(e).all()
-    for other in (draw(0, 1), draw(1, 0), draw(2 ** 32, 0)):                            # position, seed, seed >> 32
+    for other in (draw(0, 1), draw(1, 0), draw(2 ** 32, 0)):  # position, seed, seed >> 32
         assert abs(torch.corrcoef(torch.stack([e.flatten(), other.flatten()]))[0, 1].item()) < 0.01
     rows = torch.corrcoef(torch.stack([e[:-1].flatten(), e[1:].flatten()]))[0, 1].item()  # neighbouring rows
     assert abs(rows) < 0.01
@@ -251,12 +255,12 @@ def test_sampled_rows_do_not_depend_on_the_rest_of_the_batch(model):
         for g in range(2):
             assert completion_list(alone, g) == completion_list(batch, 2 * p + g)
             torch.testing.assert_close(alone.logprobs[g], batch.logprobs[2 * p + g], atol=1e-5, rtol=0)
-    shifted = rollout.generate(model, PROMPTS[:1], row_offset=2, **kwargs)            # another row id: new noise
+    shifted = rollout.generate(model, PROMPTS[:1], row_offset=2, **kwargs)  # another row id: new noise
     assert completion_list(shifted, 0) != completion_list(batch, 0) or \
         completion_list(shifted, 1) != completion_list(batch, 1)
 
 
-# ----------------------------------------------------------------------------------------------- arguments, pool
+# -------------------------------------------------------------------------------------------- arguments, pool
 @pytest.mark.parametrize("kwargs,message", [
     (dict(temperature=-0.5), "temperature"),
     (dict(temperature=float("nan")), "temperature"),
@@ -311,7 +315,7 @@ def test_integer_prompts_of_any_integer_kind_give_the_same_tokens(model):
 
 
 def test_decode_state_is_reused_and_dropped_when_weights_are_replaced():
-    model = tiny_model(seed=1)
+    model = peaked_model(seed=1)
     rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=5)
     state = rollout.get_decode_state(model, 8, 16, 5, dict(temperature=1.0, top_k=0, top_p=1.0, eos_id=None,
                                                            pad_id=0), cuda_graph=False)
@@ -328,7 +332,7 @@ def test_rollout_through_rac_fp8_layers_matches_their_forward():
     # FP8 scales activations per token, so a decode step computes each token as the full forward does: the
     # cached sampler with quantized layers must reproduce that forward's log-probs and routes
     import rac
-    model = rac.convert_for_rollout(tiny_model(), "fp8")
+    model = rac.convert_for_rollout(peaked_model(), "fp8")
     out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=8, temperature=1.0, seed=0)
     seq = out.sequences()
     mx, _ = report_diff(seq.logprobs[:, 1:], trainer_logprobs(model, seq, 1.0), "fp8 rollout vs fp8 forward")
@@ -348,18 +352,20 @@ def _graph_and_eager(model, **kwargs):
 @pytest.mark.cuda
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_cuda_graph_decode_equals_eager_decode(temperature):
-    model = tiny_model(device="cuda", dtype=torch.bfloat16)
-    graph, eager = _graph_and_eager(model, num_samples=4, max_new_tokens=40, temperature=temperature, top_p=0.9,
-                                    eos_id=3, seed=7)
+    model = peaked_model(device="cuda", dtype=torch.bfloat16)
+    graph, eager = _graph_and_eager(model, num_samples=4, max_new_tokens=40, temperature=temperature,
+                                    top_p=0.9, eos_id=3, seed=7)
     assert torch.equal(graph.completion_ids, eager.completion_ids)
     assert torch.equal(graph.logprobs, eager.logprobs) and torch.equal(graph.routes, eager.routes)
     again = rollout.generate(model, PROMPTS * 4, num_samples=4, max_new_tokens=40, temperature=temperature,
                              top_p=0.9, eos_id=3, seed=7)
     assert torch.equal(again.completion_ids, graph.completion_ids)
-    # BF16 rollout against the BF16 trainer forward on the same tokens: small, not bit-exact (different kernels)
+    # BF16 rollout against the BF16 trainer forward on the same tokens: small, not bit-exact
+    # (different kernels)
     seq = graph.sequences()
     mx, mean = report_diff(seq.logprobs[:, 1:][seq.loss_mask[:, 1:]],
-                           trainer_logprobs(model, seq, temperature)[seq.loss_mask[:, 1:]], "bf16 rollout vs trainer")
+                           trainer_logprobs(model, seq, temperature)[seq.loss_mask[:, 1:]],
+                           "bf16 rollout vs trainer")
     assert mean < 0.05
 
 
@@ -367,7 +373,7 @@ def test_cuda_graph_decode_equals_eager_decode(temperature):
 @pytest.mark.parametrize("mode,rac_ratio", [("bf16", 0.0), ("fp8", 0.0), ("nvfp4", 0.0), ("nvfp4", 0.5)])
 def test_cuda_graph_captures_rac_rollout_layers(mode, rac_ratio):
     import rac
-    model = tiny_model(device="cuda", dtype=torch.bfloat16)
+    model = peaked_model(device="cuda", dtype=torch.bfloat16)
     rac.convert_for_rollout(model, mode, rac_ratio=rac_ratio)
     graph, eager = _graph_and_eager(model, num_samples=4, max_new_tokens=24, temperature=1.0, seed=3)
     assert torch.equal(graph.completion_ids, eager.completion_ids)

@@ -73,10 +73,7 @@ def out_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def recipe_runs(out_dir):
     """bf16, nvfp4 and quads from one cached warm-start (the first run writes it, the others load it)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model runs fastest on one thread (as train.py's CLI sets it)
-    yield {recipe: train.run(tiny_config(out_dir, recipe=recipe)) for recipe in ("bf16", "nvfp4", "quads")}
-    torch.set_num_threads(threads)
+    return {recipe: train.run(tiny_config(out_dir, recipe=recipe)) for recipe in ("bf16", "nvfp4", "quads")}
 
 
 @pytest.mark.slow
@@ -103,7 +100,8 @@ def test_logged_pass_at_1_is_that_of_the_checkpointed_weights(recipe_runs, out_d
     last = read_metrics(recipe_runs["nvfp4"])[-1]
     s = train.setup(tiny_config(out_dir, recipe="nvfp4", resume=True))
     assert s.start_step == 3
-    assert train.evaluate_both(s) == {"pass@1": last["pass@1"], "pass@1_bf16_trainer": last["pass@1_bf16_trainer"]}
+    assert train.evaluate_both(s) == {"pass@1": last["pass@1"],
+                                      "pass@1_bf16_trainer": last["pass@1_bf16_trainer"]}
     assert (last["pass@1"] * TINY["eval_prompts"]).is_integer()
 
 
@@ -119,15 +117,18 @@ def test_bf16_mismatch_is_near_zero_and_nvfp4_clearly_above(recipe_runs):
 
 @pytest.mark.slow
 def test_bf16_routes_agree_and_nvfp4_routes_sometimes_differ(recipe_runs):
-    assert max(r["routing_disagreement"] for r in read_metrics(recipe_runs["bf16"], rl_steps_only=True)) < 0.01
-    assert max(r["routing_disagreement"] for r in read_metrics(recipe_runs["nvfp4"], rl_steps_only=True)) > 0.0
+    bf16_records, nvfp4_records = (read_metrics(recipe_runs[recipe], rl_steps_only=True)
+                                   for recipe in ("bf16", "nvfp4"))
+    assert max(r["routing_disagreement"] for r in bf16_records) < 0.01
+    assert max(r["routing_disagreement"] for r in nvfp4_records) > 0.0
 
 
 @pytest.mark.slow
 def test_resumed_run_reproduces_the_next_step(out_dir):
     full = read_metrics(train.run(tiny_config(out_dir, recipe="quads", run_name="resume_full")))
     train.run(tiny_config(out_dir, recipe="quads", run_name="resume_part", steps=2))
-    resumed = read_metrics(train.run(tiny_config(out_dir, recipe="quads", run_name="resume_part", resume=True)))
+    resumed = read_metrics(train.run(tiny_config(out_dir, recipe="quads", run_name="resume_part",
+                                                 resume=True)))
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     for key in ("reward", "loss", "mismatch/abs_diff_mean", "grad_norm"):
         assert resumed[3][key] == full[3][key], key
@@ -154,7 +155,8 @@ def test_compare_variants_set_recipe_rac_ratio_tis_and_r3():
     assert train.parse_variant("nvfp4+tis2+r3") == {"recipe": "nvfp4", "tis": 2.0, "r3": True}
     cfg = train.TrainConfig(device="cpu", **train.parse_variant("rac@0.125+tis3"))
     assert cfg.run_name == "rac@0.125+tis3"
-    assert train.TrainConfig(device="cpu", recipe="quads").run_name == "quads"  # the default ratio stays unnamed
+    # the default ratio stays unnamed
+    assert train.TrainConfig(device="cpu", recipe="quads").run_name == "quads"
     with pytest.raises(ValueError, match="cannot read variant 'quads@x'"):
         train.parse_variant("quads@x")
     with pytest.raises(ValueError, match="cannot read variant 'quads\\+fast'"):
@@ -163,11 +165,12 @@ def test_compare_variants_set_recipe_rac_ratio_tis_and_r3():
 
 @pytest.mark.slow
 def test_compare_with_jobs_runs_variants_in_processes_and_matches_the_sequential_runs(recipe_runs, out_dir):
-    # same warm-start cache (same out_dir and settings) and seeds: the parallel runs repeat recipe_runs exactly
+    # same warm-start cache (same out_dir and settings) and seeds: the parallel runs repeat
+    # recipe_runs exactly
     settings = tiny_config(out_dir)
     flags = [f"--{k.replace('_', '-')}={getattr(settings, k)}" for k in
-             ("preset", "difficulty", "steps", "prompts_per_step", "group_size", "warmstart_steps", "warmstart_batch",
-              "eval_prompts", "eval_every", "checkpoint_every", "device", "seed")]
+             ("preset", "difficulty", "steps", "prompts_per_step", "group_size", "warmstart_steps",
+              "warmstart_batch", "eval_prompts", "eval_every", "checkpoint_every", "device", "seed")]
     parallel_dir = os.path.join(out_dir, "jobs")
     os.makedirs(os.path.join(parallel_dir, "warmstart"))
     for name in os.listdir(os.path.join(out_dir, "warmstart")):  # reuse the module's warm-start
@@ -177,7 +180,8 @@ def test_compare_with_jobs_runs_variants_in_processes_and_matches_the_sequential
     for recipe, run_dir in zip(("bf16", "nvfp4"), run_dirs):
         parallel, sequential = read_metrics(run_dir, True), read_metrics(recipe_runs[recipe], True)
         assert [r["reward"] for r in parallel] == [r["reward"] for r in sequential]
-        assert [r["mismatch/abs_diff_max"] for r in parallel] == [r["mismatch/abs_diff_max"] for r in sequential]
+        assert ([r["mismatch/abs_diff_max"] for r in parallel]
+                == [r["mismatch/abs_diff_max"] for r in sequential])
     with open(os.path.join(parallel_dir, "compare_bf16_nvfp4.md")) as f:
         assert [line.split("|")[1].strip() for line in f.read().splitlines()[2:]] == ["bf16", "nvfp4"]
 
@@ -214,8 +218,9 @@ def test_a_hugging_face_checkpoint_trains_on_a_local_gsm8k_file(tmp_path):
     transformers = pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
     specials = ["<pad>", "<eos>", "<unk>"]
-    vocab = {token: i for i, token in enumerate(specials + list("0123456789+-*=#.,?!:() \nabcdefghijklmnopqrstuvwxyz"
-                                                                   "ABCDEFGHIJKLMNOPQRSTUVWXYZ\"'<>/"))}
+    characters = list("0123456789+-*=#.,?!:() \nabcdefghijklmnopqrstuvwxyz"
+                      "ABCDEFGHIJKLMNOPQRSTUVWXYZ\"'<>/")
+    vocab = {token: i for i, token in enumerate(specials + characters)}
     char_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     char_level.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
     char_level.decoder = tokenizers.decoders.Fuse()  # join characters without spaces
@@ -225,30 +230,33 @@ def test_a_hugging_face_checkpoint_trains_on_a_local_gsm8k_file(tmp_path):
     hf_tokenizer.save_pretrained(model_dir)
     config = transformers.Qwen3MoeConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                         head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         max_position_embeddings=512)
+                                         head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, max_position_embeddings=512)
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(model_dir)
     data = tmp_path / "gsm8k.jsonl"
     with open(data, "w") as f:
         for a in range(40):
-            f.write(json.dumps({"question": f"What is {a}+2?", "answer": f"{a}+2={a + 2}\n#### {a + 2}"}) + "\n")
+            f.write(json.dumps({"question": f"What is {a}+2?",
+                                "answer": f"{a}+2={a + 2}\n#### {a + 2}"}) + "\n")
 
-    cfg = train.TrainConfig(model=str(model_dir), task="gsm8k", task_source=str(data), recipe="quads", steps=2,
-                            prompts_per_step=2, group_size=2, warmstart_steps=2, warmstart_batch=2, eval_prompts=2,
-                            max_new_tokens=8, out_dir=str(tmp_path / "runs"), device="cpu")
+    cfg = train.TrainConfig(model=str(model_dir), task="gsm8k", task_source=str(data), recipe="quads",
+                            steps=2, prompts_per_step=2, group_size=2, warmstart_steps=2, warmstart_batch=2,
+                            eval_prompts=2, max_new_tokens=8, out_dir=str(tmp_path / "runs"), device="cpu")
     records = read_metrics(train.run(cfg))
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records[1:]:  # rewards are counts over the P*G completions, each at most max_new_tokens long
         assert (r["reward"] * 2 * 2).is_integer() and 1 <= r["completion_len"] <= 8
     tokenizer = train.HFTokenizer(hf_tokenizer)
-    assert tokenizer.decode(tokenizer.encode("#### 42") + [tokenizer.eos_id] + tokenizer.encode("x")) == "#### 42"
+    assert (tokenizer.decode(tokenizer.encode("#### 42") + [tokenizer.eos_id] + tokenizer.encode("x"))
+            == "#### 42")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["fp8", "rac", "w4a4"])
 def test_the_other_recipes_run_end_to_end(out_dir, recipe):
-    records = read_metrics(train.run(tiny_config(out_dir, recipe=recipe, steps=2, eval_every=2)), rl_steps_only=True)
+    records = read_metrics(train.run(tiny_config(out_dir, recipe=recipe, steps=2, eval_every=2)),
+                           rl_steps_only=True)
     assert [r["step"] for r in records] == [1, 2]
     assert records[0]["mismatch/abs_diff_mean"] > 1e-4  # every one of them rolls out in low precision
 
@@ -327,7 +335,8 @@ def test_plot_smoothing_is_a_trailing_mean_that_starts_with_fewer_values():
 
 
 # ----------------------------------------------------------------------------- the command line
-NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without a GPU")
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(),
+                            reason="checks the message for a machine without a GPU")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -345,7 +354,8 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messag
     (["--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1"),
     (["--checkpoint-every", "0"], "argument --checkpoint-every: must be an integer >= 1"),
     (["--threads", "0"], "argument --threads: must be an integer >= 1"),
-    (["--group-size", "1"], "argument --group-size: must be an integer >= 2 (GRPO compares the samples of one prompt), got 1"),
+    (["--group-size", "1"],
+     "argument --group-size: must be an integer >= 2 (GRPO compares the samples of one prompt), got 1"),
     (["--rac-ratio", "1.5"], "argument --rac-ratio: must be in [0, 1], got 1.5"),
     (["--clip-low", "1"], "argument --clip-low: must be in [0, 1), got 1.0"),
     (["--tis", "-1"], "argument --tis: must be a number >= 0 (0 = off), got -1.0"),
@@ -354,8 +364,10 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messag
     (["--preset", "huge"], "argument --preset: choose from tiny, small"),
     (["--task", "chess"], "argument --task: choose from arith, gsm8k"),
     (["--task", "gsm8k"], "argument --task: gsm8k needs a real model and its tokenizer: add --model DIR"),
-    (["--task", "gsm8k", "--model", "/nonexistent/model"], "argument --model: no such directory: /nonexistent/model"),
-    (["--model", "Qwen/Qwen3-30B-A3B"], "argument --model: a real checkpoint brings its own tokenizer: add --task gsm8k"),
+    (["--task", "gsm8k", "--model", "/nonexistent/model"],
+     "argument --model: no such directory: /nonexistent/model"),
+    (["--model", "Qwen/Qwen3-30B-A3B"],
+     "argument --model: a real checkpoint brings its own tokenizer: add --task gsm8k"),
     (["--task-source", "gsm8k.jsonl"], "argument --task-source: applies to --task gsm8k only"),
     (["--device", "tpu"], "argument --device: choose from cpu, cuda, cuda:N, got 'tpu'"),
     (["--device", "cuda:99"], "argument --device: 'cuda:99' but"),
@@ -366,9 +378,11 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messag
     (["--jobs", "2"], "argument --jobs: applies to --compare only"),
     (["--jobs", "0", "--compare", "bf16,quads"], "argument --jobs: must be an integer >= 1, got 0"),
     (["--compare", ",,,"], "argument --compare: empty variant in ',,,'"),
-    (["--compare", "bf16,fp2"], "argument --compare: unknown recipe 'fp2' in variant 'fp2'; choose from bf16"),
+    (["--compare", "bf16,fp2"],
+     "argument --compare: unknown recipe 'fp2' in variant 'fp2'; choose from bf16"),
     (["--compare", "@0.5"], "argument --compare: variant '@0.5' names no recipe"),
-    (["--compare", "rac@5"], "argument --compare: variant 'rac@5': the RAC ratio after '@' must be in [0, 1]"),
+    (["--compare", "rac@5"],
+     "argument --compare: variant 'rac@5': the RAC ratio after '@' must be in [0, 1]"),
     (["--compare", "nvfp4@0.25"], "argument --compare: variant 'nvfp4@0.25': recipe nvfp4 has no RAC"),
     (["--compare", "quads+fast"], "argument --compare: cannot read variant 'quads+fast'"),
     (["--compare", "quads,quads@0.5"], "argument --compare: 'quads,quads@0.5' names the run 'quads' twice"),
@@ -380,7 +394,8 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messag
     (["--audit-recipes", "bf16,int3"], "argument --audit-recipes: choose from bf16"),
     (["--audit", "/nonexistent/run"], "argument --audit: no checkpoint at '/nonexistent/run'"),
 ])
-def test_a_bad_value_exits_2_with_one_line_naming_the_flag_and_writes_nothing(flags, message, tmp_path, capsys):
+def test_a_bad_value_exits_2_with_one_line_naming_the_flag_and_writes_nothing(flags, message, tmp_path,
+                                                                              capsys):
     out_dir = tmp_path / "runs"
     code, out, err = main_exit(flags + ["--out-dir", str(out_dir)], capsys)
     assert code == 2
@@ -390,7 +405,8 @@ def test_a_bad_value_exits_2_with_one_line_naming_the_flag_and_writes_nothing(fl
 
 
 def test_the_real_command_line_exits_2_with_one_line_and_no_traceback(tmp_path):
-    result = subprocess.run([sys.executable, "train.py", "--steps", "-5", "--out-dir", str(tmp_path / "runs")],
+    result = subprocess.run([sys.executable, "train.py", "--steps", "-5", "--out-dir",
+                             str(tmp_path / "runs")],
                             cwd=os.path.dirname(train.__file__), capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 2
@@ -403,11 +419,13 @@ def gsm8k_dirs(tmp_path):
     """An empty directory (passes as a --model directory until it is loaded) and a valid GSM8K file."""
     model_dir, data = tmp_path / "empty_model", tmp_path / "gsm8k.jsonl"
     model_dir.mkdir()
-    data.write_text("".join(json.dumps({"question": f"{a}+2?", "answer": f"#### {a + 2}"}) + "\n" for a in range(9)))
+    data.write_text("".join(json.dumps({"question": f"{a}+2?", "answer": f"#### {a + 2}"}) + "\n"
+                            for a in range(9)))
     return str(model_dir), str(data)
 
 
-def test_data_and_model_that_cannot_be_loaded_give_one_line_with_the_fix(gsm8k_dirs, tmp_path, capsys, monkeypatch):
+def test_data_and_model_that_cannot_be_loaded_give_one_line_with_the_fix(gsm8k_dirs, tmp_path, capsys,
+                                                                         monkeypatch):
     datasets = pytest.importorskip("datasets")
     model_dir, data = gsm8k_dirs
     out_dir = tmp_path / "runs"
@@ -424,11 +442,13 @@ def test_data_and_model_that_cannot_be_loaded_give_one_line_with_the_fix(gsm8k_d
     assert "offline, give a local file: --task-source FILE.jsonl" in err
 
     code, _, err = main_exit(gsm8k + ["--task-source", str(tmp_path / "missing.jsonl")], capsys)
-    assert code == 2 and err == f"train.py: error: argument --task-source: no such dataset file: {tmp_path}/missing.jsonl\n"
+    assert code == 2 and err == ("train.py: error: argument --task-source: no such dataset file: "
+                                 f"{tmp_path}/missing.jsonl\n")
 
     code, _, err = main_exit(gsm8k + ["--task-source", data], capsys)  # the data loads; the model does not
     error = err.split("\n")[-2]  # after datasets' progress bar
-    assert code == 2 and error.startswith(f"train.py: error: argument --model: cannot load {model_dir} (the directory)")
+    assert code == 2 and error.startswith(f"train.py: error: argument --model: cannot load {model_dir} "
+                                          "(the directory)")
     assert "Traceback" not in err
     assert not out_dir.exists()  # no stray run folder, no warm-start cache
 
@@ -438,10 +458,13 @@ def test_refused_commands_modify_no_run_directory(recipe_runs, out_dir, capsys):
     """Checksums of every file under out_dir (runs and warm-start cache) before and after each refusal."""
     before = tree_digest(out_dir)
     refusals = [
-        (cli(out_dir, recipe="bf16"), f"{out_dir}/bf16 holds a run (metrics.jsonl, checkpoint.pt): add --resume"),
+        (cli(out_dir, recipe="bf16"),
+         f"{out_dir}/bf16 holds a run (metrics.jsonl, checkpoint.pt): add --resume"),
         (cli(out_dir, recipe="bf16", steps=-5), "argument --steps: must be an integer >= 1, got -5"),
-        (cli(out_dir, recipe="bf16", resume=True, lr=0.01), "this command changes --lr 0.0001 -> 0.01; a resumed"),
-        (cli(out_dir, recipe="quads", run_name="nvfp4", resume=True, lr=0.01), f"cannot resume {out_dir}/nvfp4: "
+        (cli(out_dir, recipe="bf16", resume=True, lr=0.01),
+         "this command changes --lr 0.0001 -> 0.01; a resumed"),
+        (cli(out_dir, recipe="quads", run_name="nvfp4", resume=True, lr=0.01),
+         f"cannot resume {out_dir}/nvfp4: "
          "this command changes --lr 0.0001 -> 0.01, --recipe nvfp4 -> quads; a resumed run keeps its config"),
         (cli(out_dir, recipe="bf16", resume=True, seed=1), "this command changes --seed 0 -> 1;"),
         (cli(out_dir, recipe="bf16", resume=True, difficulty=3), "this command changes --difficulty 1 -> 3;"),
@@ -457,7 +480,8 @@ def test_refused_commands_modify_no_run_directory(recipe_runs, out_dir, capsys):
         assert tree_digest(out_dir) == before, argv
     assert not os.path.exists(os.path.join(out_dir, "nvfp4+tis2"))
 
-    code, out, _ = main_exit(cli(out_dir, recipe="bf16", resume=True), capsys)  # complete: says so, touches nothing
+    # complete: says so, touches nothing
+    code, out, _ = main_exit(cli(out_dir, recipe="bf16", resume=True), capsys)
     assert code == 0
     assert f"run {out_dir}/bf16 is complete at step 3: nothing to do (--steps N > 3 extends it)" in out
     assert tree_digest(out_dir) == before
@@ -526,7 +550,8 @@ def test_overwrite_starts_over_and_the_run_ends_with_a_summary(recipe_runs, out_
     assert postfixes[0]["pass1"] == f"{new[0]['pass@1']:.2f}"   # step 1, before any RL evaluation
     steps = new[1:]
     run_dir = recipe_runs["bf16"]
-    expected = [f"pass@1        rollout {new[-1]['pass@1']:.3f}, BF16 trainer {new[-1]['pass@1_bf16_trainer']:.3f} "
+    expected = [f"pass@1        rollout {new[-1]['pass@1']:.3f}, "
+                f"BF16 trainer {new[-1]['pass@1_bf16_trainer']:.3f} "
                 f"at step 3 (step 0: {new[0]['pass@1']:.3f}, {new[0]['pass@1_bf16_trainer']:.3f})",
                 f"|delta logp|  mean {sum(r['mismatch/abs_diff_mean'] for r in steps) / 3:.2e}, "
                 f"max {max(r['mismatch/abs_diff_max'] for r in steps):.3f} over steps 1-3",
@@ -571,7 +596,8 @@ def traced_run(out_dir):
 
         def policy_loss(logp, old_logp, advantages, mask, *args, **kwargs):
             record["steps"][-1].update(logp=logp.detach().clone(), advantages=advantages.detach().clone(),
-                                       mask=mask.clone(), weights=copy.deepcopy(record["setup"].trainer.state_dict()))
+                                       mask=mask.clone(),
+                                       weights=copy.deepcopy(record["setup"].trainer.state_dict()))
             return real_loss(logp, old_logp, advantages, mask, *args, **kwargs)
 
         patch.setattr(train, "setup", setup)
@@ -599,17 +625,20 @@ def test_after_the_steps_the_rollout_holds_the_requantized_trainer_weights(trace
         if isinstance(module, rac.NVFP4Linear):
             pairs = [(module.weight_q, trainer[f"{path}.weight"])]
         elif isinstance(module, rac.NVFP4Experts):
-            pairs = [(module.gate_up_q, trainer[f"{path}.gate_up_proj"]), (module.down_q, trainer[f"{path}.down_proj"])]
+            pairs = [(module.gate_up_q, trainer[f"{path}.gate_up_proj"]),
+                     (module.down_q, trainer[f"{path}.down_proj"])]
         else:
             continue
         for packed, master in pairs:
             expected = nvfp4.quantize_weight(master.detach())
             assert torch.equal(packed.data, expected.data), path
-            assert torch.equal(packed.block_scale.view(torch.uint8), expected.block_scale.view(torch.uint8)), path
+            assert torch.equal(packed.block_scale.view(torch.uint8),
+                               expected.block_scale.view(torch.uint8)), path
             assert torch.equal(packed.global_scale, expected.global_scale), path
             n_quantized += 1
     assert n_quantized >= 4
-    quantized_paths = {p for p, m in s.rollout_model.named_modules() if isinstance(m, (rac.NVFP4Linear, rac.NVFP4Experts))}
+    quantized = (rac.NVFP4Linear, rac.NVFP4Experts)
+    quantized_paths = {p for p, m in s.rollout_model.named_modules() if isinstance(m, quantized)}
     for name, param in s.rollout_model.named_parameters():  # embeddings, norms, routers, LM head: copied
         if name.rpartition(".")[0] not in quantized_paths:
             assert torch.equal(param, trainer[name]), name
@@ -667,7 +696,8 @@ def test_compare_outputs_are_named_by_their_variants_and_never_replaced_unasked(
         f"{tmp_path}/compare_bf16_quads@0.25+tis2.png", f"{tmp_path}/compare_bf16_quads@0.25+tis2.md")
     long_names = [f"rac@0.{i}" for i in range(1, 30)]
     figure, table = train.compare_paths(tiny_config(tmp_path), long_names)
-    assert len(os.path.basename(figure)) < 60 and figure != train.compare_paths(tiny_config(tmp_path), long_names[1:])[0]
+    assert len(os.path.basename(figure)) < 60
+    assert figure != train.compare_paths(tiny_config(tmp_path), long_names[1:])[0]
     (tmp_path / "compare_bf16_quads.md").write_text("an earlier study\n")
     before = tree_digest(tmp_path)
     code, _, err = main_exit(cli(tmp_path, compare="bf16,quads"), capsys)
@@ -740,8 +770,9 @@ def test_update_metrics_average_over_minibatches_and_keep_the_extremes():
               "approx_kl": 0.2}]
     record = train.update_metrics(tiny_config("unused", minibatches=2), stats)
     assert record == pytest.approx({"loss": 2.0, "grad_norm": 3.0, "ratio/mean": 1.1, "ratio/min": 0.5,
-                                    "ratio/max": 3.0, "clip_ratio/low_mean": 0.05, "clip_ratio/high_mean": 0.15,
-                                    "clip_ratio/region_mean": 0.2, "approx_kl": 0.1})
+                                    "ratio/max": 3.0, "clip_ratio/low_mean": 0.05,
+                                    "clip_ratio/high_mean": 0.15, "clip_ratio/region_mean": 0.2,
+                                    "approx_kl": 0.1})
     assert train.update_metrics(tiny_config("unused"), stats[:1]) == {"loss": 1.0, "grad_norm": 2.0}
 
 
@@ -815,8 +846,9 @@ def test_minibatches_and_mipu_name_the_run():
     assert cfg.run_name == "nvfp4+mb4+mipu"
 
 
-# ----------------------------------------------------------------------------- torchrun (gloo, 2 CPU processes)
-TORCHRUN_ARGS = ["--recipe", "bf16", "--difficulty", "1", "--warmstart-steps", "100", "--prompts-per-step", "5",
+# --------------------------------------------------------------------------- torchrun (gloo, 2 CPU processes)
+TORCHRUN_ARGS = ["--recipe", "bf16", "--difficulty", "1", "--warmstart-steps", "100", "--prompts-per-step",
+                 "5",
                  "--group-size", "4", "--eval-prompts", "9", "--eval-every", "3", "--checkpoint-every", "1",
                  "--lr", "1e-3", "--device", "cpu"]
 COMPARED = ("reward", "loss", "grad_norm", "completion_len", "pass@1", "pass@1_bf16_trainer",
@@ -831,8 +863,10 @@ def _train_py(out_dir, *extra, nproc=0):
         if nproc else [sys.executable]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(launcher + [os.path.join(repo, "train.py"), *TORCHRUN_ARGS, "--out-dir", str(out_dir),
-                                        *extra], capture_output=True, text=True, env=env, cwd=repo, timeout=600)
+    result = subprocess.run(launcher + [os.path.join(repo, "train.py"), *TORCHRUN_ARGS, "--out-dir",
+                                        str(out_dir),
+                                        *extra], capture_output=True, text=True, env=env, cwd=repo,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return os.path.join(str(out_dir), "bf16")
 

@@ -153,6 +153,25 @@ def symmetric_study(base, earlier, recipes=("bf16", "nvfp4", "quads", "moeresq",
             s = steps_of(os.path.join(base, f"seed{seed}_{recipe}"))
             cells.append(f"{mean(s, 'mismatch/abs_diff_mean'):.4f} / {mean(s, 'reward', s[-1]['step'] // 2):.3f}")
         print(f"| {recipe} | " + " | ".join(cells) + " |")
+    print("\nPer recipe over the three seeds (mean, and the range over seeds): mean |delta logp| over all steps,"
+          " routing disagreement, train reward over steps 301-600, final pass@1 of the rollout model\n")
+    print("| recipe | mean abs dlogp | routing disagr. | reward 301-600 | final pass@1 |")
+    print("| --- | --- | --- | --- | --- |")
+    points = []
+    for recipe in recipes:
+        runs = [steps_of(os.path.join(base, f"seed{seed}_{recipe}")) for seed in seeds]
+        finals = [evals_of(os.path.join(base, f"seed{seed}_{recipe}"))[-1]["pass@1"] for seed in seeds]
+        gaps = [mean(s, "mismatch/abs_diff_mean") for s in runs]
+        routing = [mean(s, "routing_disagreement") for s in runs]
+        late = [mean(s, "reward", s[-1]["step"] // 2) for s in runs]
+        points += list(zip(gaps, late))
+
+        def cell(values, fmt):
+            return f"{statistics.mean(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+        print(f"| {recipe} | {cell(gaps, '.2e')} | {cell(routing, '.2%')} | {cell(late, '.3f')} | "
+              f"{cell(finals, '.3f')} |")
+    rho = statistics.correlation(ranks([p[0] for p in points]), ranks([p[1] for p in points]))
+    print(f"\nSpearman rank correlation of mean gap and second-half reward over the {len(points)} runs: {rho:.2f}")
     train.plot([os.path.join(base, n) for n in names if n.startswith("seed0_")],
                os.path.join(FIGURES, "cpu_lr3e-4_600steps_symmetric.png"), window=25)
 

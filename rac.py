@@ -108,7 +108,8 @@ def _check_rac_mask(rac_mask, x):
     if rac_mask is None:
         return
     n_blocks = x.shape[-1] // BLOCK_SIZE
-    if not isinstance(rac_mask, torch.Tensor) or rac_mask.dtype != torch.bool or rac_mask.shape != (n_blocks,):
+    if (not isinstance(rac_mask, torch.Tensor) or rac_mask.dtype != torch.bool
+            or rac_mask.shape != (n_blocks,)):
         got = (f"{rac_mask.dtype} {tuple(rac_mask.shape)}" if isinstance(rac_mask, torch.Tensor)
                else type(rac_mask).__name__)
         raise ValueError(f"rac_mask must be a bool tensor of shape (G,) = ({n_blocks},), got {got}")
@@ -146,7 +147,8 @@ def _check_layer_input(x, in_features, device, name):
 
 def _check_features(features, name):
     if features % BLOCK_SIZE:
-        raise ValueError(f"{name}: {features} features is not a multiple of the NVFP4 block size {BLOCK_SIZE}")
+        raise ValueError(f"{name}: {features} features is not a multiple of the NVFP4 block size "
+                         f"{BLOCK_SIZE}")
 
 
 # ============================================================================ the slow twins (plain PyTorch)
@@ -304,7 +306,8 @@ class NVFP4Linear(nn.Module):
         self.register_buffer("weight_block_scale", torch.zeros(out_features, in_features // BLOCK_SIZE,
                                                                dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("weight_global_scale", torch.ones((), dtype=torch.float32, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+        self.bias = (nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
+                     if bias else None)
         self.rac = RACSelector(in_features // BLOCK_SIZE, rac_ratio, device=device)
 
     @property
@@ -313,8 +316,8 @@ class NVFP4Linear(nn.Module):
 
     @classmethod
     def from_float(cls, linear, rac_ratio=0.0):
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, rac_ratio=rac_ratio,
-                    device=linear.weight.device)
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    rac_ratio=rac_ratio, device=linear.weight.device)
         layer.load_weight(linear.weight, linear.bias)
         return layer
 
@@ -471,13 +474,15 @@ def sync_weights(rollout_model, trainer_model):
     def master(path, name):
         key = f"{path}.{name}" if path else name
         if key not in params:
-            raise ValueError(f"sync_weights: the trainer model has no parameter {key!r} (rollout layer {path!r})")
+            raise ValueError(f"sync_weights: the trainer model has no parameter {key!r} "
+                             f"(rollout layer {path!r})")
         return params[key]
 
     quantized = set()
     for path, module in rollout_model.named_modules():
         if isinstance(module, (NVFP4Linear, fp8.FP8Linear)):
-            module.load_weight(master(path, "weight"), master(path, "bias") if module.bias is not None else None)
+            module.load_weight(master(path, "weight"),
+                               master(path, "bias") if module.bias is not None else None)
         elif isinstance(module, (NVFP4Experts, fp8.FP8Experts)):
             module.load_weights(master(path, "gate_up_proj"), master(path, "down_proj"))
         if isinstance(module, _QUANTIZED_LAYERS):
@@ -594,7 +599,8 @@ if triton is not None:
         if WRITE_OPERAND:  # fp16 planes, 16 contiguous bytes per block in each
             offs = blocks[:, None] * 8 + tl.arange(0, 8)[None, :]
             tl.store(operand_ptr + offs, (value_even * _SHIFT).to(tl.float16), mask=in_range[:, None])
-            tl.store(operand_ptr + plane_size + offs, (value_odd * _SHIFT).to(tl.float16), mask=in_range[:, None])
+            tl.store(operand_ptr + plane_size + offs, (value_odd * _SHIFT).to(tl.float16),
+                     mask=in_range[:, None])
 
     @triton.jit
     def _partial_amax_kernel(x_ptr, partial_ptr, numel, SLICE: tl.constexpr, CHUNK: tl.constexpr):
@@ -621,15 +627,16 @@ def _check_out_dtype(out_dtype):
 def _empty_planes(rows, half_k, device):
     """An fp16 operand buffer (2, rows, K/2), the planes a multiple of 64 elements apart (16-byte aligned)."""
     plane = triton.cdiv(rows * half_k, 64) * 64
-    return torch.empty((2, plane), dtype=torch.float16, device=device)[:, :rows * half_k].view(2, rows, half_k)
+    return (torch.empty((2, plane), dtype=torch.float16, device=device)[:, :rows * half_k]
+            .view(2, rows, half_k))
 
 
 class Activation(NamedTuple):
     """An activation quantized for the W4A4 GEMMs (the fields a path does not need are None)."""
-    x_q: NVFP4Tensor | None          # codes and block scales of x, with the global scale
-    residual: NVFP4Tensor | None     # RAC residual codes (zero blocks where not compensated), same global scale
-    operand: torch.Tensor | None     # (2, M, K/2) fp16 planes of (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
-    global_scale: torch.Tensor       # () fp32
+    x_q: NVFP4Tensor | None       # codes and block scales of x, with the global scale
+    residual: NVFP4Tensor | None  # RAC residual codes (zero blocks where not compensated), same global scale
+    operand: torch.Tensor | None  # (2, M, K/2) fp16 planes of (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
+    global_scale: torch.Tensor    # () fp32
 
 
 _AMAX_CHUNK = 4096       # elements per load in the amax loops (= FUSED_ELEMENTS: small inputs in one load)
@@ -668,14 +675,16 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
     blocks = 32 if n_blocks <= 16384 else 128  # small inputs: more programs, shorter chains
     _quantize_activation_kernel[(triton.cdiv(n_blocks, blocks),)](
         x, nvfp4._pair_view(x), ptr(rac_mask, torch.uint8), partials, global_scale,
-        ptr(data), ptr(block_scale, torch.uint8), ptr(res_data), ptr(res_block_scale, torch.uint8), ptr(out_operand),
+        ptr(data), ptr(block_scale, torch.uint8), ptr(res_data), ptr(res_block_scale, torch.uint8),
+        ptr(out_operand),
         x.numel(), n_blocks, K // BLOCK_SIZE, partials.numel() if not amax_here else 0,
         out_operand.stride(0) if operand else 0,
         AMAX_HERE=amax_here, HAS_RESIDUAL=rac_mask is not None, X_BF16=x.dtype == torch.bfloat16,
         WRITE_CODES=codes, WRITE_OPERAND=operand, BLOCKS=blocks, CHUNK=_AMAX_CHUNK,
         PARTIALS=triton.next_power_of_2(partials.numel()))
     x_q = NVFP4Tensor(data, block_scale, global_scale) if codes else None
-    residual = NVFP4Tensor(res_data, res_block_scale, global_scale) if codes and rac_mask is not None else None
+    residual = (NVFP4Tensor(res_data, res_block_scale, global_scale) if codes and rac_mask is not None
+                else None)
     return Activation(x_q, residual, out_operand, global_scale)
 
 

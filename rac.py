@@ -88,7 +88,7 @@ PREFILL_ROWS = 1024                # from this many rows on, the weight is decod
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# ============================================================================ input checks
+# ======================================================================== input checks
 def _check_ratio(rac_ratio):
     if not isinstance(rac_ratio, (int, float)) or not 0.0 <= rac_ratio <= 1.0:
         raise ValueError(f"rac_ratio must be a number in [0, 1], got {rac_ratio!r}")
@@ -151,7 +151,7 @@ def _check_features(features, name):
                          f"{BLOCK_SIZE}")
 
 
-# ============================================================================ the slow twins (plain PyTorch)
+# ======================================================================== the slow twins (plain PyTorch)
 def quantize_activation_reference(x, rac_mask=None):
     """x (M, K) -> (x_q, residual): NVFP4 codes of x (dynamic global scale), and of the residual
     x - DQ(x_q) on the blocks where rac_mask (G,) is True (zero elsewhere), with x's global scale;
@@ -235,7 +235,7 @@ def weight_operand_reference(w_q):
     return _planes(_values_without_global_scale(w_q) * OPERAND_SHIFT)
 
 
-# ============================================================================ RAC block selection
+# ======================================================================== RAC block selection
 def block_residual_error(x):
     """Mean |x - DQ(Q(x))| per 16-channel block of x (M, K), with x's dynamic global scale -> (G,) fp32."""
     residual = x.float() - nvfp4.dequantize(nvfp4.quantize(x), torch.float32)          # (M, K)
@@ -287,7 +287,7 @@ class RACSelector(nn.Module):
         return f"n_blocks={self.n_blocks}, rac_ratio={self.rac_ratio}, n_selected={self.n_selected}"
 
 
-# ============================================================================ rollout layers
+# ======================================================================== rollout layers
 def _use_triton(x):
     # the one test for the fast path: Triton on CUDA tensors, the plain PyTorch twins elsewhere
     return triton is not None and x.is_cuda
@@ -429,7 +429,7 @@ class NVFP4Experts(nn.Module):
                 f"rac_ratio={self.rac_gate_up.rac_ratio}")
 
 
-# ============================================================================ conversion, sync, calibration
+# ======================================================================== conversion, sync, calibration
 def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quantize_lm_head=False):
     """Swap a moe.py model's layers for rollout layers in place; returns the model.
 
@@ -514,7 +514,7 @@ def calibrate_rac(rollout_model, tokens, rac_ratio=None, **forward_kwargs):
     return rollout_model
 
 
-# ============================================================================ Triton: the activation quantizer
+# ======================================================================== Triton: the activation quantizer
 if triton is not None:
     from nvfp4 import _e2m1_value, _load_pairs, _quantize_pairs, _to_bf16_bits
 
@@ -698,7 +698,7 @@ def quantize_activation(x, rac_mask=None):
     return quantize_activation_reference(x, rac_mask)
 
 
-# ============================================================================ Triton: the dense GEMM
+# ======================================================================== Triton: the dense GEMM
 if triton is not None:
     # ------------------------------------------------------------------ GEMM building blocks
     @triton.jit
@@ -1061,7 +1061,7 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16):
     return _dense_portable(w_q, out_dtype, act=quantize_activation_triton(x, rac_mask))
 
 
-# ============================================================================ Triton: the experts' grouped GEMM
+# ======================================================================== Triton: the experts' grouped GEMM
 if triton is not None:
     @triton.jit
     def _expert_tile(counts_ptr, E, pid_m, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
@@ -1169,7 +1169,7 @@ def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swig
     return y
 
 
-# ============================================================================ Blackwell: native FP4 kernels
+# ======================================================================== Blackwell: native FP4 kernels
 if triton is not None:
     # sm_100+; compiled for sm_100 by a CPU test, numerics untested (no such GPU here)
     @triton.jit
@@ -1272,7 +1272,7 @@ def _dense_native(x_q, residual, w_q, out_dtype):
     return y
 
 
-# ============================================================================ the one place a path is chosen
+# ======================================================================== the one place a path is chosen
 _BACKENDS = {}
 
 

@@ -745,8 +745,9 @@ if triton is not None:
         return even, odd
 
     @triton.jit
-    def _weight_tile(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale, ROWS: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GPU: tl.constexpr, BLOCKED: tl.constexpr = False):
+    def _weight_tile(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
+                     ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GPU: tl.constexpr,
+                     BLOCKED: tl.constexpr = False):
         """Columns k0..k0+BLOCK_K of NVFP4 rows as (ROWS, BLOCK_K/2) fp16 even and odd tiles holding
         value * block_scale * 2^-6 exactly; BLOCKED: as (ROWS, BLOCK_K/16, 8) tiles, one block per row of 8.
         Flat tiles load each row's BLOCK_K/2 bytes as one run (16-byte loads) for the tensor cores, whose
@@ -796,7 +797,8 @@ if triton is not None:
 
     @triton.jit
     def _quantized_tile(x_words_ptr, rac_mask_ptr, global_scale, row0, M, k0, K, HAS_RESIDUAL: tl.constexpr,
-                        X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKED: tl.constexpr):
+                        X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCKED: tl.constexpr):
         """The fused path's activation tile: rows row0.. and columns k0..k0+BLOCK_K of x quantized here
         (as the quantizer kernel does, bit for bit) -> (BLOCK_M, BLOCK_K/2) fp16 even and odd tiles, or
         (BLOCK_M, BLOCK_K/16, 8) ones (BLOCKED). In the fused GEMV Triton still moves the decoded weight
@@ -813,10 +815,11 @@ if triton is not None:
                 tl.reshape((value_odd * _SHIFT).to(tl.float16), shape))
 
     @triton.jit
-    def _mainloop(x_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols, col_mask,
-                  stride_w, stride_ws, w_plane, K, k_begin, k_end, FUSED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                  X_BF16: tl.constexpr, W_FP16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, x_rows):
+    def _mainloop(x_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols,
+                  col_mask, stride_w, stride_ws, w_plane, K, k_begin, k_end, FUSED: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, W_FP16: tl.constexpr, GPU: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  x_rows):
         """acc (BLOCK_N, BLOCK_M) = W[cols] @ X[rows].T over columns k_begin..k_end, in fp32, without
         the global scales and 2^12. X: quantized here (FUSED) or fp16 operand planes (rows x_rows, or
         row0..); W: NVFP4 codes, or fp16 operand planes (W_FP16). BLOCK_M == 1: a GEMV on fp32 FMAs."""
@@ -828,19 +831,20 @@ if triton is not None:
         GEMV: tl.constexpr = BLOCK_M == 1
         for k0 in range(k_begin, k_end, BLOCK_K):
             if W_FP16:
-                w_even, w_odd = _operand_tile(w_ptr, cols, col_mask, k0, K, stride_w, w_plane, BLOCK_K, EVEN_K)
+                w_even, w_odd = _operand_tile(w_ptr, cols, col_mask, k0, K, stride_w, w_plane, BLOCK_K,
+                                              EVEN_K)
             else:
                 w_even, w_odd = _weight_tile(w_ptr, w_scale_ptr, cols, col_mask, k0, K, stride_w, stride_ws,
                                              BLOCK_N, BLOCK_K, EVEN_K, GPU, GEMV)
             if FUSED:
-                x_even, x_odd = _quantized_tile(x_ptr, rac_mask_ptr, x_global, row0, M, k0, K, HAS_RESIDUAL, X_BF16,
-                                                BLOCK_M, BLOCK_K, GEMV)
+                x_even, x_odd = _quantized_tile(x_ptr, rac_mask_ptr, x_global, row0, M, k0, K, HAS_RESIDUAL,
+                                                X_BF16, BLOCK_M, BLOCK_K, GEMV)
             elif GEMV:  # the one row, loaded once per weight row (from L1) so that it has the weight's layout
-                x_even, x_odd = _operand_tile(x_ptr, x_rows + 0 * cols, row_mask | (cols < 0), k0, K, stride_x,
-                                              x_plane, BLOCK_K, EVEN_K, GEMV)
+                x_even, x_odd = _operand_tile(x_ptr, x_rows + 0 * cols, row_mask | (cols < 0), k0, K,
+                                              stride_x, x_plane, BLOCK_K, EVEN_K, GEMV)
             else:
-                x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K, EVEN_K,
-                                              GEMV)
+                x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K,
+                                              EVEN_K, GEMV)
             if GEMV:  # (BLOCK_N, GB, 8) * (1, GB, 8): products of fp16 values are exact in fp32
                 products = (w_even.to(tl.float32) * x_even.to(tl.float32)
                             + w_odd.to(tl.float32) * x_odd.to(tl.float32))
@@ -962,9 +966,9 @@ if triton is not None:
         else:
             x_global = tl.load(x_global_ptr)
         rows = row0 + tl.arange(0, BLOCK_M)
-        acc = _mainloop(x_words_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols,
-                        col_mask, stride_w, stride_ws, w_plane, K, k_begin, k_end, FUSED, HAS_RESIDUAL, X_BF16, W_FP16,
-                        GPU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, rows)
+        acc = _mainloop(x_words_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr,
+                        cols, col_mask, stride_w, stride_ws, w_plane, K, k_begin, k_end, FUSED, HAS_RESIDUAL,
+                        X_BF16, W_FP16, GPU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, rows)
         scale = _EPILOGUE * x_global * tl.load(w_global_ptr)
         if SPLIT_K == 1:
             _store_tile(y_ptr, rows, rows < M, cols, col_mask, stride_y, acc * scale, OUT_BF16)
@@ -1114,15 +1118,15 @@ if triton is not None:
             w_rows = pid_n * BLOCK_N + stacked % BLOCK_N + (stacked // BLOCK_N) * n_out
             w_mask = pid_n * BLOCK_N + stacked % BLOCK_N < n_out
             acc = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base,
-                            w_rows.to(tl.int64), w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False,
-                            GPU, BLOCK_M,
-                            2 * BLOCK_N, BLOCK_K, EVEN_K, x_rows) * scale               # (2 BLOCK_N, BLOCK_M)
+                            w_rows.to(tl.int64), w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False,
+                            False, GPU, BLOCK_M, 2 * BLOCK_N, BLOCK_K,
+                            EVEN_K, x_rows) * scale                                     # (2 BLOCK_N, BLOCK_M)
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
             out = gate / (1.0 + tl.exp(-gate)) * up                                      # silu(gate) * up
         else:
-            out = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, cols, col_mask,
-                            stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU, BLOCK_M, BLOCK_N,
-                            BLOCK_K, EVEN_K, x_rows) * scale
+            out = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, cols,
+                            col_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU,
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, x_rows) * scale
         if ROW_WEIGHTS:
             out = out * tl.load(row_weights_ptr + sorted_rows, mask=row_mask, other=0.0)[None, :]
         _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, out, OUT_BF16)

@@ -738,7 +738,8 @@ if triton is not None:
                 cvt.rn.f16x2.e4m3x2 $3, h1;
                 }
                 """,
-                constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+                constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=True,
+                pack=4)
         else:
             even = (((packed & 7) << 2) | ((packed & 8) << 4)).to(tl.float8e4nv, bitcast=True).to(tl.float16)
             odd = (((packed >> 2) & 0x1C) | (packed & 0x80)).to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -986,7 +987,8 @@ if triton is not None:
                 total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 for split in range(SPLIT_K):
                     total += tl.load(part_ptr + split * tile, cache_modifier=".cg")
-                tl.atomic_xchg(counter_ptr + pid, 0)                                     # ready for the next call
+                # ready for the next call
+                tl.atomic_xchg(counter_ptr + pid, 0)
                 _store_tile(y_ptr, rows, rows < M, cols, col_mask, stride_y, total * scale, OUT_BF16)
 
 
@@ -1000,7 +1002,8 @@ def _split_k_buffers(M, N, bucket, device):
     configs = (_INTERPRETER_CONFIGS if _INTERPRET else DENSE_CONFIGS)[bucket]
     splits = [(bm, bn, split) for bm, bn, _, _, _, split in configs if split > 1]
     if not splits:
-        return torch.empty(1, dtype=torch.float32, device=device), torch.empty(1, dtype=torch.int32, device=device)
+        return (torch.empty(1, dtype=torch.float32, device=device),
+                torch.empty(1, dtype=torch.int32, device=device))
     size = max(split * triton.cdiv(M, bm) * bm * triton.cdiv(N, bn) * bn for bm, bn, split in splits)
     tiles = max(triton.cdiv(M, bm) * triton.cdiv(N, bn) for bm, bn, _ in splits)
     counters = _SPLIT_COUNTERS.get(device)
@@ -1040,10 +1043,10 @@ def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None):
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
-    _dense_kernel[grid](*x_args, w_ptr, w_scale, w_q.global_scale.contiguous(), _as_int16(y), workspace, counters,
-                        M, N, K, bucket, x_plane, w_plane, stride_x, stride_w, w_scale.stride(0), y.stride(0),
-                        FUSED=fused, HAS_RESIDUAL=fused and rac_mask is not None, X_BF16=x_bf16, W_FP16=w_fp16,
-                        OUT_BF16=out_dtype == torch.bfloat16, GPU=not _INTERPRET)
+    _dense_kernel[grid](*x_args, w_ptr, w_scale, w_q.global_scale.contiguous(), _as_int16(y), workspace,
+                        counters, M, N, K, bucket, x_plane, w_plane, stride_x, stride_w, w_scale.stride(0),
+                        y.stride(0), FUSED=fused, HAS_RESIDUAL=fused and rac_mask is not None, X_BF16=x_bf16,
+                        W_FP16=w_fp16, OUT_BF16=out_dtype == torch.bfloat16, GPU=not _INTERPRET)
     return y
 
 
@@ -1090,7 +1093,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_rows"])
     def _grouped_kernel(
         # pointers
-        x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, w_ptr, w_scale_ptr, w_global_ptr, counts_ptr, y_ptr,
+        x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, w_ptr, w_scale_ptr, w_global_ptr, counts_ptr,
+        y_ptr,
         # sizes: N is the weight's rows (2I for SwiGLU, whose output has N/2 columns)
         n_rows, N, K, E, M_BUCKET, x_plane,
         # strides
@@ -1154,10 +1158,11 @@ def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swig
         block_m, block_n, block_k = 128, 128, 128
         _grouped_native_kernel[(triton.cdiv(n_rows, block_m) + min(E, n_rows), triton.cdiv(n_out, block_n))](
             act.x_q.data, act.x_q.block_scale, r.data, r.block_scale, act.global_scale, row_ids, row_weights,
-            w_q.data, w_q.block_scale, w_q.global_scale, counts, _as_int16(y), N, K, E, act.x_q.data.stride(0),
-            act.x_q.block_scale.stride(0), w_q.data.stride(0), w_q.data.stride(1), w_q.block_scale.stride(0),
-            w_q.block_scale.stride(1), y.stride(0), HAS_RESIDUAL=act.residual is not None, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **flags)
+            w_q.data, w_q.block_scale, w_q.global_scale, counts, _as_int16(y), N, K, E,
+            act.x_q.data.stride(0), act.x_q.block_scale.stride(0), w_q.data.stride(0), w_q.data.stride(1),
+            w_q.block_scale.stride(0), w_q.block_scale.stride(1), y.stride(0),
+            HAS_RESIDUAL=act.residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=4, **flags)
         return y
     w_data, w_scale = w_q.data.contiguous(), w_q.block_scale.contiguous().view(torch.uint8)
     operand = act.operand
@@ -1167,9 +1172,9 @@ def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swig
 
     _grouped_kernel[grid](operand, act.global_scale, row_ids, row_weights, w_data, w_scale,
                           w_q.global_scale.contiguous(), counts, _as_int16(y), n_rows, N, K, E,
-                          _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS), operand.stride(0), operand.stride(1),
-                          w_data.stride(0), w_data.stride(1), w_scale.stride(0), w_scale.stride(1), y.stride(0),
-                          GPU=not _INTERPRET, **flags)
+                          _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS), operand.stride(0),
+                          operand.stride(1), w_data.stride(0), w_data.stride(1), w_scale.stride(0),
+                          w_scale.stride(1), y.stride(0), GPU=not _INTERPRET, **flags)
     return y
 
 
@@ -1209,8 +1214,9 @@ if triton is not None:
             acc = _native_tile_product(acc, x_ptr, x_scale_ptr, rows, row_mask, stride_x, stride_xs, w_ptr,
                                        w_scale_ptr, cols, col_mask, stride_w, stride_ws, k0, K, BLOCK_K)
             if HAS_RESIDUAL:  # the same weight tile, a second MMA
-                acc = _native_tile_product(acc, r_ptr, r_scale_ptr, rows, row_mask, stride_x, stride_xs, w_ptr,
-                                           w_scale_ptr, cols, col_mask, stride_w, stride_ws, k0, K, BLOCK_K)
+                acc = _native_tile_product(acc, r_ptr, r_scale_ptr, rows, row_mask, stride_x, stride_xs,
+                                           w_ptr, w_scale_ptr, cols, col_mask, stride_w, stride_ws, k0, K,
+                                           BLOCK_K)
         scale = tl.load(x_global_ptr) * tl.load(w_global_ptr)
         _store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, tl.trans(acc * scale), OUT_BF16)
 
@@ -1242,16 +1248,17 @@ if triton is not None:
             acc = _native_tile_product(acc, x_ptr, x_scale_ptr, x_rows, row_mask, stride_x, stride_xs, w_base,
                                        ws_base, cols, col_mask, stride_w, stride_ws, k0, K, BLOCK_K)
             if HAS_RESIDUAL:
-                acc = _native_tile_product(acc, r_ptr, r_scale_ptr, x_rows, row_mask, stride_x, stride_xs, w_base,
-                                           ws_base, cols, col_mask, stride_w, stride_ws, k0, K, BLOCK_K)
+                acc = _native_tile_product(acc, r_ptr, r_scale_ptr, x_rows, row_mask, stride_x, stride_xs,
+                                           w_base, ws_base, cols, col_mask, stride_w, stride_ws, k0, K,
+                                           BLOCK_K)
             if SWIGLU:
-                acc_up = _native_tile_product(acc_up, x_ptr, x_scale_ptr, x_rows, row_mask, stride_x, stride_xs,
-                                              w_base, ws_base, cols + n_out, col_mask, stride_w, stride_ws, k0, K,
-                                              BLOCK_K)
+                acc_up = _native_tile_product(acc_up, x_ptr, x_scale_ptr, x_rows, row_mask, stride_x,
+                                              stride_xs, w_base, ws_base, cols + n_out, col_mask, stride_w,
+                                              stride_ws, k0, K, BLOCK_K)
                 if HAS_RESIDUAL:
-                    acc_up = _native_tile_product(acc_up, r_ptr, r_scale_ptr, x_rows, row_mask, stride_x, stride_xs,
-                                                  w_base, ws_base, cols + n_out, col_mask, stride_w, stride_ws, k0,
-                                                  K, BLOCK_K)
+                    acc_up = _native_tile_product(acc_up, r_ptr, r_scale_ptr, x_rows, row_mask, stride_x,
+                                                  stride_xs, w_base, ws_base, cols + n_out, col_mask,
+                                                  stride_w, stride_ws, k0, K, BLOCK_K)
         scale = tl.load(x_global_ptr) * tl.load(w_global_ptr + expert)
         out = acc * scale
         if SWIGLU:
@@ -1270,8 +1277,8 @@ def _dense_native(x_q, residual, w_q, out_dtype):
     block_m, block_n, block_k = 128, 128, 128
     _dense_native_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
         x_q.data, x_q.block_scale, r.data, r.block_scale, x_q.global_scale, w_q.data, w_q.block_scale,
-        w_q.global_scale, _as_int16(y), M, N, K, x_q.data.stride(0), x_q.block_scale.stride(0), w_q.data.stride(0),
-        w_q.block_scale.stride(0), y.stride(0), HAS_RESIDUAL=residual is not None,
+        w_q.global_scale, _as_int16(y), M, N, K, x_q.data.stride(0), x_q.block_scale.stride(0),
+        w_q.data.stride(0), w_q.block_scale.stride(0), y.stride(0), HAS_RESIDUAL=residual is not None,
         OUT_BF16=out_dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return y
 
@@ -1307,8 +1314,8 @@ def _native_agrees(device, dense=None, grouped=None):
             return False
         error = ((result - reference).norm() / reference.norm()).item()
         if not error < 1e-3:
-            warnings.warn(f"rac.py: the native FP4 {name} GEMM disagrees with the portable kernel on {device} "
-                          f"(relative error {error:.2e}); using the portable kernels")
+            warnings.warn(f"rac.py: the native FP4 {name} GEMM disagrees with the portable kernel on "
+                          f"{device} (relative error {error:.2e}); using the portable kernels")
             return False
     return True
 
@@ -1320,5 +1327,6 @@ def _gemm_backend(device):
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _BACKENDS:
         blackwell = torch.cuda.get_device_capability(index)[0] >= 10
-        _BACKENDS[index] = "native" if blackwell and _native_agrees(torch.device("cuda", index)) else "portable"
+        _BACKENDS[index] = ("native" if blackwell and _native_agrees(torch.device("cuda", index))
+                            else "portable")
     return _BACKENDS[index]

@@ -384,7 +384,8 @@ def test_conversion_keeps_parameters_names_and_full_precision_layers():
 BAD_CALLS = [  # (id, call, what the message names, the problem it states)
     ("unknown mode", lambda: qat.convert_for_training(tiny_model(std=0.1), mode="nvfp4"), "'nvfp4'",
      "unknown QAT mode"),
-    ("mode case", lambda: qat.convert_for_training(tiny_model(std=0.1), mode="QAT"), "'QAT'", "choose one of"),
+    ("mode case", lambda: qat.convert_for_training(tiny_model(std=0.1), mode="QAT"), "'QAT'",
+     "choose one of"),
     ("moeresq without the rollout's selection",
      lambda: qat.convert_for_training(tiny_model(std=0.1), "moeresq")(tokens()), "mode 'moeresq'",
      "has no RAC selection"),

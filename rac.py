@@ -88,7 +88,7 @@ PREFILL_ROWS = 1024                # from this many rows on, the weight is decod
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# ============================================================================ input checks
+# ======================================================================== input checks
 def _check_ratio(rac_ratio):
     if not isinstance(rac_ratio, (int, float)) or not 0.0 <= rac_ratio <= 1.0:
         raise ValueError(f"rac_ratio must be a number in [0, 1], got {rac_ratio!r}")
@@ -108,7 +108,8 @@ def _check_rac_mask(rac_mask, x):
     if rac_mask is None:
         return
     n_blocks = x.shape[-1] // BLOCK_SIZE
-    if not isinstance(rac_mask, torch.Tensor) or rac_mask.dtype != torch.bool or rac_mask.shape != (n_blocks,):
+    if (not isinstance(rac_mask, torch.Tensor) or rac_mask.dtype != torch.bool
+            or rac_mask.shape != (n_blocks,)):
         got = (f"{rac_mask.dtype} {tuple(rac_mask.shape)}" if isinstance(rac_mask, torch.Tensor)
                else type(rac_mask).__name__)
         raise ValueError(f"rac_mask must be a bool tensor of shape (G,) = ({n_blocks},), got {got}")
@@ -146,10 +147,11 @@ def _check_layer_input(x, in_features, device, name):
 
 def _check_features(features, name):
     if features % BLOCK_SIZE:
-        raise ValueError(f"{name}: {features} features is not a multiple of the NVFP4 block size {BLOCK_SIZE}")
+        raise ValueError(f"{name}: {features} features is not a multiple of the NVFP4 block size "
+                         f"{BLOCK_SIZE}")
 
 
-# ============================================================================ the slow twins (plain PyTorch)
+# ======================================================================== the slow twins (plain PyTorch)
 def quantize_activation_reference(x, rac_mask=None):
     """x (M, K) -> (x_q, residual): NVFP4 codes of x (dynamic global scale), and of the residual
     x - DQ(x_q) on the blocks where rac_mask (G,) is True (zero elsewhere), with x's global scale;
@@ -233,7 +235,7 @@ def weight_operand_reference(w_q):
     return _planes(_values_without_global_scale(w_q) * OPERAND_SHIFT)
 
 
-# ============================================================================ RAC block selection
+# ======================================================================== RAC block selection
 def block_residual_error(x):
     """Mean |x - DQ(Q(x))| per 16-channel block of x (M, K), with x's dynamic global scale -> (G,) fp32."""
     residual = x.float() - nvfp4.dequantize(nvfp4.quantize(x), torch.float32)          # (M, K)
@@ -285,7 +287,7 @@ class RACSelector(nn.Module):
         return f"n_blocks={self.n_blocks}, rac_ratio={self.rac_ratio}, n_selected={self.n_selected}"
 
 
-# ============================================================================ rollout layers
+# ======================================================================== rollout layers
 def _use_triton(x):
     # the one test for the fast path: Triton on CUDA tensors, the plain PyTorch twins elsewhere
     return triton is not None and x.is_cuda
@@ -304,7 +306,8 @@ class NVFP4Linear(nn.Module):
         self.register_buffer("weight_block_scale", torch.zeros(out_features, in_features // BLOCK_SIZE,
                                                                dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("weight_global_scale", torch.ones((), dtype=torch.float32, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+        self.bias = (nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
+                     if bias else None)
         self.rac = RACSelector(in_features // BLOCK_SIZE, rac_ratio, device=device)
 
     @property
@@ -313,8 +316,8 @@ class NVFP4Linear(nn.Module):
 
     @classmethod
     def from_float(cls, linear, rac_ratio=0.0):
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, rac_ratio=rac_ratio,
-                    device=linear.weight.device)
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    rac_ratio=rac_ratio, device=linear.weight.device)
         layer.load_weight(linear.weight, linear.bias)
         return layer
 
@@ -426,7 +429,7 @@ class NVFP4Experts(nn.Module):
                 f"rac_ratio={self.rac_gate_up.rac_ratio}")
 
 
-# ============================================================================ conversion, sync, calibration
+# ======================================================================== conversion, sync, calibration
 def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quantize_lm_head=False):
     """Swap a moe.py model's layers for rollout layers in place; returns the model.
 
@@ -471,13 +474,15 @@ def sync_weights(rollout_model, trainer_model):
     def master(path, name):
         key = f"{path}.{name}" if path else name
         if key not in params:
-            raise ValueError(f"sync_weights: the trainer model has no parameter {key!r} (rollout layer {path!r})")
+            raise ValueError(f"sync_weights: the trainer model has no parameter {key!r} "
+                             f"(rollout layer {path!r})")
         return params[key]
 
     quantized = set()
     for path, module in rollout_model.named_modules():
         if isinstance(module, (NVFP4Linear, fp8.FP8Linear)):
-            module.load_weight(master(path, "weight"), master(path, "bias") if module.bias is not None else None)
+            module.load_weight(master(path, "weight"),
+                               master(path, "bias") if module.bias is not None else None)
         elif isinstance(module, (NVFP4Experts, fp8.FP8Experts)):
             module.load_weights(master(path, "gate_up_proj"), master(path, "down_proj"))
         if isinstance(module, _QUANTIZED_LAYERS):
@@ -509,7 +514,7 @@ def calibrate_rac(rollout_model, tokens, rac_ratio=None, **forward_kwargs):
     return rollout_model
 
 
-# ============================================================================ Triton: the activation quantizer
+# ======================================================================== Triton: the activation quantizer
 if triton is not None:
     from nvfp4 import _e2m1_value, _load_pairs, _quantize_pairs, _to_bf16_bits
 
@@ -594,7 +599,8 @@ if triton is not None:
         if WRITE_OPERAND:  # fp16 planes, 16 contiguous bytes per block in each
             offs = blocks[:, None] * 8 + tl.arange(0, 8)[None, :]
             tl.store(operand_ptr + offs, (value_even * _SHIFT).to(tl.float16), mask=in_range[:, None])
-            tl.store(operand_ptr + plane_size + offs, (value_odd * _SHIFT).to(tl.float16), mask=in_range[:, None])
+            tl.store(operand_ptr + plane_size + offs, (value_odd * _SHIFT).to(tl.float16),
+                     mask=in_range[:, None])
 
     @triton.jit
     def _partial_amax_kernel(x_ptr, partial_ptr, numel, SLICE: tl.constexpr, CHUNK: tl.constexpr):
@@ -621,15 +627,16 @@ def _check_out_dtype(out_dtype):
 def _empty_planes(rows, half_k, device):
     """An fp16 operand buffer (2, rows, K/2), the planes a multiple of 64 elements apart (16-byte aligned)."""
     plane = triton.cdiv(rows * half_k, 64) * 64
-    return torch.empty((2, plane), dtype=torch.float16, device=device)[:, :rows * half_k].view(2, rows, half_k)
+    return (torch.empty((2, plane), dtype=torch.float16, device=device)[:, :rows * half_k]
+            .view(2, rows, half_k))
 
 
 class Activation(NamedTuple):
     """An activation quantized for the W4A4 GEMMs (the fields a path does not need are None)."""
-    x_q: NVFP4Tensor | None          # codes and block scales of x, with the global scale
-    residual: NVFP4Tensor | None     # RAC residual codes (zero blocks where not compensated), same global scale
-    operand: torch.Tensor | None     # (2, M, K/2) fp16 planes of (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
-    global_scale: torch.Tensor       # () fp32
+    x_q: NVFP4Tensor | None       # codes and block scales of x, with the global scale
+    residual: NVFP4Tensor | None  # RAC residual codes (zero blocks where not compensated), same global scale
+    operand: torch.Tensor | None  # (2, M, K/2) fp16 planes of (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
+    global_scale: torch.Tensor    # () fp32
 
 
 _AMAX_CHUNK = 4096       # elements per load in the amax loops (= FUSED_ELEMENTS: small inputs in one load)
@@ -668,14 +675,16 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
     blocks = 32 if n_blocks <= 16384 else 128  # small inputs: more programs, shorter chains
     _quantize_activation_kernel[(triton.cdiv(n_blocks, blocks),)](
         x, nvfp4._pair_view(x), ptr(rac_mask, torch.uint8), partials, global_scale,
-        ptr(data), ptr(block_scale, torch.uint8), ptr(res_data), ptr(res_block_scale, torch.uint8), ptr(out_operand),
+        ptr(data), ptr(block_scale, torch.uint8), ptr(res_data), ptr(res_block_scale, torch.uint8),
+        ptr(out_operand),
         x.numel(), n_blocks, K // BLOCK_SIZE, partials.numel() if not amax_here else 0,
         out_operand.stride(0) if operand else 0,
         AMAX_HERE=amax_here, HAS_RESIDUAL=rac_mask is not None, X_BF16=x.dtype == torch.bfloat16,
         WRITE_CODES=codes, WRITE_OPERAND=operand, BLOCKS=blocks, CHUNK=_AMAX_CHUNK,
         PARTIALS=triton.next_power_of_2(partials.numel()))
     x_q = NVFP4Tensor(data, block_scale, global_scale) if codes else None
-    residual = NVFP4Tensor(res_data, res_block_scale, global_scale) if codes and rac_mask is not None else None
+    residual = (NVFP4Tensor(res_data, res_block_scale, global_scale) if codes and rac_mask is not None
+                else None)
     return Activation(x_q, residual, out_operand, global_scale)
 
 
@@ -689,7 +698,7 @@ def quantize_activation(x, rac_mask=None):
     return quantize_activation_reference(x, rac_mask)
 
 
-# ============================================================================ Triton: the dense GEMM
+# ======================================================================== Triton: the dense GEMM
 if triton is not None:
     # ------------------------------------------------------------------ GEMM building blocks
     @triton.jit
@@ -729,15 +738,17 @@ if triton is not None:
                 cvt.rn.f16x2.e4m3x2 $3, h1;
                 }
                 """,
-                constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+                constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=True,
+                pack=4)
         else:
             even = (((packed & 7) << 2) | ((packed & 8) << 4)).to(tl.float8e4nv, bitcast=True).to(tl.float16)
             odd = (((packed >> 2) & 0x1C) | (packed & 0x80)).to(tl.float8e4nv, bitcast=True).to(tl.float16)
         return even, odd
 
     @triton.jit
-    def _weight_tile(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale, ROWS: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GPU: tl.constexpr, BLOCKED: tl.constexpr = False):
+    def _weight_tile(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
+                     ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GPU: tl.constexpr,
+                     BLOCKED: tl.constexpr = False):
         """Columns k0..k0+BLOCK_K of NVFP4 rows as (ROWS, BLOCK_K/2) fp16 even and odd tiles holding
         value * block_scale * 2^-6 exactly; BLOCKED: as (ROWS, BLOCK_K/16, 8) tiles, one block per row of 8.
         Flat tiles load each row's BLOCK_K/2 bytes as one run (16-byte loads) for the tensor cores, whose
@@ -787,7 +798,8 @@ if triton is not None:
 
     @triton.jit
     def _quantized_tile(x_words_ptr, rac_mask_ptr, global_scale, row0, M, k0, K, HAS_RESIDUAL: tl.constexpr,
-                        X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKED: tl.constexpr):
+                        X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCKED: tl.constexpr):
         """The fused path's activation tile: rows row0.. and columns k0..k0+BLOCK_K of x quantized here
         (as the quantizer kernel does, bit for bit) -> (BLOCK_M, BLOCK_K/2) fp16 even and odd tiles, or
         (BLOCK_M, BLOCK_K/16, 8) ones (BLOCKED). In the fused GEMV Triton still moves the decoded weight
@@ -804,10 +816,11 @@ if triton is not None:
                 tl.reshape((value_odd * _SHIFT).to(tl.float16), shape))
 
     @triton.jit
-    def _mainloop(x_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols, col_mask,
-                  stride_w, stride_ws, w_plane, K, k_begin, k_end, FUSED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                  X_BF16: tl.constexpr, W_FP16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, x_rows):
+    def _mainloop(x_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols,
+                  col_mask, stride_w, stride_ws, w_plane, K, k_begin, k_end, FUSED: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, W_FP16: tl.constexpr, GPU: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  x_rows):
         """acc (BLOCK_N, BLOCK_M) = W[cols] @ X[rows].T over columns k_begin..k_end, in fp32, without
         the global scales and 2^12. X: quantized here (FUSED) or fp16 operand planes (rows x_rows, or
         row0..); W: NVFP4 codes, or fp16 operand planes (W_FP16). BLOCK_M == 1: a GEMV on fp32 FMAs."""
@@ -819,19 +832,20 @@ if triton is not None:
         GEMV: tl.constexpr = BLOCK_M == 1
         for k0 in range(k_begin, k_end, BLOCK_K):
             if W_FP16:
-                w_even, w_odd = _operand_tile(w_ptr, cols, col_mask, k0, K, stride_w, w_plane, BLOCK_K, EVEN_K)
+                w_even, w_odd = _operand_tile(w_ptr, cols, col_mask, k0, K, stride_w, w_plane, BLOCK_K,
+                                              EVEN_K)
             else:
                 w_even, w_odd = _weight_tile(w_ptr, w_scale_ptr, cols, col_mask, k0, K, stride_w, stride_ws,
                                              BLOCK_N, BLOCK_K, EVEN_K, GPU, GEMV)
             if FUSED:
-                x_even, x_odd = _quantized_tile(x_ptr, rac_mask_ptr, x_global, row0, M, k0, K, HAS_RESIDUAL, X_BF16,
-                                                BLOCK_M, BLOCK_K, GEMV)
+                x_even, x_odd = _quantized_tile(x_ptr, rac_mask_ptr, x_global, row0, M, k0, K, HAS_RESIDUAL,
+                                                X_BF16, BLOCK_M, BLOCK_K, GEMV)
             elif GEMV:  # the one row, loaded once per weight row (from L1) so that it has the weight's layout
-                x_even, x_odd = _operand_tile(x_ptr, x_rows + 0 * cols, row_mask | (cols < 0), k0, K, stride_x,
-                                              x_plane, BLOCK_K, EVEN_K, GEMV)
+                x_even, x_odd = _operand_tile(x_ptr, x_rows + 0 * cols, row_mask | (cols < 0), k0, K,
+                                              stride_x, x_plane, BLOCK_K, EVEN_K, GEMV)
             else:
-                x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K, EVEN_K,
-                                              GEMV)
+                x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K,
+                                              EVEN_K, GEMV)
             if GEMV:  # (BLOCK_N, GB, 8) * (1, GB, 8): products of fp16 values are exact in fp32
                 products = (w_even.to(tl.float32) * x_even.to(tl.float32)
                             + w_odd.to(tl.float32) * x_odd.to(tl.float32))
@@ -953,9 +967,9 @@ if triton is not None:
         else:
             x_global = tl.load(x_global_ptr)
         rows = row0 + tl.arange(0, BLOCK_M)
-        acc = _mainloop(x_words_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols,
-                        col_mask, stride_w, stride_ws, w_plane, K, k_begin, k_end, FUSED, HAS_RESIDUAL, X_BF16, W_FP16,
-                        GPU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, rows)
+        acc = _mainloop(x_words_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr,
+                        cols, col_mask, stride_w, stride_ws, w_plane, K, k_begin, k_end, FUSED, HAS_RESIDUAL,
+                        X_BF16, W_FP16, GPU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, rows)
         scale = _EPILOGUE * x_global * tl.load(w_global_ptr)
         if SPLIT_K == 1:
             _store_tile(y_ptr, rows, rows < M, cols, col_mask, stride_y, acc * scale, OUT_BF16)
@@ -973,7 +987,8 @@ if triton is not None:
                 total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 for split in range(SPLIT_K):
                     total += tl.load(part_ptr + split * tile, cache_modifier=".cg")
-                tl.atomic_xchg(counter_ptr + pid, 0)                                     # ready for the next call
+                # ready for the next call
+                tl.atomic_xchg(counter_ptr + pid, 0)
                 _store_tile(y_ptr, rows, rows < M, cols, col_mask, stride_y, total * scale, OUT_BF16)
 
 
@@ -987,7 +1002,8 @@ def _split_k_buffers(M, N, bucket, device):
     configs = (_INTERPRETER_CONFIGS if _INTERPRET else DENSE_CONFIGS)[bucket]
     splits = [(bm, bn, split) for bm, bn, _, _, _, split in configs if split > 1]
     if not splits:
-        return torch.empty(1, dtype=torch.float32, device=device), torch.empty(1, dtype=torch.int32, device=device)
+        return (torch.empty(1, dtype=torch.float32, device=device),
+                torch.empty(1, dtype=torch.int32, device=device))
     size = max(split * triton.cdiv(M, bm) * bm * triton.cdiv(N, bn) * bn for bm, bn, split in splits)
     tiles = max(triton.cdiv(M, bm) * triton.cdiv(N, bn) for bm, bn, _ in splits)
     counters = _SPLIT_COUNTERS.get(device)
@@ -1027,10 +1043,10 @@ def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None):
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
-    _dense_kernel[grid](*x_args, w_ptr, w_scale, w_q.global_scale.contiguous(), _as_int16(y), workspace, counters,
-                        M, N, K, bucket, x_plane, w_plane, stride_x, stride_w, w_scale.stride(0), y.stride(0),
-                        FUSED=fused, HAS_RESIDUAL=fused and rac_mask is not None, X_BF16=x_bf16, W_FP16=w_fp16,
-                        OUT_BF16=out_dtype == torch.bfloat16, GPU=not _INTERPRET)
+    _dense_kernel[grid](*x_args, w_ptr, w_scale, w_q.global_scale.contiguous(), _as_int16(y), workspace,
+                        counters, M, N, K, bucket, x_plane, w_plane, stride_x, stride_w, w_scale.stride(0),
+                        y.stride(0), FUSED=fused, HAS_RESIDUAL=fused and rac_mask is not None, X_BF16=x_bf16,
+                        W_FP16=w_fp16, OUT_BF16=out_dtype == torch.bfloat16, GPU=not _INTERPRET)
     return y
 
 
@@ -1052,7 +1068,7 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16):
     return _dense_portable(w_q, out_dtype, act=quantize_activation_triton(x, rac_mask))
 
 
-# ============================================================================ Triton: the experts' grouped GEMM
+# ======================================================================== Triton: the experts' grouped GEMM
 if triton is not None:
     @triton.jit
     def _expert_tile(counts_ptr, E, pid_m, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
@@ -1077,7 +1093,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_rows"])
     def _grouped_kernel(
         # pointers
-        x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, w_ptr, w_scale_ptr, w_global_ptr, counts_ptr, y_ptr,
+        x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, w_ptr, w_scale_ptr, w_global_ptr, counts_ptr,
+        y_ptr,
         # sizes: N is the weight's rows (2I for SwiGLU, whose output has N/2 columns)
         n_rows, N, K, E, M_BUCKET, x_plane,
         # strides
@@ -1105,15 +1122,15 @@ if triton is not None:
             w_rows = pid_n * BLOCK_N + stacked % BLOCK_N + (stacked // BLOCK_N) * n_out
             w_mask = pid_n * BLOCK_N + stacked % BLOCK_N < n_out
             acc = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base,
-                            w_rows.to(tl.int64), w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False,
-                            GPU, BLOCK_M,
-                            2 * BLOCK_N, BLOCK_K, EVEN_K, x_rows) * scale               # (2 BLOCK_N, BLOCK_M)
+                            w_rows.to(tl.int64), w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False,
+                            False, GPU, BLOCK_M, 2 * BLOCK_N, BLOCK_K,
+                            EVEN_K, x_rows) * scale                                     # (2 BLOCK_N, BLOCK_M)
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
             out = gate / (1.0 + tl.exp(-gate)) * up                                      # silu(gate) * up
         else:
-            out = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, cols, col_mask,
-                            stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU, BLOCK_M, BLOCK_N,
-                            BLOCK_K, EVEN_K, x_rows) * scale
+            out = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, cols,
+                            col_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU,
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, x_rows) * scale
         if ROW_WEIGHTS:
             out = out * tl.load(row_weights_ptr + sorted_rows, mask=row_mask, other=0.0)[None, :]
         _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, out, OUT_BF16)
@@ -1141,10 +1158,11 @@ def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swig
         block_m, block_n, block_k = 128, 128, 128
         _grouped_native_kernel[(triton.cdiv(n_rows, block_m) + min(E, n_rows), triton.cdiv(n_out, block_n))](
             act.x_q.data, act.x_q.block_scale, r.data, r.block_scale, act.global_scale, row_ids, row_weights,
-            w_q.data, w_q.block_scale, w_q.global_scale, counts, _as_int16(y), N, K, E, act.x_q.data.stride(0),
-            act.x_q.block_scale.stride(0), w_q.data.stride(0), w_q.data.stride(1), w_q.block_scale.stride(0),
-            w_q.block_scale.stride(1), y.stride(0), HAS_RESIDUAL=act.residual is not None, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **flags)
+            w_q.data, w_q.block_scale, w_q.global_scale, counts, _as_int16(y), N, K, E,
+            act.x_q.data.stride(0), act.x_q.block_scale.stride(0), w_q.data.stride(0), w_q.data.stride(1),
+            w_q.block_scale.stride(0), w_q.block_scale.stride(1), y.stride(0),
+            HAS_RESIDUAL=act.residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=4, **flags)
         return y
     w_data, w_scale = w_q.data.contiguous(), w_q.block_scale.contiguous().view(torch.uint8)
     operand = act.operand
@@ -1154,13 +1172,13 @@ def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swig
 
     _grouped_kernel[grid](operand, act.global_scale, row_ids, row_weights, w_data, w_scale,
                           w_q.global_scale.contiguous(), counts, _as_int16(y), n_rows, N, K, E,
-                          _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS), operand.stride(0), operand.stride(1),
-                          w_data.stride(0), w_data.stride(1), w_scale.stride(0), w_scale.stride(1), y.stride(0),
-                          GPU=not _INTERPRET, **flags)
+                          _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS), operand.stride(0),
+                          operand.stride(1), w_data.stride(0), w_data.stride(1), w_scale.stride(0),
+                          w_scale.stride(1), y.stride(0), GPU=not _INTERPRET, **flags)
     return y
 
 
-# ============================================================================ Blackwell: native FP4 kernels
+# ======================================================================== Blackwell: native FP4 kernels
 if triton is not None:
     # sm_100+; compiled for sm_100 by a CPU test, numerics untested (no such GPU here)
     @triton.jit
@@ -1196,8 +1214,9 @@ if triton is not None:
             acc = _native_tile_product(acc, x_ptr, x_scale_ptr, rows, row_mask, stride_x, stride_xs, w_ptr,
                                        w_scale_ptr, cols, col_mask, stride_w, stride_ws, k0, K, BLOCK_K)
             if HAS_RESIDUAL:  # the same weight tile, a second MMA
-                acc = _native_tile_product(acc, r_ptr, r_scale_ptr, rows, row_mask, stride_x, stride_xs, w_ptr,
-                                           w_scale_ptr, cols, col_mask, stride_w, stride_ws, k0, K, BLOCK_K)
+                acc = _native_tile_product(acc, r_ptr, r_scale_ptr, rows, row_mask, stride_x, stride_xs,
+                                           w_ptr, w_scale_ptr, cols, col_mask, stride_w, stride_ws, k0, K,
+                                           BLOCK_K)
         scale = tl.load(x_global_ptr) * tl.load(w_global_ptr)
         _store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, tl.trans(acc * scale), OUT_BF16)
 
@@ -1229,16 +1248,17 @@ if triton is not None:
             acc = _native_tile_product(acc, x_ptr, x_scale_ptr, x_rows, row_mask, stride_x, stride_xs, w_base,
                                        ws_base, cols, col_mask, stride_w, stride_ws, k0, K, BLOCK_K)
             if HAS_RESIDUAL:
-                acc = _native_tile_product(acc, r_ptr, r_scale_ptr, x_rows, row_mask, stride_x, stride_xs, w_base,
-                                           ws_base, cols, col_mask, stride_w, stride_ws, k0, K, BLOCK_K)
+                acc = _native_tile_product(acc, r_ptr, r_scale_ptr, x_rows, row_mask, stride_x, stride_xs,
+                                           w_base, ws_base, cols, col_mask, stride_w, stride_ws, k0, K,
+                                           BLOCK_K)
             if SWIGLU:
-                acc_up = _native_tile_product(acc_up, x_ptr, x_scale_ptr, x_rows, row_mask, stride_x, stride_xs,
-                                              w_base, ws_base, cols + n_out, col_mask, stride_w, stride_ws, k0, K,
-                                              BLOCK_K)
+                acc_up = _native_tile_product(acc_up, x_ptr, x_scale_ptr, x_rows, row_mask, stride_x,
+                                              stride_xs, w_base, ws_base, cols + n_out, col_mask, stride_w,
+                                              stride_ws, k0, K, BLOCK_K)
                 if HAS_RESIDUAL:
-                    acc_up = _native_tile_product(acc_up, r_ptr, r_scale_ptr, x_rows, row_mask, stride_x, stride_xs,
-                                                  w_base, ws_base, cols + n_out, col_mask, stride_w, stride_ws, k0,
-                                                  K, BLOCK_K)
+                    acc_up = _native_tile_product(acc_up, r_ptr, r_scale_ptr, x_rows, row_mask, stride_x,
+                                                  stride_xs, w_base, ws_base, cols + n_out, col_mask,
+                                                  stride_w, stride_ws, k0, K, BLOCK_K)
         scale = tl.load(x_global_ptr) * tl.load(w_global_ptr + expert)
         out = acc * scale
         if SWIGLU:
@@ -1257,13 +1277,13 @@ def _dense_native(x_q, residual, w_q, out_dtype):
     block_m, block_n, block_k = 128, 128, 128
     _dense_native_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
         x_q.data, x_q.block_scale, r.data, r.block_scale, x_q.global_scale, w_q.data, w_q.block_scale,
-        w_q.global_scale, _as_int16(y), M, N, K, x_q.data.stride(0), x_q.block_scale.stride(0), w_q.data.stride(0),
-        w_q.block_scale.stride(0), y.stride(0), HAS_RESIDUAL=residual is not None,
+        w_q.global_scale, _as_int16(y), M, N, K, x_q.data.stride(0), x_q.block_scale.stride(0),
+        w_q.data.stride(0), w_q.block_scale.stride(0), y.stride(0), HAS_RESIDUAL=residual is not None,
         OUT_BF16=out_dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return y
 
 
-# ============================================================================ the one place a path is chosen
+# ======================================================================== the one place a path is chosen
 _BACKENDS = {}
 
 
@@ -1294,8 +1314,8 @@ def _native_agrees(device, dense=None, grouped=None):
             return False
         error = ((result - reference).norm() / reference.norm()).item()
         if not error < 1e-3:
-            warnings.warn(f"rac.py: the native FP4 {name} GEMM disagrees with the portable kernel on {device} "
-                          f"(relative error {error:.2e}); using the portable kernels")
+            warnings.warn(f"rac.py: the native FP4 {name} GEMM disagrees with the portable kernel on "
+                          f"{device} (relative error {error:.2e}); using the portable kernels")
             return False
     return True
 
@@ -1307,5 +1327,6 @@ def _gemm_backend(device):
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _BACKENDS:
         blackwell = torch.cuda.get_device_capability(index)[0] >= 10
-        _BACKENDS[index] = "native" if blackwell and _native_agrees(torch.device("cuda", index)) else "portable"
+        _BACKENDS[index] = ("native" if blackwell and _native_agrees(torch.device("cuda", index))
+                            else "portable")
     return _BACKENDS[index]

@@ -265,7 +265,8 @@ def sampling_noise(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int,
         return sampling_noise_reference(seed_key, rows, position, vocab)
     out = torch.empty(rows.shape[0], vocab, dtype=torch.float32, device=rows.device)
     block = 1024
-    _noise_kernel[(rows.shape[0], triton.cdiv(vocab, block))](seed_key, rows, position, out, vocab, BLOCK=block)
+    _noise_kernel[(rows.shape[0], triton.cdiv(vocab, block))](
+        seed_key, rows, position, out, vocab, BLOCK=block)
     return out
 
 

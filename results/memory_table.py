@@ -50,7 +50,8 @@ def parameter_counts(config):
     quantized = 0
     for module in model.modules():
         if isinstance(module, moe.Attention):
-            quantized += sum(p.numel() for name, p in module.named_parameters() if name.endswith("proj.weight"))
+            quantized += sum(p.numel() for name, p in module.named_parameters()
+                             if name.endswith("proj.weight"))
         elif isinstance(module, moe.Experts):
             quantized += sum(p.numel() for p in module.parameters())
     block = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
@@ -129,8 +130,10 @@ def table():
                 lean = " / ".join("yes" if used - eval_copy < cap else "no" for cap in (H200_GB, B200_GB))
                 lines.append(f"| {name} | {gpus} | {mode} | {trainer:.1f} | {rollout:.1f} | {eval_copy:.1f} "
                              f"| {kv:.1f} | {activations:.1f} | {used:.1f} | {fits} | {lean} |")
-        lines.append(f"| {name}: {total / 1e9:.2f}B parameters ({quantized / total:.0%} NVFP4 in the rollout); "
-                     f"saved activations {per_layer / 1e3:.1f} kB per token per layer, {per_head / 1e3:.1f} kB "
+        lines.append(f"| {name}: {total / 1e9:.2f}B parameters "
+                     f"({quantized / total:.0%} NVFP4 in the rollout); "
+                     f"saved activations {per_layer / 1e3:.1f} kB per token per layer, "
+                     f"{per_head / 1e3:.1f} kB "
                      f"per token for the LM head's log-probs | | | | | | | | | | |")
     return "\n".join(lines)
 

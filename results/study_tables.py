@@ -51,29 +51,35 @@ def gap_nll_correlation(run_dir):
 def whole_run_table(base, names):
     """Averages over the whole run and over its first and last 50 steps."""
     print("| run | steps | mean abs dlogp: all / 1-50 / last 50 | per-step max abs dlogp: mean / largest | "
-          "routing disagr. | trainer NLL 1-50 / last 50 | train reward, last 50 | pass@1 rollout: mean of evals after step 0 |")
+          "routing disagr. | trainer NLL 1-50 / last 50 | train reward, last 50 | "
+          "pass@1 rollout: mean of evals after step 0 |")
     print("| --- | ---: | --- | --- | ---: | --- | ---: | ---: |")
     for name in names:
         s = steps_of(os.path.join(base, name))
         n = s[-1]["step"]
         e = [r["pass@1"] for r in evals_of(os.path.join(base, name)) if r["step"] > 0]
-        print(f"| {name} | {n} | {mean(s, 'mismatch/abs_diff_mean'):.2e} / {mean(s, 'mismatch/abs_diff_mean', 0, 50):.2e}"
-              f" / {mean(s, 'mismatch/abs_diff_mean', n - 50):.2e} | {mean(s, 'mismatch/abs_diff_max'):.3f} / "
+        print(f"| {name} | {n} | {mean(s, 'mismatch/abs_diff_mean'):.2e} / "
+              f"{mean(s, 'mismatch/abs_diff_mean', 0, 50):.2e}"
+              f" / {mean(s, 'mismatch/abs_diff_mean', n - 50):.2e} | "
+              f"{mean(s, 'mismatch/abs_diff_max'):.3f} / "
               f"{max(r['mismatch/abs_diff_max'] for r in s):.2f} | {mean(s, 'routing_disagreement'):.2%} | "
-              f"{nll(s, 0, 50):.4f} / {nll(s, n - 50):.4f} | {mean(s, 'reward', n - 50):.3f} | {statistics.mean(e):.3f} |")
+              f"{nll(s, 0, 50):.4f} / {nll(s, n - 50):.4f} | {mean(s, 'reward', n - 50):.3f} | "
+              f"{statistics.mean(e):.3f} |")
 
 
 def sweep_table(base):
     runs = {0.0: "nvfp4", 0.125: "rac@0.125", 0.25: "rac@0.25", 0.5: "rac", 0.75: "rac@0.75", 1.0: "rac@1"}
     naive = steps_of(os.path.join(base, "nvfp4"))
-    print("| RAC ratio | per-step max abs dlogp (mean over 200 steps) | vs naive | paper: per-step max | paper vs naive "
-          "| mean abs dlogp | routing disagr. | pass@1 step 200 / mean of 5 evals | decode tok/s, batch 64 / 256 |")
+    print("| RAC ratio | per-step max abs dlogp (mean over 200 steps) | vs naive | paper: per-step max "
+          "| paper vs naive | mean abs dlogp | routing disagr. | pass@1 step 200 / mean of 5 evals "
+          "| decode tok/s, batch 64 / 256 |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     for ratio, name in runs.items():
         s = steps_of(os.path.join(base, name))
         e = [r["pass@1"] for r in evals_of(os.path.join(base, name)) if r["step"] > 0]
         m = mean(s, "mismatch/abs_diff_max")
-        print(f"| {ratio:g} | {m:.3f} | {m / mean(naive, 'mismatch/abs_diff_max'):.2f}x | {PAPER_MAX_GAP[ratio]:.3f} | "
+        print(f"| {ratio:g} | {m:.3f} | {m / mean(naive, 'mismatch/abs_diff_max'):.2f}x | "
+              f"{PAPER_MAX_GAP[ratio]:.3f} | "
               f"{PAPER_MAX_GAP[ratio] / PAPER_MAX_GAP[0.0]:.2f}x | {mean(s, 'mismatch/abs_diff_mean'):.2e} | "
               f"{mean(s, 'routing_disagreement'):.2%} | {e[-1]:.3f} / {statistics.mean(e):.3f} | "
               f"{BENCH[ratio][0]:,} / {BENCH[ratio][1]:,} |")
@@ -83,7 +89,8 @@ def eval_table(base, names):
     print("| run | " + " | ".join(f"step {r['step']}" for r in evals_of(os.path.join(base, names[0]))) + " |")
     print("| --- |" + " ---: |" * len(evals_of(os.path.join(base, names[0]))))
     for name in names:
-        print(f"| {name} | " + " | ".join(f"{r['pass@1']:.3f}" for r in evals_of(os.path.join(base, name))) + " |")
+        print(f"| {name} | "
+              + " | ".join(f"{r['pass@1']:.3f}" for r in evals_of(os.path.join(base, name))) + " |")
 
 
 def ranks(values):
@@ -110,7 +117,8 @@ def dose_response(base, recipes=("bf16", "fp8", "rac@1", "quads", "rac", "nvfp4"
             cells.append(f"{gap:.4f} / {reward:.3f}")
         print(f"| {recipe} | " + " | ".join(cells) + " |")
     rho = statistics.correlation(ranks([p[2] for p in points]), ranks([p[3] for p in points]))
-    print(f"\nSpearman rank correlation of mean gap and second-half reward over the {len(points)} runs: {rho:.2f}")
+    print(f"\nSpearman rank correlation of mean gap and second-half reward over the {len(points)} runs: "
+          f"{rho:.2f}")
 
     import matplotlib
     matplotlib.use("Agg")
@@ -141,7 +149,8 @@ def symmetric_study(base, earlier, recipes=("bf16", "nvfp4", "quads", "moeresq",
         if os.path.exists(os.path.join(earlier, name, "metrics.jsonl")):
             a, b = steps_of(os.path.join(base, name)), steps_of(os.path.join(earlier, name))
             same = [r["reward"] for r in a] == [r["reward"] for r in b]
-            print(f"- {name}: train rewards {'identical to' if same else 'differ from'} {os.path.basename(earlier)}")
+            print(f"- {name}: train rewards {'identical to' if same else 'differ from'} "
+                  f"{os.path.basename(earlier)}")
     print()
     whole_run_table(base, names)
     print()
@@ -151,7 +160,8 @@ def symmetric_study(base, earlier, recipes=("bf16", "nvfp4", "quads", "moeresq",
         cells = []
         for seed in seeds:
             s = steps_of(os.path.join(base, f"seed{seed}_{recipe}"))
-            cells.append(f"{mean(s, 'mismatch/abs_diff_mean'):.4f} / {mean(s, 'reward', s[-1]['step'] // 2):.3f}")
+            cells.append(f"{mean(s, 'mismatch/abs_diff_mean'):.4f} / "
+                         f"{mean(s, 'reward', s[-1]['step'] // 2):.3f}")
         print(f"| {recipe} | " + " | ".join(cells) + " |")
     print("\nPer recipe over the three seeds (mean, and the range over seeds): mean |delta logp| over all steps,"
           " routing disagreement, train reward over steps 301-600, final pass@1 of the rollout model\n")
@@ -210,9 +220,11 @@ def main():
     print("| --- |" + " ---: |" * 6)
     for name in cpu_runs:
         s = steps_of(os.path.join(bcpu, name))
-        print(f"| {name} | " + " | ".join(f"{mean(s, 'reward', a, a + 100):.3f}" for a in range(0, 600, 100)) + " |")
+        print(f"| {name} | "
+              + " | ".join(f"{mean(s, 'reward', a, a + 100):.3f}" for a in range(0, 600, 100)) + " |")
     print("\n## CPU: held-out pass@1 of the rollout model / of the BF16 trainer\n")
-    print("| run | " + " | ".join(f"step {r['step']}" for r in evals_of(os.path.join(bcpu, cpu_runs[0]))) + " |")
+    print("| run | "
+          + " | ".join(f"step {r['step']}" for r in evals_of(os.path.join(bcpu, cpu_runs[0]))) + " |")
     print("| --- |" + " ---: |" * len(evals_of(os.path.join(bcpu, cpu_runs[0]))))
     for name in cpu_runs:
         print(f"| {name} | " + " | ".join(f"{r['pass@1']:.2f} / {r['pass@1_bf16_trainer']:.2f}"
@@ -234,11 +246,13 @@ def main():
                os.path.join(FIGURES, "h200_study_200steps.png"))
     train.plot([os.path.join(b200, n) for n in ["nvfp4", "w4a4", "nvfp4+tis2", "quads", "quads+r3"]],
                os.path.join(FIGURES, "h200_variants_200steps.png"))
-    train.plot([os.path.join(b200, n) for n in ["nvfp4", "rac@0.125", "rac@0.25", "rac", "rac@0.75", "rac@1"]],
+    train.plot([os.path.join(b200, n)
+                for n in ["nvfp4", "rac@0.125", "rac@0.25", "rac", "rac@0.75", "rac@1"]],
                os.path.join(FIGURES, "h200_rac_sweep_200steps.png"))
     train.plot([os.path.join(blr, n) for n in lr_runs], os.path.join(FIGURES, "h200_lr1e-4_300steps.png"))
     train.plot([os.path.join(bd6, n) for n in d6_runs], os.path.join(FIGURES, "h200_d6_300steps.png"))
-    train.plot([os.path.join(bcpu, n) for n in cpu_runs], os.path.join(FIGURES, "cpu_lr3e-4_600steps.png"), window=25)
+    train.plot([os.path.join(bcpu, n) for n in cpu_runs], os.path.join(FIGURES, "cpu_lr3e-4_600steps.png"),
+               window=25)
 
 
 if __name__ == "__main__":

@@ -68,16 +68,25 @@ def test_fp8_experts_match_a_per_expert_loop_and_moe():
         assert _relative_error(y, experts(x, expert_ids, weights)) < 0.1
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda: fp8.FP8Linear(32, 8)(torch.randn(2, 48)), "last dim 32"),
-    (lambda: fp8.FP8Linear(32, 8)(torch.randint(0, 3, (2, 32))), "bfloat16/float16/float32"),
-    (lambda: fp8.FP8Linear(32, 8).load_weight(torch.randn(8, 16)), "weight shape"),
-    (lambda: fp8.FP8Experts(4, 32, 16).load_weights(torch.randn(4, 16, 32), torch.randn(4, 32, 16)),
-     "gate_up"),
-])
-def test_bad_input_raises_a_clear_value_error(call, message):
-    with pytest.raises(ValueError, match=message):
+BAD_CALLS = [  # (id, call, what the message names, the problem it states)
+    ("input width", lambda: fp8.FP8Linear(32, 8)(torch.randn(2, 48)), "last dim 32", "got shape (2, 48)"),
+    ("input dtype", lambda: fp8.FP8Linear(32, 8)(torch.randint(0, 3, (2, 32))), "FP8Linear",
+     "bfloat16/float16/float32 tensor, got torch.int64"),
+    ("weight shape", lambda: fp8.FP8Linear(32, 8).load_weight(torch.randn(8, 16)), "weight shape (8, 16)",
+     "!= (8, 32)"),
+    ("gate_up shape", lambda: fp8.FP8Experts(4, 32, 16).load_weights(torch.randn(4, 16, 32),
+                                                                     torch.randn(4, 32, 16)),
+     "gate_up weight shape (4, 16, 32)", "!= (4, 32, 32)"),
+]
+
+
+@pytest.mark.parametrize("call, names, problem", [case[1:] for case in BAD_CALLS],
+                         ids=[case[0] for case in BAD_CALLS])
+def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(call, names, problem):
+    with pytest.raises(ValueError) as error:
         call()
+    message = str(error.value)
+    assert names in message and problem in message and "\n" not in message, message
 
 
 @pytest.mark.cuda

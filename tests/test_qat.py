@@ -381,19 +381,24 @@ def test_conversion_keeps_parameters_names_and_full_precision_layers():
     assert isinstance(model.layers[0].mlp.experts, moe.Experts)  # still an Experts, for isinstance users
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(mode="nvfp4"), "unknown QAT mode 'nvfp4'"),
-    (dict(mode="QAT"), "choose one of"),
-])
-def test_bad_settings_raise_a_clear_value_error(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        qat.convert_for_training(tiny_model(std=0.1), **kwargs)
+BAD_CALLS = [  # (id, call, what the message names, the problem it states)
+    ("unknown mode", lambda: qat.convert_for_training(tiny_model(std=0.1), mode="nvfp4"), "'nvfp4'",
+     "unknown QAT mode"),
+    ("mode case", lambda: qat.convert_for_training(tiny_model(std=0.1), mode="QAT"), "'QAT'",
+     "choose one of"),
+    ("moeresq without the rollout's selection",
+     lambda: qat.convert_for_training(tiny_model(std=0.1), "moeresq")(tokens()), "mode 'moeresq'",
+     "has no RAC selection"),
+]
 
 
-def test_moeresq_without_the_rollouts_selection_raises_a_clear_error():
-    model = qat.convert_for_training(tiny_model(std=0.1), "moeresq")
-    with pytest.raises(ValueError, match="has no RAC selection"):
-        model(tokens())
+@pytest.mark.parametrize("call, names, problem", [case[1:] for case in BAD_CALLS],
+                         ids=[case[0] for case in BAD_CALLS])
+def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(call, names, problem):
+    with pytest.raises(ValueError) as error:
+        call()
+    message = str(error.value)
+    assert names in message and problem in message and "\n" not in message, message
 
 
 # ----------------------------------------------------------------------------------------------- moeresq

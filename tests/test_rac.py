@@ -515,37 +515,56 @@ def test_native_kernels_compile_to_blackwell_fp4_tensor_core_instructions():
 
 
 # ============================================================================ errors
-@pytest.mark.parametrize("call,message", [
-    (lambda: rac.quantize_activation(torch.randn(2, 40)), "multiple of the NVFP4 block size"),
-    (lambda: rac.quantize_activation(torch.randint(0, 4, (2, 32))), "dtype"),
-    (lambda: rac.quantize_activation(torch.randn(2, 32), torch.ones(3, dtype=torch.bool)), "rac_mask"),
-    (lambda: rac.NVFP4Linear(40, 8), "multiple of the NVFP4 block size"),
-    (lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32, device="meta")), "input on meta but weights on cpu"),
-    (lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32).to(torch.float8_e4m3fn)),
-     "dtype|bfloat16/float16/float32"),
-    (lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 48)), "last dim 32"),
-    (lambda: rac.w4a4_matmul_reference(nvfp4.quantize(torch.randn(2, 32)),
-                                       nvfp4.quantize(torch.randn(4, 48))),
-     "K differs"),
-    (lambda: rac.w4a4_matmul_reference(nvfp4.quantize(torch.randn(2, 32)), nvfp4.quantize(torch.randn(4, 32)),
-                                       nvfp4.quantize(torch.randn(2, 32))), "share x_q's global scale"),
-    (lambda: rac.w4a4_matmul_reference(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 32))),
-     "NVFP4Tensor"),
-    (lambda: rac.nvfp4_linear_triton(torch.randn(2, 40), nvfp4.quantize(torch.randn(4, 48))), "multiple of"),
-    (lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 48))),
-     "does not match"),
-    (lambda: rac.nvfp4_linear_triton(torch.randn(2, 32).half(), nvfp4.quantize(torch.randn(4, 32)),
-                                     out_dtype=torch.int8), "out_dtype"),
-    (lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 32)),
-                                     torch.ones(2)), "rac_mask must be a bool"),
-    (lambda: rac.RACSelector(4, 1.5), "rac_ratio"),
-    (lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4", rac_ratio=-0.1), "rac_ratio"),
-    (lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "int4"), "unknown rollout mode"),
-    (lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "fp8", rac_ratio=0.5),
-     "compensates NVFP4 activations"),
-    (lambda: rac.sync_weights(rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4"), nn.Linear(2, 2)),
-     "no parameter"),
-])
-def test_bad_input_raises_a_clear_value_error(call, message):
-    with pytest.raises(ValueError, match=message):
+BAD_CALLS = [  # (id, call, what the message names, the problem it states)
+    ("activation K", lambda: rac.quantize_activation(torch.randn(2, 40)), "K=40",
+     "not a multiple of the NVFP4 block size 16"),
+    ("activation dtype", lambda: rac.quantize_activation(torch.randint(0, 4, (2, 32))), "activations",
+     "got dtype torch.int64"),
+    ("rac_mask shape", lambda: rac.quantize_activation(torch.randn(2, 32), torch.ones(3, dtype=torch.bool)),
+     "rac_mask", "(G,) = (2,), got torch.bool (3,)"),
+    ("layer features", lambda: rac.NVFP4Linear(40, 8), "40 features",
+     "not a multiple of the NVFP4 block size"),
+    ("input device", lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32, device="meta")), "input on meta",
+     "but weights on cpu"),
+    ("input dtype", lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32).to(torch.float8_e4m3fn)), "NVFP4Linear",
+     "bfloat16/float16/float32 tensor, got torch.float8_e4m3fn"),
+    ("input width", lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 48)), "last dim 32", "got shape (2, 48)"),
+    ("K mismatch", lambda: rac.w4a4_matmul_reference(nvfp4.quantize(torch.randn(2, 32)),
+                                                     nvfp4.quantize(torch.randn(4, 48))),
+     "K differs", "x_q (2, 32) vs w_q (4, 48)"),
+    ("residual scale", lambda: rac.w4a4_matmul_reference(nvfp4.quantize(torch.randn(2, 32)),
+                                                         nvfp4.quantize(torch.randn(4, 32)),
+                                                         nvfp4.quantize(torch.randn(2, 32))),
+     "residual", "must share x_q's global scale"),
+    ("x_q type", lambda: rac.w4a4_matmul_reference(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 32))),
+     "x_q", "must be an NVFP4Tensor, got Tensor"),
+    ("kernel K", lambda: rac.nvfp4_linear_triton(torch.randn(2, 40), nvfp4.quantize(torch.randn(4, 48))),
+     "K=40", "not a multiple of"),
+    ("x vs weight", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 48))),
+     "x (2, 32)", "does not match the weight (4, 48)"),
+    ("out_dtype", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32).half(),
+                                                  nvfp4.quantize(torch.randn(4, 32)), out_dtype=torch.int8),
+     "out_dtype", "got torch.int8"),
+    ("rac_mask dtype", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 32)),
+                                                       torch.ones(2)),
+     "rac_mask", "must be a bool tensor of shape (G,) = (2,), got torch.float32 (2,)"),
+    ("selector ratio", lambda: rac.RACSelector(4, 1.5), "rac_ratio", "in [0, 1], got 1.5"),
+    ("convert ratio", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4", rac_ratio=-0.1),
+     "rac_ratio", "in [0, 1], got -0.1"),
+    ("mode", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "int4"), "'int4'",
+     "unknown rollout mode"),
+    ("fp8 with RAC", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "fp8", rac_ratio=0.5),
+     "rac_ratio=0.5", "compensates NVFP4 activations; mode 'fp8' has none"),
+    ("sync target", lambda: rac.sync_weights(rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4"),
+                                             nn.Linear(2, 2)),
+     "sync_weights", "has no parameter 'layers.0.attn.q_proj.weight'"),
+]
+
+
+@pytest.mark.parametrize("call, names, problem", [case[1:] for case in BAD_CALLS],
+                         ids=[case[0] for case in BAD_CALLS])
+def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(call, names, problem):
+    with pytest.raises(ValueError) as error:
         call()
+    message = str(error.value)
+    assert names in message and problem in message and "\n" not in message, message

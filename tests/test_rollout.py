@@ -261,48 +261,72 @@ def test_sampled_rows_do_not_depend_on_the_rest_of_the_batch(model):
 
 
 # -------------------------------------------------------------------------------------------- arguments, pool
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(temperature=-0.5), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
-    (dict(prompts=[]), "non-empty list"),
-    (dict(prompts=[[1, VOCAB]]), "outside"),
-    (dict(num_samples=0), "num_samples"),
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(max_new_tokens=60), "max_seq_len"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"),
-    (dict(eos_id=VOCAB), "eos_id"),
-    (dict(pad_id=-1), "pad_id"),
-])
-def test_bad_arguments_raise_clear_errors(model, kwargs, message):
+def _generate(**kwargs):
+    """rollout.generate on valid defaults with kwargs replacing some of them, as a call given the model."""
     arguments = dict(prompts=[[1, 2, 3, 4, 5]], num_samples=2, max_new_tokens=4)
     arguments.update(kwargs)
-    with pytest.raises(ValueError, match=message):
-        rollout.generate(model, **arguments)
+    return lambda model: rollout.generate(model, **arguments)
 
 
-@pytest.mark.parametrize("kwargs,error,message", [
-    (dict(prompts=[[1.0, 2.7]]), TypeError, r"prompts\[0\] must hold integer token ids, got 1.0"),
-    (dict(prompts=[[1, 2], [3, 4.5]]), TypeError, r"prompts\[1\] must hold integer token ids, got 4.5"),
-    (dict(prompts=[torch.tensor([1.0, 2.0])]), TypeError, r"prompts\[0\] must be a 1-D integer tensor"),
-    (dict(prompts=[torch.tensor([[1, 2]])]), TypeError, r"prompts\[0\] must be a 1-D integer tensor"),
-    (dict(prompts=["123"]), TypeError, r"prompts\[0\] must be a list of integer token ids, got str \(encode"),
-    (dict(prompts=[[1, None]]), TypeError, r"prompts\[0\] must hold integer token ids, got None"),
-    (dict(prompts=[[True, 2]]), TypeError, r"prompts\[0\] must hold integer token ids, got True"),
-    (dict(prompts=[[1, 2], [3, -1]]), ValueError, r"prompts\[1\] holds token id -1, outside \[0, 32\)"),
-    (dict(prompts=[torch.tensor([1, VOCAB + 5])]), ValueError, r"prompts\[0\] holds token id 37, outside"),
-    (dict(eos_id=6.5), TypeError, "eos_id must be None or an integer token id, got 6.5"),
-    (dict(eos_id="3"), TypeError, "eos_id must be None or an integer token id"),
-    (dict(pad_id=1.5), TypeError, "pad_id must be an integer token id, got 1.5"),
-    (dict(pad_id=torch.tensor(1.0)), TypeError, "pad_id must be an integer token id"),
-])
-def test_non_integer_and_out_of_vocabulary_ids_are_refused_naming_the_argument(model, kwargs, error, message):
-    arguments = dict(prompts=[[1, 2, 3, 4, 5]], num_samples=2, max_new_tokens=4)
-    arguments.update(kwargs)
-    with pytest.raises(error, match=message):
-        rollout.generate(model, **arguments)
+BAD_CALLS = [  # (id, call given the model, exception, what the message names, the problem it states)
+    ("negative temperature", _generate(temperature=-0.5), ValueError, "temperature",
+     "must be >= 0 (0 = greedy), got -0.5"),
+    ("nan temperature", _generate(temperature=float("nan")), ValueError, "temperature", "got nan"),
+    ("empty prompt", _generate(prompts=[[1, 2], []]), ValueError, "prompt 1", "is empty"),
+    ("no prompts", _generate(prompts=[]), ValueError, "prompts", "must be a non-empty list"),
+    ("id = vocab", _generate(prompts=[[1, VOCAB]]), ValueError, "prompts[0]", "token id 32, outside [0, 32)"),
+    ("negative id", _generate(prompts=[[1, 2], [3, -1]]), ValueError, "prompts[1]",
+     "token id -1, outside [0, 32)"),
+    ("id past vocab in a tensor", _generate(prompts=[torch.tensor([1, VOCAB + 5])]), ValueError, "prompts[0]",
+     "token id 37, outside"),
+    ("float ids", _generate(prompts=[[1.0, 2.7]]), TypeError, "prompts[0]",
+     "must hold integer token ids, got 1.0"),
+    ("float id, second prompt", _generate(prompts=[[1, 2], [3, 4.5]]), TypeError, "prompts[1]",
+     "must hold integer token ids, got 4.5"),
+    ("None id", _generate(prompts=[[1, None]]), TypeError, "prompts[0]",
+     "must hold integer token ids, got None"),
+    ("bool id", _generate(prompts=[[True, 2]]), TypeError, "prompts[0]",
+     "must hold integer token ids, got True"),
+    ("float tensor", _generate(prompts=[torch.tensor([1.0, 2.0])]), TypeError, "prompts[0]",
+     "must be a 1-D integer tensor of token ids, got torch.float32"),
+    ("2-D tensor", _generate(prompts=[torch.tensor([[1, 2]])]), TypeError, "prompts[0]",
+     "must be a 1-D integer tensor of token ids, got torch.int64 of shape (1, 2)"),
+    ("text prompt", _generate(prompts=["123"]), TypeError, "prompts[0]",
+     "must be a list of integer token ids, got str (encode"),
+    ("num_samples", _generate(num_samples=0), ValueError, "num_samples", "must be an int >= 1, got 0"),
+    ("max_new_tokens", _generate(max_new_tokens=0), ValueError, "max_new_tokens",
+     "must be an int >= 1, got 0"),
+    ("too long", _generate(max_new_tokens=60), ValueError, "max_new_tokens (60)",
+     "exceeds the model's max_seq_len=64"),
+    ("top_p 0", _generate(top_p=0.0), ValueError, "top_p", "must be in (0, 1], got 0.0"),
+    ("top_p above 1", _generate(top_p=1.5), ValueError, "top_p", "must be in (0, 1], got 1.5"),
+    ("top_k", _generate(top_k=-1), ValueError, "top_k", "must be an int >= 0 (0 = off), got -1"),
+    ("eos_id = vocab", _generate(eos_id=VOCAB), ValueError, "eos_id", "a token id in [0, 32), got 32"),
+    ("float eos_id", _generate(eos_id=6.5), TypeError, "eos_id",
+     "must be None or an integer token id, got 6.5"),
+    ("str eos_id", _generate(eos_id="3"), TypeError, "eos_id",
+     "must be None or an integer token id, got '3'"),
+    ("negative pad_id", _generate(pad_id=-1), ValueError, "pad_id", "must be a token id in [0, 32)"),
+    ("float pad_id", _generate(pad_id=1.5), TypeError, "pad_id", "must be an integer token id, got 1.5"),
+    ("tensor pad_id", _generate(pad_id=torch.tensor(1.0)), TypeError, "pad_id",
+     "must be an integer token id"),
+    ("score float tokens", lambda model: rollout.score(model, torch.zeros(2, 3)), ValueError, "tokens",
+     "must be an integer tensor (N, W)"),
+    ("score one column", lambda model: rollout.score(model, torch.zeros(2, 1, dtype=torch.long)), ValueError,
+     "tokens", "must have at least 2 columns"),
+    ("score temperature",
+     lambda model: rollout.score(model, torch.zeros(2, 3, dtype=torch.long), temperature=-1.0),
+     ValueError, "temperature", "must be >= 0 (0 = untempered), got -1.0"),
+]
+
+
+@pytest.mark.parametrize("call, error, names, problem", [case[1:] for case in BAD_CALLS],
+                         ids=[case[0] for case in BAD_CALLS])
+def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(model, call, error, names, problem):
+    with pytest.raises(error) as raised:
+        call(model)
+    message = str(raised.value)
+    assert names in message and problem in message and "\n" not in message, message
 
 
 def test_integer_prompts_of_any_integer_kind_give_the_same_tokens(model):
@@ -408,12 +432,3 @@ def test_score_equals_per_prefix_forwards_and_the_sampler_recorded_logprobs(mode
     monkeypatch.setattr(rollout, "PREFILL_LOGITS_BUDGET", seq.tokens.shape[1] * VOCAB * 3)
     chunked = rollout.score(model, seq.tokens, temperature)
     torch.testing.assert_close(chunked[mask], scored[mask], atol=2e-5, rtol=0)
-
-
-def test_score_bad_arguments_raise_clear_errors(model):
-    with pytest.raises(ValueError, match=r"integer tensor \(N, W\)"):
-        rollout.score(model, torch.zeros(2, 3))
-    with pytest.raises(ValueError, match="at least 2 columns"):
-        rollout.score(model, torch.zeros(2, 1, dtype=torch.long))
-    with pytest.raises(ValueError, match="temperature"):
-        rollout.score(model, torch.zeros(2, 3, dtype=torch.long), temperature=-1.0)

@@ -10,8 +10,11 @@ import shutil
 import subprocess
 import sys
 
+import datasets
 import pytest
+import tokenizers
 import torch
+import transformers
 
 import grpo
 import moe
@@ -215,8 +218,6 @@ def test_ctrl_c_saves_a_checkpoint_of_the_last_finished_step(out_dir, monkeypatc
 def test_a_hugging_face_checkpoint_trains_on_a_local_gsm8k_file(tmp_path):
     """--model with --task gsm8k: a tiny random Qwen3-MoE and a character tokenizer saved in Hugging
     Face format, GSM8K-format problems from a local jsonl file; two RL steps of the quads recipe."""
-    transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
     specials = ["<pad>", "<eos>", "<unk>"]
     characters = list("0123456789+-*=#.,?!:() \nabcdefghijklmnopqrstuvwxyz"
                       "ABCDEFGHIJKLMNOPQRSTUVWXYZ\"'<>/")
@@ -426,7 +427,6 @@ def gsm8k_dirs(tmp_path):
 
 def test_data_and_model_that_cannot_be_loaded_give_one_line_with_the_fix(gsm8k_dirs, tmp_path, capsys,
                                                                          monkeypatch):
-    datasets = pytest.importorskip("datasets")
     model_dir, data = gsm8k_dirs
     out_dir = tmp_path / "runs"
     gsm8k = ["--task", "gsm8k", "--model", model_dir, "--out-dir", str(out_dir)]

@@ -163,8 +163,8 @@ def symmetric_study(base, earlier, recipes=("bf16", "nvfp4", "quads", "moeresq",
             cells.append(f"{mean(s, 'mismatch/abs_diff_mean'):.4f} / "
                          f"{mean(s, 'reward', s[-1]['step'] // 2):.3f}")
         print(f"| {recipe} | " + " | ".join(cells) + " |")
-    print("\nPer recipe over the three seeds (mean, and the range over seeds): mean |delta logp| over all steps,"
-          " routing disagreement, train reward over steps 301-600, final pass@1 of the rollout model\n")
+    print("\nPer recipe over the three seeds (mean, and the range over seeds): mean |delta logp| over all "
+          "steps, routing disagreement, train reward over steps 301-600, final pass@1 of the rollout model\n")
     print("| recipe | mean abs dlogp | routing disagr. | reward 301-600 | final pass@1 |")
     print("| --- | --- | --- | --- | --- |")
     points = []
@@ -181,7 +181,8 @@ def symmetric_study(base, earlier, recipes=("bf16", "nvfp4", "quads", "moeresq",
         print(f"| {recipe} | {cell(gaps, '.2e')} | {cell(routing, '.2%')} | {cell(late, '.3f')} | "
               f"{cell(finals, '.3f')} |")
     rho = statistics.correlation(ranks([p[0] for p in points]), ranks([p[1] for p in points]))
-    print(f"\nSpearman rank correlation of mean gap and second-half reward over the {len(points)} runs: {rho:.2f}")
+    print(f"\nSpearman rank correlation of mean gap and second-half reward over the {len(points)} runs: "
+          f"{rho:.2f}")
     train.plot([os.path.join(base, n) for n in names if n.startswith("seed0_")],
                os.path.join(FIGURES, "cpu_lr3e-4_600steps_symmetric.png"), window=25)
 

@@ -1055,6 +1055,11 @@ def run(cfg, base_state=None, ranks=SINGLE):
                 with torch.no_grad():  # the same estimate for the trainer's policy: what the update believes
                     trainer_logp, _ = trainer_logprobs(cfg, trainer, seq)
                     trainer_proxy = grpo.mipu_proxy(trainer_logp, old_logp, advantages, mask)
+                if ranks.enabled:  # the whole batch's token means, so that every rank takes one decision
+                    tokens = mask.sum().item()
+                    proxy, trainer_proxy, total = all_sum([proxy * tokens, trainer_proxy * tokens, tokens],
+                                                          ranks).tolist()
+                    proxy, trainer_proxy = proxy / max(total, 1), trainer_proxy / max(total, 1)
                 if proxy <= 0:
                     trainer.load_state_dict(before[0])
                     optimizer.load_state_dict(before[1])

@@ -1477,7 +1477,9 @@ def run_distributed(cfg, ranks):
              f"must give each of the {ranks.world_size} ranks at least --minibatches {cfg.minibatches} rows "
              f"({cfg.group_size} per prompt)")
     try:
-        return run(cfg, ranks=ranks)
+        result = run(cfg, ranks=ranks)
+        dist.barrier()  # every rank done with its collectives before the group goes (gloo aborts otherwise)
+        return result
     finally:
         dist.destroy_process_group()
 

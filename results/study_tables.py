@@ -15,7 +15,7 @@ import train  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIGURES = os.path.join(os.path.dirname(HERE), "figures")
-# QUADS paper (PAPERS.md): per-step maximum |delta logp| against the RAC ratio; naive "about 1.3"
+# QUADS paper (arXiv 2607.15810): per-step maximum |delta logp| against the RAC ratio; naive "about 1.3"
 PAPER_MAX_GAP = {0.0: 1.3, 0.125: 0.923, 0.25: 0.901, 0.5: 0.854, 0.75: 0.812, 1.0: 0.759}
 # `python bench.py racsweep` (h200_200steps/bench_racsweep.md): decode tokens/s at batch 64 / 256
 BENCH = {0.0: (20026, 56714), 0.125: (19682, 58483), 0.25: (20210, 56340), 0.5: (19848, 56395),

@@ -71,6 +71,7 @@ Device defaults: on a CPU the tiny preset and a short run (a few minutes on 2 co
 small preset and the full experiment. Every field of TrainConfig is a command-line flag (see --help).
 """
 import argparse
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -505,15 +506,11 @@ def warmstart(cfg, model, task, tokenizer):
 class Distributed:
     rank: int = 0
     world_size: int = 1
-    launched: bool = False         # under torchrun (a process group exists), even with one process
+    enabled: bool = False          # under torchrun (a process group exists), even with one process
 
     @property
     def main(self):
         return self.rank == 0
-
-    @property
-    def enabled(self):
-        return self.launched
 
 
 SINGLE = Distributed()
@@ -529,7 +526,7 @@ def init_distributed(cfg):
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if cuda else "gloo")
-    return Distributed(dist.get_rank(), dist.get_world_size(), launched=True)
+    return Distributed(dist.get_rank(), dist.get_world_size(), enabled=True)
 
 
 def shard(n, ranks):
@@ -579,18 +576,15 @@ def barrier(ranks):
         dist.barrier()
 
 
+@contextlib.contextmanager
 def rank0_first(ranks):
-    """A context in which rank 0 runs first and the others after it (e.g. rank 0 computes the warm-start
-    and writes its cache, the others load it)."""
-    class _RankZeroFirst:
-        def __enter__(self):
-            if ranks.enabled and not ranks.main:
-                dist.barrier()
-
-        def __exit__(self, *exc):
-            if ranks.enabled and ranks.main:
-                dist.barrier()
-    return _RankZeroFirst()
+    """Rank 0 runs the block first, the others after it (e.g. rank 0 computes the warm-start and writes
+    its cache, the others load it)."""
+    if not ranks.main:
+        barrier(ranks)
+    yield
+    if ranks.main:
+        barrier(ranks)
 
 
 def distribute_trainer(trainer, cfg, ranks):
@@ -886,6 +880,29 @@ def check_run_dir(cfg):
     return ckpt
 
 
+def rollout_dtype(cfg):
+    return torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
+
+
+def build_recipe(cfg, model, recipe, rac_ratio):
+    """A recipe's two sides from one policy: the rollout model (a converted copy), the trainer (model
+    itself, converted in place) and what the two share (moeresq's RAC masks; trace's recorder, returned,
+    else None)."""
+    train_mode, rollout_mode, _ = RECIPES[recipe]
+    rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype(cfg)), rollout_mode,
+                                            rac_ratio=rac_ratio)
+    trainer = qat.convert_for_training(model, train_mode)
+    return rollout_model, trainer, link_trainer_to_rollout(trainer, rollout_model, train_mode)
+
+
+def calibration_tokens(cfg, task, tokenizer):
+    """(16, W) prompts + demonstrations on which RAC chooses its compensated blocks (fixed by the seed)."""
+    rng = random.Random(cfg.seed + 777)
+    rows = [tokenizer.encode(p.prompt + task.demonstration(p, rng)) for p in task.sample(16, "train", rng)]
+    width = max(map(len, rows))
+    return torch.tensor([r + [tokenizer.pad_id] * (width - len(r)) for r in rows], device=cfg.device)
+
+
 def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
     """Build a run: task, warm-started policy (or base_state), trainer, rollout and evaluation models,
     optimizer, calibration and evaluation data; restore the checkpoint under --resume. -> Setup
@@ -910,26 +927,14 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
             warmstart(cfg, model, task, tokenizer)
     else:
         model.load_state_dict(base_state)  # --compare: every recipe from the one warm-start
-    train_mode, rollout_mode, use_rac = RECIPES[cfg.recipe]
-    rac_ratio = cfg.rac_ratio if use_rac else 0.0
-
-    # the rollout engine and a BF16 copy for evaluating the trainer's own weights
-    rollout_dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
-    rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), rollout_mode,
-                                            rac_ratio=rac_ratio)
-    eval_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), "bf16")
-    trainer = qat.convert_for_training(model, train_mode)
-    recorder = link_trainer_to_rollout(trainer, rollout_model, train_mode)  # moeresq, trace: shared state
+    rac_ratio = cfg.rac_ratio if RECIPES[cfg.recipe][2] else 0.0
+    # the rollout engine, the trainer, and a BF16 copy for evaluating the trainer's own weights
+    eval_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype(cfg)), "bf16")
+    rollout_model, trainer, recorder = build_recipe(cfg, model, cfg.recipe, rac_ratio)
     # before the optimizer: FSDP2 swaps the parameters
     train_forward = distribute_trainer(trainer, cfg, ranks)
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
-
-    calib_rng = random.Random(cfg.seed + 777)
-    calib_problems = task.sample(16, "train", calib_rng)
-    calib_rows = [tokenizer.encode(p.prompt + task.demonstration(p, calib_rng)) for p in calib_problems]
-    calib_width = max(map(len, calib_rows))
-    calib_tokens = torch.tensor([r + [tokenizer.pad_id] * (calib_width - len(r)) for r in calib_rows],
-                                device=cfg.device)
+    calib_tokens = calibration_tokens(cfg, task, tokenizer)
     eval_problems = task.sample(cfg.eval_prompts, "test", random.Random(cfg.seed + 999))
 
     start_step = 0
@@ -1165,28 +1170,23 @@ def audit(cfg):
     model, tokenizer = build_model(run_cfg, task)
     model.load_state_dict(ckpt["trainer"])  # QAT layers keep moe.py's parameter names
     problems = task.sample(run_cfg.prompts_per_step, "train", random.Random(run_cfg.seed + 4242))
-    calib_rng = random.Random(run_cfg.seed + 777)  # the run's RAC calibration batch
-    calib_rows = [tokenizer.encode(p.prompt + task.demonstration(p, calib_rng))
-                  for p in task.sample(16, "train", calib_rng)]
-    width = max(map(len, calib_rows))
-    calib_tokens = torch.tensor([r + [tokenizer.pad_id] * (width - len(r)) for r in calib_rows],
-                                device=cfg.device)
-    rollout_dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
+    calib_tokens = calibration_tokens(run_cfg, task, tokenizer)  # the run's RAC calibration batch
     out_dir = os.path.dirname(os.path.abspath(ckpt_path))
 
     results = {}
     for recipe in cfg.audit_recipes.split(","):
-        train_mode, rollout_mode, use_rac = RECIPES[recipe]
-        rac_ratio = run_cfg.rac_ratio if use_rac else 0.0
-        rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype), rollout_mode,
-                                                rac_ratio=rac_ratio)
+        rac_ratio = run_cfg.rac_ratio if RECIPES[recipe][2] else 0.0
+        rollout_model, trainer, recorder = build_recipe(run_cfg, copy.deepcopy(model), recipe, rac_ratio)
         if rac_ratio > 0:
             rac.calibrate_rac(rollout_model, calib_tokens)
-        trainer = qat.convert_for_training(copy.deepcopy(model), train_mode)
+        if recorder is not None:
+            recorder.start()
         out = rollout.generate(rollout_model, encode_prompts(tokenizer, problems), run_cfg.group_size,
                                max_new_tokens(run_cfg, task), temperature=run_cfg.temperature,
                                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=run_cfg.seed + 4242,
-                               cuda_graph=cfg.cuda_graph)
+                               cuda_graph=cfg.cuda_graph and recorder is None)
+        if recorder is not None:
+            hand_over_codes(recorder, trainer, out)
         seq = out.sequences()
         mask = seq.loss_mask[:, 1:]
         recorded = seq.logprobs[:, 1:]                                                    # A

@@ -841,6 +841,20 @@ def test_audit_scores_one_batch_three_ways_per_recipe(recipe_runs):
                                   weights_only=True)["tokens"], batch["tokens"])
 
 
+def test_audit_builds_the_symmetric_recipes_as_training_does(recipe_runs):
+    """moeresq's trainer shares the rollout's RAC masks and trace's takes the codes its rollout recorded:
+    so moeresq's trainer equals the rollout's prefill (B = C), and trace's follows its decode (C ~ A)."""
+    train.main(["--audit", recipe_runs["quads"], "--audit-recipes", "moeresq,trace", "--device", "cpu"])
+
+    def gaps(recipe):
+        batch = torch.load(os.path.join(recipe_runs["quads"], f"audit_batch_{recipe}.pt"), weights_only=True)
+        mask = batch["loss_mask"][:, 1:]
+        return {pair: (batch[pair[0]] - batch[pair[1]])[mask].abs().mean().item() for pair in ("AB", "BC", "AC")}
+    moeresq, trace = gaps("moeresq"), gaps("trace")
+    assert moeresq["AB"] > 1e-3 and moeresq["BC"] < 1e-5
+    assert trace["AB"] > 1e-3 and trace["AC"] < 0.2 * trace["AB"]
+
+
 def test_minibatches_and_mipu_name_the_run():
     cfg = train.TrainConfig(device="cpu", recipe="nvfp4", minibatches=4, mipu=True)
     assert cfg.run_name == "nvfp4+mb4+mipu"

@@ -78,7 +78,9 @@ def grouped_linear(x_sorted, routing, w_codes, w_scale):
     return torch.cat(outputs) if outputs else x_sorted.new_zeros((0, N), dtype=torch.bfloat16)
 
 
-def _check_input(x, in_features, device, name):
+def check_layer_input(x, in_features, device, name):
+    """A rollout layer's input: a float tensor with the layer's in_features, on the weights' device (one
+    line naming the layer otherwise); rac.py's NVFP4 layers check theirs with it too."""
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{name}: expected a bfloat16/float16/float32 tensor, got "
                          f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -119,7 +121,7 @@ class FP8Linear(nn.Module):
             self.bias.copy_(bias)
 
     def forward(self, x):
-        _check_input(x, self.in_features, self.weight_fp8.device, "FP8Linear")
+        check_layer_input(x, self.in_features, self.weight_fp8.device, "FP8Linear")
         y = linear(x.reshape(-1, self.in_features), self.weight_fp8, self.weight_scale).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -157,7 +159,7 @@ class FP8Experts(nn.Module):
 
     def forward(self, x, expert_ids, expert_weights):
         """x (T, D), expert_ids (T, A), expert_weights (T, A) -> (T, D) in x.dtype, as moe.Experts."""
-        _check_input(x, self.dim, self.gate_up_fp8.device, "FP8Experts")
+        check_layer_input(x, self.dim, self.gate_up_fp8.device, "FP8Experts")
         routing = moe.route_tokens(expert_ids, self.n_experts)
         x_sorted = x[routing.token_ids]                                                      # (R, D)
         gate, up = (grouped_linear(x_sorted, routing, self.gate_up_fp8, self.gate_up_scale)    # (R, 2I)

@@ -135,16 +135,6 @@ def _check_operands(x_q, w_q, residual, name, stacked=False):
             raise ValueError(f"{name}: the residual must share x_q's global scale")
 
 
-def _check_layer_input(x, in_features, device, name):
-    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"{name}: expected a bfloat16/float16/float32 tensor, got "
-                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
-    if x.shape[-1] != in_features:
-        raise ValueError(f"{name}: expected last dim {in_features}, got shape {tuple(x.shape)}")
-    if x.device != device:
-        raise ValueError(f"{name}: input on {x.device} but weights on {device}")
-
-
 def _check_features(features, name):
     if features % BLOCK_SIZE:
         raise ValueError(f"{name}: {features} features is not a multiple of the NVFP4 block size "
@@ -335,7 +325,7 @@ class NVFP4Linear(nn.Module):
             self.bias.copy_(bias)
 
     def forward(self, x):
-        _check_layer_input(x, self.in_features, self.weight_data.device, "NVFP4Linear")
+        fp8.check_layer_input(x, self.in_features, self.weight_data.device, "NVFP4Linear")
         x2 = x.reshape(-1, self.in_features)                                             # (M, K)
         rac_mask = self.rac(x2)
         if _use_triton(x2):
@@ -398,7 +388,7 @@ class NVFP4Experts(nn.Module):
 
     def forward(self, x, expert_ids, expert_weights):
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) -> (T, D) in x.dtype, as moe.Experts."""
-        _check_layer_input(x, self.dim, self.gate_up_data.device, "NVFP4Experts")
+        fp8.check_layer_input(x, self.dim, self.gate_up_data.device, "NVFP4Experts")
         T, A = expert_ids.shape
         routing = moe.route_tokens(expert_ids, self.n_experts)
         row_weights = expert_weights.reshape(-1)[routing.order].float()                  # (R,)

@@ -106,3 +106,13 @@ def tiny_model(seed=0, std=None, dtype=torch.float32, device="cpu", **config):
     if std is not None:
         model.init_weights(std=std)
     return model.to(device=device, dtype=dtype)
+
+
+def raises_one_line(call, names, problem, error=ValueError):
+    """call() raises `error` whose message is one line holding `names` (the argument or field it is
+    about) and `problem` (what is wrong with it): the shape of every bad-input test's check."""
+    with pytest.raises(error) as raised:
+        call()
+    message = str(raised.value)
+    assert names in message and problem in message and "\n" not in message, message
+    return message

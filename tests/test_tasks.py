@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from conftest import raises_one_line
 from tasks import (TEST_FRACTION, ArithmeticTask, CharTokenizer, GSM8KTask, Problem, _in_test_split,
                    extract_answer, make_task)
 
@@ -275,7 +276,4 @@ BAD_CALLS = [  # (id, call given a scratch directory, exception, what the messag
 @pytest.mark.parametrize("call, error, names, problem", [case[1:] for case in BAD_CALLS],
                          ids=[case[0] for case in BAD_CALLS])
 def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(tmp_path, call, error, names, problem):
-    with pytest.raises(error) as raised:
-        call(tmp_path)
-    message = str(raised.value)
-    assert names in message and problem in message and "\n" not in message, message
+    raises_one_line(lambda: call(tmp_path), names, problem, error)

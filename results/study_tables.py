@@ -101,9 +101,10 @@ def ranks(values):
     return out
 
 
-def dose_response(base, recipes=("bf16", "fp8", "rac@1", "quads", "rac", "nvfp4"), seeds=(0, 1, 2)):
+def dose_response(base, recipes=("bf16", "fp8", "rac@1", "quads", "rac", "nvfp4"), seeds=(0, 1, 2),
+                  figure="cpu_lr3e-4_600steps_dose_response.png"):
     """Each run's mean |delta logp| over all steps against its train reward over the second half; the
-    Spearman rank correlation across runs; and a scatter plot of the two."""
+    Spearman rank correlation across runs; and a scatter plot of the two (figures/`figure`)."""
     points = []
     print("| recipe | " + " | ".join(f"seed {s}: mean abs dlogp / reward, second half" for s in seeds) + " |")
     print("| --- |" + " --- |" * len(seeds))
@@ -133,7 +134,7 @@ def dose_response(base, recipes=("bf16", "fp8", "rac@1", "quads", "rac", "nvfp4"
     ax.set_title(f"CPU tiny preset, lr 3e-4, three seeds: Spearman {rho:.2f}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(FIGURES, "cpu_lr3e-4_600steps_dose_response.png"), dpi=80)
+    fig.savefig(os.path.join(FIGURES, figure), dpi=80)
     plt.close(fig)
 
 
@@ -154,35 +155,22 @@ def symmetric_study(base, earlier, recipes=("bf16", "nvfp4", "quads", "moeresq",
     print()
     whole_run_table(base, names)
     print()
-    print("| recipe | " + " | ".join(f"seed {s}: mean abs dlogp / reward, second half" for s in seeds) + " |")
-    print("| --- |" + " --- |" * len(seeds))
-    for recipe in recipes:
-        cells = []
-        for seed in seeds:
-            s = steps_of(os.path.join(base, f"seed{seed}_{recipe}"))
-            cells.append(f"{mean(s, 'mismatch/abs_diff_mean'):.4f} / "
-                         f"{mean(s, 'reward', s[-1]['step'] // 2):.3f}")
-        print(f"| {recipe} | " + " | ".join(cells) + " |")
+    dose_response(base, recipes, seeds, figure="cpu_lr3e-4_600steps_symmetric_dose_response.png")
     print("\nPer recipe over the three seeds (mean, and the range over seeds): mean |delta logp| over all "
           "steps, routing disagreement, train reward over steps 301-600, final pass@1 of the rollout model\n")
     print("| recipe | mean abs dlogp | routing disagr. | reward 301-600 | final pass@1 |")
     print("| --- | --- | --- | --- | --- |")
-    points = []
     for recipe in recipes:
         runs = [steps_of(os.path.join(base, f"seed{seed}_{recipe}")) for seed in seeds]
         finals = [evals_of(os.path.join(base, f"seed{seed}_{recipe}"))[-1]["pass@1"] for seed in seeds]
         gaps = [mean(s, "mismatch/abs_diff_mean") for s in runs]
         routing = [mean(s, "routing_disagreement") for s in runs]
         late = [mean(s, "reward", s[-1]["step"] // 2) for s in runs]
-        points += list(zip(gaps, late))
 
         def cell(values, fmt):
             return f"{statistics.mean(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
         print(f"| {recipe} | {cell(gaps, '.2e')} | {cell(routing, '.2%')} | {cell(late, '.3f')} | "
               f"{cell(finals, '.3f')} |")
-    rho = statistics.correlation(ranks([p[0] for p in points]), ranks([p[1] for p in points]))
-    print(f"\nSpearman rank correlation of mean gap and second-half reward over the {len(points)} runs: "
-          f"{rho:.2f}")
     train.plot([os.path.join(base, n) for n in names if n.startswith("seed0_")],
                os.path.join(FIGURES, "cpu_lr3e-4_600steps_symmetric.png"), window=25)
 

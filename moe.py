@@ -205,11 +205,15 @@ def route_tokens(expert_ids: Tensor, n_experts: int) -> Routing:
     expert modules."""
     n_active = expert_ids.shape[-1]
     flat_ids = expert_ids.reshape(-1)                                                      # (N,)
-    sorted_ids, order = torch.sort(flat_ids, stable=True)
+    # The narrowest key that holds an expert id: a radix sort costs a pass per key byte (int64 keys took
+    # 27 us a layer at 512 assignments on an H200, most of the routing). The order is the same.
+    key_dtype = torch.uint8 if n_experts <= 256 else torch.int32
+    sorted_ids, order = torch.sort(flat_ids.to(key_dtype), stable=True)
     positions = torch.arange(order.numel(), device=order.device)
     inverse_order = torch.empty_like(order).scatter_(0, order, positions)
     # searchsorted on the sorted ids keeps every size static: no host sync, nothing torch.compile must guess.
-    ends = torch.searchsorted(sorted_ids, torch.arange(n_experts, device=flat_ids.device), right=True)  # (E,)
+    experts = torch.arange(n_experts, device=flat_ids.device, dtype=key_dtype)
+    ends = torch.searchsorted(sorted_ids, experts, right=True)                             # (E,)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     return Routing(order, order // n_active, inverse_order, counts, ends.to(torch.int32))
 

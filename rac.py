@@ -36,14 +36,16 @@ K step, no shuffles. Accumulation is fp32; 2^12 and both global scales are appli
     x (a few KB, from L2), reduces its amax, quantizes the K range it needs (codes, block scales, the
     residual of the selected blocks: nvfp4.py's arithmetic, bit-identical to the twin) and streams its
     weight rows as a GEMV on fp32 FMAs (tl.dot needs 16 rows).
-  - Decode, M <= 64 or so: one quantizer launch writes the fp16 operand once; the GEMM computes
-    y.T = W @ x.T on the fp16 tensor cores (the weight rows fill the MMA's wide side; a GEMV at M = 1).
-    Re-quantizing 16 rows in every program costs more than the extra launch (measured in bench.py).
-    Split-K gives the weight stream enough programs: each split stores a partial tile, and the last
-    to arrive (an atomic counter per tile) sums them in a fixed order: deterministic.
+  - Decode, more rows: one quantizer launch writes the fp16 operand once; the GEMM decodes its weight
+    tile in registers and runs the fp16 tensor cores, as y.T = W @ x.T (the weight rows on the MMA's
+    wide side) or, X_FIRST, as y = x @ W.T. Which is faster depends on the shape; the autotuner picks
+    among both. Re-quantizing 16 rows in every program costs more than the extra launch (measured in
+    bench.py). Split-K gives the weight stream enough programs: each split stores a partial tile, and
+    the last to arrive (an atomic counter per tile) sums them in a fixed order: deterministic.
   - Prefill (M >= PREFILL_ROWS): one pass decodes the weight to fp16 (exactly), then both operands
-    stream into shared memory; an in-register decode would repeat M / BLOCK_M times.
-  - Experts: one grouped launch over (expert, row tile, N tile). Rows are sorted by expert once
+    stream into shared memory; an in-register decode would repeat M / BLOCK_M times (slower from a
+    few hundred rows on: bench.py).
+  - Experts: one grouped launch over (expert, row tile, N tile), X_FIRST at decode. Rows are sorted by expert once
     (moe.route_tokens); a program finds its expert from the per-expert counts on the device (no host
     sync), so experts without tokens cost nothing. The gate/up GEMM gathers token rows and applies
     SwiGLU in its epilogue; the down GEMM scales each row by its router weight.
@@ -84,7 +86,7 @@ TENSOR_SCALE_DIVISOR = nvfp4.E2M1_MAX * nvfp4.E4M3_MAX   # 2688: global_scale = 
 OPERAND_SHIFT = 2.0 ** -6          # the Hopper kernels' fp16 operands hold value * block_scale * 2^-6
 EPILOGUE_SCALE = 2.0 ** 12         # undoes the two operands' 2^-6
 FUSED_ELEMENTS = 4096              # inputs up to this size (M * K) are quantized inside the GEMM
-PREFILL_ROWS = 1024                # from this many rows on, the weight is decoded once per call
+PREFILL_ROWS = 257                 # from this many rows on, the weight is decoded once per call
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -630,6 +632,7 @@ class Activation(NamedTuple):
 
 
 _AMAX_CHUNK = 4096       # elements per load in the amax loops (= FUSED_ELEMENTS: small inputs in one load)
+_AMAX_SLICES = 256       # at most this many partial maxima: every quantizer program reads all of them
 
 
 def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
@@ -654,8 +657,7 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
     global_scale = torch.empty((), dtype=torch.float32, device=device)
     amax_here, partials, slice_ = x.numel() <= FUSED_ELEMENTS, dummy, 0
     if not amax_here:
-        # at most 256 slices: every quantizer program reads all the partial maxima
-        slice_ = _AMAX_CHUNK * triton.cdiv(triton.cdiv(x.numel(), _AMAX_CHUNK), 256)
+        slice_ = _AMAX_CHUNK * triton.cdiv(triton.cdiv(x.numel(), _AMAX_CHUNK), _AMAX_SLICES)
         partials = torch.empty(triton.cdiv(x.numel(), slice_), dtype=torch.float32, device=device)
         _partial_amax_kernel[(partials.numel(),)](x, partials, x.numel(), SLICE=slice_, CHUNK=_AMAX_CHUNK)
 
@@ -810,16 +812,26 @@ if triton is not None:
                   col_mask, stride_w, stride_ws, w_plane, K, k_begin, k_end, FUSED: tl.constexpr,
                   HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, W_FP16: tl.constexpr, GPU: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                  x_rows):
+                  x_rows, X_FIRST: tl.constexpr, x_elems_ptr=None):
         """acc (BLOCK_N, BLOCK_M) = W[cols] @ X[rows].T over columns k_begin..k_end, in fp32, without
-        the global scales and 2^12. X: quantized here (FUSED) or fp16 operand planes (rows x_rows, or
-        row0..); W: NVFP4 codes, or fp16 operand planes (W_FP16). BLOCK_M == 1: a GEMV on fp32 FMAs."""
+        the global scales and 2^12, and x's global scale. X: quantized here (FUSED: its global scale is
+        reduced from x_elems_ptr's M * K <= 4096 elements) or fp16 operand planes (rows x_rows, or row0..);
+        W: NVFP4 codes, or fp16 operand planes (W_FP16). BLOCK_M == 1: a GEMV on fp32 FMAs. X_FIRST: X is
+        the MMA's left operand (M side) and the decoded weight its right one, which Triton stages through
+        shared memory; fewer instructions per weight element than the weight on the left, whose
+        register operand layout makes Triton read the codes two bytes at a time (seen in the SASS)."""
+        GEMV: tl.constexpr = BLOCK_M == 1
+        if FUSED:
+            offs = tl.arange(0, 4096)                                                     # FUSED_ELEMENTS
+            v = tl.abs(tl.load(x_elems_ptr + offs, mask=offs < M * K, other=0.0).to(tl.float32))
+            x_global = _scale_from_amax(tl.max(tl.where(v == v, v, float("inf")), axis=0))
         row_mask = (row0 + tl.arange(0, BLOCK_M)) < M
         if BLOCK_M == 1:
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        elif X_FIRST:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        GEMV: tl.constexpr = BLOCK_M == 1
         for k0 in range(k_begin, k_end, BLOCK_K):
             if W_FP16:
                 w_even, w_odd = _operand_tile(w_ptr, cols, col_mask, k0, K, stride_w, w_plane, BLOCK_K,
@@ -840,12 +852,17 @@ if triton is not None:
                 products = (w_even.to(tl.float32) * x_even.to(tl.float32)
                             + w_odd.to(tl.float32) * x_odd.to(tl.float32))
                 acc += tl.sum(tl.sum(products, axis=2), axis=1)
+            elif X_FIRST:
+                acc = tl.dot(x_even, tl.trans(w_even), acc)
+                acc = tl.dot(x_odd, tl.trans(w_odd), acc)
             else:
                 acc = tl.dot(w_even, tl.trans(x_even), acc)
                 acc = tl.dot(w_odd, tl.trans(x_odd), acc)
         if GEMV:
             acc = acc[:, None]                                                           # (BLOCK_N, 1)
-        return acc
+        elif X_FIRST:
+            acc = tl.trans(acc)                                                          # (BLOCK_N, BLOCK_M)
+        return acc, x_global
 
     @triton.jit
     def _store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, value, OUT_BF16: tl.constexpr):
@@ -874,29 +891,33 @@ if triton is not None:
         tl.store(out_ptr + plane_size + offs, odd, mask=mask)
 
     # ------------------------------------------------------------------ autotuning
-    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) per M bucket; BLOCK_M 1 is the GEMV. Decode
-    # buckets stream the weight: small BLOCK_M, wide BLOCK_K (long contiguous byte runs per row), and
-    # enough (N tile, K split) programs to keep every SM's loads in flight. Under the interpreter one
-    # small configuration per bucket, splitting K in the decode buckets so tests run the split epilogue.
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K[, X_FIRST]) per M bucket; BLOCK_M 1 is the GEMV.
+    # Decode buckets stream the weight: small BLOCK_M, wide BLOCK_K (long contiguous byte runs per row),
+    # and enough (N tile, K split) programs to keep every SM's loads in flight. Under the interpreter one
+    # small configuration per bucket, splitting K in the decode buckets so tests run the split epilogue,
+    # and X_FIRST in two buckets so tests run both operand orders.
     DENSE_CONFIGS = {
-        1: [(1, 16, 512, 4, 1, 4), (1, 32, 512, 4, 1, 4), (1, 16, 1024, 4, 1, 2), (1, 16, 512, 4, 2, 1)],
+        1: [(1, 16, 512, 4, 1, 4), (1, 16, 1024, 4, 1, 2), (1, 16, 2048, 4, 1, 1), (1, 8, 1024, 4, 1, 2),
+            (1, 16, 4096, 8, 1, 1)],
         16: [(16, 64, 256, 4, 3, 4), (16, 32, 256, 4, 3, 8), (16, 64, 256, 4, 3, 2), (16, 128, 256, 8, 3, 2)],
         64: [(32, 64, 256, 4, 3, 2), (64, 64, 256, 8, 3, 4), (32, 64, 256, 4, 3, 4)],
-        256: [(64, 128, 128, 4, 3, 1), (128, 64, 128, 4, 3, 1), (128, 128, 64, 8, 3, 1)],
+        256: [(64, 128, 128, 4, 3, 2, True), (64, 64, 256, 4, 3, 1, True), (128, 64, 128, 4, 3, 1, True),
+              (128, 64, 128, 4, 3, 1)],
         4096: [(128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1)],
     }
     # Not (128, 128, 64, 8 warps, 3 stages): under Triton 3.6 on the H200 the grouped kernel compiled
     # with it gave non-deterministic results with NaN rows; tests/test_rac.py runs every configuration
     # of both kernels repeatedly on the GPU.
     GROUPED_CONFIGS = {
-        16: [(16, 64, 256, 4, 3, 1), (16, 32, 256, 4, 3, 1), (16, 64, 256, 4, 4, 1), (16, 64, 128, 4, 4, 1),
-             (16, 128, 128, 4, 3, 1), (16, 32, 128, 4, 4, 1)],
-        64: [(32, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
+        16: [(16, 64, 256, 4, 3, 1, True), (16, 128, 128, 4, 3, 1, True), (16, 32, 256, 4, 3, 1, True),
+             (16, 64, 128, 4, 4, 1, True), (16, 128, 256, 4, 3, 1, True), (16, 32, 256, 4, 3, 1)],
+        64: [(32, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 1), (32, 64, 128, 4, 3, 1, True),
+             (32, 128, 128, 4, 3, 1, True)],
         256: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
         4096: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
     }
-    _INTERPRETER_CONFIGS = {bucket: [(1 if bucket == 1 else 16, 32, 64, 4, 1, 2 if bucket <= 16 else 1)]
-                            for bucket in DENSE_CONFIGS}
+    _INTERPRETER_CONFIGS = {bucket: [(1 if bucket == 1 else 16, 32, 64, 4, 1, 2 if bucket <= 16 else 1,
+                                      bucket in (16, 256))] for bucket in DENSE_CONFIGS}
 
     def _m_bucket(m, table):
         return next(b for b in table if m <= b or b == 4096)
@@ -906,9 +927,10 @@ if triton is not None:
         for bucket, entries in (_INTERPRETER_CONFIGS if _INTERPRET else table).items():
             if bucket not in table:
                 continue
-            for bm, bn, bk, warps, stages, split_k in entries:
+            for bm, bn, bk, warps, stages, split_k, *x_first in entries:
                 configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k,
-                                              "BUCKET": bucket}, num_warps=warps, num_stages=stages))
+                                              "BUCKET": bucket, "X_FIRST": bool(x_first and x_first[0])},
+                                             num_warps=warps, num_stages=stages))
         return configs
 
     def _prune(configs, named_args, **kwargs):
@@ -941,6 +963,7 @@ if triton is not None:
         FUSED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, W_FP16: tl.constexpr,
         OUT_BF16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr, EVEN_K: tl.constexpr,
+        X_FIRST: tl.constexpr,
     ):
         # N tiles vary fastest: programs running together share the activation rows and stream
         # disjoint weight rows, which is what a weight-bound decode wants.
@@ -952,14 +975,12 @@ if triton is not None:
         k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
         k_begin = pid_k * k_per_split
         k_end = tl.minimum(K, k_begin + k_per_split)
-        if FUSED:
-            x_global = _scale_from_amax(_abs_max(x_ptr, 0, M * K, 4096))  # FUSED_ELEMENTS: one load
-        else:
-            x_global = tl.load(x_global_ptr)
+        x_global = 1.0 if FUSED else tl.load(x_global_ptr)  # (FUSED: reduced inside the main loop)
         rows = row0 + tl.arange(0, BLOCK_M)
-        acc = _mainloop(x_words_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr,
-                        cols, col_mask, stride_w, stride_ws, w_plane, K, k_begin, k_end, FUSED, HAS_RESIDUAL,
-                        X_BF16, W_FP16, GPU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, rows)
+        acc, x_global = _mainloop(x_words_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr,
+                                  w_scale_ptr, cols, col_mask, stride_w, stride_ws, w_plane, K, k_begin, k_end,
+                                  FUSED, HAS_RESIDUAL, X_BF16, W_FP16, GPU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                                  rows, X_FIRST, x_ptr)
         scale = _EPILOGUE * x_global * tl.load(w_global_ptr)
         if SPLIT_K == 1:
             _store_tile(y_ptr, rows, rows < M, cols, col_mask, stride_y, acc * scale, OUT_BF16)
@@ -990,7 +1011,7 @@ def _split_k_buffers(M, N, bucket, device):
     counters (zero, reset to zero by the kernel itself: kept per device). Counters are shared by all
     calls, so split-K launches must not run concurrently on two streams."""
     configs = (_INTERPRETER_CONFIGS if _INTERPRET else DENSE_CONFIGS)[bucket]
-    splits = [(bm, bn, split) for bm, bn, _, _, _, split in configs if split > 1]
+    splits = [(bm, bn, split) for bm, bn, _, _, _, split, *_ in configs if split > 1]
     if not splits:
         return (torch.empty(1, dtype=torch.float32, device=device),
                 torch.empty(1, dtype=torch.int32, device=device))
@@ -1093,6 +1114,7 @@ if triton is not None:
         GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, SWIGLU: tl.constexpr, OUT_BF16: tl.constexpr,
         GPU: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr, EVEN_K: tl.constexpr,
+        X_FIRST: tl.constexpr,
     ):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         expert, row0, end_row, n_tiles = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
@@ -1111,16 +1133,17 @@ if triton is not None:
             stacked = tl.arange(0, 2 * BLOCK_N)
             w_rows = pid_n * BLOCK_N + stacked % BLOCK_N + (stacked // BLOCK_N) * n_out
             w_mask = pid_n * BLOCK_N + stacked % BLOCK_N < n_out
-            acc = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base,
-                            w_rows.to(tl.int64), w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False,
-                            False, GPU, BLOCK_M, 2 * BLOCK_N, BLOCK_K,
-                            EVEN_K, x_rows) * scale                                     # (2 BLOCK_N, BLOCK_M)
+            acc, _ = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base,
+                               w_rows.to(tl.int64), w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False,
+                               False, GPU, BLOCK_M, 2 * BLOCK_N, BLOCK_K, EVEN_K, x_rows, X_FIRST)
+            acc = acc * scale                                                            # (2 BLOCK_N, BLOCK_M)
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
             out = gate / (1.0 + tl.exp(-gate)) * up                                      # silu(gate) * up
         else:
-            out = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, cols,
-                            col_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU,
-                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, x_rows) * scale
+            out, _ = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, cols,
+                               col_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU,
+                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, x_rows, X_FIRST)
+            out = out * scale
         if ROW_WEIGHTS:
             out = out * tl.load(row_weights_ptr + sorted_rows, mask=row_mask, other=0.0)[None, :]
         _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, out, OUT_BF16)

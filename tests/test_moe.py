@@ -1,5 +1,6 @@
 """moe.py: logits match Hugging Face's Qwen3-MoE, sparse experts match a dense all-expert computation,
 route replay, the KV-cache contract, and clear errors."""
+import itertools
 import json
 import os
 import shutil
@@ -189,6 +190,19 @@ def test_route_tokens_groups_assignments_by_expert():
     assert routing.counts.tolist() == [3, 1, 1, 3, 0]
     assert routing.offsets.tolist() == [3, 4, 5, 8, 8] and routing.offsets.dtype == torch.int32
     assert torch.equal(routing.order[routing.inverse_order], torch.arange(8))
+
+
+@pytest.mark.parametrize("n_experts", [256, 300])  # the widest uint8 sort key, and the int32 one beyond it
+def test_route_tokens_matches_a_stable_sort_oracle_for_every_key_width(n_experts):
+    generator = torch.Generator().manual_seed(0)
+    expert_ids = torch.randint(n_experts, (97, 8), generator=generator)
+    expert_ids[0, 0], expert_ids[1, 0] = n_experts - 1, 255  # the largest ids sort last, 255 stays 255
+    routing = route_tokens(expert_ids, n_experts)
+    flat = expert_ids.reshape(-1).tolist()
+    order = sorted(range(len(flat)), key=lambda n: (flat[n], n))
+    assert routing.order.tolist() == order
+    assert routing.counts.tolist() == [flat.count(e) for e in range(n_experts)]
+    assert routing.offsets.tolist() == list(itertools.accumulate(flat.count(e) for e in range(n_experts)))
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm not in this torch")

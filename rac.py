@@ -45,10 +45,10 @@ K step, no shuffles. Accumulation is fp32; 2^12 and both global scales are appli
   - Prefill (M >= PREFILL_ROWS): one pass decodes the weight to fp16 (exactly), then both operands
     stream into shared memory; an in-register decode would repeat M / BLOCK_M times (slower from a
     few hundred rows on: bench.py).
-  - Experts: one grouped launch over (expert, row tile, N tile), X_FIRST at decode. Rows are sorted by expert once
-    (moe.route_tokens); a program finds its expert from the per-expert counts on the device (no host
-    sync), so experts without tokens cost nothing. The gate/up GEMM gathers token rows and applies
-    SwiGLU in its epilogue; the down GEMM scales each row by its router weight.
+  - Experts: one grouped launch over (expert, row tile, N tile), X_FIRST at decode. Rows are sorted
+    by expert once (moe.route_tokens); a program finds its expert from the per-expert counts on the
+    device (no host sync), so experts without tokens cost nothing. The gate/up GEMM gathers token rows
+    and applies SwiGLU in its epilogue; the down GEMM scales each row by its router weight.
 Blackwell (sm_100+): `tl.dot_scaled(..., "e2m1", ...)` reads the packed codes and E4M3 scales as they
 are (dense and grouped). Chosen in one place (`_gemm_backend`), checked against the Hopper kernels on
 first use and dropped with a one-line warning if they disagree. Its numerics are UNTESTED (no such GPU
@@ -513,6 +513,7 @@ if triton is not None:
     _DIVISOR = tl.constexpr(TENSOR_SCALE_DIVISOR)
     _SHIFT = tl.constexpr(OPERAND_SHIFT)
     _EPILOGUE = tl.constexpr(EPILOGUE_SCALE)
+    _FUSED = tl.constexpr(FUSED_ELEMENTS)
 
     # Twin: quantize_activation_reference (codes) and activation_operand (the fp16 operand). A program
     # quantizes BLOCKS 16-element blocks of the flattened (M * G, 16) input as two (BLOCKS, 8) tiles of
@@ -822,7 +823,7 @@ if triton is not None:
         register operand layout makes Triton read the codes two bytes at a time (seen in the SASS)."""
         GEMV: tl.constexpr = BLOCK_M == 1
         if FUSED:
-            offs = tl.arange(0, 4096)                                                     # FUSED_ELEMENTS
+            offs = tl.arange(0, _FUSED)
             v = tl.abs(tl.load(x_elems_ptr + offs, mask=offs < M * K, other=0.0).to(tl.float32))
             x_global = _scale_from_amax(tl.max(tl.where(v == v, v, float("inf")), axis=0))
         row_mask = (row0 + tl.arange(0, BLOCK_M)) < M
@@ -978,9 +979,9 @@ if triton is not None:
         x_global = 1.0 if FUSED else tl.load(x_global_ptr)  # (FUSED: reduced inside the main loop)
         rows = row0 + tl.arange(0, BLOCK_M)
         acc, x_global = _mainloop(x_words_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr,
-                                  w_scale_ptr, cols, col_mask, stride_w, stride_ws, w_plane, K, k_begin, k_end,
-                                  FUSED, HAS_RESIDUAL, X_BF16, W_FP16, GPU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                                  rows, X_FIRST, x_ptr)
+                                  w_scale_ptr, cols, col_mask, stride_w, stride_ws, w_plane, K, k_begin,
+                                  k_end, FUSED, HAS_RESIDUAL, X_BF16, W_FP16, GPU, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  EVEN_K, rows, X_FIRST, x_ptr)
         scale = _EPILOGUE * x_global * tl.load(w_global_ptr)
         if SPLIT_K == 1:
             _store_tile(y_ptr, rows, rows < M, cols, col_mask, stride_y, acc * scale, OUT_BF16)
@@ -1134,9 +1135,9 @@ if triton is not None:
             w_rows = pid_n * BLOCK_N + stacked % BLOCK_N + (stacked // BLOCK_N) * n_out
             w_mask = pid_n * BLOCK_N + stacked % BLOCK_N < n_out
             acc, _ = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base,
-                               w_rows.to(tl.int64), w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False,
-                               False, GPU, BLOCK_M, 2 * BLOCK_N, BLOCK_K, EVEN_K, x_rows, X_FIRST)
-            acc = acc * scale                                                            # (2 BLOCK_N, BLOCK_M)
+                               w_rows.to(tl.int64), w_mask, stride_w, stride_ws, 0, K, 0, K, False, False,
+                               False, False, GPU, BLOCK_M, 2 * BLOCK_N, BLOCK_K, EVEN_K, x_rows, X_FIRST)
+            acc = acc * scale                                                           # (2 BLOCK_N, BLOCK_M)
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
             out = gate / (1.0 + tl.exp(-gate)) * up                                      # silu(gate) * up
         else:

@@ -849,7 +849,8 @@ def test_audit_builds_the_symmetric_recipes_as_training_does(recipe_runs):
     def gaps(recipe):
         batch = torch.load(os.path.join(recipe_runs["quads"], f"audit_batch_{recipe}.pt"), weights_only=True)
         mask = batch["loss_mask"][:, 1:]
-        return {pair: (batch[pair[0]] - batch[pair[1]])[mask].abs().mean().item() for pair in ("AB", "BC", "AC")}
+        return {pair: (batch[pair[0]] - batch[pair[1]])[mask].abs().mean().item()
+                for pair in ("AB", "BC", "AC")}
     moeresq, trace = gaps("moeresq"), gaps("trace")
     assert moeresq["AB"] > 1e-3 and moeresq["BC"] < 1e-5
     assert trace["AB"] > 1e-3 and trace["AC"] < 0.2 * trace["AB"]

@@ -118,7 +118,7 @@ def bench_gemm(args):
     """rac.py's W4A4 kernels against FP8 row-wise, BF16 and torch's int4 weight-only GEMM on Qwen3-30B-A3B
     shapes (D 2048, q 4096, k/v 512, 128 experts top-8, expert hidden 768), in one run:
 
-    1. dense decode (M = 1, 16, 64), the whole layer: W4A4 = rac.nvfp4_linear_triton (its activation
+    1. dense decode (M = 1, 16, 64, 256), the whole layer: W4A4 = rac.nvfp4_linear_triton (its activation
        quantization included: inside the GEMM for M * K <= rac.FUSED_ELEMENTS, else one quantizer
        launch); W4A4 RAC 0.5 = the same with half the blocks compensated; FP8 = fp8.linear (per-token
        quantization in torch + torch._scaled_mm); int4 = torch._weight_int4pack_mm (W4A16, group 128,
@@ -256,8 +256,8 @@ def bench_gemm(args):
           "vs FP8 | RAC cost | % floor |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     variant_rows = []
-    for M in (1, 16, 64):
-        rows = dense_times(M, variants=M in (1, 16, 64))
+    for M in (1, 16, 64, 256):  # the rows of a decode step at batch 1 ... 256
+        rows = dense_times(M, variants=True)
         variant_rows += rows
         for name, N, K, M, t, floor in rows:
             print(f"| {name} ({N}x{K}) | {M} | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['int4']:.1f} | "

@@ -301,6 +301,7 @@ class NVFP4Linear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
                      if bias else None)
         self.rac = RACSelector(in_features // BLOCK_SIZE, rac_ratio, device=device)
+        self.shared_input = None  # a SharedInput when layers read the same input (convert_for_rollout)
 
     @property
     def weight_q(self):
@@ -329,17 +330,54 @@ class NVFP4Linear(nn.Module):
     def forward(self, x):
         fp8.check_layer_input(x, self.in_features, self.weight_data.device, "NVFP4Linear")
         x2 = x.reshape(-1, self.in_features)                                             # (M, K)
-        rac_mask = self.rac(x2)
-        if _use_triton(x2):
-            y = nvfp4_linear_triton(x2, self.weight_q, rac_mask, out_dtype=x.dtype)
+        shared = self.shared_input.take(self, x) if self.shared_input is not None else None
+        if shared is not None:
+            rac_mask, act = shared
         else:
-            y = nvfp4_linear_reference(x2, self.weight_q, rac_mask).to(x.dtype)
+            rac_mask = self.rac(x2)
+            act = (_layer_input(x2, rac_mask) if _use_triton(x2)
+                   else quantize_activation_reference(x2, rac_mask))                    # the twin's codes
+            if self.shared_input is not None:
+                self.shared_input.keep(self, x, (rac_mask, act))
+        if _use_triton(x2):
+            y = _w4a4_linear(x2, self.weight_q, rac_mask, act, x.dtype)
+        else:
+            x_q, residual = act
+            y = w4a4_matmul_reference(x_q, self.weight_q, residual, out_dtype=torch.float32).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, rac_ratio={self.rac.rac_ratio}"
+
+
+class SharedInput:
+    """One input read by several NVFP4Linear layers (an attention's q_proj, k_proj and v_proj, which share
+    one RACSelector): the first layer to see it selects its blocks and quantizes it, the others reuse
+    both, until each has read it once or another input arrives. Reuse needs the very tensor object,
+    unmodified since (its version counter), so it is always of the values the layer would quantize
+    itself: the outputs are bit for bit those of unshared layers. Inference tensors keep no version
+    counter and are never shared."""
+
+    def __init__(self, layers):
+        self.layers = list(layers)
+        self.input, self.version, self.value, self.waiting = None, None, None, ()
+
+    def take(self, layer, x):
+        """The kept (rac_mask, input) if `layer` has not read this x yet, else None."""
+        if self.input is not x or x.is_inference() or x._version != self.version or layer not in self.waiting:
+            return None
+        self.waiting = tuple(other for other in self.waiting if other is not layer)
+        value = self.value
+        if not self.waiting:  # everyone has read it: keep nothing alive
+            self.input = self.value = None
+        return value
+
+    def keep(self, layer, x, value):
+        if not x.is_inference():
+            self.input, self.version, self.value = x, x._version, value
+            self.waiting = tuple(other for other in self.layers if other is not layer)
 
 
 class NVFP4Experts(nn.Module):
@@ -428,7 +466,9 @@ def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quant
     mode "bf16": unchanged. "fp8": W8A8 (fp8.FP8Linear, fp8.FP8Experts). "nvfp4": W4A4 (NVFP4Linear,
     NVFP4Experts) with residual compensation on round(rac_ratio * G) blocks of each layer input.
     Converted: every moe.Attention's nn.Linear projections and every moe.Experts (a qat.py model's
-    layers subclass those, so it converts too); with the flags also the routers and the LM head.
+    layers subclass those, so it converts too); with the flags also the routers and the LM head. An
+    attention's q/k/v_proj read one input: in nvfp4 mode they share its selection and quantization
+    (SharedInput).
     Embeddings and norms stay in full precision. The weights are quantized from the model's own.
     """
     if mode not in MODES:
@@ -445,6 +485,12 @@ def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quant
         else:
             new = (fp8.FP8Experts if experts else fp8.FP8Linear).from_float(child)
         setattr(parent, name, new)
+    for attention in model.modules():
+        layers = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+        if isinstance(attention, moe.Attention) and all(isinstance(m, NVFP4Linear) for m in layers):
+            shared = SharedInput(layers)  # one input x: one block selection, one quantization
+            for layer in layers:
+                layer.rac, layer.shared_input = layers[0].rac, shared
     return model
 
 
@@ -1062,6 +1108,23 @@ def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None):
     return y
 
 
+def _layer_input(x, rac_mask):
+    """What the Triton GEMM takes of x (M, K): on Blackwell the codes; at one token on Hopper None (the
+    GEMM quantizes x itself); else the fp16 operand."""
+    if _gemm_backend(x.device) == "native":
+        return quantize_activation_triton(x, rac_mask, codes=True, operand=False)
+    return None if x.numel() <= FUSED_ELEMENTS else quantize_activation_triton(x, rac_mask)
+
+
+def _w4a4_linear(x, w_q, rac_mask, act, out_dtype):
+    """The layer's GEMM on _layer_input's `act` (Triton, CUDA)."""
+    if act is None:
+        return _dense_portable(w_q, out_dtype, x=x, rac_mask=rac_mask)
+    if act.operand is None:
+        return _dense_native(act.x_q, act.residual, w_q, out_dtype)
+    return _dense_portable(w_q, out_dtype, act=act)
+
+
 def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16):
     """The NVFP4 layer's fast path, x (M, K) -> (M, N): a decode-sized x is quantized inside the GEMM
     (one launch); larger inputs take one quantizer launch and one GEMM; Blackwell the native kernel."""
@@ -1072,12 +1135,7 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16):
     if x.shape[1] != w_q.shape[1] or x.device != w_q.device:
         raise ValueError(f"nvfp4_linear: x {tuple(x.shape)} on {x.device} does not match the weight "
                          f"{tuple(w_q.shape)} on {w_q.device}")
-    if _gemm_backend(x.device) == "native":
-        act = quantize_activation_triton(x, rac_mask, codes=True, operand=False)
-        return _dense_native(act.x_q, act.residual, w_q, out_dtype)
-    if x.numel() <= FUSED_ELEMENTS:
-        return _dense_portable(w_q, out_dtype, x=x, rac_mask=rac_mask)
-    return _dense_portable(w_q, out_dtype, act=quantize_activation_triton(x, rac_mask))
+    return _w4a4_linear(x, w_q, rac_mask, _layer_input(x, rac_mask), out_dtype)
 
 
 # ======================================================================== Triton: the experts' grouped GEMM

@@ -349,7 +349,8 @@ def test_selector_picks_the_highest_error_blocks_and_calibrate_rac_refreshes_the
     model = tiny_model(vocab_size=48)
     rollout = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4", rac_ratio=0.5)
     selectors = [m for m in rollout.modules() if isinstance(m, rac.RACSelector)]
-    assert len(selectors) == 2 * (4 + 2)  # per layer: q, k, v, o inputs and the experts' two GEMM inputs
+    # per layer: the q/k/v input (one selector, shared), o's input and the experts' two GEMM inputs
+    assert len(selectors) == 2 * (2 + 2)
     rac.calibrate_rac(rollout, _tokens())
     for s in selectors:
         assert s.calibrated and int(s.mask.sum()) == s.n_selected == int(0.5 * s.n_blocks + 0.5)
@@ -360,6 +361,60 @@ def test_selector_picks_the_highest_error_blocks_and_calibrate_rac_refreshes_the
 # ============================================================================ conversion and sync
 def _tokens(batch=2, length=12):
     return torch.randint(0, 48, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def _shared_attention(device):
+    model = tiny_model(vocab_size=48).to(device, torch.bfloat16)
+    attention = rac.convert_for_rollout(model, "nvfp4", rac_ratio=0.5).layers[0].attn
+    return attention, (attention.q_proj, attention.k_proj, attention.v_proj)
+
+
+def _count_calls(monkeypatch, name):
+    calls, original = [], getattr(rac, name)
+    monkeypatch.setattr(rac, name, lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    return calls
+
+
+@torch.no_grad()
+def test_q_k_v_quantize_their_one_input_once_and_equal_unshared_layers(monkeypatch):
+    attention, layers = _shared_attention("cpu")
+    assert layers[1].rac is layers[0].rac and layers[2].rac is layers[0].rac   # one selector for one input
+    calls = _count_calls(monkeypatch, "quantize_activation_reference")
+    x = torch.randn(3, 5, layers[0].in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
+    mask = layers[0].rac(x.reshape(-1, x.shape[-1]))  # calibrates the shared selector on x
+    calls.clear()
+
+    def check(order, x, quantizations):
+        calls.clear()
+        outputs = [layer(x) for layer in order]
+        assert len(calls) == quantizations
+        for layer, y in zip(order, outputs):  # the layer's own computation, nothing shared
+            expected = rac.nvfp4_linear_reference(x.reshape(-1, x.shape[-1]), layer.weight_q, mask)
+            assert same_bits(y, expected.to(x.dtype).view(*x.shape[:-1], -1))
+
+    check(layers, x, 1)                                   # q quantizes, k and v reuse
+    assert layers[0].shared_input.input is None           # all three have read it: nothing kept alive
+    check((layers[2], layers[0], layers[1]), x, 1)        # in any order
+    layers[0](x)
+    x.mul_(2.0)                                           # modified in place between two readers
+    check(layers[1:], x, 1)
+    check(layers, x.clone(), 1)                           # equal values in another tensor: quantized anew
+    check((layers[0], layers[0]), x, 2)                   # one layer twice: it reads x anew
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_q_k_v_share_the_triton_quantization_on_gpu(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    attention, layers = _shared_attention("cuda")
+    x = torch.randn(96, layers[0].in_features, device="cuda", dtype=torch.bfloat16)  # above FUSED_ELEMENTS
+    mask = layers[0].rac(x)
+    calls = _count_calls(monkeypatch, "quantize_activation_triton")
+    outputs = [layer(x) for layer in layers]
+    assert len(calls) == 1
+    for layer, y in zip(layers, outputs):
+        assert same_bits(y, rac.nvfp4_linear_triton(x, layer.weight_q, mask, out_dtype=x.dtype))
 
 
 @torch.no_grad()

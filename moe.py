@@ -22,6 +22,10 @@ expert multiplies one contiguous slice of rows, and the rows are put back in tok
 their router weights. On CUDA in BF16 the per-expert GEMMs are one `torch._grouped_mm` call; elsewhere a
 plain loop over the active experts, which is also the slow twin the fast path is tested against.
 
+On CUDA, RMSNorm is one Triton kernel (forward; the backward is the plain version's, recomputed) in
+place of eight small launches; it equals the plain version up to the fp32 rounding of its sum of squares.
+Trainer and rollout both take it, so the two sides still compute the same norms.
+
 Routes can be forced (R3, "rollout routing replay"): the trainer replays the experts the rollout chose,
 while the mixing weights still come from its own router, so the router keeps receiving gradients.
 
@@ -49,6 +53,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the plain RMSNorm runs
+    triton = None
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -112,6 +122,73 @@ PRESETS = {
 
 
 # ----------------------------------------------------------------------------------------------- layers
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm as Hugging Face computes it: statistics in fp32 even for BF16 activations, the cast back
+    to x's dtype before the scale (so the two round identically), the product in the promoted dtype."""
+    x_float = x.float()
+    x_normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x_normed.to(x.dtype)
+
+
+if triton is not None:
+    # Twin: rms_norm_reference. One program per row: the row's sum of squares in fp32 (in another order
+    # than torch's reduction: equal to fp32 rounding, not bit for bit), then the twin's casts. Eight small
+    # launches per call become one; a decode step calls RMSNorm four times a layer.
+    @triton.jit
+    def _round_to(x, dtype: tl.constexpr):
+        """fp32 -> the nearest value of dtype (ties to even), kept in fp32. BF16 by integer arithmetic:
+        the interpreter's own cast truncates."""
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+        elif dtype == tl.float16:
+            x = x.to(tl.float16).to(tl.float32)
+        return x
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) * (1.0 / D) + eps)  # * 1/D, as torch's mean
+        normed = _round_to(x * inv_rms, x_ptr.dtype.element_ty)            # the cast back before * w
+        weight = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _round_to(weight * normed, y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The fused RMSNorm (forward only): x (..., D) -> (..., D) in the dtype weight * x would have."""
+    x2 = x.contiguous().view(-1, x.shape[-1])                                             # (rows, D)
+    y = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, x2.shape[1], eps,
+                                         BLOCK=triton.next_power_of_2(x2.shape[1]))
+    return y.view(x.shape)
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """Forward through the fused kernel; backward through rms_norm_reference's own graph, recomputed
+    (the gradient of the same function; the forward's values differ from it by fp32 rounding only)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return rms_norm_triton(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x_, weight_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            y = rms_norm_reference(x_, weight_, ctx.eps)
+        grad_x, grad_weight = torch.autograd.grad(y, (x_, weight_), grad)
+        return grad_x, grad_weight, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -119,11 +196,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # The statistics are taken in fp32 even for BF16 activations; the cast back happens before the
-        # scale, as in Hugging Face's implementation, so the two round identically.
-        x_float = x.float()
-        x_normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x_normed.to(x.dtype)
+        # The one place the norm's path is chosen: the fused kernel for CUDA tensors (trainer and rollout
+        # alike, so the two sides still compute the same values), the plain twin elsewhere.
+        if triton is None or not x.is_cuda or x.shape[-1] > 16384:
+            return rms_norm_reference(x, self.weight, self.eps)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _FusedRMSNorm.apply(x, self.weight, self.eps)
+        return rms_norm_triton(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -243,6 +243,60 @@ def test_cuda_bf16_experts_take_grouped_mm_and_match_fp32_loop():
     assert report_diff(fast_grad, reference_grad, "grad")[0] < 3e-2 * reference_grad.abs().max()
 
 
+@pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32),
+                                                (torch.bfloat16, torch.bfloat16),
+                                                (torch.bfloat16, torch.float32),
+                                                (torch.float16, torch.float16)])
+def test_fused_rms_norm_matches_its_twin(dtype, weight_dtype):
+    pytest.importorskip("triton")  # the kernel runs under TRITON_INTERPRET=1 here (tests/conftest.py)
+    generator = torch.Generator().manual_seed(0)
+    for rows, dim in ((1, 16), (37, 96), (8, 128)):  # D below, at and above a power of two
+        x = (3 * torch.randn(rows, dim, generator=generator)).to(dtype)
+        weight = (0.5 + torch.rand(dim, generator=generator)).to(weight_dtype)
+        y, expected = moe.rms_norm_triton(x, weight, 1e-6), moe.rms_norm_reference(x, weight, 1e-6)
+        assert y.dtype == expected.dtype and y.shape == expected.shape
+        # the sum of squares in another order: equal up to fp32 rounding of 1/rms, which the casts to
+        # BF16 / FP16 almost always absorb (one unit in the last place at most)
+        ulp = torch.finfo(expected.dtype).eps
+        assert ((y.float() - expected.float()).abs() <= 2 * ulp * expected.float().abs()).all()
+        if expected.dtype != torch.float32:  # a missing cast back before * w moves a quarter or more
+            assert (y != expected).float().mean() < 0.01
+    x = torch.zeros(2, 32, dtype=dtype)
+    zeros = moe.rms_norm_triton(x, weight[:32], 1e-6)
+    assert torch.equal(zeros, moe.rms_norm_reference(x, weight[:32], 1e-6))
+
+
+def test_fused_rms_norm_gradients_are_the_twins():
+    pytest.importorskip("triton")
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 48, generator=generator, requires_grad=True)
+    weight = (0.5 + torch.rand(48, generator=generator)).requires_grad_()
+    grad = torch.randn(5, 48, generator=generator)
+    moe._FusedRMSNorm.apply(x, weight, 1e-6).backward(grad)
+    fused = (x.grad.clone(), weight.grad.clone())
+    x.grad = weight.grad = None
+    moe.rms_norm_reference(x, weight, 1e-6).backward(grad)
+    assert torch.equal(fused[0], x.grad) and torch.equal(fused[1], weight.grad)
+
+
+@pytest.mark.cuda
+def test_rms_norm_takes_the_fused_kernel_on_cuda_and_matches_the_twin(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    norm = moe.RMSNorm(2048, 1e-6).cuda().to(torch.bfloat16)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(64, 1, 2048, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    original = moe.rms_norm_triton
+    monkeypatch.setattr(moe, "rms_norm_triton", lambda *a: calls.append(1) or original(*a))
+    with torch.no_grad():
+        y = norm(x)
+    assert calls and y.dtype == torch.bfloat16
+    expected = moe.rms_norm_reference(x, norm.weight, norm.eps)
+    assert ((y.float() - expected.float()).abs() <= 2 * 2 ** -7 * expected.float().abs()).all()
+    assert (y != expected).float().mean() < 0.01  # rarely one BF16 unit apart, never more
+
+
 # ---------------------------------------------------------------------------------------------- routes, cache
 def test_replaying_recorded_routes_reproduces_logits_exactly():
     model = random_model()

@@ -192,8 +192,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     log), named as TRL's GRPO trainer logs them where it has a name: pg_loss; ratio/mean, ratio/min,
     ratio/max of pi_theta/pi_old; clip_ratio/low_mean (ratio < 1-clip_low with A < 0),
     clip_ratio/high_mean (ratio > 1+clip_high with A > 0), clip_ratio/region_mean (their sum: the tokens
-    whose gradient the clip removed); approx_kl (K3 of KL(pi_old || pi_theta): how far the update has
-    moved); and kl (K3 to the reference) when kl_coef > 0.
+    whose gradient the clip removed); approx_kl (K3 of KL(pi_theta || pi_old), the form of the reference term:
+    how far the update has moved); and kl (K3 to the reference) when kl_coef > 0.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be (N, T), got shape {tuple(logprobs.shape)}")

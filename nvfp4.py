@@ -68,8 +68,8 @@ slow twins, quantize_reference and dequantize_reference, are plain PyTorch and r
 tests compare the two bit for bit, on the CPU under TRITON_INTERPRET=1 and on the GPU.
 
 Deliberately left out: MX formats (E8M0 scales, 32-element blocks), stochastic rounding, per-row
-global scales, and the swizzled 128x4 block-scale layout of Blackwell tensor cores (rac.py lays out
-what its kernels need).
+global scales, and the swizzled 128x4 block-scale layout of Blackwell tensor cores (rac.py's native
+kernels hand row-major scales to `tl.dot_scaled`).
 
 Shape letters: K = last (reduction) dim, G = K / 16 blocks per row, M = product of the leading dims.
 """

@@ -574,9 +574,17 @@ def use_rollout_codes(layers_by_path, codes_by_path, rows=None, width=None):
     """Hand the recorded codes to the trainer's trace layers: codes_by_path maps a layer's path to its
     tuple of RolloutCodes (one per input); None clears every layer (free the memory after the step).
     rows (R',), width W: the next forward sees only those sequences of the rollout (a mini-batch)."""
+    selected = {}  # one selection per record: layers sharing one (q, k, v) share its mini-batch too, so
+    #                _quantized_input_of's memo still serves them together
+
+    def select(c):
+        if c is not None and id(c) not in selected:
+            selected[id(c)] = c.select_rows(rows, width)
+        return None if c is None else selected[id(c)]
+
     for path, layer in layers_by_path.items():
         if isinstance(layer, (QATLinear, QATExperts)):
             codes = None if codes_by_path is None else codes_by_path.get(path)
             if codes is not None and rows is not None:
-                codes = tuple(c if c is None else c.select_rows(rows, width) for c in codes)
+                codes = tuple(select(c) for c in codes)
             layer.rollout_codes = codes

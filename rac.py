@@ -32,10 +32,11 @@ bits). The activation operand is (DQ(x_q) + DQ(r_q)) / global_scale * 2^-6 in fp
 term; the sum rounds to fp16's 11 bits (bf16's 8 would lose much of what the residual adds back). A
 weight byte holds elements 2i and 2i+1, so K is consumed as an even and an odd half: two products per
 K step, no shuffles. Accumulation is fp32; 2^12 and both global scales are applied at the end.
-  - Decode, one token (M * K <= FUSED_ELEMENTS): one launch per layer. Every program reads the whole
-    x (a few KB, from L2), reduces its amax, quantizes the K range it needs (codes, block scales, the
-    residual of the selected blocks: nvfp4.py's arithmetic, bit-identical to the twin) and streams its
-    weight rows as a GEMV on fp32 FMAs (tl.dot needs 16 rows).
+  - Decode, small inputs (M * K <= FUSED_ELEMENTS: one token at model sizes, a few rows at toy ones):
+    one launch per layer. Every program reads the whole x (a few KB, from L2), reduces its amax,
+    quantizes the K range it needs (codes, block scales, the residual of the selected blocks:
+    nvfp4.py's arithmetic, bit-identical to the twin) and, at M = 1, streams its weight rows as a GEMV
+    on fp32 FMAs (tl.dot needs 16 rows); a few rows take the tensor-core tiles of their M bucket.
   - Decode, more rows: one quantizer launch writes the fp16 operand once; the GEMM decodes its weight
     tile in registers and runs the fp16 tensor cores, as y.T = W @ x.T (the weight rows on the MMA's
     wide side) or, X_FIRST, as y = x @ W.T. Which is faster depends on the shape; the autotuner picks
@@ -82,9 +83,8 @@ except ImportError:  # triton ships with CUDA builds of torch on Linux; without 
     triton = None
 
 MODES = ("bf16", "fp8", "nvfp4")
-TENSOR_SCALE_DIVISOR = nvfp4.E2M1_MAX * nvfp4.E4M3_MAX   # 2688: global_scale = amax / (6 * 448)
 OPERAND_SHIFT = 2.0 ** -6          # the Hopper kernels' fp16 operands hold value * block_scale * 2^-6
-EPILOGUE_SCALE = 2.0 ** 12         # undoes the two operands' 2^-6
+EPILOGUE_SCALE = OPERAND_SHIFT ** -2  # 2^12: undoes the two operands' 2^-6
 FUSED_ELEMENTS = 4096              # inputs up to this size (M * K) are quantized inside the GEMM
 PREFILL_ROWS = 257                 # from this many rows on, the weight is decoded once per call
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -150,7 +150,7 @@ def quantize_activation_reference(x, rac_mask=None):
     residual is None without a mask."""
     _check_matrix(x, "quantize_activation")
     _check_rac_mask(rac_mask, x)
-    x_q = nvfp4.quantize_reference(x, nvfp4.compute_global_scale(x))
+    x_q = nvfp4.quantize_reference(x)  # the dynamic global scale amax(|x|) / 2688
     if rac_mask is None:
         return x_q, None
     M, K = x.shape
@@ -280,9 +280,7 @@ class RACSelector(nn.Module):
 
 
 # ======================================================================== rollout layers
-def _use_triton(x):
-    # the one test for the fast path: Triton on CUDA tensors, the plain PyTorch twins elsewhere
-    return triton is not None and x.is_cuda
+_use_triton = nvfp4._use_triton  # the one test for the fast path: Triton on CUDA tensors, twins elsewhere
 
 
 class NVFP4Linear(nn.Module):
@@ -556,7 +554,7 @@ def calibrate_rac(rollout_model, tokens, rac_ratio=None, **forward_kwargs):
 if triton is not None:
     from nvfp4 import _e2m1_value, _load_pairs, _quantize_pairs, _to_bf16_bits
 
-    _DIVISOR = tl.constexpr(TENSOR_SCALE_DIVISOR)
+    _DIVISOR = tl.constexpr(nvfp4.GLOBAL_SCALE_DIVISOR)  # 2688: global_scale = amax / (6 * 448)
     _SHIFT = tl.constexpr(OPERAND_SHIFT)
     _EPILOGUE = tl.constexpr(EPILOGUE_SCALE)
     _FUSED = tl.constexpr(FUSED_ELEMENTS)
@@ -678,7 +676,7 @@ class Activation(NamedTuple):
     global_scale: torch.Tensor    # () fp32
 
 
-_AMAX_CHUNK = 4096       # elements per load in the amax loops (= FUSED_ELEMENTS: small inputs in one load)
+_AMAX_CHUNK = FUSED_ELEMENTS  # elements per load in the amax loops: small inputs in one load
 _AMAX_SLICES = 256       # at most this many partial maxima: every quantizer program reads all of them
 
 
@@ -860,9 +858,10 @@ if triton is not None:
                   HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, W_FP16: tl.constexpr, GPU: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                   x_rows, X_FIRST: tl.constexpr, x_elems_ptr=None):
-        """acc (BLOCK_N, BLOCK_M) = W[cols] @ X[rows].T over columns k_begin..k_end, in fp32, without
-        the global scales and 2^12, and x's global scale. X: quantized here (FUSED: its global scale is
-        reduced from x_elems_ptr's M * K <= 4096 elements) or fp16 operand planes (rows x_rows, or row0..);
+        """-> (acc, x_global): acc (BLOCK_N, BLOCK_M) = W[cols] @ X[rows].T over columns k_begin..k_end,
+        in fp32, without the global scales and 2^12; x_global as given, or, FUSED, reduced here from
+        x_elems_ptr's M * K <= FUSED_ELEMENTS elements. X: quantized here (FUSED) or fp16 operand planes
+        (rows x_rows, or row0..);
         W: NVFP4 codes, or fp16 operand planes (W_FP16). BLOCK_M == 1: a GEMV on fp32 FMAs. X_FIRST: X is
         the MMA's left operand (M side) and the decoded weight its right one, which Triton stages through
         shared memory; fewer instructions per weight element than the weight on the left, whose

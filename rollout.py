@@ -276,7 +276,7 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
     """logits (B, V) -> (tokens (B,) int64, logprobs (B,) fp32 of those tokens under log_softmax(z / tau)).
 
     Sampling uses the top-k/top-p truncated distribution; the log-prob is the full tempered one (see the
-    module docstring). noise (B, V): i.i.d. Exp(1) draws (`sampling_noise`; needed unless greedy).
+    module docstring). noise (B, V): i.i.d. Exp(1) draws, all > 0 (`sampling_noise`; needed unless greedy).
     temperature 0: argmax, untempered log-prob. No host sync.
     """
     logits = logits.float()
@@ -289,8 +289,8 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
         if noise is None:
             raise ValueError("sample_tokens: temperature > 0 needs noise (B, V) of Exp(1) draws")
         # p / E with E ~ Exp(1) is an exponential race: argmax picks v with probability p_v / sum(p).
-        # The clamp keeps 0/0 (a truncated token) from becoming NaN should E underflow to 0.
-        tokens = (kept.exp() / noise.clamp_min(1e-20)).argmax(dim=-1)
+        # sampling_noise's E is never 0 (u <= 1 - 2^-24, so E >= 6e-8): a truncated token's 0 / E stays 0.
+        tokens = (kept.exp() / noise).argmax(dim=-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 

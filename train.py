@@ -257,7 +257,7 @@ class TrainConfig:
         _refuse(self.mipu and self.tis, "mipu", "not allowed with argument --tis (MIPU takes its ratios "
                 "against the rollout's own log-probs, so there is no engine mismatch left for TIS to "
                 "correct)")
-        for recipe in filter(None, self.audit_recipes.split(",")):
+        for recipe in self.audit_recipes.split(","):  # (an empty name, as in "bf16,", is refused too)
             _require(recipe in RECIPES, "audit-recipes", recipe, f"choose from {', '.join(RECIPES)}")
         _refuse(self.audit and (self.compare or self.resume), "audit",
                 "not allowed with arguments --compare or --resume (it scores a run, it does not train)")
@@ -433,11 +433,27 @@ def load_file(path, device, what, fix):
         raise ConfigError(f"cannot read the {what} {path} ({_one_line(error)}): {fix}") from None
 
 
-def atomic_save(obj, path):
-    """torch.save to a temporary file, then rename: a crash never leaves a half-written file."""
+CHECKPOINT_KEYS = {"step", "trainer", "optimizer", "config"}
+
+
+def load_checkpoint(path, device, fix):
+    """load_file for a train.py checkpoint: anything else (another torch file) is one ConfigError too."""
+    ckpt = load_file(path, device, "checkpoint", fix)
+    if not isinstance(ckpt, dict) or not CHECKPOINT_KEYS <= set(ckpt):
+        raise ConfigError(f"cannot read the checkpoint {path}: not a train.py checkpoint; {fix}")
+    return ckpt
+
+
+def atomic_save(obj, path, write=torch.save):
+    """Write to a temporary file, then rename: a crash never leaves a half-written file."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
+    write(obj, tmp)
     os.replace(tmp, path)
+
+
+def _write_text(text, path):
+    with open(path, "w") as f:
+        f.write(text)
 
 
 # ----------------------------------------------------------------------------- warm-start
@@ -860,11 +876,7 @@ def check_run_dir(cfg):
     if not os.path.exists(ckpt_path):
         raise ConfigError(f"argument --resume: no checkpoint {ckpt_path} to resume (drop --resume to start "
                           "the run, or give the --out-dir and --run-name of the run to continue)")
-    ckpt = load_file(ckpt_path, cfg.device, "checkpoint",
-                     "restore it, or start the run over with --overwrite")
-    if not isinstance(ckpt, dict) or not {"step", "trainer", "optimizer", "config"} <= set(ckpt):
-        raise ConfigError(f"cannot read the checkpoint {ckpt_path}: not a train.py checkpoint; restore it, "
-                          "or start the run over with --overwrite")
+    ckpt = load_checkpoint(ckpt_path, cfg.device, "restore it, or start the run over with --overwrite")
     changes = []
     for field in dataclasses.fields(cfg):
         stored, given = ckpt["config"].get(field.name, field.default), getattr(cfg, field.name)
@@ -1160,7 +1172,7 @@ def audit(cfg):
     if not os.path.isfile(ckpt_path):
         raise ConfigError(f"argument --audit: no checkpoint at {cfg.audit!r}; give a run directory holding "
                           f"checkpoint.pt or a checkpoint file")
-    ckpt = load_file(ckpt_path, "cpu", "checkpoint", "give another run directory or checkpoint")
+    ckpt = load_checkpoint(ckpt_path, "cpu", "give another run directory or checkpoint")
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     skipped = ("device", "run_name", "compare", "jobs", "resume", "overwrite", "threads", "audit",
                "audit_recipes", "mipu", "tis")
@@ -1218,12 +1230,10 @@ def audit(cfg):
         lines.append("| " + " | ".join(cells + [f"{r['B-B replay max']:.1e}"]) + " |")
     table = "\n".join(lines) + "\n"
     md_path = os.path.join(out_dir, "audit.md")
-    with open(md_path, "w") as f:
-        f.write(table)
-    with open(os.path.join(out_dir, "audit.json"), "w") as f:
-        json.dump({"checkpoint": ckpt_path, "step": ckpt["step"], "device": cfg.device,
-                   "torch": torch.__version__, "config": dataclasses.asdict(run_cfg), "recipes": results},
-                  f, indent=2)
+    atomic_save(table, md_path, _write_text)
+    atomic_save(json.dumps({"checkpoint": ckpt_path, "step": ckpt["step"], "device": cfg.device,
+                            "torch": torch.__version__, "config": dataclasses.asdict(run_cfg),
+                            "recipes": results}, indent=2), os.path.join(out_dir, "audit.json"), _write_text)
     print(table)
     return md_path
 
@@ -1243,8 +1253,7 @@ def _read_metrics(path):
 def _truncate_metrics(path, step):
     """On resume, drop records logged after the checkpoint (they will be recomputed identically)."""
     kept = [r for r in _read_metrics(path) if r["step"] <= step]
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
+    atomic_save("".join(json.dumps(r) + "\n" for r in kept), path, _write_text)
 
 
 def _last_eval(path):

@@ -58,6 +58,11 @@ def kernel_device():
 
 
 # ----------------------------------------------------------------------------------------------- helpers
+def relative_error(y, reference):
+    """||y - reference|| / ||reference|| in float64."""
+    return ((y.double() - reference.double()).norm() / reference.double().norm()).item()
+
+
 def report_diff(a, b, name=""):
     """Max and mean absolute difference of two tensors (compared in float64), printed for the log."""
     d = (a.double() - b.double()).abs()

@@ -3,14 +3,10 @@ grouped experts against a per-expert loop, torch._scaled_mm against the twin (GP
 import pytest
 import torch
 import torch.nn as nn
-from conftest import raises_one_line, report_diff
+from conftest import raises_one_line, relative_error, report_diff
 
 import fp8
 import moe
-
-
-def _relative_error(y, reference):
-    return ((y.double() - reference.double()).norm() / reference.double().norm()).item()
 
 
 def test_rowwise_scale_is_row_amax_over_448_and_codes_round_to_nearest():
@@ -36,9 +32,9 @@ def test_fp8_linear_is_close_to_full_precision_and_keeps_bias():
     x = torch.randn(3, 7, 64)
     y = layer(x)
     assert y.shape == (3, 7, 48)
-    assert _relative_error(y, linear(x).detach()) < 0.05
+    assert relative_error(y, linear(x).detach()) < 0.05
     layer.bias.zero_()
-    assert _relative_error(layer(x) + linear.bias.detach(), linear(x).detach()) < 0.05
+    assert relative_error(layer(x) + linear.bias.detach(), linear(x).detach()) < 0.05
 
 
 def test_fp8_experts_match_a_per_expert_loop_and_moe():
@@ -65,7 +61,7 @@ def test_fp8_experts_match_a_per_expert_loop_and_moe():
             loop[t] += weights[t, a] * (codes.float() * scale @ w_d.T).bfloat16().float()[0]
     assert report_diff(y, loop, "fp8 experts vs loop")[0] < 2e-2 * loop.abs().max().item()
     with torch.no_grad():
-        assert _relative_error(y, experts(x, expert_ids, weights)) < 0.1
+        assert relative_error(y, experts(x, expert_ids, weights)) < 0.1
 
 
 BAD_CALLS = [  # (id, call, what the message names, the problem it states)

@@ -582,6 +582,20 @@ def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tok
     assert (seq.routes[1, b, w] == expert[:, None]).any(-1).all()
 
 
+def test_layers_sharing_a_record_share_its_mini_batch_too():
+    # q, k and v read one input and share one record; their mini-batch must stay one object, or the
+    # trainer's per-forward memo (keyed by the record) quantizes their input three times
+    trainer = qat.convert_for_training(tiny_model(), "trace")
+    layers = dict(trainer.named_modules())
+    record = hand_made_codes(torch.arange(3.0)[:, None].repeat(1, 16), 1.0, 1.0, keys=[3, 8, 13])
+    paths = [f"layers.0.attn.{name}" for name in ("q_proj", "k_proj", "v_proj")]
+    qat.use_rollout_codes(layers, {path: (record,) for path in paths}, rows=torch.tensor([2, 0]), width=5)
+    picked = [layers[path].rollout_codes[0] for path in paths]
+    assert picked[0] is picked[1] is picked[2] and picked[0].keys.tolist() == [3, 8]
+    qat.use_rollout_codes(layers, None)
+    assert all(layers[path].rollout_codes is None for path in paths)
+
+
 def test_a_mini_batch_of_rows_gets_its_own_rows_records_rekeyed():
     width, n_experts = 5, 4
     # records of rows 0, 1, 2: one per (row, column 3) for a linear input, two experts each for a down input

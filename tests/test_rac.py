@@ -8,17 +8,13 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from conftest import bits, raises_one_line, report_diff, same_bits, tiny_model
+from conftest import bits, raises_one_line, relative_error, report_diff, same_bits, tiny_model
 
 import fp8
 import moe
 import nvfp4
 import qat
 import rac
-
-
-def _relative_error(y, reference):
-    return ((y.double() - reference.double()).norm() / reference.double().norm()).item()
 
 
 def _outlier_activations(rows, cols, seed, device="cpu", dtype=torch.bfloat16):
@@ -212,7 +208,7 @@ def test_nvfp4_experts_fast_path_matches_the_twin_and_moe(kernel_device):
     with torch.no_grad():
         exact = experts(x.float(), expert_ids, weights)
     # two W4A4 GEMMs of NVFP4 noise, not another function
-    assert _relative_error(combined.float(), exact) < 0.35
+    assert relative_error(combined.float(), exact) < 0.35
 
 
 @pytest.mark.cuda
@@ -329,7 +325,7 @@ def test_rac_reduces_output_error_monotonically_on_outlier_channels():
         selector.start_calibration()
         selector(calibration)
         selector.finish_calibration()
-        errors.append(_relative_error(rac.nvfp4_linear_reference(x, w_q, selector(x)), exact))
+        errors.append(relative_error(rac.nvfp4_linear_reference(x, w_q, selector(x)), exact))
     print("relative error by rac_ratio 0, .25, .5, .75, 1:", [f"{e:.4f}" for e in errors])
     assert all(a > b for a, b in zip(errors, errors[1:])), errors
     assert errors[2] < 0.5 * errors[0]
@@ -431,7 +427,7 @@ def test_convert_for_rollout_logits_bf16_identical_fp8_closer_than_nvfp4():
             assert all(isinstance(p, linear_type) for p in projections)
             assert isinstance(block.experts, rac.NVFP4Experts if mode == "nvfp4" else fp8.FP8Experts)
             assert type(block.gate) is nn.Linear and type(rollout.lm_head) is nn.Linear  # stay full precision
-        errors[(mode, ratio)] = _relative_error(rollout(tokens), reference)
+        errors[(mode, ratio)] = relative_error(rollout(tokens), reference)
     print("relative logit error vs the unconverted model:", errors)
     assert errors[("bf16", 0.0)] == 0.0
     # NVFP4 on a 64-wide model: per-tensor activation scales are coarse, and 2 layers compound them

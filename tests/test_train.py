@@ -393,6 +393,8 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(),
      "argument --minibatches: must be at most prompts x group size = 128, got 129"),
     (["--mipu", "--tis", "2"], "argument --mipu: not allowed with argument --tis"),
     (["--audit-recipes", "bf16,int3"], "argument --audit-recipes: choose from bf16"),
+    (["--audit-recipes", "bf16,"],
+     f"argument --audit-recipes: choose from {', '.join(train.RECIPES)}, got ''"),
     (["--audit", "/nonexistent/run"], "argument --audit: no checkpoint at '/nonexistent/run'"),
 ])
 def test_a_bad_value_exits_2_with_one_line_naming_the_flag_and_writes_nothing(flags, message, tmp_path,
@@ -501,6 +503,10 @@ def test_an_unreadable_checkpoint_is_one_line_naming_the_file(recipe_runs, tmp_p
         assert f"cannot read the checkpoint {run_dir}/checkpoint.pt (" in err or \
             f"cannot read the checkpoint {run_dir}/checkpoint.pt: not a train.py checkpoint" in err
         assert "start the run over with --overwrite" in err
+        assert tree_digest(run_dir) == before
+        code, _, err = main_exit(["--audit", str(run_dir), "--device", "cpu"], capsys)  # the same for --audit
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"cannot read the checkpoint {run_dir}/checkpoint.pt" in err and "give another run" in err
         assert tree_digest(run_dir) == before
 
 

@@ -123,7 +123,9 @@ def bench_gemm(args):
        launch); W4A4 RAC 0.5 = the same with half the blocks compensated; FP8 = fp8.linear (per-token
        quantization in torch + torch._scaled_mm); int4 = torch._weight_int4pack_mm (W4A16, group 128,
        gpt-fast's kernel); BF16 F.linear. "% floor": the NVFP4 weight bytes over the measured copy
-       bandwidth, divided by the time.
+       bandwidth, divided by the time. "q/k/v stacked": the rollout's attention input projections as
+       one GEMM (each weight its own global scale, as rac.SharedInput runs them), against one stacked
+       weight in the other formats.
     2. variants of the decode layer that drop or move one stage (quantizer as its own launch; the GEMM
        alone on a given operand; the quantizer alone), and each autotuning configuration forced in turn.
     3. expert layer decode (64 and 256 tokens routed top-8 at random): quantize x, grouped gate/up
@@ -206,10 +208,19 @@ def bench_gemm(args):
                             .transpose(0, 1).contiguous())
         return packed, scales_and_zeros.to(bf16)
 
+    def stacked_weight(w, splits):
+        """The rollout's q/k/v: each weight quantized with its own global scale, stacked along N."""
+        qs = [nvfp4.quantize_weight(part) for part in w.split(splits)]
+        return nvfp4.NVFP4Tensor(torch.cat([q.data for q in qs]), torch.cat([q.block_scale for q in qs]),
+                                 torch.stack([q.global_scale for q in qs]))
+
     dense = []
-    for name, N, K in (("q_proj", H_Q, D), ("k/v_proj", H_KV, D), ("o_proj", D, H_Q)):
+    qkv_splits = (H_Q, H_KV, H_KV)
+    for name, N, K in (("q_proj", H_Q, D), ("k/v_proj", H_KV, D), ("o_proj", D, H_Q),
+                       ("q/k/v stacked", sum(qkv_splits), D)):
         w = torch.randn(N, K, device="cuda", dtype=bf16) * 0.02
-        w_q = nvfp4.quantize_weight(w)
+        splits = qkv_splits if name == "q/k/v stacked" else None
+        w_q = stacked_weight(w, splits) if splits else nvfp4.quantize_weight(w)
         bytes_ = {"w4a4": N * K * (0.5 + 1 / 16), "fp8": N * K + 4 * N, "bf16": 2 * N * K}
         try:
             int4 = int4_weight(w)
@@ -217,7 +228,7 @@ def bench_gemm(args):
             print(f"  (int4 weight packing failed: {type(error).__name__}: "
                   f"{str(error).splitlines()[0][:160]})")
             int4 = None
-        dense.append((name, N, K, bytes_, [w.clone() for _ in range(copies(bytes_["bf16"]))],
+        dense.append((name, N, K, splits, bytes_, [w.clone() for _ in range(copies(bytes_["bf16"]))],
                       [tuple(t.clone() for t in fp8.quantize_weight(w))
                        for _ in range(copies(bytes_["fp8"]))],
                       [nvfp4.NVFP4Tensor(w_q.data.clone(), w_q.block_scale.clone(), w_q.global_scale.clone())
@@ -227,7 +238,10 @@ def bench_gemm(args):
 
     def dense_times(M, variants=False):
         rows = []
-        for name, N, K, bytes_, ws, w8s, wqs, w4s in dense:
+        for name, N, K, splits, bytes_, ws, w8s, wqs, w4s in dense:
+            def w4a4(x, w, mask=None, splits=splits):
+                return rac.nvfp4_linear_triton(x, w, mask, splits=splits)
+
             x = torch.randn(M, K, device="cuda", dtype=bf16)
             mask = torch.arange(K // 16, device="cuda") % 2 == 0
             t = {
@@ -235,18 +249,19 @@ def bench_gemm(args):
                 "fp8": graph_us([lambda w=w: fp8.linear(x, *w) for w in w8s]),
                 "int4": graph_us([lambda w=w: torch._weight_int4pack_mm(x, w[0], 128, w[1]) for w in w4s])
                 if w4s else float("nan"),
-                "w4a4": graph_us([lambda w=w: rac.nvfp4_linear_triton(x, w) for w in wqs]),
-                "rac0.5": graph_us([lambda w=w: rac.nvfp4_linear_triton(x, w, mask) for w in wqs]),
+                "w4a4": graph_us([lambda w=w: w4a4(x, w) for w in wqs]),
+                "rac0.5": graph_us([lambda w=w: w4a4(x, w, mask) for w in wqs]),
             }
             if variants:
                 act = rac.quantize_activation_triton(x, mask)
                 fused, rac.FUSED_ELEMENTS = rac.FUSED_ELEMENTS, 0
-                t["two launches"] = graph_us([lambda w=w: rac.nvfp4_linear_triton(x, w, mask) for w in wqs])
+                t["two launches"] = graph_us([lambda w=w: w4a4(x, w, mask) for w in wqs])
                 rac.FUSED_ELEMENTS = fused
-                t["GEMM alone"] = graph_us([lambda w=w: rac._dense_portable(w, bf16, act=act) for w in wqs])
+                t["GEMM alone"] = graph_us([lambda w=w: rac._dense_portable(w, bf16, act=act, splits=splits)
+                                               for w in wqs])
                 t["quantizer alone"] = graph_us([lambda: rac.quantize_activation_triton(x, mask)] * 20)
                 t["configs"] = {
-                    label: graph_us([lambda w=w: rac.nvfp4_linear_triton(x, w, mask) for w in wqs])
+                    label: graph_us([lambda w=w: w4a4(x, w, mask) for w in wqs])
                     for label in forced(rac._dense_kernel, rac._m_bucket(M, rac.DENSE_CONFIGS))}
             rows.append((name, N, K, M, t, bytes_["w4a4"] / copy_bw * 1e6))
         return rows

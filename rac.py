@@ -283,6 +283,11 @@ class RACSelector(nn.Module):
 _use_triton = nvfp4._use_triton  # the one test for the fast path: Triton on CUDA tensors, twins elsewhere
 
 
+def _quantized_input(x2, rac_mask):
+    """What a layer's GEMM takes of x2 (M, K) on its path: _layer_input (Triton), or the twin's codes."""
+    return _layer_input(x2, rac_mask) if _use_triton(x2) else quantize_activation_reference(x2, rac_mask)
+
+
 class NVFP4Linear(nn.Module):
     """W4A4 replacement for nn.Linear: NVFP4 weights (nvfp4.quantize_weight), activations quantized
     per call, RAC on the blocks its RACSelector picks. `weight_q` is the packed NVFP4Tensor."""
@@ -328,23 +333,21 @@ class NVFP4Linear(nn.Module):
     def forward(self, x):
         fp8.check_layer_input(x, self.in_features, self.weight_data.device, "NVFP4Linear")
         x2 = x.reshape(-1, self.in_features)                                             # (M, K)
-        shared = self.shared_input.take(self, x) if self.shared_input is not None else None
-        if shared is not None:
-            rac_mask, act = shared
+        if self.shared_input is not None:
+            y = self.shared_input.output(self, x, x2)
         else:
             rac_mask = self.rac(x2)
-            act = (_layer_input(x2, rac_mask) if _use_triton(x2)
-                   else quantize_activation_reference(x2, rac_mask))                    # the twin's codes
-            if self.shared_input is not None:
-                self.shared_input.keep(self, x, (rac_mask, act))
-        if _use_triton(x2):
-            y = _w4a4_linear(x2, self.weight_q, rac_mask, act, x.dtype)
-        else:
-            x_q, residual = act
-            y = w4a4_matmul_reference(x_q, self.weight_q, residual, out_dtype=torch.float32).to(x.dtype)
+            y = self._matmul(x2, rac_mask, _quantized_input(x2, rac_mask))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, x2, rac_mask, act):
+        """x2 (M, K) @ DQ(W).T in x2's dtype, on act = _quantized_input(x2, rac_mask)."""
+        if _use_triton(x2):
+            return _w4a4_linear(x2, self.weight_q, rac_mask, act, x2.dtype)
+        x_q, residual = act                                                              # the twin's codes
+        return w4a4_matmul_reference(x_q, self.weight_q, residual, out_dtype=torch.float32).to(x2.dtype)
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, rac_ratio={self.rac.rac_ratio}"
@@ -352,30 +355,60 @@ class NVFP4Linear(nn.Module):
 
 class SharedInput:
     """One input read by several NVFP4Linear layers (an attention's q_proj, k_proj and v_proj, which share
-    one RACSelector): the first layer to see it selects its blocks and quantizes it, the others reuse
-    both, until each has read it once or another input arrives. Reuse needs the very tensor object,
-    unmodified since (its version counter), so it is always of the values the layer would quantize
-    itself: the outputs are bit for bit those of unshared layers. Inference tensors keep no version
-    counter and are never shared."""
+    one RACSelector). The first layer to read an input computes every layer's output and keeps the
+    others' until each has read it once or another input arrives. On the Triton path that is one GEMM:
+    the layers' weight buffers are views of one stacked NVFP4 weight (N_q + N_k + N_v rows), each
+    weight's global scale applied to its own columns; equal to three GEMMs up to fp32 accumulation order.
+    The twin path quantizes x once and runs each layer's own matmul: bit for bit unshared layers.
+    Reuse needs the very tensor object, unmodified since (its version counter), so it is always of the
+    values the layer would see itself. Inference tensors keep no version counter: each layer then runs
+    alone."""
 
     def __init__(self, layers):
         self.layers = list(layers)
-        self.input, self.version, self.value, self.waiting = None, None, None, ()
+        self.splits = [layer.out_features for layer in self.layers]
+        self.input, self.version, self.outputs, self.waiting = None, None, None, ()
+        self.weight_q = NVFP4Tensor(*(torch.cat([getattr(layer, name) for layer in self.layers])
+                                      for name in ("weight_data", "weight_block_scale")),
+                                    torch.stack([layer.weight_global_scale for layer in self.layers]))
+        start = 0
+        for i, (layer, rows) in enumerate(zip(self.layers, self.splits)):  # the buffers become views of it
+            layer.weight_data = self.weight_q.data[start:start + rows]
+            layer.weight_block_scale = self.weight_q.block_scale[start:start + rows]
+            layer.weight_global_scale = self.weight_q.global_scale[i]
+            start += rows
+        self.offsets = self._offsets()
 
-    def take(self, layer, x):
-        """The kept (rac_mask, input) if `layer` has not read this x yet, else None."""
-        if self.input is not x or x.is_inference() or x._version != self.version or layer not in self.waiting:
-            return None
-        self.waiting = tuple(other for other in self.waiting if other is not layer)
-        value = self.value
-        if not self.waiting:  # everyone has read it: keep nothing alive
-            self.input = self.value = None
-        return value
+    def _offsets(self):
+        q = self.weight_q
+        return [mine.data_ptr() - stacked.data_ptr() for layer in self.layers
+                for mine, stacked in ((layer.weight_data, q.data), (layer.weight_block_scale, q.block_scale),
+                                      (layer.weight_global_scale, q.global_scale))]
 
-    def keep(self, layer, x, value):
-        if not x.is_inference():
-            self.input, self.version, self.value = x, x._version, value
-            self.waiting = tuple(other for other in self.layers if other is not layer)
+    def _stacked(self):
+        """The stacked weight, or None if a layer's buffers are no longer views of it (moved, replaced)."""
+        return self.weight_q if self._offsets() == self.offsets else None
+
+    def output(self, layer, x, x2):
+        """`layer`'s output on x (x2: x as (M, K)), computed now or kept from the first reader of x."""
+        if self.input is x and x._version == self.version and layer in self.waiting:
+            self.waiting = tuple(other for other in self.waiting if other is not layer)
+            y = self.outputs[self.layers.index(layer)]
+            if not self.waiting:  # everyone has read it: keep nothing alive
+                self.input = self.outputs = None
+            return y
+        rac_mask = layer.rac(x2)
+        act = _quantized_input(x2, rac_mask)
+        if x.is_inference():
+            return layer._matmul(x2, rac_mask, act)
+        stacked = self._stacked() if _use_triton(x2) else None
+        if stacked is not None:
+            outputs = _w4a4_linear(x2, stacked, rac_mask, act, x2.dtype, self.splits)
+        else:
+            outputs = [other._matmul(x2, rac_mask, act) for other in self.layers]
+        self.input, self.version, self.outputs = x, x._version, outputs
+        self.waiting = tuple(other for other in self.layers if other is not layer)
+        return outputs[self.layers.index(layer)]
 
 
 class NVFP4Experts(nn.Module):
@@ -911,15 +944,35 @@ if triton is not None:
         return acc, x_global
 
     @triton.jit
-    def _store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, value, OUT_BF16: tl.constexpr):
-        """Store a (cols, rows) tile of fp32 values into y (M, N). BF16 rounds to nearest-even by
-        integer arithmetic through an int16 view of y (the interpreter's own cast truncates)."""
-        offs = rows[None, :].to(tl.int64) * stride_y + cols[:, None]
-        mask = row_mask[None, :] & col_mask[:, None]
+    def _store_at(y_ptr, offs, mask, value, OUT_BF16: tl.constexpr):
+        """Store fp32 values at element offsets of y. BF16 rounds to nearest-even by integer arithmetic
+        through an int16 view of y (the interpreter's own cast truncates)."""
         if OUT_BF16:
             tl.store(y_ptr + offs, _to_bf16_bits(value).to(tl.int16), mask=mask)
         else:
             tl.store(y_ptr + offs, value.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, value, OUT_BF16: tl.constexpr):
+        """Store a (cols, rows) tile of fp32 values into y (M, N)."""
+        offs = rows[None, :].to(tl.int64) * stride_y + cols[:, None]
+        _store_at(y_ptr, offs, row_mask[None, :] & col_mask[:, None], value, OUT_BF16)
+
+    @triton.jit
+    def _split_columns(cols, M, N, N1, N2):
+        """Up to three weights stacked along N, split at columns N1 and N2 (N1 = N2 = N: one weight).
+        Their outputs lie one after another in y, each (M, its N) row-major. -> per column (cols,): which
+        weight (its global scale's index), y's offset of its row 0, and the row stride."""
+        which = (cols >= N1).to(tl.int32) + (cols >= N2).to(tl.int32)
+        start = tl.where(which == 0, 0, tl.where(which == 1, N1, N2)).to(tl.int64)
+        end = tl.where(which == 0, N1, tl.where(which == 1, N2, N)).to(tl.int64)
+        return which, M * start + cols - start, end - start
+
+    @triton.jit
+    def _store_split(y_ptr, rows, row_mask, col_base, col_stride, col_mask, value, OUT_BF16: tl.constexpr):
+        """Store a (cols, rows) tile at _split_columns' offsets."""
+        offs = rows[None, :].to(tl.int64) * col_stride[:, None] + col_base[:, None]
+        _store_at(y_ptr, offs, row_mask[None, :] & col_mask[:, None], value, OUT_BF16)
 
     @triton.jit
     def _weight_operand_kernel(data_ptr, scale_ptr, out_ptr, N, K, stride_data, stride_scale, plane_size,
@@ -1001,10 +1054,11 @@ if triton is not None:
         # operand planes and their global scale. Split-K: partial tiles and per-tile arrival counters.
         x_ptr, x_words_ptr, rac_mask_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, y_ptr,
         workspace_ptr, counter_ptr,
-        # sizes (M_BUCKET: the autotuning key; *_plane: elements in one operand plane)
-        M, N, K, M_BUCKET, x_plane, w_plane,
+        # sizes (M_BUCKET: the autotuning key; *_plane: elements in one operand plane; the columns from N1
+        # on take the second weight global scale, from N2 on the third: stacked q/k/v weights)
+        M, N, K, M_BUCKET, x_plane, w_plane, N1, N2,
         # strides (operand planes and y in elements, w in bytes, scales in blocks)
-        stride_x, stride_w, stride_ws, stride_y,
+        stride_x, stride_w, stride_ws,
         # meta-parameters
         FUSED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, W_FP16: tl.constexpr,
         OUT_BF16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1027,9 +1081,10 @@ if triton is not None:
                                   w_scale_ptr, cols, col_mask, stride_w, stride_ws, w_plane, K, k_begin,
                                   k_end, FUSED, HAS_RESIDUAL, X_BF16, W_FP16, GPU, BLOCK_M, BLOCK_N, BLOCK_K,
                                   EVEN_K, rows, X_FIRST, x_ptr)
-        scale = _EPILOGUE * x_global * tl.load(w_global_ptr)
+        which, col_base, col_stride = _split_columns(cols, M, N, N1, N2)
+        scale = _EPILOGUE * x_global * tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[:, None]
         if SPLIT_K == 1:
-            _store_tile(y_ptr, rows, rows < M, cols, col_mask, stride_y, acc * scale, OUT_BF16)
+            _store_split(y_ptr, rows, rows < M, col_base, col_stride, col_mask, acc * scale, OUT_BF16)
         else:
             # each split stores its partial tile; the last to arrive (an acq_rel counter per tile) adds
             # the SPLIT_K partials in a fixed order (deterministic), resets the counter and stores y
@@ -1046,7 +1101,7 @@ if triton is not None:
                     total += tl.load(part_ptr + split * tile, cache_modifier=".cg")
                 # ready for the next call
                 tl.atomic_xchg(counter_ptr + pid, 0)
-                _store_tile(y_ptr, rows, rows < M, cols, col_mask, stride_y, total * scale, OUT_BF16)
+                _store_split(y_ptr, rows, rows < M, col_base, col_stride, col_mask, total * scale, OUT_BF16)
 
 
 _SPLIT_COUNTERS = {}
@@ -1069,13 +1124,28 @@ def _split_k_buffers(M, N, bucket, device):
     return torch.empty(size, dtype=torch.float32, device=device), counters
 
 
-def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None):
+def _split_output(y, M, N, splits):
+    """The dense kernels' flat output -> (M, N), or one contiguous (M, n) tensor per stacked weight."""
+    if splits is None:
+        return y.view(M, N)
+    return tuple(part.view(M, n) for part, n in zip(y.split([M * n for n in splits]), splits))
+
+
+def _column_splits(w_q, splits):
+    """(N1, N2) for the kernels' per-column weight global scale: w_q stacks len(splits) weights along N."""
+    N = w_q.shape[0]
+    if splits is None or len(splits) == 1:
+        return N, N
+    return splits[0], splits[0] + splits[1] if len(splits) == 3 else N
+
+
+def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None, splits=None):
     """The Hopper dense kernel: on x itself (quantized inside the GEMM) or on a quantized `act`."""
     fused = act is None
     M = x.shape[0] if fused else act.operand.shape[1]
     N, K = w_q.shape
     device = w_q.device
-    y = torch.empty((M, N), dtype=out_dtype, device=device)
+    y = torch.empty(M * N, dtype=out_dtype, device=device)  # splits: each weight's (M, n) after another
     w_data, w_scale = w_q.data.contiguous(), w_q.block_scale.contiguous().view(torch.uint8)
     w_fp16 = M >= PREFILL_ROWS
     w_ptr, stride_w, w_plane = w_data, w_data.stride(0), 0
@@ -1101,10 +1171,11 @@ def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
     _dense_kernel[grid](*x_args, w_ptr, w_scale, w_q.global_scale.contiguous(), _as_int16(y), workspace,
-                        counters, M, N, K, bucket, x_plane, w_plane, stride_x, stride_w, w_scale.stride(0),
-                        y.stride(0), FUSED=fused, HAS_RESIDUAL=fused and rac_mask is not None, X_BF16=x_bf16,
-                        W_FP16=w_fp16, OUT_BF16=out_dtype == torch.bfloat16, GPU=not _INTERPRET)
-    return y
+                        counters, M, N, K, bucket, x_plane, w_plane, *_column_splits(w_q, splits),
+                        stride_x, stride_w, w_scale.stride(0), FUSED=fused,
+                        HAS_RESIDUAL=fused and rac_mask is not None, X_BF16=x_bf16, W_FP16=w_fp16,
+                        OUT_BF16=out_dtype == torch.bfloat16, GPU=not _INTERPRET)
+    return _split_output(y, M, N, splits)
 
 
 def _layer_input(x, rac_mask):
@@ -1115,18 +1186,20 @@ def _layer_input(x, rac_mask):
     return None if x.numel() <= FUSED_ELEMENTS else quantize_activation_triton(x, rac_mask)
 
 
-def _w4a4_linear(x, w_q, rac_mask, act, out_dtype):
+def _w4a4_linear(x, w_q, rac_mask, act, out_dtype, splits=None):
     """The layer's GEMM on _layer_input's `act` (Triton, CUDA)."""
     if act is None:
-        return _dense_portable(w_q, out_dtype, x=x, rac_mask=rac_mask)
+        return _dense_portable(w_q, out_dtype, x=x, rac_mask=rac_mask, splits=splits)
     if act.operand is None:
-        return _dense_native(act.x_q, act.residual, w_q, out_dtype)
-    return _dense_portable(w_q, out_dtype, act=act)
+        return _dense_native(act.x_q, act.residual, w_q, out_dtype, splits)
+    return _dense_portable(w_q, out_dtype, act=act, splits=splits)
 
 
-def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16):
+def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=None):
     """The NVFP4 layer's fast path, x (M, K) -> (M, N): a decode-sized x is quantized inside the GEMM
-    (one launch); larger inputs take one quantizer launch and one GEMM; Blackwell the native kernel."""
+    (one launch); larger inputs take one quantizer launch and one GEMM; Blackwell the native kernel.
+    splits: w_q stacks up to three weights along N (their row counts), global_scale one per weight:
+    q/k/v_proj as one GEMM, equal to three (up to fp32 accumulation order)."""
     _require_triton()
     _check_matrix(x, "nvfp4_linear")
     _check_rac_mask(rac_mask, x)
@@ -1134,7 +1207,14 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16):
     if x.shape[1] != w_q.shape[1] or x.device != w_q.device:
         raise ValueError(f"nvfp4_linear: x {tuple(x.shape)} on {x.device} does not match the weight "
                          f"{tuple(w_q.shape)} on {w_q.device}")
-    return _w4a4_linear(x, w_q, rac_mask, _layer_input(x, rac_mask), out_dtype)
+    n_scales = 1 if splits is None else len(splits)
+    if splits is not None and not (1 <= len(splits) <= 3 and sum(splits) == w_q.shape[0]):
+        raise ValueError(f"nvfp4_linear: splits {tuple(splits)} must be 1 to 3 row counts adding up to the "
+                         f"weight's N = {w_q.shape[0]}")
+    if w_q.global_scale.numel() != n_scales:
+        raise ValueError(f"nvfp4_linear: the weight has {w_q.global_scale.numel()} global scales; "
+                         f"expected {n_scales} (one per stacked weight)")
+    return _w4a4_linear(x, w_q, rac_mask, _layer_input(x, rac_mask), out_dtype, splits)
 
 
 # ======================================================================== Triton: the experts' grouped GEMM
@@ -1272,7 +1352,7 @@ if triton is not None:
     @triton.jit
     def _dense_native_kernel(
         x_ptr, x_scale_ptr, r_ptr, r_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, y_ptr,
-        M, N, K, stride_x, stride_xs, stride_w, stride_ws, stride_y,
+        M, N, K, N1, N2, stride_x, stride_xs, stride_w, stride_ws,
         HAS_RESIDUAL: tl.constexpr, OUT_BF16: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
@@ -1288,8 +1368,9 @@ if triton is not None:
                 acc = _native_tile_product(acc, r_ptr, r_scale_ptr, rows, row_mask, stride_x, stride_xs,
                                            w_ptr, w_scale_ptr, cols, col_mask, stride_w, stride_ws, k0, K,
                                            BLOCK_K)
-        scale = tl.load(x_global_ptr) * tl.load(w_global_ptr)
-        _store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, tl.trans(acc * scale), OUT_BF16)
+        which, col_base, col_stride = _split_columns(cols, M, N, N1, N2)
+        scale = tl.load(x_global_ptr) * tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[None, :]
+        _store_split(y_ptr, rows, row_mask, col_base, col_stride, col_mask, tl.trans(acc * scale), OUT_BF16)
 
     @triton.jit
     def _grouped_native_kernel(
@@ -1340,18 +1421,19 @@ if triton is not None:
         _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, tl.trans(out), OUT_BF16)
 
 
-def _dense_native(x_q, residual, w_q, out_dtype):
+def _dense_native(x_q, residual, w_q, out_dtype, splits=None):
     M, K = x_q.shape
     N = w_q.shape[0]
-    y = torch.empty((M, N), dtype=out_dtype, device=x_q.device)
+    y = torch.empty(M * N, dtype=out_dtype, device=x_q.device)
     r = residual if residual is not None else x_q
     block_m, block_n, block_k = 128, 128, 128
     _dense_native_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
         x_q.data, x_q.block_scale, r.data, r.block_scale, x_q.global_scale, w_q.data, w_q.block_scale,
-        w_q.global_scale, _as_int16(y), M, N, K, x_q.data.stride(0), x_q.block_scale.stride(0),
-        w_q.data.stride(0), w_q.block_scale.stride(0), y.stride(0), HAS_RESIDUAL=residual is not None,
+        w_q.global_scale, _as_int16(y), M, N, K, *_column_splits(w_q, splits), x_q.data.stride(0),
+        x_q.block_scale.stride(0), w_q.data.stride(0), w_q.block_scale.stride(0),
+        HAS_RESIDUAL=residual is not None,
         OUT_BF16=out_dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
-    return y
+    return _split_output(y, M, N, splits)
 
 
 # ======================================================================== the one place a path is chosen

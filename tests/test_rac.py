@@ -132,6 +132,32 @@ def test_split_k_counters_are_reset_so_repeated_calls_agree(kernel_device):
     assert torch.equal(rac.nvfp4_linear_triton(x, w_q, out_dtype=torch.float32), first)
 
 
+def _stacked(weights):
+    """Three weights quantized one by one (their own global scales), stacked along N as q/k/v are."""
+    qs = [nvfp4.quantize_weight(w) for w in weights]
+    return qs, nvfp4.NVFP4Tensor(torch.cat([q.data for q in qs]), torch.cat([q.block_scale for q in qs]),
+                                 torch.stack([q.global_scale for q in qs]))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("compensate", [False, True])
+def test_stacked_weights_give_each_weight_its_own_global_scale_and_output(kernel_device, rows, compensate):
+    # 40 / 24 / 8 rows: tiles straddle the weights (the interpreter's BLOCK_N is 32); the three global
+    # scales differ by 2^10; (64, 96) takes the quantizer launch, smaller inputs the fused decode
+    generator = torch.Generator().manual_seed(rows)
+    weights = [torch.randn(n, 96, generator=generator).to(kernel_device) * scale
+               for n, scale in ((40, 1.0), (24, 2.0 ** 10), (8, 2.0 ** -10))]
+    qs, stacked = _stacked(weights)
+    x = torch.randn(rows, 96, generator=generator).to(kernel_device, torch.bfloat16)
+    mask = torch.arange(6, device=kernel_device) % 2 == 0 if compensate else None
+    outputs = rac.nvfp4_linear_triton(x, stacked, mask, out_dtype=torch.float32, splits=(40, 24, 8))
+    assert [tuple(y.shape) for y in outputs] == [(rows, 40), (rows, 24), (rows, 8)]
+    for y, q in zip(outputs, qs):  # each against its own layer's twin, and contiguous (q/k norms read rows)
+        reference = rac.nvfp4_linear_reference(x, q, mask)
+        assert y.is_contiguous()
+        assert report_diff(y, reference)[0] <= (2e-3 if compensate else 1e-5) * reference.abs().max() + 1e-30
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [1, 16, 64, 300, 1500])
 @pytest.mark.parametrize("out_features,cols", [(4096, 2048), (512, 2048), (2048, 4096), (200, 96)])
@@ -398,19 +424,42 @@ def test_q_k_v_quantize_their_one_input_once_and_equal_unshared_layers(monkeypat
     check((layers[0], layers[0]), x, 2)                   # one layer twice: it reads x anew
 
 
+def _check_one_stacked_gemm(monkeypatch, layers, x, gemms_expected):
+    mask = layers[0].rac(x)
+    gemms = _count_calls(monkeypatch, "_w4a4_linear")
+    quantizations = _count_calls(monkeypatch, "_layer_input")
+    outputs = [layer(x) for layer in layers]
+    assert (len(gemms), len(quantizations)) == (gemms_expected, 1)
+    for layer, y in zip(layers, outputs):  # each layer's own twin
+        reference = rac.nvfp4_linear_reference(x.float(), layer.weight_q, mask)
+        assert y.is_contiguous() and relative_error(y, reference) < 1e-2
+
+
+@torch.no_grad()
+def test_q_k_v_run_as_one_stacked_gemm_that_follows_weight_reloads(monkeypatch, kernel_device):
+    attention, layers = _shared_attention(kernel_device)
+    monkeypatch.setattr(rac, "_use_triton", lambda x: True)  # the CUDA path, here under the interpreter
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, layers[0].in_features, generator=generator).to(kernel_device, torch.bfloat16)
+    _check_one_stacked_gemm(monkeypatch, layers, x, 1)
+    # the layers' buffers are views of the stacked weight: a reload (sync_weights) lands in it
+    layers[1].load_weight(torch.randn(layers[1].out_features, layers[1].in_features, generator=generator)
+                          .to(kernel_device) * 100)
+    _check_one_stacked_gemm(monkeypatch, layers, x.clone(), 1)
+    # a buffer replaced (the layer moved, say): the layers run one by one, still correct
+    layers[2].weight_data = layers[2].weight_data.clone()
+    _check_one_stacked_gemm(monkeypatch, layers, x.clone(), 3)
+
+
 @pytest.mark.cuda
 @torch.no_grad()
-def test_q_k_v_share_the_triton_quantization_on_gpu(monkeypatch):
+def test_q_k_v_share_the_triton_quantization_and_gemm_on_gpu(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     attention, layers = _shared_attention("cuda")
-    x = torch.randn(96, layers[0].in_features, device="cuda", dtype=torch.bfloat16)  # above FUSED_ELEMENTS
-    mask = layers[0].rac(x)
-    calls = _count_calls(monkeypatch, "quantize_activation_triton")
-    outputs = [layer(x) for layer in layers]
-    assert len(calls) == 1
-    for layer, y in zip(layers, outputs):
-        assert same_bits(y, rac.nvfp4_linear_triton(x, layer.weight_q, mask, out_dtype=x.dtype))
+    for rows in (1, 96):  # the fused decode, and the quantizer launch (above FUSED_ELEMENTS)
+        _check_one_stacked_gemm(monkeypatch, layers, torch.randn(rows, layers[0].in_features, device="cuda",
+                                                                 dtype=torch.bfloat16), 1)
 
 
 @torch.no_grad()
@@ -534,7 +583,7 @@ p8, pf, p32, i = "*u8", "*fp32", "*i32", "i32"
 common = dict(OUT_BF16=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)
 kernels = {
     "dense": (rac._dense_native_kernel,
-              [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, p8, "*fp8e4nv", pf, "*i16"] + [i] * 8,
+              [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, p8, "*fp8e4nv", pf, "*i16"] + [i] * 9,
               dict(HAS_RESIDUAL=True, **common)),
     "grouped": (rac._grouped_native_kernel,
                 [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, p8, "*fp8e4nv", pf, "*i64", "*i16"]
@@ -599,6 +648,12 @@ BAD_CALLS = [  # (id, call, what the message names, the problem it states)
     ("rac_mask dtype", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 32)),
                                                        torch.ones(2)),
      "rac_mask", "must be a bool tensor of shape (G,) = (2,), got torch.float32 (2,)"),
+    ("splits sum", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), _stacked([torch.randn(4, 32)] * 3)[1],
+                                                   splits=(4, 4, 5)),
+     "splits (4, 4, 5)", "adding up to the weight's N = 12"),
+    ("splits scales", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32),
+                                                      _stacked([torch.randn(4, 32)] * 3)[1]),
+     "3 global scales", "expected 1 (one per stacked weight)"),
     ("selector ratio", lambda: rac.RACSelector(4, 1.5), "rac_ratio", "in [0, 1], got 1.5"),
     ("convert ratio", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4", rac_ratio=-0.1),
      "rac_ratio", "in [0, 1], got -0.1"),

@@ -360,7 +360,8 @@ def bench_gemm(args):
     print("| layer (N x K) | BF16 | FP8 | W4A4 | W4A4 RAC 0.5 | W4A4 / BF16 time | W4A4 TFLOP/s | "
           "BF16 TFLOP/s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    dense = [(name, N, K, b, ws[:1], w8s[:1], wqs[:1], w4s[:1]) for name, N, K, b, ws, w8s, wqs, w4s in dense]
+    dense = [(name, N, K, splits, b, ws[:1], w8s[:1], wqs[:1], w4s[:1])
+             for name, N, K, splits, b, ws, w8s, wqs, w4s in dense]
     for name, N, K, M, t, _ in dense_times(4096):
         flops = 2 * M * N * K
         print(f"| {name} ({N}x{K}) | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['w4a4']:.1f} | "

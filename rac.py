@@ -59,9 +59,12 @@ Shape letters: M rows (tokens or token-expert assignments), K reduction dim, N o
 G = K / 16 blocks, T tokens, A active experts per token, R = T * A assignments, E experts,
 D model dim, I expert hidden dim.
 
-Left out: static activation scales, fused q/k/v or gate/up GEMMs with separate global scales,
-per-expert RAC block selection (one selection per layer input), FP4 KV caches. The FP8 baseline
-lives in fp8.py.
+An attention's q/k/v_proj read one input: they share one block selection, one quantization and one
+GEMM over their stacked weights, each weight's global scale on its own columns (SharedInput).
+
+Left out: static activation scales, a gate/up-style stacking of q/k/v in the trainer (qat.py keeps
+three layers), per-expert RAC block selection (one selection per layer input), FP4 KV caches. The FP8
+baseline lives in fp8.py.
 """
 import os
 import warnings
@@ -498,8 +501,8 @@ def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quant
     NVFP4Experts) with residual compensation on round(rac_ratio * G) blocks of each layer input.
     Converted: every moe.Attention's nn.Linear projections and every moe.Experts (a qat.py model's
     layers subclass those, so it converts too); with the flags also the routers and the LM head. An
-    attention's q/k/v_proj read one input: in nvfp4 mode they share its selection and quantization
-    (SharedInput).
+    attention's q/k/v_proj read one input: in nvfp4 mode they share its selection, its quantization and
+    one GEMM (SharedInput).
     Embeddings and norms stay in full precision. The weights are quantized from the model's own.
     """
     if mode not in MODES:
@@ -519,7 +522,7 @@ def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quant
     for attention in model.modules():
         layers = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
         if isinstance(attention, moe.Attention) and all(isinstance(m, NVFP4Linear) for m in layers):
-            shared = SharedInput(layers)  # one input x: one block selection, one quantization
+            shared = SharedInput(layers)  # one input x: one block selection, quantization and GEMM
             for layer in layers:
                 layer.rac, layer.shared_input = layers[0].rac, shared
     return model

@@ -370,7 +370,7 @@ class SharedInput:
     def __init__(self, layers):
         self.layers = list(layers)
         self.splits = [layer.out_features for layer in self.layers]
-        self.input, self.version, self.outputs, self.waiting = None, None, None, ()
+        self.input, self.version, self.outputs, self.waiting, self.warned = None, None, None, (), False
         self.weight_q = NVFP4Tensor(*(torch.cat([getattr(layer, name) for layer in self.layers])
                                       for name in ("weight_data", "weight_block_scale")),
                                     torch.stack([layer.weight_global_scale for layer in self.layers]))
@@ -389,8 +389,15 @@ class SharedInput:
                                       (layer.weight_global_scale, q.global_scale))]
 
     def _stacked(self):
-        """The stacked weight, or None if a layer's buffers are no longer views of it (moved, replaced)."""
-        return self.weight_q if self._offsets() == self.offsets else None
+        """The stacked weight, or None (and one warning) if a layer's buffers are no longer views of it."""
+        if self._offsets() == self.offsets:
+            return self.weight_q
+        if not self.warned:
+            warnings.warn("rac.SharedInput: q/k/v_proj's weights are no longer views of their stacked weight "
+                          "(the model moved or a buffer was replaced after convert_for_rollout?): running "
+                          "three GEMMs; convert after moving the model to keep one")
+            self.warned = True
+        return None
 
     def output(self, layer, x, x2):
         """`layer`'s output on x (x2: x as (M, K)), computed now or kept from the first reader of x."""

@@ -382,7 +382,8 @@ class Experts(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Router plus experts. forward(x, forced_routes) -> (y, routes), routes (..., A) int64."""
+    """Router plus experts. forward(x, forced_routes) -> (y, routes): routes (..., A) int64 are the router's
+    own top-k, also when forced_routes chose the experts that ran (what the replay overrode)."""
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -396,9 +397,9 @@ class MoEBlock(nn.Module):
         # The softmax runs in fp32, as in HF: in BF16, close probabilities round to one value and top-k
         # would choose among the ties arbitrarily.
         probs = torch.softmax(self.gate(x).float(), dim=-1)                                # (T, E)
-        if forced_routes is None:
-            weights, routes = probs.topk(self.n_active, dim=-1)                            # (T, A) each
-        else:
+        weights, own = probs.topk(self.n_active, dim=-1)                                   # (T, A) each
+        routes = own
+        if forced_routes is not None:
             # Replayed routes decide which experts run; their weights still come from this router's own
             # probabilities, so the router is trained exactly as if it had chosen them.
             routes = forced_routes.reshape(-1, self.n_active)
@@ -406,7 +407,7 @@ class MoEBlock(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         y = self.experts(x, routes, weights)
-        return y.view(*lead_shape, D), routes.view(*lead_shape, self.n_active)
+        return y.view(*lead_shape, D), own.view(*lead_shape, self.n_active)
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -468,7 +469,8 @@ class MoETransformer(nn.Module):
             attend to itself. Required, with positions, when a kv_cache is given.
         kv_cache: any object with update(layer_idx, k, v) -> (k, v), see Attention.
         forced_routes (L, B, T, A) int64: replay these experts instead of each router's top-k.
-        return_routes: also return the chosen experts, (L, B, T, A) int64.
+        return_routes: also return each router's own top-k, (L, B, T, A) int64 (with forced_routes: the
+            experts it would have chosen, not the replayed ones).
         """
         c = self.config
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):

@@ -58,7 +58,8 @@ so the averaged gradient is the one-process gradient; rank 0 alone writes. Witho
 Warm-start: a short supervised run on the task's (deliberately imperfect) demonstrations, cached under
 out_dir/warmstart/ by everything that determines it, so every recipe and every later run with the same
 settings starts from the same weights. Checkpoints are written atomically every `checkpoint_every`
-steps and on Ctrl-C; `--resume` continues with the same data order and sampling seeds (both are a
+steps and on Ctrl-C (held until the step being updated is finished and logged: the checkpoint is always
+of a whole step); `--resume` continues with the same data order and sampling seeds (both are a
 function of the step), and a NaN/Inf loss stops the run, keeping the last good checkpoint.
 
 Runs are never destroyed unasked. A run writes out_dir/run_name/ (config.json, metrics.jsonl,
@@ -83,6 +84,7 @@ import os
 import pickle
 import random
 import re
+import signal
 import sys
 import time
 import typing
@@ -1001,125 +1003,184 @@ def run(cfg, base_state=None, ranks=SINGLE):
             print(report(cfg, run_dir))
         return run_dir
     s = setup(cfg, base_state, ckpt, ranks)
-    task, tokenizer, trainer, rollout_model, optimizer = s.task, s.tokenizer, s.trainer, s.rollout_model, \
-        s.optimizer
-    recorder = s.recorder
     run_dir, ckpt_path, metrics_path, start_step = s.run_dir, s.ckpt_path, s.metrics_path, s.start_step
     if start_step == 0:  # the warm-started policy, before any RL: the baseline every curve starts from
         baseline = evaluate_both(s)
         if ranks.main:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps({"step": 0, **baseline}) + "\n")
-    G, P = cfg.group_size, cfg.prompts_per_step
-    new_tokens = max_new_tokens(cfg, task)
     bar = tqdm(range(start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=start_step,
                total=cfg.steps, disable=not ranks.main)
     last_eval = _last_eval(metrics_path)  # the bar shows pass@1 from step 0 (or the resumed run's last)
     mipu_accepted = [r["mipu/accepted"] > 0 for r in _read_metrics(metrics_path) if "mipu/accepted" in r] \
         if cfg.mipu else []  # resumed runs count what they logged before
-    step = start_step
-    try:
-        for step in bar:
-            t0 = time.perf_counter()
-            # 1. prompts (the data order is a function of the seed and step: resumable)
-            problems = task.sample(P, "train", random.Random(cfg.seed * 1_000_003 + step))
-            first, last = shard(P, ranks)  # this rank's whole groups (all of them without torchrun)
-            problems = problems[first:last]
-            # 2. rollout in the recipe's precision (trace: recording its codes, so eagerly: hooks)
-            if recorder is not None:
-                recorder.start()
-            out = rollout.generate(rollout_model, encode_prompts(tokenizer, problems), G, new_tokens,
-                                   temperature=cfg.temperature, eos_id=tokenizer.eos_id,
-                                   pad_id=tokenizer.pad_id, seed=cfg.seed * 1_000_003 + step,
-                                   row_offset=first * G,
-                                   cuda_graph=cfg.cuda_graph and recorder is None)
-            codes = hand_over_codes(recorder, trainer, out) if recorder is not None else None
-            _sync_device(cfg)
-            t_rollout = time.perf_counter() - t0
-            # 3. rewards and group advantages
-            rewards = score(task, tokenizer, problems, out, G).to(cfg.device)
-            advantages = grpo.group_advantages(rewards, G)
-            seq = out.sequences()
-            mask, rollout_logp = seq.loss_mask[:, 1:], seq.logprobs[:, 1:]
-            if cfg.mipu:  # what a rejected candidate restores, and the rollout policy's scores before it
-                before = copy.deepcopy(trainer.state_dict()), copy.deepcopy(optimizer.state_dict())
-                inference_logp = rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:]
-            # 4-5. trainer log-probs (old: the weights that sampled), loss, cfg.minibatches optimizer steps
-            try:
-                old_logp, routes, minibatch_stats = policy_update(
-                    cfg, s.train_forward, optimizer, seq, advantages,
-                    shuffle_seed=cfg.seed * 1_000_003 + step, codes=codes, ranks=ranks)
-            except FloatingPointError as error:
-                raise FloatingPointError(f"{error} at step {step}: stopping. The last good checkpoint is "
-                                         f"kept at {ckpt_path} (resume with --resume after changing what "
-                                         f"diverged).") from None
-            # metrics of the whole batch, from every rank's per-token tensors (without torchrun: this
-            # process's own)
-            all_mask, all_rewards = gather_rows(mask, ranks, fill=False), gather_rows(rewards, ranks)
-            mismatch = grpo.mismatch_metrics(gather_rows(old_logp, ranks), gather_rows(rollout_logp, ranks),
-                                             all_mask, tis_cap=cfg.tis or None)
-            disagreement = float("nan")
-            if seq.routes is not None:
-                pairs = seq.loss_mask.sum().item() * routes.shape[0]          # valid (token, layer) pairs
-                local = grpo.routing_disagreement(routes, seq.routes, seq.loss_mask) if pairs else 0.0
-                disagreed, total_pairs = all_sum([local * pairs, pairs], ranks).tolist()
-                disagreement = disagreed / total_pairs if total_pairs else float("nan")
-            # 6. sync the rollout's weights through nvfp4; MIPU keeps them only if the rollout policy improved
-            sync(s, step + 1)
-            if cfg.mipu:
-                proxy = grpo.mipu_proxy(rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:],
-                                        inference_logp, advantages, mask)
-                with torch.no_grad():  # the same estimate for the trainer's policy: what the update believes
-                    trainer_logp, _ = trainer_logprobs(cfg, trainer, seq)
-                    trainer_proxy = grpo.mipu_proxy(trainer_logp, old_logp, advantages, mask)
-                if ranks.enabled:  # the whole batch's token means, so that every rank takes one decision
-                    tokens = mask.sum().item()
-                    proxy, trainer_proxy, total = all_sum([proxy * tokens, trainer_proxy * tokens, tokens],
-                                                          ranks).tolist()
-                    proxy, trainer_proxy = proxy / max(total, 1), trainer_proxy / max(total, 1)
-                if proxy <= 0:
-                    trainer.load_state_dict(before[0])
-                    optimizer.load_state_dict(before[1])
-                    sync(s, step + 1)
-                mipu_accepted.append(proxy > 0)
-            if recorder is not None:
-                qat.use_rollout_codes(dict(trainer.named_modules()), None)  # free the recorded codes
-            # 7. log, evaluate, checkpoint
-            n_tokens, n_rows = all_sum([out.completion_mask.sum().item(), out.completion_mask.shape[0]],
-                                       ranks).tolist()
-            record = {"step": step + 1, "reward": all_rewards.mean().item(),
-                      **update_metrics(cfg, minibatch_stats),
-                      "completion_len": n_tokens / n_rows,
-                      "routing_disagreement": disagreement, "rollout_s": t_rollout,
-                      "rollout_tokens_per_s": n_tokens / t_rollout,
-                      **{f"mismatch/{k}": v for k, v in mismatch.items()}}
-            if cfg.mipu:
-                record.update({"mipu/proxy": proxy, "mipu/trainer_proxy": trainer_proxy,
-                               "mipu/accepted": float(proxy > 0),
-                               "mipu/accept_rate": sum(mipu_accepted) / len(mipu_accepted)})
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                last_eval = evaluate_both(s)
-                record.update(last_eval)
-            record["step_s"] = time.perf_counter() - t0
-            if ranks.main:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-            bar.set_postfix(reward=f"{record['reward']:.2f}",
-                            pass1=f"{last_eval.get('pass@1', float('nan')):.2f}",
-                            dlogp=f"{mismatch['abs_diff_mean']:.1e}", max=f"{mismatch['abs_diff_max']:.2f}")
-            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                save(s, step + 1)
-    except KeyboardInterrupt:
-        done = _last_logged_step(metrics_path)
-        if done > start_step:
-            save(s, done)
+    with _HeldInterrupt(start_step) as interrupt:
+        try:
+            _rl_steps(s, bar, interrupt, baseline_eval=last_eval, mipu_accepted=mipu_accepted)
+        except KeyboardInterrupt:
+            step = interrupt.step
+            if interrupt.holding:  # a second Ctrl-C inside a step's update: its weights are half-updated
+                if ranks.main:
+                    print(f"\ninterrupted during step {step + 1}'s update: not saved; {ckpt_path} keeps the "
+                          "last checkpoint written; continue with --resume", file=sys.stderr)
+            else:  # before this step's update: the weights are those of `step` finished steps
+                if step > start_step:
+                    save(s, step)
+                if ranks.main:
+                    print(f"\ninterrupted: checkpoint at step {step} in {ckpt_path}; continue with --resume",
+                          file=sys.stderr)
+            sys.exit(130)
+    if interrupt.requested:
         if ranks.main:
-            print(f"\ninterrupted: checkpoint at step {done} in {ckpt_path}; continue with --resume")
+            print(f"stopped: checkpoint at step {interrupt.step} in {ckpt_path}; continue with --resume",
+                  file=sys.stderr)
         sys.exit(130)
     if ranks.main:
         plot([run_dir], os.path.join(run_dir, "curves.png"))
         print(report(cfg, run_dir, time.perf_counter() - t_start))
     return run_dir
+
+
+def _rl_steps(s, bar, interrupt, baseline_eval, mipu_accepted):
+    """The RL loop of `run` (see the module docstring), from s.start_step to cfg.steps; `interrupt.step` is
+    the loop's step, and a Ctrl-C held during an update stops it after that step is logged and saved."""
+    cfg, ranks, recorder = s.cfg, s.ranks, s.recorder
+    task, tokenizer, trainer, rollout_model, optimizer = s.task, s.tokenizer, s.trainer, s.rollout_model, \
+        s.optimizer
+    ckpt_path, metrics_path = s.ckpt_path, s.metrics_path
+    G, P = cfg.group_size, cfg.prompts_per_step
+    new_tokens = max_new_tokens(cfg, task)
+    last_eval = baseline_eval
+    for step in bar:
+        interrupt.step, interrupt.holding = step, False
+        t0 = time.perf_counter()
+        # 1. prompts (the data order is a function of the seed and step: resumable)
+        problems = task.sample(P, "train", random.Random(cfg.seed * 1_000_003 + step))
+        first, last = shard(P, ranks)  # this rank's whole groups (all of them without torchrun)
+        problems = problems[first:last]
+        # 2. rollout in the recipe's precision (trace: recording its codes, so eagerly: hooks)
+        if recorder is not None:
+            recorder.start()
+        out = rollout.generate(rollout_model, encode_prompts(tokenizer, problems), G, new_tokens,
+                               temperature=cfg.temperature, eos_id=tokenizer.eos_id,
+                               pad_id=tokenizer.pad_id, seed=cfg.seed * 1_000_003 + step,
+                               row_offset=first * G,
+                               cuda_graph=cfg.cuda_graph and recorder is None)
+        codes = hand_over_codes(recorder, trainer, out) if recorder is not None else None
+        _sync_device(cfg)
+        t_rollout = time.perf_counter() - t0
+        # 3. rewards and group advantages
+        rewards = score(task, tokenizer, problems, out, G).to(cfg.device)
+        advantages = grpo.group_advantages(rewards, G)
+        seq = out.sequences()
+        mask, rollout_logp = seq.loss_mask[:, 1:], seq.logprobs[:, 1:]
+        if cfg.mipu:  # what a rejected candidate restores, and the rollout policy's scores before it
+            before = copy.deepcopy(trainer.state_dict()), copy.deepcopy(optimizer.state_dict())
+            inference_logp = rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:]
+        # 4-5. trainer log-probs (old: the weights that sampled), loss, cfg.minibatches optimizer steps;
+        # from here to the step's checkpoint a Ctrl-C is held (_HeldInterrupt)
+        interrupt.holding = True
+        try:
+            old_logp, routes, minibatch_stats = policy_update(
+                cfg, s.train_forward, optimizer, seq, advantages,
+                shuffle_seed=cfg.seed * 1_000_003 + step, codes=codes, ranks=ranks)
+        except FloatingPointError as error:
+            raise FloatingPointError(f"{error} at step {step}: stopping. The last good checkpoint is "
+                                     f"kept at {ckpt_path} (resume with --resume after changing what "
+                                     f"diverged).") from None
+        # metrics of the whole batch, from every rank's per-token tensors (without torchrun: this
+        # process's own)
+        all_mask, all_rewards = gather_rows(mask, ranks, fill=False), gather_rows(rewards, ranks)
+        mismatch = grpo.mismatch_metrics(gather_rows(old_logp, ranks), gather_rows(rollout_logp, ranks),
+                                         all_mask, tis_cap=cfg.tis or None)
+        disagreement = float("nan")  # under --r3: the trainer routers' own top-k, which the replay overrode
+        if seq.routes is not None:
+            pairs = seq.loss_mask.sum().item() * routes.shape[0]          # valid (token, layer) pairs
+            local = grpo.routing_disagreement(routes, seq.routes, seq.loss_mask) if pairs else 0.0
+            disagreed, total_pairs = all_sum([local * pairs, pairs], ranks).tolist()
+            disagreement = disagreed / total_pairs if total_pairs else float("nan")
+        # 6. sync the rollout's weights through nvfp4; MIPU keeps them only if the rollout policy improved
+        sync(s, step + 1)
+        if cfg.mipu:
+            proxy = grpo.mipu_proxy(rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:],
+                                    inference_logp, advantages, mask)
+            with torch.no_grad():  # the same estimate for the trainer's policy: what the update believes
+                trainer_logp, _ = trainer_logprobs(cfg, trainer, seq)
+                trainer_proxy = grpo.mipu_proxy(trainer_logp, old_logp, advantages, mask)
+            if ranks.enabled:  # the whole batch's token means, so that every rank takes one decision
+                tokens = mask.sum().item()
+                proxy, trainer_proxy, total = all_sum([proxy * tokens, trainer_proxy * tokens, tokens],
+                                                      ranks).tolist()
+                proxy, trainer_proxy = proxy / max(total, 1), trainer_proxy / max(total, 1)
+            if proxy <= 0:
+                trainer.load_state_dict(before[0])
+                optimizer.load_state_dict(before[1])
+                sync(s, step + 1)
+            mipu_accepted.append(proxy > 0)
+        if recorder is not None:
+            qat.use_rollout_codes(dict(trainer.named_modules()), None)  # free the recorded codes
+        # 7. log, evaluate, checkpoint
+        n_tokens, n_rows = all_sum([out.completion_mask.sum().item(), out.completion_mask.shape[0]],
+                                   ranks).tolist()
+        record = {"step": step + 1, "reward": all_rewards.mean().item(),
+                  **update_metrics(cfg, minibatch_stats),
+                  "completion_len": n_tokens / n_rows,
+                  "routing_disagreement": disagreement, "rollout_s": t_rollout,
+                  "rollout_tokens_per_s": n_tokens / t_rollout,
+                  **{f"mismatch/{k}": v for k, v in mismatch.items()}}
+        if cfg.mipu:
+            record.update({"mipu/proxy": proxy, "mipu/trainer_proxy": trainer_proxy,
+                           "mipu/accepted": float(proxy > 0),
+                           "mipu/accept_rate": sum(mipu_accepted) / len(mipu_accepted)})
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            last_eval = evaluate_both(s)
+            record.update(last_eval)
+        record["step_s"] = time.perf_counter() - t0
+        if ranks.main:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        bar.set_postfix(reward=f"{record['reward']:.2f}",
+                        pass1=f"{last_eval.get('pass@1', float('nan')):.2f}",
+                        dlogp=f"{mismatch['abs_diff_mean']:.1e}", max=f"{mismatch['abs_diff_max']:.2f}")
+        stop = interrupt.requested
+        if ranks.enabled:  # every rank stops after the same step
+            stop = all_sum([float(stop)], ranks)[0].item() > 0
+        if stop or (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            save(s, step + 1)
+        interrupt.step, interrupt.holding = step + 1, False
+        if stop:
+            interrupt.requested = True
+            return
+
+
+class _HeldInterrupt:
+    """Ctrl-C while a step changes the trainer's weights (from its first optimizer step to its metrics line
+    and checkpoint) is held until that step ends, so that what is saved is always a finished, logged step;
+    elsewhere, and on a second Ctrl-C, it acts at once. Only in the main thread (signals live there)."""
+
+    def __init__(self, step):
+        self.step = step  # the RL loop's step: finished steps, or the one whose update is running
+        self.holding = self.requested = False
+        self.previous = None
+
+    def __enter__(self):
+        try:
+            self.previous = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread: Ctrl-C keeps its default meaning
+            self.previous = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+    def _handler(self, signum, frame):
+        if self.holding and not self.requested:
+            self.requested = True
+            print("\nCtrl-C: finishing this step's update, then saving (Ctrl-C again: stop now, unsaved)",
+                  file=sys.stderr, flush=True)
+            return
+        raise KeyboardInterrupt
 
 
 def report(cfg, run_dir, seconds=None):

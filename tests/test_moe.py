@@ -311,8 +311,16 @@ def test_forced_routes_choose_the_experts_and_the_router_still_gets_gradients():
     model = random_model()
     tokens = torch.randint(48, (2, 12))
     forced = torch.rand(2, 2, 12, 8).argsort(dim=-1)[..., :2]  # (L, B, T, A) distinct random experts
+    gate_logits = []  # each router's output on the input it really got (after forced layers upstream)
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: gate_logits.append(o.detach()))
+             for layer in model.layers]
     logits, routes = model(tokens, forced_routes=forced, return_routes=True)
-    assert torch.equal(routes, forced)
+    for hook in hooks:
+        hook.remove()
+    for layer_routes, g in zip(routes, gate_logits):  # the router's own top-k, not the replay
+        own = g.float().softmax(-1).topk(2, dim=-1).indices.view(2, 12, 2)
+        assert torch.equal(layer_routes.sort(-1).values, own.sort(-1).values)
+    assert not torch.equal(routes.sort(-1).values, forced.sort(-1).values)
     assert not torch.allclose(logits, model(tokens))  # other experts than the router's top-k really ran
     F.cross_entropy(logits.flatten(0, 1), torch.randint(48, (24,))).backward()
     for layer in model.layers:

@@ -219,17 +219,17 @@ def guided_values(x, codes, row_keys, own):
     own: x's own fake-quantized values (M, K), returned with the guided rows replaced (a new tensor)."""
     if codes is None or codes.keys.numel() == 0:
         return own
+    # every row is looked up and computed, the rows without a record masked out at the end: no host sync
     index = torch.searchsorted(codes.keys, row_keys).clamp(max=codes.keys.numel() - 1)  # (M,)
-    found = codes.keys[index] == row_keys
-    rows, index = found.nonzero().squeeze(1), index[found]                              # (n,) each
-    block_scale = codes.block_scale[index].float().repeat_interleave(nvfp4.BLOCK_SIZE, dim=1)  # (n, K)
-    global_scale = codes.global_scale[index, None]                                     # (n, 1)
+    found = (codes.keys[index] == row_keys)[:, None]                                    # (M, 1)
+    block_scale = codes.block_scale[index].float().repeat_interleave(nvfp4.BLOCK_SIZE, dim=1)  # (M, K)
+    global_scale = codes.global_scale[index, None]                                     # (M, 1)
     unit = block_scale * global_scale                                                   # its grid step
-    rollout_code_value = nvfp4.decode_e2m1(nvfp4.unpack_codes(codes.data[index]))      # (n, K), E2M1 units
-    take = takes_rollout_code(x[rows].float() / unit, rollout_code_value) & (unit > 0) & torch.isfinite(unit)
+    rollout_code_value = nvfp4.decode_e2m1(nvfp4.unpack_codes(codes.data[index]))      # (M, K), E2M1 units
+    take = (takes_rollout_code(x.float() / unit, rollout_code_value) & (unit > 0) & torch.isfinite(unit)
+            & found)
     rollout_value = rollout_code_value * block_scale * global_scale  # nvfp4.dequantize's order: bit for bit
-    guided = torch.where(take, rollout_value, own[rows].float()).to(own.dtype)
-    return own.index_copy(0, rows, guided)
+    return torch.where(take, rollout_value, own.float()).to(own.dtype)
 
 
 # ----------------------------------------------------------------------------- the activation rule, per mode

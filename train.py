@@ -805,16 +805,15 @@ MIN_STATS, MAX_STATS = ("ratio/min",), ("ratio/max",)
 def reduce_stats(stats, weight, ranks):
     """A rank's token-mean statistics -> those of all ranks' tokens (weight: this rank's share of them);
     MIN_STATS / MAX_STATS -> the extreme over ranks."""
-    out = {}
-    for key, value in stats.items():
-        value = value.detach().float().reshape(1).to(_collective_device(ranks))
-        if key in MIN_STATS or key in MAX_STATS:
-            dist.all_reduce(value, op=dist.ReduceOp.MIN if key in MIN_STATS else dist.ReduceOp.MAX)
-        else:
-            value = value * weight
-            dist.all_reduce(value)
-        out[key] = value[0]
-    return out
+    keys, device = list(stats), _collective_device(ranks)
+    values = torch.stack([stats[key].detach().float().reshape(()) for key in keys]).to(device)
+    extreme = torch.tensor([key in MIN_STATS or key in MAX_STATS for key in keys], device=device)
+    sign = torch.tensor([-1.0 if key in MIN_STATS else 1.0 for key in keys], device=device)
+    summed = torch.where(extreme, 0.0, values * weight)
+    dist.all_reduce(summed)                                          # two collectives for all statistics:
+    maxima = torch.where(extreme, values * sign, -math.inf)          # the sums, and the extremes (a minimum
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)                    # as the maximum of its negation)
+    return dict(zip(keys, torch.where(extreme, maxima * sign, summed)))
 
 
 def update_metrics(cfg, minibatch_stats):

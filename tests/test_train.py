@@ -978,6 +978,27 @@ def test_shards_cover_every_item_once_in_order():
             assert max(sizes) - min(sizes) <= 1
 
 
+def _reduce_stats_on_rank(rank, init_file, results):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        stats = {"loss": torch.tensor(1.0 + rank), "ratio/min": torch.tensor(0.5 + rank),
+                 "ratio/max": torch.tensor(2.0 - rank), "grad_norm": torch.tensor(4.0 * rank)}
+        out = train.reduce_stats(stats, 0.25 if rank == 0 else 0.75, train.Distributed(rank, 2, True))
+        results[rank] = {key: value.item() for key, value in out.items()}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reduce_stats_weights_the_means_and_keeps_each_extreme_over_ranks(tmp_path):
+    # two gloo processes; by hand: loss 0.25 * 1 + 0.75 * 2, grad_norm 0.75 * 4, min(0.5, 1.5), max(2, 1)
+    import torch.multiprocessing as mp
+    results = mp.Manager().dict()
+    mp.spawn(_reduce_stats_on_rank, args=(str(tmp_path / "init"), results), nprocs=2)
+    expected = {"loss": 1.75, "ratio/min": 0.5, "ratio/max": 2.0, "grad_norm": 3.0}
+    assert results[0] == expected and results[1] == expected
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_ranks_give_the_single_process_run(single_process_run, tmp_path, mode):

@@ -70,8 +70,9 @@ def whole_run_table(base, names):
 def sweep_table(base):
     runs = {0.0: "nvfp4", 0.125: "rac@0.125", 0.25: "rac@0.25", 0.5: "rac", 0.75: "rac@0.75", 1.0: "rac@1"}
     naive = steps_of(os.path.join(base, "nvfp4"))
-    print("| RAC ratio | per-step max abs dlogp (mean over 200 steps) | vs naive | paper: per-step max "
-          "| paper vs naive | mean abs dlogp | routing disagr. | pass@1 step 200 / mean of 5 evals "
+    n, n_evals = naive[-1]["step"], len([r for r in evals_of(os.path.join(base, "nvfp4")) if r["step"] > 0])
+    print(f"| RAC ratio | per-step max abs dlogp (mean over {n} steps) | vs naive | paper: per-step max "
+          f"| paper vs naive | mean abs dlogp | routing disagr. | pass@1 step {n} / mean of {n_evals} evals "
           "| decode tok/s, batch 64 / 256 |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     for ratio, name in runs.items():

@@ -1008,14 +1008,9 @@ def run(cfg, base_state=None, ranks=SINGLE):
         if ranks.main:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps({"step": 0, **baseline}) + "\n")
-    bar = tqdm(range(start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=start_step,
-               total=cfg.steps, disable=not ranks.main)
-    last_eval = _last_eval(metrics_path)  # the bar shows pass@1 from step 0 (or the resumed run's last)
-    mipu_accepted = [r["mipu/accepted"] > 0 for r in _read_metrics(metrics_path) if "mipu/accepted" in r] \
-        if cfg.mipu else []  # resumed runs count what they logged before
     with _HeldInterrupt(start_step) as interrupt:
         try:
-            _rl_steps(s, bar, interrupt, baseline_eval=last_eval, mipu_accepted=mipu_accepted)
+            _rl_steps(s, interrupt)
         except KeyboardInterrupt:
             step = interrupt.step
             if interrupt.holding:  # a second Ctrl-C inside a step's update: its weights are half-updated
@@ -1040,7 +1035,7 @@ def run(cfg, base_state=None, ranks=SINGLE):
     return run_dir
 
 
-def _rl_steps(s, bar, interrupt, baseline_eval, mipu_accepted):
+def _rl_steps(s, interrupt):
     """The RL loop of `run` (see the module docstring), from s.start_step to cfg.steps; `interrupt.step` is
     the loop's step, and a Ctrl-C held during an update stops it after that step is logged and saved."""
     cfg, ranks, recorder = s.cfg, s.ranks, s.recorder
@@ -1049,7 +1044,11 @@ def _rl_steps(s, bar, interrupt, baseline_eval, mipu_accepted):
     ckpt_path, metrics_path = s.ckpt_path, s.metrics_path
     G, P = cfg.group_size, cfg.prompts_per_step
     new_tokens = max_new_tokens(cfg, task)
-    last_eval = baseline_eval
+    bar = tqdm(range(s.start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=s.start_step,
+               total=cfg.steps, disable=not ranks.main)
+    last_eval = _last_eval(metrics_path)  # the bar shows pass@1 from step 0 (or the resumed run's last)
+    mipu_accepted = [r["mipu/accepted"] > 0 for r in _read_metrics(metrics_path) if "mipu/accepted" in r] \
+        if cfg.mipu else []  # resumed runs count what they logged before
     for step in bar:
         interrupt.step, interrupt.holding = step, False
         t0 = time.perf_counter()

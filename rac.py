@@ -66,6 +66,7 @@ Left out: static activation scales, a gate/up-style stacking of q/k/v in the tra
 three layers), per-expert RAC block selection (one selection per layer input), FP4 KV caches. The FP8
 baseline lives in fp8.py.
 """
+import itertools
 import os
 import warnings
 from typing import NamedTuple
@@ -1144,9 +1145,8 @@ def _split_output(y, M, N, splits):
 def _column_splits(w_q, splits):
     """(N1, N2) for the kernels' per-column weight global scale: w_q stacks len(splits) weights along N."""
     N = w_q.shape[0]
-    if splits is None or len(splits) == 1:
-        return N, N
-    return splits[0], splits[0] + splits[1] if len(splits) == 3 else N
+    ends = list(itertools.accumulate(splits or ()))[:-1] + [N, N]  # where weights 2 and 3 begin, else N
+    return ends[0], ends[1]
 
 
 def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None, splits=None):

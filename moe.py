@@ -159,6 +159,9 @@ if triton is not None:
         tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+_FUSED_NORM_MAX_DIM = 16384  # the fused kernel holds a whole row in one program's registers
+
+
 def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """The fused RMSNorm (forward only): x (..., D) -> (..., D) in the dtype weight * x would have."""
     x2 = x.contiguous().view(-1, x.shape[-1])                                             # (rows, D)
@@ -198,7 +201,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # The one place the norm's path is chosen: the fused kernel for CUDA tensors (trainer and rollout
         # alike, so the two sides still compute the same values), the plain twin elsewhere.
-        if triton is None or not x.is_cuda or x.shape[-1] > 16384:
+        if triton is None or not x.is_cuda or x.shape[-1] > _FUSED_NORM_MAX_DIM:
             return rms_norm_reference(x, self.weight, self.eps)
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _FusedRMSNorm.apply(x, self.weight, self.eps)

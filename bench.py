@@ -210,9 +210,7 @@ def bench_gemm(args):
 
     def stacked_weight(w, splits):
         """The rollout's q/k/v: each weight quantized with its own global scale, stacked along N."""
-        qs = [nvfp4.quantize_weight(part) for part in w.split(splits)]
-        return nvfp4.NVFP4Tensor(torch.cat([q.data for q in qs]), torch.cat([q.block_scale for q in qs]),
-                                 torch.stack([q.global_scale for q in qs]))
+        return rac.stack_weights([nvfp4.quantize_weight(part) for part in w.split(splits)])
 
     dense = []
     qkv_splits = (H_Q, H_KV, H_KV)

@@ -357,6 +357,13 @@ class NVFP4Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, rac_ratio={self.rac.rac_ratio}"
 
 
+def stack_weights(weights):
+    """NVFP4 weights (N_i, K), each with its own global scale, as one (sum N_i, K) NVFP4Tensor whose
+    global_scale holds the (len(weights),) scales: what nvfp4_linear_triton takes with splits = the N_i."""
+    return NVFP4Tensor(torch.cat([w.data for w in weights]), torch.cat([w.block_scale for w in weights]),
+                       torch.stack([w.global_scale.reshape(()) for w in weights]))
+
+
 class SharedInput:
     """One input read by several NVFP4Linear layers (an attention's q_proj, k_proj and v_proj, which share
     one RACSelector). The first layer to read an input computes every layer's output and keeps the
@@ -372,9 +379,7 @@ class SharedInput:
         self.layers = list(layers)
         self.splits = [layer.out_features for layer in self.layers]
         self.input, self.version, self.outputs, self.waiting, self.warned = None, None, None, (), False
-        self.weight_q = NVFP4Tensor(*(torch.cat([getattr(layer, name) for layer in self.layers])
-                                      for name in ("weight_data", "weight_block_scale")),
-                                    torch.stack([layer.weight_global_scale for layer in self.layers]))
+        self.weight_q = stack_weights([layer.weight_q for layer in self.layers])
         start = 0
         for i, (layer, rows) in enumerate(zip(self.layers, self.splits)):  # the buffers become views of it
             layer.weight_data = self.weight_q.data[start:start + rows]

@@ -135,8 +135,7 @@ def test_split_k_counters_are_reset_so_repeated_calls_agree(kernel_device):
 def _stacked(weights):
     """Three weights quantized one by one (their own global scales), stacked along N as q/k/v are."""
     qs = [nvfp4.quantize_weight(w) for w in weights]
-    return qs, nvfp4.NVFP4Tensor(torch.cat([q.data for q in qs]), torch.cat([q.block_scale for q in qs]),
-                                 torch.stack([q.global_scale for q in qs]))
+    return qs, rac.stack_weights(qs)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])

@@ -185,7 +185,8 @@ def bench_gemm(args):
                 kernel.cache.clear()
                 kw = c.kwargs
                 yield (f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']} split-K {kw['SPLIT_K']} "
-                       f"{c.num_warps}w {c.num_stages}s{' x-first' if kw['X_FIRST'] else ''}")
+                       f"{c.num_warps}w {c.num_stages}s{' x-first' if kw['X_FIRST'] else ''}"
+                       f"{f' maxnreg {c.maxnreg}' if c.maxnreg else ''}")
         finally:
             kernel.configs = configs
             kernel.cache.clear()
@@ -372,7 +373,8 @@ def bench_gemm(args):
             kw = config.kwargs
             print(f"  {kernel.fn.fn.__name__} {key[:5]} -> {kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}, "
                   f"split-K {kw['SPLIT_K']}, {config.num_warps}w, {config.num_stages}s"
-                  f"{', x-first' if kw['X_FIRST'] else ''}")
+                  f"{', x-first' if kw['X_FIRST'] else ''}"
+                  f"{f', maxnreg {config.maxnreg}' if config.maxnreg else ''}")
 
 
 # ---------------------------------------------------------------------------- qat (qat.py)

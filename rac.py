@@ -917,9 +917,7 @@ if triton is not None:
         register operand layout makes Triton read the codes two bytes at a time (seen in the SASS)."""
         GEMV: tl.constexpr = BLOCK_M == 1
         if FUSED:
-            offs = tl.arange(0, _FUSED)
-            v = tl.abs(tl.load(x_elems_ptr + offs, mask=offs < M * K, other=0.0).to(tl.float32))
-            x_global = _scale_from_amax(tl.max(tl.where(v == v, v, float("inf")), axis=0))
+            x_global = _scale_from_amax(_abs_max(x_elems_ptr, 0, M * K, _FUSED))  # one load: M * K <= _FUSED
         row_mask = (row0 + tl.arange(0, BLOCK_M)) < M
         if BLOCK_M == 1:
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -1006,7 +1004,8 @@ if triton is not None:
         tl.store(out_ptr + plane_size + offs, odd, mask=mask)
 
     # ------------------------------------------------------------------ autotuning
-    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K[, X_FIRST]) per M bucket; BLOCK_M 1 is the GEMV.
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K[, X_FIRST[, maxnreg]]) per M bucket; BLOCK_M 1 is
+    # the GEMV. maxnreg caps the registers a thread (more programs an SM, at the price of spills).
     # Decode buckets stream the weight: small BLOCK_M, wide BLOCK_K (long contiguous byte runs per row),
     # and enough (N tile, K split) programs to keep every SM's loads in flight. Under the interpreter one
     # small configuration per bucket, splitting K in the decode buckets so tests run the split epilogue,
@@ -1015,9 +1014,9 @@ if triton is not None:
         1: [(1, 16, 512, 4, 1, 4), (1, 16, 1024, 4, 1, 2), (1, 16, 2048, 4, 1, 1), (1, 8, 1024, 4, 1, 2),
             (1, 16, 4096, 8, 1, 1)],
         16: [(16, 64, 256, 4, 3, 4), (16, 32, 256, 4, 3, 8), (16, 64, 256, 4, 3, 2), (16, 128, 256, 8, 3, 2)],
-        64: [(32, 64, 256, 4, 3, 2), (64, 64, 256, 8, 3, 4), (32, 64, 256, 4, 3, 4)],
+        64: [(32, 64, 256, 4, 3, 2), (64, 64, 256, 8, 3, 4), (32, 64, 256, 4, 3, 4), (32, 32, 256, 4, 3, 4)],
         256: [(64, 128, 128, 4, 3, 2, True), (64, 64, 256, 4, 3, 1, True), (128, 64, 128, 4, 3, 1, True),
-              (128, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2)],
+              (128, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2), (64, 64, 128, 4, 3, 1)],
         4096: [(128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1)],
     }
     # Not (128, 128, 64, 8 warps, 3 stages): under Triton 3.6 on the H200 the grouped kernel compiled
@@ -1025,7 +1024,8 @@ if triton is not None:
     # of both kernels repeatedly on the GPU.
     GROUPED_CONFIGS = {
         16: [(16, 64, 256, 4, 3, 1, True), (16, 128, 128, 4, 3, 1, True), (16, 32, 256, 4, 3, 1, True),
-             (16, 64, 128, 4, 4, 1, True), (16, 128, 256, 4, 3, 1, True), (16, 32, 256, 4, 3, 1)],
+             (16, 64, 128, 4, 4, 1, True), (16, 128, 256, 4, 3, 1, True), (16, 32, 256, 4, 3, 1),
+             (16, 64, 256, 4, 2, 1, True, 128)],
         64: [(32, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 1), (32, 64, 128, 4, 3, 1, True),
              (32, 128, 128, 4, 3, 1, True)],
         256: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
@@ -1042,10 +1042,11 @@ if triton is not None:
         for bucket, entries in (_INTERPRETER_CONFIGS if _INTERPRET else table).items():
             if bucket not in table:
                 continue
-            for bm, bn, bk, warps, stages, split_k, *x_first in entries:
+            for bm, bn, bk, warps, stages, split_k, *rest in entries:  # rest: X_FIRST, maxnreg
                 configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k,
-                                              "BUCKET": bucket, "X_FIRST": bool(x_first and x_first[0])},
-                                             num_warps=warps, num_stages=stages))
+                                              "BUCKET": bucket, "X_FIRST": bool(rest and rest[0])},
+                                             num_warps=warps, num_stages=stages,
+                                             maxnreg=rest[1] if len(rest) > 1 else None))
         return configs
 
     def _prune(configs, named_args, **kwargs):
@@ -1254,13 +1255,13 @@ if triton is not None:
     @triton.autotune(configs=_configs(GROUPED_CONFIGS), key=["M_BUCKET", "N", "K"],
                      prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
     @triton.heuristics(_HEURISTICS)
-    @triton.jit(do_not_specialize=["n_rows"])
+    @triton.jit
     def _grouped_kernel(
         # pointers
         x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, w_ptr, w_scale_ptr, w_global_ptr, counts_ptr,
         y_ptr,
         # sizes: N is the weight's rows (2I for SwiGLU, whose output has N/2 columns)
-        n_rows, N, K, E, M_BUCKET, x_plane,
+        N, K, E, M_BUCKET, x_plane,
         # strides
         stride_x, stride_we, stride_w, stride_wse, stride_ws, stride_y,
         # meta-parameters
@@ -1337,7 +1338,7 @@ def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swig
         return (triton.cdiv(n_rows, meta["BLOCK_M"]) + min(E, n_rows), triton.cdiv(n_out, meta["BLOCK_N"]))
 
     _grouped_kernel[grid](operand, act.global_scale, row_ids, row_weights, w_data, w_scale,
-                          w_q.global_scale.contiguous(), counts, _as_int16(y), n_rows, N, K, E,
+                          w_q.global_scale.contiguous(), counts, _as_int16(y), N, K, E,
                           _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS), operand.stride(0),
                           operand.stride(1), w_data.stride(0), w_data.stride(1), w_scale.stride(0),
                           w_scale.stride(1), y.stride(0), GPU=not _INTERPRET, **flags)

@@ -917,7 +917,10 @@ if triton is not None:
         register operand layout makes Triton read the codes two bytes at a time (seen in the SASS)."""
         GEMV: tl.constexpr = BLOCK_M == 1
         if FUSED:
-            x_global = _scale_from_amax(_abs_max(x_elems_ptr, 0, M * K, _FUSED))  # one load: M * K <= _FUSED
+            # one masked load (M * K <= _FUSED); not _abs_max's loop, which measured 3-4% slower at M = 1
+            offs = tl.arange(0, _FUSED)
+            v = tl.abs(tl.load(x_elems_ptr + offs, mask=offs < M * K, other=0.0).to(tl.float32))
+            x_global = _scale_from_amax(tl.max(tl.where(v == v, v, float("inf")), axis=0))
         row_mask = (row0 + tl.arange(0, BLOCK_M)) < M
         if BLOCK_M == 1:
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)

@@ -262,6 +262,23 @@ def test_grouped_kernel_matches_the_twin_on_qwen3_expert_shapes(tokens):
     assert report_diff(y, reference, f"gpu grouped down T={tokens}")[0] <= 1e-4 * reference.abs().max().item()
 
 
+def test_configuration_tables_reach_triton_with_their_operand_order_and_register_cap(monkeypatch):
+    # the tables' optional 7th and 8th fields (X_FIRST, maxnreg) must reach the autotuner's configurations:
+    # a dropped cap compiles another kernel than the one measured (the grouped gate/up pick has one)
+    monkeypatch.setattr(rac, "_INTERPRET", False)
+    for table in (rac.DENSE_CONFIGS, rac.GROUPED_CONFIGS):
+        entries = [(bucket, entry) for bucket, rows in table.items() for entry in rows]
+        configs = rac._configs(table)
+        assert len(configs) == len(entries)
+        for config, (bucket, entry) in zip(configs, entries):
+            kw = config.kwargs
+            assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], config.num_warps, config.num_stages,
+                    kw["SPLIT_K"], kw["BUCKET"]) == (*entry[:6], bucket)
+            assert kw["X_FIRST"] == (len(entry) > 6 and entry[6])
+            assert config.maxnreg == (entry[7] if len(entry) > 7 else None)
+    assert any(len(entry) > 7 for rows in rac.GROUPED_CONFIGS.values() for entry in rows)
+
+
 def _forced_configs(kernel, bucket, relabel=lambda config: True):
     """Each of the kernel's autotuning configurations in turn: the bucket's own, and those of other
     buckets that `relabel` accepts, relabelled for `bucket` so the pruner keeps them."""
@@ -272,7 +289,7 @@ def _forced_configs(kernel, bucket, relabel=lambda config: True):
             if config.kwargs["BUCKET"] != bucket and not relabel(config):
                 continue
             kernel.configs = [triton.Config({**config.kwargs, "BUCKET": bucket}, num_warps=config.num_warps,
-                                            num_stages=config.num_stages)]
+                                            num_stages=config.num_stages, maxnreg=config.maxnreg)]
             kernel.cache.clear()
             yield config
     finally:

@@ -774,16 +774,6 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
     return Activation(x_q, residual, out_operand, global_scale)
 
 
-def quantize_activation(x, rac_mask=None):
-    """x (M, K) -> (x_q, residual): NVFP4 codes of x and, on the blocks where rac_mask (G,) bool is True,
-    of its residual x - DQ(x_q) (same global scale; None without a mask). Triton on CUDA (one read of x),
-    the torch twin elsewhere; bit-identical."""
-    if isinstance(x, torch.Tensor) and _use_triton(x):
-        act = quantize_activation_triton(x, rac_mask, codes=True, operand=False)
-        return act.x_q, act.residual
-    return quantize_activation_reference(x, rac_mask)
-
-
 # ======================================================================== Triton: the dense GEMM
 if triton is not None:
     # ------------------------------------------------------------------ GEMM building blocks

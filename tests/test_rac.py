@@ -633,12 +633,14 @@ def test_native_kernels_compile_to_blackwell_fp4_tensor_core_instructions():
 
 # ============================================================================ errors
 BAD_CALLS = [  # (id, call, what the message names, the problem it states)
-    ("activation K", lambda: rac.quantize_activation(torch.randn(2, 40)), "K=40",
-     "not a multiple of the NVFP4 block size 16"),
-    ("activation dtype", lambda: rac.quantize_activation(torch.randint(0, 4, (2, 32))), "activations",
-     "got dtype torch.int64"),
-    ("rac_mask shape", lambda: rac.quantize_activation(torch.randn(2, 32), torch.ones(3, dtype=torch.bool)),
-     "rac_mask", "(G,) = (2,), got torch.bool (3,)"),
+    *[(f"{label} ({name})", lambda q=quantize, args=args: q(*args), names, problem)
+      for name, quantize in (("twin", rac.quantize_activation_reference),
+                             ("Triton", rac.quantize_activation_triton))[:2 if rac.triton else 1]
+      for label, args, names, problem in (
+          ("activation K", (torch.randn(2, 40),), "K=40", "not a multiple of the NVFP4 block size 16"),
+          ("activation dtype", (torch.randint(0, 4, (2, 32)),), "activations", "got dtype torch.int64"),
+          ("rac_mask shape", (torch.randn(2, 32), torch.ones(3, dtype=torch.bool)), "rac_mask",
+           "(G,) = (2,), got torch.bool (3,)"))],
     ("layer features", lambda: rac.NVFP4Linear(40, 8), "40 features",
      "not a multiple of the NVFP4 block size"),
     ("input device", lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32, device="meta")), "input on meta",

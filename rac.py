@@ -579,20 +579,19 @@ def sync_weights(rollout_model, trainer_model):
 
 
 @torch.no_grad()
-def calibrate_rac(rollout_model, tokens, rac_ratio=None, **forward_kwargs):
+def calibrate_rac(rollout_model, tokens):
     """Choose each NVFP4 layer input's compensated blocks from one forward pass on `tokens` (B, T).
 
     Each selector sees the activations its layer actually receives (upstream layers already run with
     their fresh selection) and keeps the blocks with the largest mean |x - DQ(Q(x))|. Call it after
-    sync_weights, or every N steps: the caller decides. rac_ratio, if given, is set first. Returns the model.
+    sync_weights, or every N steps: the caller decides. A selector's ratio is its own (RACSelector.set_ratio
+    changes it). Returns the model.
     """
     selectors = [m for m in rollout_model.modules() if isinstance(m, RACSelector)]
     for selector in selectors:
-        if rac_ratio is not None:
-            selector.set_ratio(rac_ratio)
         selector.start_calibration()
     try:
-        rollout_model(tokens, **forward_kwargs)
+        rollout_model(tokens)
     finally:
         for selector in selectors:
             selector.finish_calibration()

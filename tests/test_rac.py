@@ -392,7 +392,9 @@ def test_selector_picks_the_highest_error_blocks_and_calibrate_rac_refreshes_the
     rac.calibrate_rac(rollout, _tokens())
     for s in selectors:
         assert s.calibrated and int(s.mask.sum()) == s.n_selected == int(0.5 * s.n_blocks + 0.5)
-    rac.calibrate_rac(rollout, _tokens(), rac_ratio=0.25)
+    for s in selectors:
+        s.set_ratio(0.25)
+    rac.calibrate_rac(rollout, _tokens())
     assert all(int(s.mask.sum()) == int(0.25 * s.n_blocks + 0.5) for s in selectors)
 
 

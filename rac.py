@@ -1313,16 +1313,7 @@ def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swig
     row_ids = row_ids if row_ids is not None else counts
     row_weights = row_weights if row_weights is not None else counts
     if act.operand is None:  # codes only: the native kernel
-        r = act.residual if act.residual is not None else act.x_q
-        block_m, block_n, block_k = 128, 128, 128
-        _grouped_native_kernel[(triton.cdiv(n_rows, block_m) + min(E, n_rows), triton.cdiv(n_out, block_n))](
-            act.x_q.data, act.x_q.block_scale, r.data, r.block_scale, act.global_scale, row_ids, row_weights,
-            w_q.data, w_q.block_scale, w_q.global_scale, counts, _as_int16(y), N, K, E,
-            act.x_q.data.stride(0), act.x_q.block_scale.stride(0), w_q.data.stride(0), w_q.data.stride(1),
-            w_q.block_scale.stride(0), w_q.block_scale.stride(1), y.stride(0),
-            HAS_RESIDUAL=act.residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=4, **flags)
-        return y
+        return _grouped_native(act, w_q, counts, row_ids, row_weights, y, flags)
     w_data, w_scale = w_q.data.contiguous(), w_q.block_scale.contiguous().view(torch.uint8)
     operand = act.operand
 
@@ -1444,16 +1435,28 @@ def _dense_native(x_q, residual, w_q, out_dtype, splits=None):
     return _split_output(y, M, N, splits)
 
 
+def _grouped_native(act, w_q, counts, row_ids, row_weights, y, flags):
+    """grouped_matmul_triton's launch on Blackwell: act's codes, y (rows, N or N/2) allocated by it."""
+    E, N, K = w_q.shape
+    r = act.residual if act.residual is not None else act.x_q
+    (rows, n_out), block_m, block_n, block_k = y.shape, 128, 128, 128
+    _grouped_native_kernel[(triton.cdiv(rows, block_m) + min(E, rows), triton.cdiv(n_out, block_n))](
+        act.x_q.data, act.x_q.block_scale, r.data, r.block_scale, act.global_scale, row_ids, row_weights,
+        w_q.data, w_q.block_scale, w_q.global_scale, counts, _as_int16(y), N, K, E,
+        act.x_q.data.stride(0), act.x_q.block_scale.stride(0), w_q.data.stride(0), w_q.data.stride(1),
+        w_q.block_scale.stride(0), w_q.block_scale.stride(1), y.stride(0),
+        HAS_RESIDUAL=act.residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4, **flags)
+    return y
+
+
 # ======================================================================== the one place a path is chosen
 _BACKENDS = {}
 
 
-def _native_agrees(device, dense=None, grouped=None):
+def _native_agrees(device):
     """Run the native kernels once on a check problem and compare them with the Hopper kernels.
     Any disagreement or error: warn once, in one line, and return False (use the portable kernels)."""
-    dense = dense or (lambda act, w_q: _dense_native(act.x_q, act.residual, w_q, torch.float32))
-    grouped = grouped or (lambda act, w_q, counts: grouped_matmul_triton(act, w_q, counts,
-                                                                          out_dtype=torch.float32))
     generator = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(48, 256, generator=generator).to(device, torch.bfloat16)
     w_q = nvfp4.quantize_weight(torch.randn(80, 256, generator=generator).to(device, torch.bfloat16))
@@ -1461,9 +1464,10 @@ def _native_agrees(device, dense=None, grouped=None):
     counts = torch.tensor([20, 0, 28], device=device)
     mask = torch.arange(16, device=device) % 2 == 0
     act = quantize_activation_triton(x, mask, codes=True, operand=True)
-    checks = (("dense", lambda: dense(act._replace(operand=None), w_q),
+    codes = act._replace(operand=None)  # what the native kernels take
+    checks = (("dense", lambda: _dense_native(act.x_q, act.residual, w_q, torch.float32),
                lambda: _dense_portable(w_q, torch.float32, act=act)),
-              ("grouped", lambda: grouped(act._replace(operand=None), stacked_q, counts),
+              ("grouped", lambda: grouped_matmul_triton(codes, stacked_q, counts, out_dtype=torch.float32),
                lambda: grouped_matmul_triton(act, stacked_q, counts, out_dtype=torch.float32)))
     for name, native, portable in checks:
         reference = portable()

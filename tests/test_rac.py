@@ -554,30 +554,37 @@ def test_sync_weights_reloads_exactly_the_qat_weights():
 
 
 # ============================================================================ the native (Blackwell) path
-def test_native_path_is_dropped_loudly_when_it_disagrees_or_fails(kernel_device):
-    def wrong(act, w_q, *counts):
-        rows = act.x_q.shape[0]
-        return torch.zeros(rows, w_q.shape[-2], device=act.x_q.device, dtype=torch.float32)
+def test_native_path_is_dropped_loudly_when_it_disagrees_or_fails(kernel_device, monkeypatch):
+    # stand-ins for the native launches (no Blackwell GPU here): wrong values, a failure, the twins
+    def dense_wrong(x_q, residual, w_q, out_dtype, splits=None):
+        return torch.zeros(x_q.shape[0], w_q.shape[0], device=x_q.device, dtype=out_dtype)
+
+    def grouped_wrong(act, w_q, counts, row_ids, row_weights, y, flags):
+        return y.zero_()
 
     def broken(*args):
         raise RuntimeError("no FP4 tensor cores here")
 
-    def dense_twin(act, w_q):
-        return rac.w4a4_matmul_reference(act.x_q, w_q, act.residual, torch.float32)
+    def dense_twin(x_q, residual, w_q, out_dtype, splits=None):
+        return rac.w4a4_matmul_reference(x_q, w_q, residual, out_dtype)
 
-    def grouped_twin(act, w_q, counts):
-        return rac.w4a4_grouped_matmul_reference(act.x_q, w_q, counts, act.residual, out_dtype=torch.float32)
+    def grouped_twin(act, w_q, counts, row_ids, row_weights, y, flags):
+        return rac.w4a4_grouped_matmul_reference(act.x_q, w_q, counts, act.residual, out_dtype=y.dtype)
 
     device = torch.device(kernel_device)
-    with pytest.warns(UserWarning, match="dense GEMM disagrees with the portable kernel"):
-        assert not rac._native_agrees(device, dense=wrong, grouped=grouped_twin)
-    with pytest.warns(UserWarning, match="grouped GEMM disagrees"):
-        assert not rac._native_agrees(device, dense=dense_twin, grouped=wrong)
-    with pytest.warns(UserWarning, match="failed"):
-        assert not rac._native_agrees(device, dense=broken, grouped=grouped_twin)
+    for dense, grouped, message in ((dense_wrong, grouped_twin, "dense GEMM disagrees with the portable"),
+                                    (dense_twin, grouped_wrong, "grouped GEMM disagrees"),
+                                    (broken, grouped_twin, "dense GEMM failed"),
+                                    (dense_twin, broken, "grouped GEMM failed")):
+        monkeypatch.setattr(rac, "_dense_native", dense)
+        monkeypatch.setattr(rac, "_grouped_native", grouped)
+        with pytest.warns(UserWarning, match=message):
+            assert not rac._native_agrees(device)
+    monkeypatch.setattr(rac, "_dense_native", dense_twin)
+    monkeypatch.setattr(rac, "_grouped_native", grouped_twin)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert rac._native_agrees(device, dense=dense_twin, grouped=grouped_twin)
+        assert rac._native_agrees(device)
 
 
 def test_backend_is_native_only_on_blackwell_and_only_if_its_check_passes(monkeypatch):

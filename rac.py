@@ -152,7 +152,7 @@ def quantize_activation_reference(x, rac_mask=None):
     """x (M, K) -> (x_q, residual): NVFP4 codes of x (dynamic global scale), and of the residual
     x - DQ(x_q) on the blocks where rac_mask (G,) is True (zero elsewhere), with x's global scale;
     residual is None without a mask."""
-    _check_matrix(x, "quantize_activation")
+    _check_matrix(x, "quantize_activation_reference")
     _check_rac_mask(rac_mask, x)
     x_q = nvfp4.quantize_reference(x)  # the dynamic global scale amax(|x|) / 2688
     if rac_mask is None:
@@ -733,7 +733,7 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
     codes of x and of its RAC residual (codes=True). Dynamic global scale amax(|x|) / 2688: reduced
     inside the launch for inputs up to FUSED_ELEMENTS, by one partial-max launch before it otherwise."""
     _require_triton()
-    _check_matrix(x, "quantize_activation")
+    _check_matrix(x, "quantize_activation_triton")
     _check_rac_mask(rac_mask, x)
     x = nvfp4._contiguous_pairs(x)
     M, K = x.shape

@@ -1320,11 +1320,6 @@ def _last_eval(path):
     return {k: evals[-1][k] for k in ("pass@1", "pass@1_bf16_trainer")} if evals else {}
 
 
-def _last_logged_step(path):
-    records = _read_metrics(path)
-    return records[-1]["step"] if records else 0
-
-
 # ----------------------------------------------------------------------------- figures
 def smooth(values, window):
     """Trailing mean over the last `window` values (fewer at the start): per-step RL metrics are noisy."""

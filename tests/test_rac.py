@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from conftest import bits, raises_one_line, relative_error, report_diff, same_bits, tiny_model
+from conftest import HAS_TRITON, bits, raises_one_line, relative_error, report_diff, same_bits, tiny_model
 
 import fp8
 import moe
@@ -644,7 +644,7 @@ def test_native_kernels_compile_to_blackwell_fp4_tensor_core_instructions():
 BAD_CALLS = [  # (id, call, what the message names, the problem it states)
     *[(f"{label} ({name})", lambda q=quantize, args=args: q(*args), names, problem)
       for name, quantize in (("twin", rac.quantize_activation_reference),
-                             ("Triton", rac.quantize_activation_triton))[:2 if rac.triton else 1]
+                             ("Triton", rac.quantize_activation_triton))[:2 if HAS_TRITON else 1]
       for label, args, names, problem in (
           ("activation K", (torch.randn(2, 40),), "K=40", "not a multiple of the NVFP4 block size 16"),
           ("activation dtype", (torch.randint(0, 4, (2, 32)),), "activations", "got dtype torch.int64"),

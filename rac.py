@@ -899,11 +899,11 @@ if triton is not None:
         """-> (acc, x_global): acc (BLOCK_N, BLOCK_M) = W[cols] @ X[rows].T over columns k_begin..k_end,
         in fp32, without the global scales and 2^12; x_global as given, or, FUSED, reduced here from
         x_elems_ptr's M * K <= FUSED_ELEMENTS elements. X: quantized here (FUSED) or fp16 operand planes
-        (rows x_rows, or row0..);
-        W: NVFP4 codes, or fp16 operand planes (W_FP16). BLOCK_M == 1: a GEMV on fp32 FMAs. X_FIRST: X is
-        the MMA's left operand (M side) and the decoded weight its right one, which Triton stages through
-        shared memory; fewer instructions per weight element than the weight on the left, whose
-        register operand layout makes Triton read the codes two bytes at a time (seen in the SASS)."""
+        (rows x_rows, or row0..); W: NVFP4 codes, or fp16 operand planes (W_FP16). BLOCK_M == 1: a GEMV
+        on fp32 FMAs. X_FIRST: X is the MMA's left operand (M side) and the weight its right one, whose
+        staged codes Triton decodes straight into mma.sync's operand registers; fewer instructions per
+        weight element than the weight on the left, whose wgmma register layout makes Triton read the
+        codes two bytes at a time (seen in the SASS)."""
         GEMV: tl.constexpr = BLOCK_M == 1
         if FUSED:
             # one masked load (M * K <= _FUSED); not _abs_max's loop, which measured 3-4% slower at M = 1

@@ -225,6 +225,65 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+if triton is not None:
+    # Twin: apply_rope(RMSNorm(x).transpose(1, 2), cos, sin), bit for bit on the GPU. One program per (token,
+    # head) row: the row's sum of squares exactly as _rms_norm_kernel takes it (same load, same reduction),
+    # then every rounding torch's BF16 / FP16 ops make (the norm's two casts, each RoPE product, their sum).
+    # The element rotate_half brings to position j is loaded a second time (from L1) rather than shuffled.
+    # In a decode step this is one launch where the norm and RoPE took six (mul, neg, cat, mul, add).
+    @triton.jit
+    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, T, H, HD, stride_cos_b, stride_cos_t, eps,
+                          BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)                # x (B*T, H, hd) row-major: row pid
+        token, head = pid // H, pid % H
+        b, t = token // T, token % T
+        cols = tl.arange(0, BLOCK)
+        mask = cols < HD
+        half = HD // 2
+        rotated = tl.where(cols < half, cols + half, cols - half)   # rotate_half([a, b]) = [-b, a]
+        x = tl.load(x_ptr + pid * HD + cols, mask=mask, other=0.0).to(tl.float32)
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) * (1.0 / HD) + eps)  # as in _rms_norm_kernel
+        x_rot = tl.load(x_ptr + pid * HD + rotated, mask=mask, other=0.0).to(tl.float32)
+        dtype = y_ptr.dtype.element_ty
+        weight = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        weight_rot = tl.load(w_ptr + rotated, mask=mask, other=0.0).to(tl.float32)
+        normed = _round_to(weight * _round_to(x * inv_rms, dtype), dtype)
+        normed_rot = _round_to(weight_rot * _round_to(x_rot * inv_rms, dtype), dtype)
+        normed_rot = tl.where(cols < half, -normed_rot, normed_rot)
+        angle = b * stride_cos_b + t * stride_cos_t + cols
+        cos = tl.load(cos_ptr + angle, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + angle, mask=mask, other=0.0).to(tl.float32)
+        y = _round_to(_round_to(normed * cos, dtype) + _round_to(normed_rot * sin, dtype), dtype)
+        tl.store(y_ptr + ((b * H + head) * T + t) * HD + cols, y.to(dtype), mask=mask)   # y (B, H, T, hd)
+
+
+def norm_rope_triton(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+    """The fused per-head RMSNorm + RoPE (forward only): x (B, T, h, hd), weight (hd,) and cos, sin
+    (B, 1, T, hd), all of one 16-bit dtype -> (B, h, T, hd) contiguous."""
+    B, T, heads, hd = x.shape
+    x = x.contiguous()
+    cos, sin = cos.expand(B, 1, T, hd), sin.expand(B, 1, T, hd)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    y = torch.empty(B, heads, T, hd, dtype=x.dtype, device=x.device)
+    if y.numel():
+        _norm_rope_kernel[(B * T * heads,)](x, weight.contiguous(), cos, sin, y, T, heads, hd, cos.stride(0),
+                                            cos.stride(2), eps, BLOCK=triton.next_power_of_2(hd))
+    return y
+
+
+def norm_rope(x: Tensor, norm: "RMSNorm", cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE(norm(x)) for queries or keys x (B, T, h, hd) -> (B, h, T, hd). The one place this path is
+    chosen: the fused kernel for 16-bit CUDA tensors that need no gradient (the sampler, scoring), which
+    computes the very same values; the norm module and apply_rope otherwise (training keeps autograd)."""
+    dtypes = {x.dtype, norm.weight.dtype, cos.dtype, sin.dtype}
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or norm.weight.requires_grad)
+    if (triton is None or not x.is_cuda or needs_grad or len(dtypes) > 1
+            or dtypes.pop() not in (torch.bfloat16, torch.float16) or x.shape[-1] > _FUSED_NORM_MAX_DIM):
+        return apply_rope(norm(x).transpose(1, 2), cos, sin)
+    return norm_rope_triton(x, norm.weight, norm.eps, cos, sin)
+
+
 class Attention(nn.Module):
     """Causal GQA self-attention with Qwen3's per-head RMSNorm on q and k (applied before RoPE).
 
@@ -247,10 +306,9 @@ class Attention(nn.Module):
                 kv_cache=None) -> Tensor:
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_norm(self.q_proj(x).view(B, T, H, hd)).transpose(1, 2)             # (B, H, T, hd)
-        k = self.k_norm(self.k_proj(x).view(B, T, Hkv, hd)).transpose(1, 2)           # (B, Hkv, T, hd)
+        q = norm_rope(self.q_proj(x).view(B, T, H, hd), self.q_norm, cos, sin)        # (B, H, T, hd)
+        k = norm_rope(self.k_proj(x).view(B, T, Hkv, hd), self.k_norm, cos, sin)      # (B, Hkv, T, hd)
         v = self.v_proj(x).view(B, T, Hkv, hd).transpose(1, 2)                        # (B, Hkv, T, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)                               # (B, Hkv, S, hd)
         group = H // Hkv                                         # query heads per key/value head

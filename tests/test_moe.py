@@ -297,6 +297,55 @@ def test_rms_norm_takes_the_fused_kernel_on_cuda_and_matches_the_twin(monkeypatc
     assert (y != expected).float().mean() < 0.01  # rarely one BF16 unit apart, never more
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_norm_rope_is_the_norm_then_rope_bit_for_bit(kernel_device, dtype):
+    generator = torch.Generator().manual_seed(2)
+    for B, T, heads, hd in ((1, 1, 4, 16), (2, 3, 5, 96), (3, 2, 2, 128)):  # hd below and at a power of 2
+        x = (3 * torch.randn(B, T, heads, hd, generator=generator)).to(dtype).to(kernel_device)
+        weight = (0.5 + torch.rand(hd, generator=generator)).to(dtype).to(kernel_device)
+        positions = torch.randint(0, 4096, (B, T), generator=generator).to(kernel_device)
+        cos, sin = moe.rope_cos_sin(positions, hd, 1e6, dtype)
+        y = moe.norm_rope_triton(x, weight, 1e-6, cos, sin)
+        # the same norm kernel, then torch's RoPE: every rounding the same, so every bit
+        expected = moe.apply_rope(moe.rms_norm_triton(x, weight, 1e-6).transpose(1, 2), cos, sin)
+        assert y.shape == (B, heads, T, hd) and y.dtype == dtype and y.is_contiguous()
+        assert torch.equal(y, expected)
+        # against the plain twin (torch's sum of squares): one unit in the last place, rarely
+        plain = moe.apply_rope(moe.rms_norm_reference(x, weight, 1e-6).transpose(1, 2), cos, sin)
+        assert (y != plain).float().mean() < 0.02
+
+
+def test_norm_rope_keeps_autograd_and_the_composition_off_cuda():
+    attention = moe.Attention(moe.MoEConfig.from_preset("tiny"), 0)
+    x = torch.randn(2, 3, attention.n_heads, attention.head_dim, requires_grad=True)
+    cos, sin = moe.rope_cos_sin(torch.arange(3).expand(2, 3), attention.head_dim, 1e4, x.dtype)
+    y = moe.norm_rope(x, attention.q_norm, cos, sin)
+    assert torch.equal(y, moe.apply_rope(attention.q_norm(x).transpose(1, 2), cos, sin))
+    y.sum().backward()
+    assert x.grad is not None and attention.q_norm.weight.grad is not None
+
+
+@pytest.mark.cuda
+def test_attention_takes_the_fused_norm_rope_on_cuda_without_grad_and_matches_the_autograd_path(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    config = moe.MoEConfig.from_preset("qwen3-30b-a3b", n_layers=1)
+    attention = moe.Attention(config, 0).cuda().to(torch.bfloat16)
+    for norm in (attention.q_norm, attention.k_norm):
+        norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(8, 5, config.dim, device="cuda", dtype=torch.bfloat16)
+    cos, sin = moe.rope_cos_sin(torch.randint(0, 4096, (8, 5), device="cuda"), config.head_dim,
+                                config.rope_theta, torch.bfloat16)
+    calls = []
+    original = moe.norm_rope_triton
+    monkeypatch.setattr(moe, "norm_rope_triton", lambda *a: calls.append(1) or original(*a))
+    with torch.no_grad():
+        fused = attention(x, cos, sin)
+    assert len(calls) == 2  # queries and keys
+    plain = attention(x.requires_grad_(), cos, sin)  # autograd: the norm module, then apply_rope
+    assert len(calls) == 2 and torch.equal(fused, plain)
+
+
 # ---------------------------------------------------------------------------------------------- routes, cache
 def test_replaying_recorded_routes_reproduces_logits_exactly():
     model = random_model()

@@ -294,6 +294,93 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+if triton is not None:
+    # Twin: sampling_noise + sample_tokens without truncation. The exponential race in log space: argmax_v
+    # p_v / E_v = argmax_v z_v / tau - log E_v (the normalizer is common to every v), so no (B, V) tensor is
+    # written: one pass over the logits per (row, vocabulary slice) keeps the slice's max, sum of exp and
+    # race winner; a second launch merges the slices per row in a fixed order (deterministic). The token
+    # equals the twin's except where two candidates' scores agree to fp32 rounding (exp, log, division in
+    # another order); the log-prob agrees to a few fp32 units.
+    _SAMPLE_SLICE = 4096  # vocabulary entries per program of the first pass
+    _SAMPLE_FIELDS = 5    # per slice: max z, sum exp(z - max), best score, its token, its z
+
+    @triton.jit
+    def _sample_slice_kernel(logits_ptr, stride_row, seed_key_ptr, rows_ptr, position_ptr, part_ptr, V,
+                             temperature, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+        row, part = tl.program_id(0), tl.program_id(1)
+        tokens = part * BLOCK + tl.arange(0, BLOCK)
+        mask = tokens < V
+        z = tl.load(logits_ptr + row.to(tl.int64) * stride_row + tokens, mask=mask,
+                    other=float("-inf")).to(tl.float32)
+        if GREEDY:
+            score = z                                          # argmax z; log-probs of the untempered z
+        else:
+            z = tl.math.div_rn(z, temperature)
+            key = (tl.load(seed_key_ptr).to(tl.uint32) + tl.load(rows_ptr + row).to(tl.uint32) * 0x27D4EB2F
+                   + tl.load(position_ptr).to(tl.uint32) * 0x165667B1)             # as _noise_kernel
+            x = _mix32_kernel(_mix32_kernel(key) + tokens.to(tl.uint32) * 0x61C88647)
+            uniform = ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07        # 2^-23
+            score = tl.where(mask, z - tl.log(-tl.log(uniform)), float("-inf"))   # z - log E
+        z_max = tl.max(z, axis=0)
+        best = tl.argmax(score, axis=0, tie_break_left=True)
+        at_best = tl.arange(0, BLOCK) == best
+        out = part_ptr + (row * tl.num_programs(1) + part).to(tl.int64) * 5
+        tl.store(out, z_max)
+        tl.store(out + 1, tl.sum(tl.exp(z - z_max), axis=0))
+        tl.store(out + 2, tl.max(score, axis=0))
+        tl.store(out + 3, (part * BLOCK + best).to(tl.float32))                    # exact below 2^24
+        tl.store(out + 4, tl.sum(tl.where(at_best, z, 0.0), axis=0))
+
+    @triton.jit
+    def _sample_merge_kernel(part_ptr, tokens_ptr, logprobs_ptr, n_parts, PARTS: tl.constexpr):
+        row = tl.program_id(0)
+        idx = tl.arange(0, PARTS)
+        mask = idx < n_parts
+        slices = part_ptr + (row * n_parts + idx).to(tl.int64) * 5
+        z_max = tl.load(slices, mask=mask, other=float("-inf"))
+        sum_exp = tl.load(slices + 1, mask=mask, other=0.0)
+        score = tl.load(slices + 2, mask=mask, other=float("-inf"))
+        m = tl.max(z_max, axis=0)
+        log_normalizer = m + tl.log(tl.sum(sum_exp * tl.exp(z_max - m), axis=0))
+        winner = tl.argmax(score, axis=0, tie_break_left=True)                      # lowest token on ties
+        at_winner = (idx == winner) & mask
+        token = tl.sum(tl.where(at_winner, tl.load(slices + 3, mask=mask, other=0.0), 0.0), axis=0)
+        z_token = tl.sum(tl.where(at_winner, tl.load(slices + 4, mask=mask, other=0.0), 0.0), axis=0)
+        tl.store(tokens_ptr + row, token.to(tl.int64))
+        tl.store(logprobs_ptr + row, z_token - log_normalizer)
+
+
+def sample_tokens_triton(logits: Tensor, temperature: float, seed_key: Tensor, rows: Tensor,
+                         position: Tensor) -> tuple[Tensor, Tensor]:
+    """sample_tokens(logits, temperature, noise=sampling_noise(seed_key, rows, position, V)) without
+    truncation, fused (two launches, no (B, V) tensor): logits (B, V) -> tokens (B,) int64, logprobs (B,)."""
+    B, V = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    n_parts = triton.cdiv(V, _SAMPLE_SLICE)
+    parts = torch.empty(B, n_parts, _SAMPLE_FIELDS, dtype=torch.float32, device=logits.device)
+    tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
+    if B:
+        _sample_slice_kernel[(B, n_parts)](logits, logits.stride(0), seed_key, rows, position, parts, V,
+                                           float(temperature) or 1.0, GREEDY=temperature == 0,
+                                           BLOCK=_SAMPLE_SLICE, num_warps=8)
+        _sample_merge_kernel[(B,)](parts, tokens, logprobs, n_parts, PARTS=triton.next_power_of_2(n_parts))
+    return tokens, logprobs
+
+
+def sample_next(logits: Tensor, sampling: dict, seed_key: Tensor, rows: Tensor,
+                position: Tensor) -> tuple[Tensor, Tensor]:
+    """One token per row of logits (B, V): the one place the sampler's path is chosen. On CUDA without
+    top-k / top-p (RL's default), the fused kernels; otherwise the noise tensor and sample_tokens."""
+    temperature, top_k, top_p = sampling["temperature"], sampling["top_k"], sampling["top_p"]
+    if (logits.is_cuda and triton is not None and not 0 < top_k < logits.shape[-1] and top_p >= 1.0
+            and logits.shape[-1] < 2 ** 24):
+        return sample_tokens_triton(logits, temperature, seed_key, rows, position)
+    noise = None if temperature == 0 else sampling_noise(seed_key, rows, position, logits.shape[-1])
+    return sample_tokens(logits, temperature, top_k, top_p, noise)
+
+
 def truncate(logprobs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """Set to -inf every token outside the top-k, then outside the top-p mass of what is left (the smallest
     set of most likely tokens whose probability reaches top_p; the most likely token always stays).
@@ -372,9 +459,7 @@ def decode_step(model: MoETransformer, state: DecodeState) -> None:
     if s["eos_id"] is not None:
         alive = alive & (state.next_input[:, 0] != s["eos_id"])     # a row that just fed EOS has ended
     column = step + 1
-    noise = None if s["temperature"] == 0 else sampling_noise(state.seed, state.row_ids, column,
-                                                              logits.shape[-1])
-    tokens, logprobs = sample_tokens(logits[:, -1], s["temperature"], s["top_k"], s["top_p"], noise)
+    tokens, logprobs = sample_next(logits[:, -1], s, state.seed, state.row_ids, column)
     tokens = torch.where(alive, tokens, s["pad_id"])
     state.tokens.index_copy_(1, column, tokens[:, None])
     state.token_mask.index_copy_(1, column, alive[:, None])
@@ -516,11 +601,8 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
     # ---- first token of every sample, from its prompt's last logits; reset the decode buffers
     state.seed.fill_(seed_key(seed))
     state.row_ids.copy_(torch.arange(row_offset, row_offset + N, device=device))
-    noise = None if temperature == 0 else sampling_noise(state.seed, state.row_ids,
-                                                         torch.zeros_like(state.seed),
-                                                         c.vocab_size)
-    tokens, logprobs = sample_tokens(last_logits.repeat_interleave(G, dim=0), temperature, top_k, top_p,
-                                     noise)                                                  # (N,) each
+    tokens, logprobs = sample_next(last_logits.repeat_interleave(G, dim=0), sampling, state.seed,
+                                   state.row_ids, torch.zeros_like(state.seed))              # (N,) each
     state.pad_lengths.copy_(pad_lengths.repeat_interleave(G))
     state.cache.length.fill_(prompt_width)
     state.next_input.copy_(tokens[:, None])

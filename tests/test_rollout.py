@@ -232,6 +232,57 @@ def test_noise_kernel_equals_its_torch_twin(kernel_device):
         torch.testing.assert_close(fast, rollout.sampling_noise_reference(*args), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_fused_sampler_wins_the_float64_exponential_race(kernel_device, temperature):
+    """The fused sampler against the race computed in float64 from the same hash: the winner of
+    argmax p_v / E_v, and the full tempered log-prob of it."""
+    generator = torch.Generator().manual_seed(3)
+    for rows, vocab, dtype in ((3, 5, torch.float32), (4, 4096, torch.bfloat16), (5, 9000, torch.bfloat16)):
+        logits = (2 * torch.randn(rows, vocab, generator=generator)).to(dtype)
+        seed_key, position = torch.tensor([rollout.seed_key(11)]), torch.tensor([3])
+        row_ids = 7 * torch.arange(rows)
+        device_args = [t.to(kernel_device) for t in (seed_key, row_ids, position)]
+        tokens, logprobs = rollout.sample_tokens_triton(logits.to(kernel_device), temperature, *device_args)
+        z = logits.double() / (temperature or 1.0)
+        if temperature == 0:
+            score = z
+        else:  # the hash in exact integer ops, the rest in float64
+            key = seed_key + row_ids * rollout.ROW_STRIDE + position * rollout.POSITION_STRIDE
+            keys = rollout._mix32(key & rollout.MASK32)
+            x = rollout._mix32((keys[:, None] + torch.arange(vocab) * rollout.TOKEN_STRIDE) & rollout.MASK32)
+            uniform = ((x >> 9).double() + 0.5) * 2.0 ** -23
+            score = z - torch.log(-torch.log(uniform))
+        top2 = score.topk(2, dim=-1)
+        clear = top2.values[:, 0] - top2.values[:, 1] > 1e-4   # no near-tie that fp32 could flip
+        assert clear.sum() >= rows - 1
+        assert torch.equal(tokens.cpu()[clear], top2.indices[clear, 0])
+        expected = torch.log_softmax(z, dim=-1).gather(-1, tokens.cpu()[:, None]).squeeze(-1)
+        torch.testing.assert_close(logprobs.cpu().double(), expected, rtol=0, atol=2e-5)
+
+
+@pytest.mark.cuda
+def test_sampler_takes_the_fused_kernels_on_cuda_only_without_truncation(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    calls = []
+    original = rollout.sample_tokens_triton
+    monkeypatch.setattr(rollout, "sample_tokens_triton", lambda *a: calls.append(1) or original(*a))
+    logits = torch.randn(64, 32768, device="cuda", dtype=torch.bfloat16)
+    args = (torch.tensor([rollout.seed_key(5)], device="cuda"), torch.arange(64, device="cuda"),
+            torch.tensor([9], device="cuda"))
+    for temperature, top_k, top_p, fused in ((1.0, 0, 1.0, True), (0.0, 0, 1.0, True), (1.0, 40, 1.0, False),
+                                             (0.8, 0, 0.9, False)):
+        calls.clear()
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        tokens, logprobs = rollout.sample_next(logits, sampling, *args)
+        assert bool(calls) == fused
+        noise = None if temperature == 0 else rollout.sampling_noise(*args, logits.shape[-1])
+        twin_tokens, twin_logprobs = rollout.sample_tokens(logits, temperature, top_k, top_p, noise)
+        assert (tokens == twin_tokens).float().mean() > 0.98  # near-ties in fp32 may part, rarely
+        same = tokens == twin_tokens
+        torch.testing.assert_close(logprobs[same], twin_logprobs[same], rtol=0, atol=2e-5)
+
+
 def test_noise_is_exponential_and_independent_across_rows_positions_and_seeds():
     def draw(seed, position):
         return rollout.sampling_noise(torch.tensor([rollout.seed_key(seed)]), torch.arange(2000),

@@ -24,7 +24,11 @@ plain loop over the active experts, which is also the slow twin the fast path is
 
 On CUDA, RMSNorm is one Triton kernel (forward; the backward is the plain version's, recomputed) in
 place of eight small launches; it equals the plain version up to the fp32 rounding of its sum of squares.
-Trainer and rollout both take it, so the two sides still compute the same norms.
+Trainer and rollout both take it, so the two sides still compute the same norms. Two more fused paths
+equal their torch twins bit for bit, so either side may take them: the queries' and keys' norm with RoPE
+in one launch where no gradient is needed (`norm_rope`: the sampler, scoring), and the routing's sort of
+assignments by expert as a two-launch counting sort for up to _FUSED_ROUTING_MAX assignments on CUDA
+(`route_tokens`: a decode step's). Next to its GEMMs a decode step is mostly small launches.
 
 Routes can be forced (R3, "rollout routing replay"): the trainer replays the experts the rollout chose,
 while the mixing weights still come from its own router, so the router keeps receiving gradients.
@@ -342,7 +346,16 @@ class Routing(NamedTuple):
 
 def route_tokens(expert_ids: Tensor, n_experts: int) -> Routing:
     """Sort the assignments expert_ids (T, A) by expert, once per layer; shared with the quantized
-    expert modules."""
+    expert modules. The one place the routing's path is chosen: on CUDA, up to _FUSED_ROUTING_MAX
+    assignments (a decode step's), the counting sort below, whose integers equal the torch path's."""
+    if (triton is not None and expert_ids.is_cuda and expert_ids.numel() <= _FUSED_ROUTING_MAX
+            and n_experts <= _FUSED_ROUTING_EXPERTS):
+        return route_tokens_triton(expert_ids, n_experts)
+    return route_tokens_reference(expert_ids, n_experts)
+
+
+def route_tokens_reference(expert_ids: Tensor, n_experts: int) -> Routing:
+    """route_tokens in torch ops: a stable sort on the narrowest key, searchsorted for the counts."""
     n_active = expert_ids.shape[-1]
     flat_ids = expert_ids.reshape(-1)                                                      # (N,)
     # The narrowest key that holds an expert id: a radix sort costs a pass per key byte (int64 keys took
@@ -356,6 +369,68 @@ def route_tokens(expert_ids: Tensor, n_experts: int) -> Routing:
     ends = torch.searchsorted(sorted_ids, experts, right=True)                             # (E,)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     return Routing(order, order // n_active, inverse_order, counts, ends.to(torch.int32))
+
+
+_ROUTING_CHUNK = 64            # assignments per program of the counting sort
+_FUSED_ROUTING_MAX = 64 * _ROUTING_CHUNK  # the second pass reads every chunk's counts at once
+_FUSED_ROUTING_EXPERTS = 256   # a chunk's one-hot (CHUNK, E) tile stays in registers
+
+if triton is not None:
+    # Twin: route_tokens_reference, equal in every integer. A stable counting sort in two launches instead
+    # of a radix sort, a scatter, searchsorted and four small ops: (1) each chunk of assignments counts its
+    # experts (a one-hot tile summed over rows); (2) each chunk places its assignments: position = where
+    # the expert's rows start + that expert's rows in earlier chunks + its earlier rows in this chunk (an
+    # exclusive cumulative sum down the one-hot tile), so ties keep assignment order, as a stable sort does.
+    @triton.jit
+    def _route_count_kernel(ids_ptr, chunk_counts_ptr, N, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
+        chunk = tl.program_id(0)
+        n = chunk * CHUNK + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + n, mask=n < N, other=-1)
+        one_hot = (ids[:, None] == tl.arange(0, E_BLOCK)[None, :]).to(tl.int32)            # (CHUNK, E)
+        tl.store(chunk_counts_ptr + chunk * E_BLOCK + tl.arange(0, E_BLOCK), tl.sum(one_hot, axis=0))
+
+    @triton.jit
+    def _route_place_kernel(ids_ptr, chunk_counts_ptr, order_ptr, token_ids_ptr, inverse_ptr, counts_ptr,
+                            offsets_ptr, N, E, n_chunks, n_active, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
+                            CHUNKS: tl.constexpr):
+        chunk = tl.program_id(0)
+        experts = tl.arange(0, E_BLOCK)
+        chunks = tl.arange(0, CHUNKS)
+        per_chunk = tl.load(chunk_counts_ptr + chunks[:, None] * E_BLOCK + experts[None, :],
+                            mask=(chunks < n_chunks)[:, None], other=0)                     # (CHUNKS, E)
+        counts = tl.sum(per_chunk, axis=0)                                                  # (E,)
+        earlier = tl.sum(tl.where((chunks < chunk)[:, None], per_chunk, 0), axis=0)
+        base = tl.cumsum(counts, axis=0) - counts + earlier   # expert's start + its rows in earlier chunks
+        n = chunk * CHUNK + tl.arange(0, CHUNK)
+        valid = n < N
+        ids = tl.load(ids_ptr + n, mask=valid, other=-1)
+        one_hot = (ids[:, None] == experts[None, :]).to(tl.int32)                        # (CHUNK, E)
+        before = tl.cumsum(one_hot, axis=0) - one_hot                 # same expert, earlier in the chunk
+        position = tl.sum(one_hot * (before + base[None, :]), axis=1)                     # (CHUNK,)
+        tl.store(inverse_ptr + n, position.to(tl.int64), mask=valid)
+        tl.store(order_ptr + position, n.to(tl.int64), mask=valid)
+        tl.store(token_ids_ptr + position, (n // n_active).to(tl.int64), mask=valid)
+        if chunk == 0:
+            tl.store(counts_ptr + experts, counts.to(tl.int64), mask=experts < E)
+            tl.store(offsets_ptr + experts, tl.cumsum(counts, axis=0), mask=experts < E)
+
+
+def route_tokens_triton(expert_ids: Tensor, n_experts: int) -> Routing:
+    """route_tokens as two Triton launches (expert ids must lie in [0, n_experts), as a router's do)."""
+    ids = expert_ids.reshape(-1)                                                           # (N,)
+    N, device = ids.numel(), ids.device
+    n_chunks = max(1, triton.cdiv(N, _ROUTING_CHUNK))
+    e_block = triton.next_power_of_2(n_experts)
+    chunk_counts = torch.empty(n_chunks, e_block, dtype=torch.int32, device=device)
+    order, token_ids, inverse_order = (torch.empty(N, dtype=torch.int64, device=device) for _ in range(3))
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=device)
+    offsets = torch.zeros(n_experts, dtype=torch.int32, device=device)
+    if N:
+        _route_count_kernel[(n_chunks,)](ids, chunk_counts, N, CHUNK=_ROUTING_CHUNK, E_BLOCK=e_block)
+        _route_place_kernel[(n_chunks,)](ids, chunk_counts, order, token_ids, inverse_order, counts, offsets,
+                                         N, n_experts, n_chunks, expert_ids.shape[-1], CHUNK=_ROUTING_CHUNK,
+                                         E_BLOCK=e_block, CHUNKS=triton.next_power_of_2(n_chunks))
+    return Routing(order, token_ids, inverse_order, counts, offsets)
 
 
 def combine_expert_outputs(y_sorted: Tensor, routing: Routing, expert_weights: Tensor) -> Tensor:

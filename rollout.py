@@ -56,7 +56,10 @@ batch. That is what lets torchrun ranks sample their own shares of a step's grou
 exactly the rollouts one process would (`row_offset` numbers a call's rows within the whole batch). The
 hash is two rounds of a 32-bit integer mixer (xor-shift, multiply); its top 23 bits give u in (0, 1) and
 E = -log(u). On CUDA one small Triton kernel computes the (N, V) noise in one pass; elsewhere the same
-integer arithmetic runs as torch ops (the hash bit-identical, tested under the Triton interpreter).
+integer arithmetic runs as torch ops (the hash bit-identical, tested under the Triton interpreter). On CUDA
+without top-k / top-p (RL's default) the whole sampler is fused instead (`sample_next`): the race runs in
+log space, argmax z_v / tau - log E_v, hashing the noise where it is used, so no (N, V) tensor is written;
+its tokens equal the unfused sampler's but where two candidates tie to fp32 rounding.
 
 Re-scoring. `score(model, tokens)` runs given rows through the rollout model in one prefill and returns
 the same per-token log-probs `generate` records, without sampling: the log-prob audit compares the two
@@ -299,14 +302,14 @@ if triton is not None:
     # p_v / E_v = argmax_v z_v / tau - log E_v (the normalizer is common to every v), so no (B, V) tensor is
     # written: one pass over the logits per (row, vocabulary slice) keeps the slice's max, sum of exp and
     # race winner; a second launch merges the slices per row in a fixed order (deterministic). The token
-    # equals the twin's except where two candidates' scores agree to fp32 rounding (exp, log, division in
+    # equals the twin's except where two candidates' scores agree to fp32 rounding (exp, log, 1 / tau in
     # another order); the log-prob agrees to a few fp32 units.
     _SAMPLE_SLICE = 4096  # vocabulary entries per program of the first pass
     _SAMPLE_FIELDS = 5    # per slice: max z, sum exp(z - max), best score, its token, its z
 
     @triton.jit
     def _sample_slice_kernel(logits_ptr, stride_row, seed_key_ptr, rows_ptr, position_ptr, part_ptr, V,
-                             temperature, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+                             inv_temperature, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
         row, part = tl.program_id(0), tl.program_id(1)
         tokens = part * BLOCK + tl.arange(0, BLOCK)
         mask = tokens < V
@@ -315,19 +318,19 @@ if triton is not None:
         if GREEDY:
             score = z                                          # argmax z; log-probs of the untempered z
         else:
-            z = tl.math.div_rn(z, temperature)
+            z = z * inv_temperature                           # z / tau to one fp32 rounding
             key = (tl.load(seed_key_ptr).to(tl.uint32) + tl.load(rows_ptr + row).to(tl.uint32) * 0x27D4EB2F
                    + tl.load(position_ptr).to(tl.uint32) * 0x165667B1)             # as _noise_kernel
             x = _mix32_kernel(_mix32_kernel(key) + tokens.to(tl.uint32) * 0x61C88647)
             uniform = ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07        # 2^-23
             score = tl.where(mask, z - tl.log(-tl.log(uniform)), float("-inf"))   # z - log E
         z_max = tl.max(z, axis=0)
-        best = tl.argmax(score, axis=0, tie_break_left=True)
+        best_score, best = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
         at_best = tl.arange(0, BLOCK) == best
         out = part_ptr + (row * tl.num_programs(1) + part).to(tl.int64) * 5
         tl.store(out, z_max)
         tl.store(out + 1, tl.sum(tl.exp(z - z_max), axis=0))
-        tl.store(out + 2, tl.max(score, axis=0))
+        tl.store(out + 2, best_score)
         tl.store(out + 3, (part * BLOCK + best).to(tl.float32))                    # exact below 2^24
         tl.store(out + 4, tl.sum(tl.where(at_best, z, 0.0), axis=0))
 
@@ -363,7 +366,7 @@ def sample_tokens_triton(logits: Tensor, temperature: float, seed_key: Tensor, r
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     if B:
         _sample_slice_kernel[(B, n_parts)](logits, logits.stride(0), seed_key, rows, position, parts, V,
-                                           float(temperature) or 1.0, GREEDY=temperature == 0,
+                                           1.0 / (temperature or 1.0), GREEDY=temperature == 0,
                                            BLOCK=_SAMPLE_SLICE, num_warps=8)
         _sample_merge_kernel[(B,)](parts, tokens, logprobs, n_parts, PARTS=triton.next_power_of_2(n_parts))
     return tokens, logprobs

@@ -205,6 +205,34 @@ def test_route_tokens_matches_a_stable_sort_oracle_for_every_key_width(n_experts
     assert routing.offsets.tolist() == list(itertools.accumulate(flat.count(e) for e in range(n_experts)))
 
 
+def test_fused_routing_equals_the_torch_routing_in_every_integer(kernel_device):
+    generator = torch.Generator().manual_seed(4)
+    # one assignment; a partial chunk; several chunks, few experts; the largest (chunks, experts) it takes
+    for n_experts, tokens, active in ((8, 1, 1), (5, 3, 2), (128, 256, 8), (256, 512, 8)):
+        expert_ids = torch.randint(n_experts, (tokens, active), generator=generator)
+        if tokens > 8:
+            expert_ids[:8] = n_experts - 1  # a crowded expert across chunk boundaries: ties keep order
+        fused = moe.route_tokens_triton(expert_ids.to(kernel_device), n_experts)
+        for name, got, expected in zip(moe.Routing._fields, fused, moe.route_tokens_reference(expert_ids,
+                                                                                            n_experts)):
+            assert got.dtype == expected.dtype and torch.equal(got.cpu(), expected), name
+
+
+@pytest.mark.cuda
+def test_route_tokens_takes_the_counting_sort_on_cuda_for_a_decode_step(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    calls = []
+    original = moe.route_tokens_triton
+    monkeypatch.setattr(moe, "route_tokens_triton", lambda *a: calls.append(1) or original(*a))
+    for tokens, fused in ((256, True), (moe._FUSED_ROUTING_MAX // 8 + 1, False)):
+        calls.clear()
+        expert_ids = torch.randint(128, (tokens, 8), device="cuda")
+        routing = moe.route_tokens(expert_ids, 128)
+        assert bool(calls) == fused
+        assert all(torch.equal(a, b) for a, b in zip(routing, moe.route_tokens_reference(expert_ids, 128)))
+
+
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm not in this torch")
 def test_grouped_mm_fast_path_matches_loop_twin_in_bf16_on_cpu():
     torch.manual_seed(0)

@@ -517,6 +517,71 @@ class Experts(nn.Module):
         return combine_expert_outputs(y_sorted, routing, expert_weights)
 
 
+def router_top_k_reference(logits: Tensor, n_active: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
+    """The router's choice: logits (T, E) -> (weights (T, A) fp32, expert ids (T, A) int64), the A most
+    probable experts in descending order. The softmax runs in fp32, as in HF: in BF16, close probabilities
+    round to one value and top-k would choose among the ties arbitrarily."""
+    probs = torch.softmax(logits.float(), dim=-1)                                          # (T, E)
+    weights, ids = probs.topk(n_active, dim=-1)                                            # (T, A) each
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+if triton is not None:
+    # Twin: router_top_k_reference. One program per token: the softmax of its E logits in fp32, then A
+    # rounds of argmax (lowest id on ties) with the winner masked out, and the renormalization by the
+    # winners' sum. One launch where torch took five (softmax, top-k's select and sort, sum, divide). Not
+    # bit for bit: the exponential and the sums round in another order (fp32 units; which experts win
+    # differs only where two probabilities tie to that rounding).
+    @triton.jit
+    def _router_top_k_kernel(logits_ptr, weights_ptr, ids_ptr, E, A: tl.constexpr, NORM: tl.constexpr,
+                             BLOCK: tl.constexpr, A_BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        experts = tl.arange(0, BLOCK)
+        z = tl.load(logits_ptr + row * E + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
+        e = tl.exp(z - tl.max(z, axis=0))
+        p = e / tl.sum(e, axis=0)
+        left = tl.where(experts < E, p, -1.0)         # probabilities not yet chosen (-1: taken or padding)
+        slots = tl.arange(0, A_BLOCK)
+        weights = tl.zeros((A_BLOCK,), dtype=tl.float32)
+        ids = tl.zeros((A_BLOCK,), dtype=tl.int64)
+        for a in tl.static_range(A):
+            best, expert = tl.max(left, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            weights = tl.where(slots == a, best, weights)
+            ids = tl.where(slots == a, expert.to(tl.int64), ids)
+            left = tl.where(experts == expert, -1.0, left)
+        if NORM:
+            weights = weights / tl.sum(weights, axis=0)
+        tl.store(weights_ptr + row * A + slots, weights, mask=slots < A)
+        tl.store(ids_ptr + row * A + slots, ids, mask=slots < A)
+
+
+def router_top_k_triton(logits: Tensor, n_active: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
+    """router_top_k_reference as one Triton launch (forward only)."""
+    T, E = logits.shape
+    logits = logits.contiguous()
+    weights = torch.empty(T, n_active, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, n_active, dtype=torch.int64, device=logits.device)
+    if T:
+        _router_top_k_kernel[(T,)](logits, weights, ids, E, A=n_active, NORM=norm_topk_prob,
+                                   BLOCK=triton.next_power_of_2(E), A_BLOCK=triton.next_power_of_2(n_active),
+                                   num_warps=1 if E <= 256 else 4)
+    return weights, ids
+
+
+def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
+    """The one place the router's path is chosen: the fused kernel on CUDA where no gradient is needed
+    (the sampler, scoring), the torch twin otherwise (training keeps autograd through the weights)."""
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    if triton is None or not logits.is_cuda or needs_grad or logits.shape[-1] > _FUSED_ROUTER_EXPERTS:
+        return router_top_k_reference(logits, n_active, norm_topk_prob)
+    return router_top_k_triton(logits, n_active, norm_topk_prob)
+
+
+_FUSED_ROUTER_EXPERTS = 4096  # one token's logits in one program's registers
+
+
 class MoEBlock(nn.Module):
     """Router plus experts. forward(x, forced_routes) -> (y, routes): routes (..., A) int64 are the router's
     own top-k, also when forced_routes chose the experts that ran (what the replay overrode)."""
@@ -530,18 +595,19 @@ class MoEBlock(nn.Module):
     def forward(self, x: Tensor, forced_routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
         lead_shape, D = x.shape[:-1], x.shape[-1]
         x = x.reshape(-1, D)                                                               # (T, D)
-        # The softmax runs in fp32, as in HF: in BF16, close probabilities round to one value and top-k
-        # would choose among the ties arbitrarily.
-        probs = torch.softmax(self.gate(x).float(), dim=-1)                                # (T, E)
-        weights, own = probs.topk(self.n_active, dim=-1)                                   # (T, A) each
-        routes = own
-        if forced_routes is not None:
+        logits = self.gate(x)                                                              # (T, E)
+        if forced_routes is None:
+            weights, own = router_top_k(logits, self.n_active, self.norm_topk_prob)        # (T, A) each
+            routes = own
+        else:
             # Replayed routes decide which experts run; their weights still come from this router's own
             # probabilities, so the router is trained exactly as if it had chosen them.
+            probs = torch.softmax(logits.float(), dim=-1)                                  # (T, E)
+            own = probs.topk(self.n_active, dim=-1).indices
             routes = forced_routes.reshape(-1, self.n_active)
             weights = probs.gather(-1, routes)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         y = self.experts(x, routes, weights)
         return y.view(*lead_shape, D), own.view(*lead_shape, self.n_active)
 

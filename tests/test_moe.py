@@ -205,6 +205,37 @@ def test_route_tokens_matches_a_stable_sort_oracle_for_every_key_width(n_experts
     assert routing.offsets.tolist() == list(itertools.accumulate(flat.count(e) for e in range(n_experts)))
 
 
+def test_fused_router_picks_the_most_probable_experts_lowest_id_first_on_ties(kernel_device):
+    generator = torch.Generator().manual_seed(5)
+    for tokens, n_experts, active, norm in ((1, 8, 2, True), (37, 128, 8, True), (5, 60, 4, False)):
+        logits = 2 * torch.randn(tokens, n_experts, generator=generator)
+        logits[0, 1] = logits[0, 3] = logits[0].max() + 1  # a tie: the lower id comes first
+        weights, ids = moe.router_top_k_triton(logits.to(kernel_device), active, norm)
+        probs = torch.softmax(logits.double(), dim=-1)                                   # the float64 oracle
+        for t in range(tokens):
+            expected = sorted(range(n_experts), key=lambda e: (-probs[t, e].item(), e))[:active]
+            assert ids[t].tolist() == expected
+        expected = probs.gather(-1, ids.cpu())
+        if norm:
+            expected = expected / expected.sum(dim=-1, keepdim=True)
+        torch.testing.assert_close(weights.cpu().double(), expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.cuda
+def test_router_takes_the_fused_kernel_without_grad_and_chooses_torch_cudas_expert_sets():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    # BF16 logits tie often (8 mantissa bits): the sets must still be torch.topk's, weights fp32-close
+    logits = (2 * torch.randn(4096, 128, device="cuda")).bfloat16()
+    with torch.no_grad():
+        weights, ids = moe.router_top_k(logits, 8, True)
+    twin_weights, twin_ids = moe.router_top_k_reference(logits, 8, True)
+    assert torch.equal(ids.sort(-1).values, twin_ids.sort(-1).values)
+    by_id, twin_by_id = weights.gather(-1, ids.argsort(-1)), twin_weights.gather(-1, twin_ids.argsort(-1))
+    torch.testing.assert_close(by_id, twin_by_id, rtol=1e-6, atol=0)
+    assert moe.router_top_k(logits.float().requires_grad_(), 8, True)[0].grad_fn is not None  # the twin
+
+
 def test_fused_routing_equals_the_torch_routing_in_every_integer(kernel_device):
     generator = torch.Generator().manual_seed(4)
     # one assignment; a partial chunk; several chunks, few experts; the largest (chunks, experts) it takes

@@ -517,12 +517,16 @@ class Experts(nn.Module):
         return combine_expert_outputs(y_sorted, routing, expert_weights)
 
 
-def router_top_k_reference(logits: Tensor, n_active: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
-    """The router's choice: logits (T, E) -> (weights (T, A) fp32, expert ids (T, A) int64), the A most
-    probable experts in descending order. The softmax runs in fp32, as in HF: in BF16, close probabilities
-    round to one value and top-k would choose among the ties arbitrarily."""
+def router_top_k_reference(logits: Tensor, n_active: int, norm_topk_prob: bool,
+                           routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The router: logits (T, E) -> (weights (T, A) fp32, ids (T, A) int64): its own choice, the A most
+    probable experts in descending order, and the weights of those experts, or of `routes` (T, A) when
+    they are given (replayed routes, R3), renormalized to sum 1 if norm_topk_prob. The softmax runs in
+    fp32, as in HF: in BF16, close probabilities round to one value and top-k would choose among the ties
+    arbitrarily."""
     probs = torch.softmax(logits.float(), dim=-1)                                          # (T, E)
-    weights, ids = probs.topk(n_active, dim=-1)                                            # (T, A) each
+    ids = probs.topk(n_active, dim=-1).indices                                             # (T, A)
+    weights = probs.gather(-1, ids if routes is None else routes)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
@@ -530,13 +534,16 @@ def router_top_k_reference(logits: Tensor, n_active: int, norm_topk_prob: bool) 
 
 if triton is not None:
     # Twin: router_top_k_reference. One program per token: the softmax of its E logits in fp32, then A
-    # rounds of argmax (lowest id on ties) with the winner masked out, and the renormalization by the
-    # winners' sum. One launch where torch took five (softmax, top-k's select and sort, sum, divide). Not
-    # bit for bit: the exponential and the sums round in another order (fp32 units; which experts win
-    # differs only where two probabilities tie to that rounding).
+    # rounds of argmax (lowest id on ties, as torch.topk's selection on CUDA) with the winner masked out;
+    # the weights are the winners' probabilities (or the replayed experts'), renormalized by their sum
+    # taken in slot order, so replaying a token's own routes gives its weights bit for bit. One launch
+    # where torch took five (softmax, top-k's select and sort, sum, divide). Not bit for bit with torch:
+    # the exponential and the sums round in another order (fp32 units; equal logits stay equal
+    # probabilities, so the chosen experts are torch's).
     @triton.jit
-    def _router_top_k_kernel(logits_ptr, weights_ptr, ids_ptr, E, A: tl.constexpr, NORM: tl.constexpr,
-                             BLOCK: tl.constexpr, A_BLOCK: tl.constexpr):
+    def _router_top_k_kernel(logits_ptr, routes_ptr, weights_ptr, ids_ptr, E, A: tl.constexpr,
+                             NORM: tl.constexpr, FORCED: tl.constexpr, BLOCK: tl.constexpr,
+                             A_BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         experts = tl.arange(0, BLOCK)
         z = tl.load(logits_ptr + row * E + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
@@ -546,40 +553,73 @@ if triton is not None:
         slots = tl.arange(0, A_BLOCK)
         weights = tl.zeros((A_BLOCK,), dtype=tl.float32)
         ids = tl.zeros((A_BLOCK,), dtype=tl.int64)
+        total = 0.0
         for a in tl.static_range(A):
             best, expert = tl.max(left, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            weights = tl.where(slots == a, best, weights)
             ids = tl.where(slots == a, expert.to(tl.int64), ids)
             left = tl.where(experts == expert, -1.0, left)
+            if FORCED:
+                route = tl.load(routes_ptr + row * A + a)
+                best = tl.sum(tl.where(experts == route, p, 0.0), axis=0)         # p[route], exactly
+            weights = tl.where(slots == a, best, weights)
+            total += best
         if NORM:
-            weights = weights / tl.sum(weights, axis=0)
+            weights = weights / total
         tl.store(weights_ptr + row * A + slots, weights, mask=slots < A)
         tl.store(ids_ptr + row * A + slots, ids, mask=slots < A)
 
 
-def router_top_k_triton(logits: Tensor, n_active: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
+def router_top_k_triton(logits: Tensor, n_active: int, norm_topk_prob: bool,
+                        routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """router_top_k_reference as one Triton launch (forward only)."""
     T, E = logits.shape
     logits = logits.contiguous()
     weights = torch.empty(T, n_active, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, n_active, dtype=torch.int64, device=logits.device)
     if T:
-        _router_top_k_kernel[(T,)](logits, weights, ids, E, A=n_active, NORM=norm_topk_prob,
+        _router_top_k_kernel[(T,)](logits, ids if routes is None else routes.contiguous(), weights, ids, E,
+                                   A=n_active, NORM=norm_topk_prob, FORCED=routes is not None,
                                    BLOCK=triton.next_power_of_2(E), A_BLOCK=triton.next_power_of_2(n_active),
                                    num_warps=1 if E <= 256 else 4)
     return weights, ids
 
 
-def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
-    """The one place the router's path is chosen: the fused kernel on CUDA where no gradient is needed
-    (the sampler, scoring), the torch twin otherwise (training keeps autograd through the weights)."""
-    needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    if triton is None or not logits.is_cuda or needs_grad or logits.shape[-1] > _FUSED_ROUTER_EXPERTS:
-        return router_top_k_reference(logits, n_active, norm_topk_prob)
-    return router_top_k_triton(logits, n_active, norm_topk_prob)
+class _FusedRouter(torch.autograd.Function):
+    """Forward through the fused kernel; backward through the twin's weights of the same experts,
+    recomputed (as _FusedRMSNorm: the gradient of the same function, the forward equal to fp32 rounding)."""
+
+    @staticmethod
+    def forward(ctx, logits, n_active, norm_topk_prob, routes):
+        weights, ids = router_top_k_triton(logits, n_active, norm_topk_prob, routes)
+        ctx.save_for_backward(logits, ids if routes is None else routes)
+        ctx.norm_topk_prob = norm_topk_prob
+        ctx.mark_non_differentiable(ids)
+        return weights, ids
+
+    @staticmethod
+    def backward(ctx, grad_weights, grad_ids):
+        logits, chosen = ctx.saved_tensors
+        with torch.enable_grad():
+            logits_ = logits.detach().requires_grad_()
+            weights = torch.softmax(logits_.float(), dim=-1).gather(-1, chosen)
+            if ctx.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        return torch.autograd.grad(weights, logits_, grad_weights)[0], None, None, None
 
 
 _FUSED_ROUTER_EXPERTS = 4096  # one token's logits in one program's registers
+
+
+def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool,
+                 routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The one place the router's path is chosen: the fused kernel for CUDA tensors (trainer and rollout
+    alike, so the two sides compute the same weights from the same logits; under autograd its backward
+    is the twin's), the torch twin elsewhere."""
+    if triton is None or not logits.is_cuda or logits.shape[-1] > _FUSED_ROUTER_EXPERTS:
+        return router_top_k_reference(logits, n_active, norm_topk_prob, routes)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _FusedRouter.apply(logits, n_active, norm_topk_prob, routes)
+    return router_top_k_triton(logits, n_active, norm_topk_prob, routes)
 
 
 class MoEBlock(nn.Module):
@@ -595,20 +635,11 @@ class MoEBlock(nn.Module):
     def forward(self, x: Tensor, forced_routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
         lead_shape, D = x.shape[:-1], x.shape[-1]
         x = x.reshape(-1, D)                                                               # (T, D)
-        logits = self.gate(x)                                                              # (T, E)
-        if forced_routes is None:
-            weights, own = router_top_k(logits, self.n_active, self.norm_topk_prob)        # (T, A) each
-            routes = own
-        else:
-            # Replayed routes decide which experts run; their weights still come from this router's own
-            # probabilities, so the router is trained exactly as if it had chosen them.
-            probs = torch.softmax(logits.float(), dim=-1)                                  # (T, E)
-            own = probs.topk(self.n_active, dim=-1).indices
-            routes = forced_routes.reshape(-1, self.n_active)
-            weights = probs.gather(-1, routes)
-            if self.norm_topk_prob:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-        y = self.experts(x, routes, weights)
+        # Replayed routes decide which experts run; their weights still come from this router's own
+        # probabilities, so the router is trained exactly as if it had chosen them.
+        routes = None if forced_routes is None else forced_routes.reshape(-1, self.n_active)      # (T, A)
+        weights, own = router_top_k(self.gate(x), self.n_active, self.norm_topk_prob, routes)   # (T, A) each
+        y = self.experts(x, own if routes is None else routes, weights)
         return y.view(*lead_shape, D), own.view(*lead_shape, self.n_active)
 
 

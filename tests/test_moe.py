@@ -221,6 +221,26 @@ def test_fused_router_picks_the_most_probable_experts_lowest_id_first_on_ties(ke
         torch.testing.assert_close(weights.cpu().double(), expected, rtol=1e-6, atol=0)
 
 
+def test_fused_router_weights_replayed_routes_and_its_gradient_is_the_twins(kernel_device):
+    generator = torch.Generator().manual_seed(6)
+    logits = (2 * torch.randn(9, 64, generator=generator)).to(kernel_device)
+    weights, ids = moe.router_top_k_triton(logits, 4, True)
+    replayed, own = moe.router_top_k_triton(logits, 4, True, routes=ids)
+    assert torch.equal(replayed, weights) and torch.equal(own, ids)  # its own routes: the same bits
+    routes = torch.randint(64, (9, 4), generator=generator).to(kernel_device)
+    replayed, own = moe.router_top_k_triton(logits, 4, True, routes=routes)
+    assert torch.equal(own, ids)                                       # still reports its own choice
+    expected = torch.softmax(logits.double(), dim=-1).gather(-1, routes)
+    expected = expected / expected.sum(-1, keepdim=True)
+    torch.testing.assert_close(replayed.double(), expected, rtol=1e-6, atol=0)
+    grad = torch.randn(9, 4, generator=generator).to(kernel_device)
+    for given in (None, routes):
+        fused_logits, twin_logits = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        moe._FusedRouter.apply(fused_logits, 4, True, given)[0].backward(grad)
+        moe.router_top_k_reference(twin_logits, 4, True, ids if given is None else given)[0].backward(grad)
+        assert torch.equal(fused_logits.grad, twin_logits.grad)
+
+
 @pytest.mark.cuda
 def test_router_takes_the_fused_kernel_without_grad_and_chooses_torch_cudas_expert_sets():
     if not torch.cuda.is_available():

@@ -24,11 +24,13 @@ plain loop over the active experts, which is also the slow twin the fast path is
 
 On CUDA, RMSNorm is one Triton kernel (forward; the backward is the plain version's, recomputed) in
 place of eight small launches; it equals the plain version up to the fp32 rounding of its sum of squares.
-Trainer and rollout both take it, so the two sides still compute the same norms. Two more fused paths
-equal their torch twins bit for bit, so either side may take them: the queries' and keys' norm with RoPE
-in one launch where no gradient is needed (`norm_rope`: the sampler, scoring), and the routing's sort of
-assignments by expert as a two-launch counting sort for up to _FUSED_ROUTING_MAX assignments on CUDA
-(`route_tokens`: a decode step's). Next to its GEMMs a decode step is mostly small launches.
+Trainer and rollout both take it, so the two sides still compute the same norms; so is the router's
+softmax, top-k and renormalization (`router_top_k`: the same experts as torch.topk, the weights equal to
+fp32 rounding). Two more fused paths equal their torch twins bit for bit, so either side may take them:
+the queries' and keys' norm with RoPE in one launch where no gradient is needed (`norm_rope`: the
+sampler, scoring), and the routing's sort of assignments by expert as a two-launch counting sort for up
+to _FUSED_ROUTING_MAX assignments on CUDA (`route_tokens`: a decode step's). Next to its GEMMs a decode
+step is mostly small launches.
 
 Routes can be forced (R3, "rollout routing replay"): the trainer replays the experts the rollout chose,
 while the mixing weights still come from its own router, so the router keeps receiving gradients.

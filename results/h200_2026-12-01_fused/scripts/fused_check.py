@@ -10,7 +10,8 @@ with torch.device("cuda"):
     base = moe.MoETransformer(config).to(torch.bfloat16).eval()
 g = torch.Generator().manual_seed(1)
 prompts = torch.randint(1, 32768, (64, 64), generator=g).tolist()
-fused = dict(norm_rope=moe.norm_rope, route_tokens=moe.route_tokens, sample_next=rollout.sample_next)
+fused = dict(norm_rope=moe.norm_rope, route_tokens=moe.route_tokens, sample_next=rollout.sample_next,
+             router_top_k=moe.router_top_k)
 
 def composition(x, norm, cos, sin):
     return moe.apply_rope(norm(x).transpose(1, 2), cos, sin)
@@ -20,8 +21,12 @@ def twin_sampler(logits, sampling, seed_key, rows, position):
     noise = None if t == 0 else rollout.sampling_noise(seed_key, rows, position, logits.shape[-1])
     return rollout.sample_tokens(logits, t, k, p, noise)
 
+import sys
 twins = {"all fused": {}, "norm_rope twin": dict(norm_rope=composition),
-         "routing twin": dict(route_tokens=moe.route_tokens_reference), "sampler twin": dict(sample_next=twin_sampler)}
+         "routing twin": dict(route_tokens=moe.route_tokens_reference), "sampler twin": dict(sample_next=twin_sampler),
+         "router twin": dict(router_top_k=moe.router_top_k_reference)}
+if len(sys.argv) > 1:
+    twins = {k: v for k, v in twins.items() if k == "all fused" or k in sys.argv[1:]}
 
 def patch(replaced):
     for name, fn in {**fused, **replaced}.items():

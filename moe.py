@@ -594,7 +594,7 @@ class _FusedRouter(torch.autograd.Function):
     def forward(ctx, logits, n_active, norm_topk_prob, routes):
         weights, ids = router_top_k_triton(logits, n_active, norm_topk_prob, routes)
         ctx.save_for_backward(logits, ids if routes is None else routes)
-        ctx.norm_topk_prob = norm_topk_prob
+        ctx.n_active, ctx.norm_topk_prob = n_active, norm_topk_prob
         ctx.mark_non_differentiable(ids)
         return weights, ids
 
@@ -603,9 +603,7 @@ class _FusedRouter(torch.autograd.Function):
         logits, chosen = ctx.saved_tensors
         with torch.enable_grad():
             logits_ = logits.detach().requires_grad_()
-            weights = torch.softmax(logits_.float(), dim=-1).gather(-1, chosen)
-            if ctx.norm_topk_prob:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = router_top_k_reference(logits_, ctx.n_active, ctx.norm_topk_prob, chosen)[0]
         return torch.autograd.grad(weights, logits_, grad_weights)[0], None, None, None
 
 

@@ -297,6 +297,8 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+SAMPLE_FIELDS = 5  # per vocabulary slice: max z, sum exp(z - max), best score, its token, its z
+
 if triton is not None:
     # Twin: sampling_noise + sample_tokens without truncation. The exponential race in log space: argmax_v
     # p_v / E_v = argmax_v z_v / tau - log E_v (the normalizer is common to every v), so no (B, V) tensor is
@@ -305,7 +307,6 @@ if triton is not None:
     # equals the twin's except where two candidates' scores agree to fp32 rounding (exp, log, 1 / tau in
     # another order); the log-prob agrees to a few fp32 units.
     _SAMPLE_SLICE = 4096  # vocabulary entries per program of the first pass
-    _SAMPLE_FIELDS = 5    # per slice: max z, sum exp(z - max), best score, its token, its z
 
     @triton.jit
     def _sample_slice_kernel(logits_ptr, stride_row, seed_key_ptr, rows_ptr, position_ptr, part_ptr, V,
@@ -327,7 +328,7 @@ if triton is not None:
         z_max = tl.max(z, axis=0)
         best_score, best = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
         at_best = tl.arange(0, BLOCK) == best
-        out = part_ptr + (row * tl.num_programs(1) + part).to(tl.int64) * 5
+        out = part_ptr + (row * tl.num_programs(1) + part).to(tl.int64) * 5          # SAMPLE_FIELDS
         tl.store(out, z_max)
         tl.store(out + 1, tl.sum(tl.exp(z - z_max), axis=0))
         tl.store(out + 2, best_score)
@@ -339,7 +340,7 @@ if triton is not None:
         row = tl.program_id(0)
         idx = tl.arange(0, PARTS)
         mask = idx < n_parts
-        slices = part_ptr + (row * n_parts + idx).to(tl.int64) * 5
+        slices = part_ptr + (row * n_parts + idx).to(tl.int64) * 5                  # SAMPLE_FIELDS
         z_max = tl.load(slices, mask=mask, other=float("-inf"))
         sum_exp = tl.load(slices + 1, mask=mask, other=0.0)
         score = tl.load(slices + 2, mask=mask, other=float("-inf"))
@@ -361,7 +362,7 @@ def sample_tokens_triton(logits: Tensor, temperature: float, seed_key: Tensor, r
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     n_parts = triton.cdiv(V, _SAMPLE_SLICE)
-    parts = torch.empty(B, n_parts, _SAMPLE_FIELDS, dtype=torch.float32, device=logits.device)
+    parts = torch.empty(B, n_parts, SAMPLE_FIELDS, dtype=torch.float32, device=logits.device)
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     if B:

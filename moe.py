@@ -282,10 +282,11 @@ def norm_rope(x: Tensor, norm: "RMSNorm", cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE(norm(x)) for queries or keys x (B, T, h, hd) -> (B, h, T, hd). The one place this path is
     chosen: the fused kernel for 16-bit CUDA tensors that need no gradient (the sampler, scoring), which
     computes the very same values; the norm module and apply_rope otherwise (training keeps autograd)."""
-    dtypes = {x.dtype, norm.weight.dtype, cos.dtype, sin.dtype}
+    one_16_bit_dtype = (x.dtype in (torch.bfloat16, torch.float16)
+                        and norm.weight.dtype == cos.dtype == sin.dtype == x.dtype)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or norm.weight.requires_grad)
-    if (triton is None or not x.is_cuda or needs_grad or len(dtypes) > 1
-            or dtypes.pop() not in (torch.bfloat16, torch.float16) or x.shape[-1] > _FUSED_NORM_MAX_DIM):
+    if (triton is None or not x.is_cuda or needs_grad or not one_16_bit_dtype
+            or x.shape[-1] > _FUSED_NORM_MAX_DIM):
         return apply_rope(norm(x).transpose(1, 2), cos, sin)
     return norm_rope_triton(x, norm.weight, norm.eps, cos, sin)
 
@@ -425,8 +426,9 @@ def route_tokens_triton(expert_ids: Tensor, n_experts: int) -> Routing:
     e_block = triton.next_power_of_2(n_experts)
     chunk_counts = torch.empty(n_chunks, e_block, dtype=torch.int32, device=device)
     order, token_ids, inverse_order = (torch.empty(N, dtype=torch.int64, device=device) for _ in range(3))
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=device)
-    offsets = torch.zeros(n_experts, dtype=torch.int32, device=device)
+    new = torch.empty if N else torch.zeros  # the second pass writes every count and offset (no fill launch)
+    counts = new(n_experts, dtype=torch.int64, device=device)
+    offsets = new(n_experts, dtype=torch.int32, device=device)
     if N:
         _route_count_kernel[(n_chunks,)](ids, chunk_counts, N, CHUNK=_ROUTING_CHUNK, E_BLOCK=e_block)
         _route_place_kernel[(n_chunks,)](ids, chunk_counts, order, token_ids, inverse_order, counts, offsets,

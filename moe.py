@@ -530,10 +530,13 @@ def router_top_k_reference(logits: Tensor, n_active: int, norm_topk_prob: bool,
     arbitrarily."""
     probs = torch.softmax(logits.float(), dim=-1)                                          # (T, E)
     ids = probs.topk(n_active, dim=-1).indices                                             # (T, A)
-    weights = probs.gather(-1, ids if routes is None else routes)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    return _router_weights(probs, ids if routes is None else routes, norm_topk_prob), ids
+
+
+def _router_weights(probs: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
+    """The router probabilities probs (T, E) of experts ids (T, A), renormalized if norm_topk_prob."""
+    weights = probs.gather(-1, ids)
+    return weights / weights.sum(dim=-1, keepdim=True) if norm_topk_prob else weights
 
 
 if triton is not None:
@@ -596,7 +599,7 @@ class _FusedRouter(torch.autograd.Function):
     def forward(ctx, logits, n_active, norm_topk_prob, routes):
         weights, ids = router_top_k_triton(logits, n_active, norm_topk_prob, routes)
         ctx.save_for_backward(logits, ids if routes is None else routes)
-        ctx.n_active, ctx.norm_topk_prob = n_active, norm_topk_prob
+        ctx.norm_topk_prob = norm_topk_prob
         ctx.mark_non_differentiable(ids)
         return weights, ids
 
@@ -605,7 +608,7 @@ class _FusedRouter(torch.autograd.Function):
         logits, chosen = ctx.saved_tensors
         with torch.enable_grad():
             logits_ = logits.detach().requires_grad_()
-            weights = router_top_k_reference(logits_, ctx.n_active, ctx.norm_topk_prob, chosen)[0]
+            weights = _router_weights(torch.softmax(logits_.float(), dim=-1), chosen, ctx.norm_topk_prob)
         return torch.autograd.grad(weights, logits_, grad_weights)[0], None, None, None
 
 

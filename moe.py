@@ -142,14 +142,14 @@ if triton is not None:
     # launches per call become one; a decode step calls RMSNorm four times a layer.
     @triton.jit
     def _round_to(x, dtype: tl.constexpr):
-        """fp32 -> the nearest value of dtype (ties to even), kept in fp32. BF16 by integer arithmetic:
-        the interpreter's own cast truncates."""
+        """fp32 -> the nearest BF16 (ties to even), kept in fp32; fp32 unchanged. By integer arithmetic:
+        the interpreter's own cast truncates, and the compiler cannot fuse a rounding it does not see
+        (FP16 is left out for that reason: NVPTX contracted a cast-rounded product and sum into one
+        fp16 FMA, so the fused RoPE was no longer torch's, seen on the H200)."""
         if dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
-        elif dtype == tl.float16:
-            x = x.to(tl.float16).to(tl.float32)
         return x
 
     @triton.jit
@@ -166,10 +166,19 @@ if triton is not None:
 
 
 _FUSED_NORM_MAX_DIM = 16384  # the fused kernel holds a whole row in one program's registers
+_FUSED_NORM_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes whose roundings _round_to makes
+
+
+def _fused_norm_applies(x: Tensor, weight: Tensor) -> bool:
+    return (triton is not None and x.is_cuda and x.shape[-1] <= _FUSED_NORM_MAX_DIM
+            and x.dtype in _FUSED_NORM_DTYPES and weight.dtype in _FUSED_NORM_DTYPES)
 
 
 def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """The fused RMSNorm (forward only): x (..., D) -> (..., D) in the dtype weight * x would have."""
+    if x.dtype not in _FUSED_NORM_DTYPES or weight.dtype not in _FUSED_NORM_DTYPES:
+        raise ValueError(f"rms_norm_triton: x and weight must be bfloat16 or float32, got {x.dtype} and "
+                         f"{weight.dtype}")
     x2 = x.contiguous().view(-1, x.shape[-1])                                             # (rows, D)
     y = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
     if x2.shape[0]:
@@ -207,7 +216,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # The one place the norm's path is chosen: the fused kernel for CUDA tensors (trainer and rollout
         # alike, so the two sides still compute the same values), the plain twin elsewhere.
-        if triton is None or not x.is_cuda or x.shape[-1] > _FUSED_NORM_MAX_DIM:
+        if not _fused_norm_applies(x, self.weight):
             return rms_norm_reference(x, self.weight, self.eps)
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _FusedRMSNorm.apply(x, self.weight, self.eps)
@@ -234,7 +243,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 if triton is not None:
     # Twin: apply_rope(RMSNorm(x).transpose(1, 2), cos, sin), bit for bit on the GPU. One program per (token,
     # head) row: the row's sum of squares exactly as _rms_norm_kernel takes it (same load, same reduction),
-    # then every rounding torch's BF16 / FP16 ops make (the norm's two casts, each RoPE product, their sum).
+    # then every rounding torch's BF16 ops make (the norm's two casts, each RoPE product, their sum).
     # The element rotate_half brings to position j is loaded a second time (from L1) rather than shuffled.
     # In a decode step this is one launch where the norm and RoPE took six (mul, neg, cat, mul, add).
     @triton.jit
@@ -265,7 +274,10 @@ if triton is not None:
 
 def norm_rope_triton(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
     """The fused per-head RMSNorm + RoPE (forward only): x (B, T, h, hd), weight (hd,) and cos, sin
-    (B, 1, T, hd), all of one 16-bit dtype -> (B, h, T, hd) contiguous."""
+    (B, 1, T, hd), all BF16 -> (B, h, T, hd) contiguous."""
+    if not x.dtype == weight.dtype == cos.dtype == sin.dtype == torch.bfloat16:
+        raise ValueError(f"norm_rope_triton: x, weight, cos and sin must all be bfloat16, got {x.dtype}, "
+                         f"{weight.dtype}, {cos.dtype} and {sin.dtype}")
     B, T, heads, hd = x.shape
     x = x.contiguous()
     cos, sin = cos.expand(B, 1, T, hd), sin.expand(B, 1, T, hd)
@@ -280,13 +292,11 @@ def norm_rope_triton(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Te
 
 def norm_rope(x: Tensor, norm: "RMSNorm", cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE(norm(x)) for queries or keys x (B, T, h, hd) -> (B, h, T, hd). The one place this path is
-    chosen: the fused kernel for 16-bit CUDA tensors that need no gradient (the sampler, scoring), which
+    chosen: the fused kernel for BF16 CUDA tensors that need no gradient (the sampler, scoring), which
     computes the very same values; the norm module and apply_rope otherwise (training keeps autograd)."""
-    one_16_bit_dtype = (x.dtype in (torch.bfloat16, torch.float16)
-                        and norm.weight.dtype == cos.dtype == sin.dtype == x.dtype)
+    all_bf16 = x.dtype == norm.weight.dtype == cos.dtype == sin.dtype == torch.bfloat16
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or norm.weight.requires_grad)
-    if (triton is None or not x.is_cuda or needs_grad or not one_16_bit_dtype
-            or x.shape[-1] > _FUSED_NORM_MAX_DIM):
+    if not all_bf16 or needs_grad or not _fused_norm_applies(x, norm.weight):
         return apply_rope(norm(x).transpose(1, 2), cos, sin)
     return norm_rope_triton(x, norm.weight, norm.eps, cos, sin)
 

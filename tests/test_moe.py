@@ -325,14 +325,12 @@ def test_cuda_bf16_experts_take_grouped_mm_and_match_fp32_loop():
 
 @pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32),
                                                 (torch.bfloat16, torch.bfloat16),
-                                                (torch.bfloat16, torch.float32),
-                                                (torch.float16, torch.float16)])
-def test_fused_rms_norm_matches_its_twin(dtype, weight_dtype):
-    pytest.importorskip("triton")  # the kernel runs under TRITON_INTERPRET=1 here (tests/conftest.py)
+                                                (torch.bfloat16, torch.float32)])
+def test_fused_rms_norm_matches_its_twin(kernel_device, dtype, weight_dtype):
     generator = torch.Generator().manual_seed(0)
     for rows, dim in ((1, 16), (37, 96), (8, 128)):  # D below, at and above a power of two
-        x = (3 * torch.randn(rows, dim, generator=generator)).to(dtype)
-        weight = (0.5 + torch.rand(dim, generator=generator)).to(weight_dtype)
+        x = (3 * torch.randn(rows, dim, generator=generator)).to(dtype).to(kernel_device)
+        weight = (0.5 + torch.rand(dim, generator=generator)).to(weight_dtype).to(kernel_device)
         y, expected = moe.rms_norm_triton(x, weight, 1e-6), moe.rms_norm_reference(x, weight, 1e-6)
         assert y.dtype == expected.dtype and y.shape == expected.shape
         # the sum of squares in another order: equal up to fp32 rounding of 1/rms, which the casts to
@@ -341,17 +339,16 @@ def test_fused_rms_norm_matches_its_twin(dtype, weight_dtype):
         assert ((y.float() - expected.float()).abs() <= 2 * ulp * expected.float().abs()).all()
         if expected.dtype != torch.float32:  # a missing cast back before * w moves a quarter or more
             assert (y != expected).float().mean() < 0.01
-    x = torch.zeros(2, 32, dtype=dtype)
+    x = torch.zeros(2, 32, dtype=dtype, device=kernel_device)
     zeros = moe.rms_norm_triton(x, weight[:32], 1e-6)
     assert torch.equal(zeros, moe.rms_norm_reference(x, weight[:32], 1e-6))
 
 
-def test_fused_rms_norm_gradients_are_the_twins():
-    pytest.importorskip("triton")
+def test_fused_rms_norm_gradients_are_the_twins(kernel_device):
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(5, 48, generator=generator, requires_grad=True)
-    weight = (0.5 + torch.rand(48, generator=generator)).requires_grad_()
-    grad = torch.randn(5, 48, generator=generator)
+    x = torch.randn(5, 48, generator=generator).to(kernel_device).requires_grad_()
+    weight = (0.5 + torch.rand(48, generator=generator)).to(kernel_device).requires_grad_()
+    grad = torch.randn(5, 48, generator=generator).to(kernel_device)
     moe._FusedRMSNorm.apply(x, weight, 1e-6).backward(grad)
     fused = (x.grad.clone(), weight.grad.clone())
     x.grad = weight.grad = None
@@ -377,8 +374,25 @@ def test_rms_norm_takes_the_fused_kernel_on_cuda_and_matches_the_twin(monkeypatc
     assert (y != expected).float().mean() < 0.01  # rarely one BF16 unit apart, never more
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_norm_rope_is_the_norm_then_rope_bit_for_bit(kernel_device, dtype):
+def test_fused_norms_refuse_the_dtypes_whose_roundings_they_do_not_make(kernel_device):
+    x = torch.randn(2, 1, 4, 16, device=kernel_device)
+    cos, sin = moe.rope_cos_sin(torch.zeros(2, 1, dtype=torch.long, device=kernel_device), 16, 1e6,
+                                torch.bfloat16)
+    half, weight = x.half(), torch.ones(16, device=kernel_device)
+    raises_one_line(lambda: moe.rms_norm_triton(half, weight.half(), 1e-6), "x and weight", "float16")
+    raises_one_line(lambda: moe.norm_rope_triton(half, weight.half(), 1e-6, cos.half(), sin.half()),
+                    "must all be bfloat16", "float16")
+    # and the layers route FP16 to their torch twins (as they do off CUDA)
+    norm = moe.RMSNorm(16, 1e-6).to(kernel_device).half()
+    with torch.no_grad():
+        assert torch.equal(norm(half), moe.rms_norm_reference(half, norm.weight, 1e-6))
+        assert torch.equal(moe.norm_rope(half, norm, cos.half(), sin.half()),
+                           moe.apply_rope(moe.rms_norm_reference(half, norm.weight, 1e-6).transpose(1, 2),
+                                          cos.half(), sin.half()))
+
+
+def test_fused_norm_rope_is_the_norm_then_rope_bit_for_bit(kernel_device):
+    dtype = torch.bfloat16
     generator = torch.Generator().manual_seed(2)
     for B, T, heads, hd in ((1, 1, 4, 16), (2, 3, 5, 96), (3, 2, 2, 128)):  # hd below and at a power of 2
         x = (3 * torch.randn(B, T, heads, hd, generator=generator)).to(dtype).to(kernel_device)

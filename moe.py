@@ -174,6 +174,12 @@ def _fused_norm_applies(x: Tensor, weight: Tensor) -> bool:
             and x.dtype in _FUSED_NORM_DTYPES and weight.dtype in _FUSED_NORM_DTYPES)
 
 
+def _norm_warps(block: int) -> int:
+    """Warps per row of the norm kernels: 1 for head-sized rows, 4 up to 2048 elements, 8 above. The sum
+    of squares' order follows from it, so _norm_rope_kernel must take the same as _rms_norm_kernel."""
+    return 1 if block <= 256 else 4 if block <= 2048 else 8
+
+
 def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """The fused RMSNorm (forward only): x (..., D) -> (..., D) in the dtype weight * x would have."""
     if x.dtype not in _FUSED_NORM_DTYPES or weight.dtype not in _FUSED_NORM_DTYPES:
@@ -182,8 +188,9 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     x2 = x.contiguous().view(-1, x.shape[-1])                                             # (rows, D)
     y = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, x2.shape[1], eps,
-                                         BLOCK=triton.next_power_of_2(x2.shape[1]))
+        block = triton.next_power_of_2(x2.shape[1])
+        _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, x2.shape[1], eps, BLOCK=block,
+                                         num_warps=_norm_warps(block))
     return y.view(x.shape)
 
 
@@ -285,8 +292,9 @@ def norm_rope_triton(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Te
         cos, sin = cos.contiguous(), sin.contiguous()
     y = torch.empty(B, heads, T, hd, dtype=x.dtype, device=x.device)
     if y.numel():
+        block = triton.next_power_of_2(hd)
         _norm_rope_kernel[(B * T * heads,)](x, weight.contiguous(), cos, sin, y, T, heads, hd, cos.stride(0),
-                                            cos.stride(2), eps, BLOCK=triton.next_power_of_2(hd))
+                                            cos.stride(2), eps, BLOCK=block, num_warps=_norm_warps(block))
     return y
 
 

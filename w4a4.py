@@ -238,8 +238,18 @@ if triton is not None:
         return tl.max(running, axis=0)
 
     @triton.jit
+    def _mul_rn(a, b, GPU: tl.constexpr):
+        """a * b rounded to fp32 as a step of its own. A plain product followed by an addition is fused
+        into one FMA by the GPU compiler, which skips that rounding (the twin makes it): mul.rn is never
+        fused. Seen on the H200: RAC residual codes that differed from the twin's."""
+        if GPU:
+            return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        return a * b
+
+    @triton.jit
     def _quantize_blocks(x_words_ptr, rac_mask_ptr, blocks, in_range, blocks_per_row, global_scale,
-                         HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, GPU: tl.constexpr):
         """Flat block indices (BLOCKS,) -> codes and E4M3 bytes of x and of its RAC residual, and the
         operand values (DQ(x_q) + DQ(r_q)) / global_scale as fp32 (BLOCKS, 8) even and odd tiles."""
         pairs = tl.arange(0, 8)
@@ -250,8 +260,8 @@ if triton is not None:
         r_even, r_odd, r_byte = code_even, code_odd, scale_byte  # (placeholders without a residual)
         if HAS_RESIDUAL:
             keep = (tl.load(rac_mask_ptr + blocks % blocks_per_row, mask=in_range, other=0) != 0)[:, None]
-            res_even = tl.where(keep, even - value_even * global_scale, 0.0)             # x - DQ(x_q), exact
-            res_odd = tl.where(keep, odd - value_odd * global_scale, 0.0)
+            res_even = tl.where(keep, even - _mul_rn(value_even, global_scale, GPU), 0.0)  # x - DQ(x_q)
+            res_odd = tl.where(keep, odd - _mul_rn(value_odd, global_scale, GPU), 0.0)
             r_even, r_odd, r_scale, r_byte = _quantize_pairs(res_even, res_odd, global_scale)
             value_even += _e2m1_value(r_even) * r_scale[:, None]                         # exact in fp32
             value_odd += _e2m1_value(r_odd) * r_scale[:, None]
@@ -274,6 +284,7 @@ if triton is not None:
         # meta-parameters
         AMAX_HERE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, WRITE_CODES: tl.constexpr,
         WRITE_OPERAND: tl.constexpr, BLOCKS: tl.constexpr, CHUNK: tl.constexpr, PARTIALS: tl.constexpr,
+        GPU: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if AMAX_HERE:  # a small input: every program reduces all of it (L2-resident) itself
@@ -286,7 +297,8 @@ if triton is not None:
         blocks = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
         in_range = blocks < n_blocks
         code_even, code_odd, scale_byte, r_even, r_odd, r_byte, value_even, value_odd = _quantize_blocks(
-            x_words_ptr, rac_mask_ptr, blocks, in_range, blocks_per_row, global_scale, HAS_RESIDUAL, X_BF16)
+            x_words_ptr, rac_mask_ptr, blocks, in_range, blocks_per_row, global_scale, HAS_RESIDUAL, X_BF16,
+            GPU)
         if WRITE_CODES:
             _store_codes(data_ptr, block_scale_ptr, blocks, in_range, code_even, code_odd, scale_byte)
             if HAS_RESIDUAL:
@@ -375,7 +387,7 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
         x.numel(), n_blocks, K // BLOCK_SIZE, partials.numel() if not amax_here else 0,
         out_operand.stride(0) if operand else 0,
         AMAX_HERE=amax_here, HAS_RESIDUAL=rac_mask is not None, X_BF16=x.dtype == torch.bfloat16,
-        WRITE_CODES=codes, WRITE_OPERAND=operand, BLOCKS=blocks, CHUNK=_AMAX_CHUNK,
+        WRITE_CODES=codes, WRITE_OPERAND=operand, BLOCKS=blocks, CHUNK=_AMAX_CHUNK, GPU=not _INTERPRET,
         PARTIALS=triton.next_power_of_2(partials.numel()))
     x_q = NVFP4Tensor(data, block_scale, global_scale) if codes else None
     residual = (NVFP4Tensor(res_data, res_block_scale, global_scale) if codes and rac_mask is not None
@@ -484,7 +496,7 @@ if triton is not None:
     @triton.jit
     def _quantized_tile(x_words_ptr, rac_mask_ptr, global_scale, row0, M, k0, K, HAS_RESIDUAL: tl.constexpr,
                         X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCKED: tl.constexpr):
+                        BLOCKED: tl.constexpr, GPU: tl.constexpr):
         """The fused path's activation tile: rows row0.. and columns k0..k0+BLOCK_K of x quantized here
         (as the quantizer kernel does, bit for bit) -> (BLOCK_M, BLOCK_K/2) fp16 even and odd tiles, or
         (BLOCK_M, BLOCK_K/16, 8) ones (BLOCKED). In the fused GEMV Triton still moves the decoded weight
@@ -495,7 +507,7 @@ if triton is not None:
         in_range = (row < M) & (block < K // 16)
         blocks = row.to(tl.int64) * (K // 16) + block
         _, _, _, _, _, _, value_even, value_odd = _quantize_blocks(
-            x_words_ptr, rac_mask_ptr, blocks, in_range, K // 16, global_scale, HAS_RESIDUAL, X_BF16)
+            x_words_ptr, rac_mask_ptr, blocks, in_range, K // 16, global_scale, HAS_RESIDUAL, X_BF16, GPU)
         shape: tl.constexpr = (BLOCK_M, GB, 8) if BLOCKED else (BLOCK_M, BLOCK_K // 2)
         return (tl.reshape((value_even * _SHIFT).to(tl.float16), shape),
                 tl.reshape((value_odd * _SHIFT).to(tl.float16), shape))
@@ -536,7 +548,7 @@ if triton is not None:
                                              BLOCK_N, BLOCK_K, EVEN_K, GPU, GEMV)
             if FUSED:
                 x_even, x_odd = _quantized_tile(x_ptr, rac_mask_ptr, x_global, row0, M, k0, K, HAS_RESIDUAL,
-                                                X_BF16, BLOCK_M, BLOCK_K, GEMV)
+                                                X_BF16, BLOCK_M, BLOCK_K, GEMV, GPU)
             elif GEMV:  # the one row, loaded once per weight row (from L1) so that it has the weight's layout
                 x_even, x_odd = _operand_tile(x_ptr, x_rows + 0 * cols, row_mask | (cols < 0), k0, K,
                                               stride_x, x_plane, BLOCK_K, EVEN_K, GEMV)
@@ -940,23 +952,28 @@ def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swig
 
 # ======================================================================== Blackwell: native FP4 kernels
 if triton is not None:
-    # sm_100+; compiled for sm_100 by a CPU test, numerics untested (no such GPU here)
+    # sm_100+; compiled for sm_100 by a CPU test, numerics untested (no such GPU here). One tl.dot_scaled per
+    # loop body: with two (x and its residual, or gate and up) Triton 3.6's automatic warp specialization
+    # fails to compile for sm_100. So the residual is a second pass over K (the weight tiles read again,
+    # mostly from L2), and SwiGLU's gate and up rows are one stacked tile, as in the Hopper kernel.
     @triton.jit
-    def _native_tile_product(acc, x_ptr, xs_ptr, rows, row_mask, stride_x, stride_xs, w_ptr, ws_ptr, cols,
-                             col_mask, stride_w, stride_ws, k0, K, BLOCK_K: tl.constexpr):
-        """acc (BLOCK_M, BLOCK_N) += X[rows] @ W[cols].T over k0..k0+BLOCK_K on FP4 tensor cores."""
-        byte_idx = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        block_idx = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        byte_ok, block_ok = byte_idx < K // 2, block_idx < K // 16
-        x = tl.load(x_ptr + rows[:, None] * stride_x + byte_idx[None, :],
-                    mask=row_mask[:, None] & byte_ok[None, :], other=0)
-        xs = tl.load(xs_ptr + rows[:, None] * stride_xs + block_idx[None, :],
-                     mask=row_mask[:, None] & block_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * stride_w + byte_idx[None, :],
-                    mask=col_mask[:, None] & byte_ok[None, :], other=0)
-        ws = tl.load(ws_ptr + cols[:, None] * stride_ws + block_idx[None, :],
-                     mask=col_mask[:, None] & block_ok[None, :], other=0.0)
-        return tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
+    def _native_k_loop(acc, x_ptr, xs_ptr, rows, row_mask, stride_x, stride_xs, w_ptr, ws_ptr, cols, col_mask,
+                       stride_w, stride_ws, K, BLOCK_K: tl.constexpr):
+        """acc (BLOCK_M, cols) += X[rows] @ W[cols].T over all of K on FP4 tensor cores."""
+        for k0 in range(0, K, BLOCK_K):
+            byte_idx = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            block_idx = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            byte_ok, block_ok = byte_idx < K // 2, block_idx < K // 16
+            x = tl.load(x_ptr + rows[:, None] * stride_x + byte_idx[None, :],
+                        mask=row_mask[:, None] & byte_ok[None, :], other=0)
+            xs = tl.load(xs_ptr + rows[:, None] * stride_xs + block_idx[None, :],
+                         mask=row_mask[:, None] & block_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * stride_w + byte_idx[None, :],
+                        mask=col_mask[:, None] & byte_ok[None, :], other=0)
+            ws = tl.load(ws_ptr + cols[:, None] * stride_ws + block_idx[None, :],
+                         mask=col_mask[:, None] & block_ok[None, :], other=0.0)
+            acc = tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
+        return acc
 
     @triton.jit
     def _dense_native_kernel(
@@ -970,13 +987,11 @@ if triton is not None:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask, col_mask = rows < M, cols < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            acc = _native_tile_product(acc, x_ptr, x_scale_ptr, rows, row_mask, stride_x, stride_xs, w_ptr,
-                                       w_scale_ptr, cols, col_mask, stride_w, stride_ws, k0, K, BLOCK_K)
-            if HAS_RESIDUAL:  # the same weight tile, a second MMA
-                acc = _native_tile_product(acc, r_ptr, r_scale_ptr, rows, row_mask, stride_x, stride_xs,
-                                           w_ptr, w_scale_ptr, cols, col_mask, stride_w, stride_ws, k0, K,
-                                           BLOCK_K)
+        acc = _native_k_loop(acc, x_ptr, x_scale_ptr, rows, row_mask, stride_x, stride_xs, w_ptr, w_scale_ptr,
+                             cols, col_mask, stride_w, stride_ws, K, BLOCK_K)
+        if HAS_RESIDUAL:  # the same weights, the residual's codes
+            acc = _native_k_loop(acc, r_ptr, r_scale_ptr, rows, row_mask, stride_x, stride_xs, w_ptr,
+                                 w_scale_ptr, cols, col_mask, stride_w, stride_ws, K, BLOCK_K)
         which, col_base, col_stride = _split_columns(cols, M, N, N1, N2)
         scale = tl.load(x_global_ptr) * tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[None, :]
         _store_split(y_ptr, rows, row_mask, col_base, col_stride, col_mask, tl.trans(acc * scale), OUT_BF16)
@@ -990,7 +1005,7 @@ if triton is not None:
         OUT_BF16: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        """The grouped kernel on FP4 tensor cores: gate and up tiles (SWIGLU) as two accumulators."""
+        """The grouped kernel on FP4 tensor cores (SWIGLU: the gate and up rows as one stacked tile)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         expert, row0, end_row, n_tiles = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
         if pid_m >= n_tiles:
@@ -1001,30 +1016,22 @@ if triton is not None:
         n_out = N // 2 if SWIGLU else N
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < n_out
+        W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
+        stacked = tl.arange(0, W_ROWS)
+        w_rows = pid_n * BLOCK_N + stacked % BLOCK_N + (stacked // BLOCK_N) * n_out    # SWIGLU: [gate; up]
+        w_mask = pid_n * BLOCK_N + stacked % BLOCK_N < n_out
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            acc = _native_tile_product(acc, x_ptr, x_scale_ptr, x_rows, row_mask, stride_x, stride_xs, w_base,
-                                       ws_base, cols, col_mask, stride_w, stride_ws, k0, K, BLOCK_K)
-            if HAS_RESIDUAL:
-                acc = _native_tile_product(acc, r_ptr, r_scale_ptr, x_rows, row_mask, stride_x, stride_xs,
-                                           w_base, ws_base, cols, col_mask, stride_w, stride_ws, k0, K,
-                                           BLOCK_K)
-            if SWIGLU:
-                acc_up = _native_tile_product(acc_up, x_ptr, x_scale_ptr, x_rows, row_mask, stride_x,
-                                              stride_xs, w_base, ws_base, cols + n_out, col_mask, stride_w,
-                                              stride_ws, k0, K, BLOCK_K)
-                if HAS_RESIDUAL:
-                    acc_up = _native_tile_product(acc_up, r_ptr, r_scale_ptr, x_rows, row_mask, stride_x,
-                                                  stride_xs, w_base, ws_base, cols + n_out, col_mask,
-                                                  stride_w, stride_ws, k0, K, BLOCK_K)
-        scale = tl.load(x_global_ptr) * tl.load(w_global_ptr + expert)
-        out = acc * scale
+        acc = tl.zeros((BLOCK_M, W_ROWS), dtype=tl.float32)
+        acc = _native_k_loop(acc, x_ptr, x_scale_ptr, x_rows, row_mask, stride_x, stride_xs, w_base, ws_base,
+                             w_rows, w_mask, stride_w, stride_ws, K, BLOCK_K)
+        if HAS_RESIDUAL:
+            acc = _native_k_loop(acc, r_ptr, r_scale_ptr, x_rows, row_mask, stride_x, stride_xs, w_base,
+                                 ws_base, w_rows, w_mask, stride_w, stride_ws, K, BLOCK_K)
+        out = acc * (tl.load(x_global_ptr) * tl.load(w_global_ptr + expert))
         if SWIGLU:
-            up = acc_up * scale
-            out = out / (1.0 + tl.exp(-out)) * up
+            gate, up = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+            out = gate / (1.0 + tl.exp(-gate)) * up                                      # silu(gate) * up
         if ROW_WEIGHTS:
             out = out * tl.load(row_weights_ptr + sorted_rows, mask=row_mask, other=0.0)[:, None]
         _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, tl.trans(out), OUT_BF16)

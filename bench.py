@@ -368,6 +368,11 @@ def bench_gemm(args):
               f"{t['rac0.5']:.1f} | {t['w4a4'] / t['bf16']:.2f}x | {flops / t['w4a4'] / 1e6:.0f} | "
               f"{flops / t['bf16'] / 1e6:.0f} |")
 
+    _print_autotuned(w4a4)
+
+
+def _print_autotuned(w4a4):
+    """The configurations w4a4's autotuner chose in this process, per key (shape bucket, N, K, ...)."""
     print("\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages):")
     for kernel in (w4a4._dense_kernel, w4a4._grouped_kernel):
         for key, config in kernel.cache.items():
@@ -656,9 +661,13 @@ def _bench_decode_per_precision(rac, batches=(64, 256), prompt_len=64, short=16,
 
 
 def bench_decode(args):
-    """Part (b) of `rollout` alone: decode tokens/s per precision on Qwen3-30B-A3B layer shapes."""
+    """Part (b) of `rollout` alone: decode tokens/s per precision on Qwen3-30B-A3B layer shapes, and the
+    W4A4 kernels' autotuned configurations (shared by every variant in the process: the first to meet a
+    key tunes it)."""
     import rac
+    import w4a4
     _bench_decode_per_precision(rac)
+    _print_autotuned(w4a4)
 
 
 COMMANDS = {

@@ -114,6 +114,28 @@ class RACSelector(nn.Module):
 
 
 # ======================================================================== rollout layers
+class DequantizedWeight:
+    """DQ(W) in fp32 for a layer's twin path (the CPU's), kept while the weight's three buffers are the same
+    tensors, unmodified since (their version counters): load_weight and sync_weights write into them, so
+    the next call dequantizes again. Without it the twin dequantizes every fixed rollout weight at every
+    decode step (a sixth of `python train.py`'s time on a CPU). Costs an fp32 copy of the weights; the
+    Triton path never uses it. Inference tensors keep no version counter: those are never kept."""
+
+    def __init__(self):
+        self.tensors, self.versions, self.value = (), (), None
+
+    def __call__(self, q):
+        tensors = (q.data, q.block_scale, q.global_scale)
+        if any(t.is_inference() for t in tensors):
+            return nvfp4.dequantize_reference(q, torch.float32)
+        versions = tuple(t._version for t in tensors)
+        if not (len(self.tensors) == 3 and all(a is b for a, b in zip(tensors, self.tensors))
+                and versions == self.versions):
+            self.tensors, self.versions = tensors, versions  # held: their memory is not reused meanwhile
+            self.value = nvfp4.dequantize_reference(q, torch.float32)
+        return self.value
+
+
 def _quantized_input(x2, rac_mask):
     """What a layer's GEMM takes of x2 (M, K): w4a4.layer_input on the Triton path, else the twin's codes."""
     if w4a4.use_triton(x2):
@@ -137,6 +159,7 @@ class NVFP4Linear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
                      if bias else None)
         self.rac = RACSelector(in_features // BLOCK_SIZE, rac_ratio, device=device)
+        self.weight_fp32 = DequantizedWeight()  # the twin path's DQ(W)
         self.shared_input = None  # a SharedInput when layers read the same input (convert_for_rollout)
 
     @property
@@ -180,7 +203,8 @@ class NVFP4Linear(nn.Module):
         if w4a4.use_triton(x2):
             return w4a4.layer_matmul(x2, self.weight_q, rac_mask, act, x2.dtype)
         x_q, residual = act                                                              # the twin's codes
-        return w4a4.matmul_reference(x_q, self.weight_q, residual, out_dtype=torch.float32).to(x2.dtype)
+        w_q = self.weight_q
+        return w4a4.matmul_reference(x_q, w_q, residual, torch.float32, self.weight_fp32(w_q)).to(x2.dtype)
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, rac_ratio={self.rac.rac_ratio}"
@@ -266,6 +290,7 @@ class NVFP4Experts(nn.Module):
             self.register_buffer(f"{name}_global_scale", torch.ones(E, dtype=torch.float32, device=device))
         self.rac_gate_up = RACSelector(D // BLOCK_SIZE, rac_ratio, device=device)
         self.rac_down = RACSelector(I // BLOCK_SIZE, rac_ratio, device=device)
+        self.gate_up_fp32, self.down_fp32 = DequantizedWeight(), DequantizedWeight()  # the twin path's
 
     @property
     def gate_up_q(self):
@@ -317,12 +342,14 @@ class NVFP4Experts(nn.Module):
 
     def _forward_reference(self, x, routing, row_weights):
         """The twin: the same quantization steps, dequantized, a loop of fp32 matmuls over experts."""
+        gate_up_q, down_q = self.gate_up_q, self.down_q
         x_q, residual = w4a4.quantize_activation_reference(x, self.rac_gate_up(x))
-        hidden = w4a4.grouped_matmul_reference(x_q, self.gate_up_q, routing.counts, residual,
-                                               row_ids=routing.token_ids, swiglu=True, out_dtype=x.dtype)
+        hidden = w4a4.grouped_matmul_reference(x_q, gate_up_q, routing.counts, residual,
+                                               row_ids=routing.token_ids, swiglu=True, out_dtype=x.dtype,
+                                               w=self.gate_up_fp32(gate_up_q))
         h_q, residual = w4a4.quantize_activation_reference(hidden, self.rac_down(hidden))
-        return w4a4.grouped_matmul_reference(h_q, self.down_q, routing.counts, residual,
-                                             row_weights=row_weights, out_dtype=torch.float32)
+        return w4a4.grouped_matmul_reference(h_q, down_q, routing.counts, residual, row_weights=row_weights,
+                                             out_dtype=torch.float32, w=self.down_fp32(down_q))
 
     def extra_repr(self):
         return (f"n_experts={self.n_experts}, dim={self.dim}, expert_dim={self.expert_dim}, "

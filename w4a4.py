@@ -133,13 +133,15 @@ def quantize_activation_reference(x, rac_mask=None):
     return x_q, nvfp4.quantize_reference(residual, x_q.global_scale)
 
 
-def matmul_reference(x_q, w_q, residual=None, out_dtype=torch.bfloat16):
-    """(DQ(x_q) + DQ(residual)) @ DQ(w_q).T in fp32: x_q (M, K), w_q (N, K) -> (M, N) out_dtype."""
+def matmul_reference(x_q, w_q, residual=None, out_dtype=torch.bfloat16, w=None):
+    """(DQ(x_q) + DQ(residual)) @ DQ(w_q).T in fp32: x_q (M, K), w_q (N, K) -> (M, N) out_dtype. w: DQ(w_q)
+    in fp32 when the caller keeps it (the rollout layers do, between weight loads)."""
     _check_operands(x_q, w_q, residual, "matmul_reference")
     x = nvfp4.dequantize_reference(x_q, torch.float32)
     if residual is not None:
         x = x + nvfp4.dequantize_reference(residual, torch.float32)
-    return (x @ nvfp4.dequantize_reference(w_q, torch.float32).T).to(out_dtype)
+    w = nvfp4.dequantize_reference(w_q, torch.float32) if w is None else w
+    return (x @ w.T).to(out_dtype)
 
 
 def nvfp4_linear_reference(x, w_q, rac_mask=None):
@@ -149,17 +151,18 @@ def nvfp4_linear_reference(x, w_q, rac_mask=None):
 
 
 def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_weights=None, swiglu=False,
-                             out_dtype=torch.bfloat16):
+                             out_dtype=torch.bfloat16, w=None):
     """The experts' GEMM: rows (x_q's, or x_q[row_ids]) grouped by expert, counts (E,) rows each, row
     block e multiplied by DQ(w_q[e]).T (w_q (E, N, K)). swiglu: the N weight rows are [gate; up] and
-    the output is silu(gate) * up (N/2 columns). row_weights (R,) scale the output rows. A loop in fp32."""
+    the output is silu(gate) * up (N/2 columns). row_weights (R,) scale the output rows. A loop in fp32.
+    w: DQ(w_q) in fp32 when the caller keeps it."""
     _check_operands(x_q, w_q, residual, "grouped_matmul_reference", stacked=True)
     x = nvfp4.dequantize_reference(x_q, torch.float32)
     if residual is not None:
         x = x + nvfp4.dequantize_reference(residual, torch.float32)
     if row_ids is not None:
         x = x[row_ids]                                                                  # (R, K)
-    w = nvfp4.dequantize_reference(w_q, torch.float32)                                  # (E, N, K)
+    w = nvfp4.dequantize_reference(w_q, torch.float32) if w is None else w              # (E, N, K)
     outputs, start = [], 0
     for e, n in enumerate(counts.tolist()):
         y = x[start:start + n] @ w[e].T                                                 # (n, N)

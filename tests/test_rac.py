@@ -205,6 +205,33 @@ def _assert_rollout_weights_are_the_qat_weights(rollout, trainer):
         assert torch.equal(param, masters[name]), name
 
 
+@torch.no_grad()
+def test_the_twin_path_dequantizes_a_weight_again_whenever_it_changes():
+    torch.manual_seed(0)
+    layer = rac.NVFP4Linear.from_float(nn.Linear(64, 24, bias=False))
+    x = torch.randn(5, 64)
+
+    def twin():  # dequantizes the weight itself, every call
+        return w4a4.nvfp4_linear_reference(x, layer.weight_q)
+
+    first = layer(x)
+    assert same_bits(first, twin()) and same_bits(layer(x), first)
+    layer.load_weight(torch.randn(24, 64))                    # what sync_weights does
+    assert same_bits(layer(x), twin()) and not torch.equal(layer(x), first)
+    layer.weight_global_scale.mul_(2.0)                        # any in-place write to a buffer
+    assert same_bits(layer(x), twin())
+    # a whole model: a sync after the trainer's weights moved gives what a fresh conversion gives
+    model, tokens = tiny_model(vocab_size=48), _tokens()
+    rollout = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")
+    before = rollout(tokens)
+    for param in model.parameters():
+        param.mul_(1.5)
+    rac.sync_weights(rollout, model)
+    after = rollout(tokens)
+    assert same_bits(after, rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")(tokens))
+    assert not torch.equal(after, before)
+
+
 def test_sync_weights_reloads_exactly_the_qat_weights():
     trainer = tiny_model(vocab_size=48)
     rollout = rac.convert_for_rollout(copy.deepcopy(trainer), "nvfp4", rac_ratio=0.5)

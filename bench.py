@@ -2,7 +2,7 @@
 
     python bench.py quantize        # nvfp4 quantize kernel vs a device-to-device copy
     python bench.py model           # moe.py forward+backward tokens/s (BF16, eager and compiled)
-    python bench.py gemm            # w4a4.py dense/grouped GEMMs vs FP8, BF16 and int4 W4A16
+    python bench.py gemm            # rac.py dense/grouped GEMMs vs FP8, BF16 and int4 W4A16
     python bench.py qat             # qat.py training step time: bf16 vs qat, w4a4, moeresq, trace
     python bench.py rollout         # rollout.py sampler vs HF generate; decode tokens/s per precision
     python bench.py decode          # the second half of `rollout` alone: decode tokens/s per precision
@@ -113,13 +113,13 @@ def bench_model(args):
         print(f"| {mode} | {ms:.2f} | {batch * seq / (ms * 1e-3):,.0f} |")
 
 
-# ---------------------------------------------------------------------------- gemm (w4a4.py)
+# ---------------------------------------------------------------------------- gemm (rac.py)
 def bench_gemm(args):
-    """w4a4.py's W4A4 kernels against FP8 row-wise, BF16 and torch's int4 weight-only GEMM on Qwen3-30B-A3B
+    """rac.py's W4A4 kernels against FP8 row-wise, BF16 and torch's int4 weight-only GEMM on Qwen3-30B-A3B
     shapes (D 2048, q 4096, k/v 512, 128 experts top-8, expert hidden 768), in one run:
 
-    1. dense decode (M = 1, 16, 64, 256), the whole layer: W4A4 = w4a4.nvfp4_linear_triton (its activation
-       quantization included: inside the GEMM for M * K <= w4a4.FUSED_ELEMENTS, else one quantizer
+    1. dense decode (M = 1, 16, 64, 256), the whole layer: W4A4 = rac.nvfp4_linear_triton (its activation
+       quantization included: inside the GEMM for M * K <= rac.FUSED_ELEMENTS, else one quantizer
        launch); W4A4 RAC 0.5 = the same with half the blocks compensated; FP8 = fp8.linear (per-token
        quantization in torch + torch._scaled_mm); int4 = torch._weight_int4pack_mm (W4A16, group 128,
        gpt-fast's kernel); BF16 F.linear. "% floor": the NVFP4 weight bytes over the measured copy
@@ -145,7 +145,6 @@ def bench_gemm(args):
     import moe
     import nvfp4
     import rac
-    import w4a4
 
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -212,7 +211,7 @@ def bench_gemm(args):
 
     def stacked_weight(w, splits):
         """The rollout's q/k/v: each weight quantized with its own global scale, stacked along N."""
-        return w4a4.stack_weights([nvfp4.quantize_weight(part) for part in w.split(splits)])
+        return rac.stack_weights([nvfp4.quantize_weight(part) for part in w.split(splits)])
 
     dense = []
     qkv_splits = (H_Q, H_KV, H_KV)
@@ -240,7 +239,7 @@ def bench_gemm(args):
         rows = []
         for name, N, K, splits, bytes_, ws, w8s, wqs, w4s in dense:
             def w4a4_layer(x, w, mask=None, splits=splits):
-                return w4a4.nvfp4_linear_triton(x, w, mask, splits=splits)
+                return rac.nvfp4_linear_triton(x, w, mask, splits=splits)
 
             x = torch.randn(M, K, device="cuda", dtype=bf16)
             mask = torch.arange(K // 16, device="cuda") % 2 == 0
@@ -253,16 +252,16 @@ def bench_gemm(args):
                 "rac0.5": graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs]),
             }
             if variants:
-                act = w4a4.quantize_activation_triton(x, mask)
-                fused, w4a4.FUSED_ELEMENTS = w4a4.FUSED_ELEMENTS, 0
+                act = rac.quantize_activation_triton(x, mask)
+                fused, rac.FUSED_ELEMENTS = rac.FUSED_ELEMENTS, 0
                 t["two launches"] = graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs])
-                w4a4.FUSED_ELEMENTS = fused
-                t["GEMM alone"] = graph_us([lambda w=w: w4a4._dense_portable(w, bf16, act=act, splits=splits)
+                rac.FUSED_ELEMENTS = fused
+                t["GEMM alone"] = graph_us([lambda w=w: rac._dense_portable(w, bf16, act=act, splits=splits)
                                             for w in wqs])
-                t["quantizer alone"] = graph_us([lambda: w4a4.quantize_activation_triton(x, mask)] * 20)
+                t["quantizer alone"] = graph_us([lambda: rac.quantize_activation_triton(x, mask)] * 20)
                 t["configs"] = {
                     label: graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs])
-                    for label in forced(w4a4._dense_kernel, w4a4._m_bucket(M, w4a4.DENSE_CONFIGS))}
+                    for label in forced(rac._dense_kernel, rac._m_bucket(M, rac.DENSE_CONFIGS))}
             rows.append((name, N, K, M, t, bytes_["w4a4"] / copy_bw * 1e6))
         return rows
 
@@ -331,20 +330,20 @@ def bench_gemm(args):
             g, u = fp8.grouped_linear(x_sorted, routing, gate_up8, gate_up_s).chunk(2, dim=-1)
             return fp8.grouped_linear(F.silu(g) * u, routing, down8, down_s)
 
-        act_x = w4a4.quantize_activation_triton(x)
-        act_h = w4a4.quantize_activation_triton(torch.randn(T * A, I, device="cuda", dtype=bf16))
+        act_x = rac.quantize_activation_triton(x)
+        act_h = rac.quantize_activation_triton(torch.randn(T * A, I, device="cuda", dtype=bf16))
         t = {"bf16": graph_us([bf16_layer]), "fp8": graph_us([fp8_layer]),
              "w4a4": graph_us([lambda: layer._forward_triton(x, routing, row_weights)]),
              "rac": graph_us([lambda: rac_layer._forward_triton(x, routing, row_weights)]),
-             "gate_up": graph_us([lambda: w4a4.grouped_matmul_triton(act_x, gate_up_q, routing.counts,
+             "gate_up": graph_us([lambda: rac.grouped_matmul_triton(act_x, gate_up_q, routing.counts,
                                                                      row_ids=routing.token_ids,
                                                                      swiglu=True)]),
-             "down": graph_us([lambda: w4a4.grouped_matmul_triton(act_h, down_q, routing.counts,
+             "down": graph_us([lambda: rac.grouped_matmul_triton(act_h, down_q, routing.counts,
                                                                   row_weights=row_weights)])}
-        bucket = w4a4._m_bucket(-(-T * A // E), w4a4.GROUPED_CONFIGS)
+        bucket = rac._m_bucket(-(-T * A // E), rac.GROUPED_CONFIGS)
         configs = "; ".join(
             f"{label}: {graph_us([lambda: layer._forward_triton(x, routing, row_weights)]):.1f}"
-            for label in forced(w4a4._grouped_kernel, bucket))
+            for label in forced(rac._grouped_kernel, bucket))
         floor = {k: hit * n * (0.5 + 1 / 16) / copy_bw * 1e6
                  for k, n in (("gate_up", 2 * I * D), ("down", D * I))}
         total = floor["gate_up"] + floor["down"]
@@ -368,13 +367,13 @@ def bench_gemm(args):
               f"{t['rac0.5']:.1f} | {t['w4a4'] / t['bf16']:.2f}x | {flops / t['w4a4'] / 1e6:.0f} | "
               f"{flops / t['bf16'] / 1e6:.0f} |")
 
-    _print_autotuned(w4a4)
+    _print_autotuned(rac)
 
 
-def _print_autotuned(w4a4):
-    """The configurations w4a4's autotuner chose in this process, per key (shape bucket, N, K, ...)."""
+def _print_autotuned(rac):
+    """The configurations rac.py's autotuner chose in this process, per key (shape bucket, N, K, ...)."""
     print("\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages):")
-    for kernel in (w4a4._dense_kernel, w4a4._grouped_kernel):
+    for kernel in (rac._dense_kernel, rac._grouped_kernel):
         for key, config in kernel.cache.items():
             kw = config.kwargs
             print(f"  {kernel.fn.fn.__name__} {key[:5]} -> {kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}, "
@@ -665,9 +664,8 @@ def bench_decode(args):
     W4A4 kernels' autotuned configurations (shared by every variant in the process: the first to meet a
     key tunes it)."""
     import rac
-    import w4a4
     _bench_decode_per_precision(rac)
-    _print_autotuned(w4a4)
+    _print_autotuned(rac)
 
 
 COMMANDS = {

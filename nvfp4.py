@@ -68,7 +68,7 @@ slow twins, quantize_reference and dequantize_reference, are plain PyTorch and r
 tests compare the two bit for bit, on the CPU under TRITON_INTERPRET=1 and on the GPU.
 
 Deliberately left out: MX formats (E8M0 scales, 32-element blocks), stochastic rounding, per-row
-global scales, and the swizzled 128x4 block-scale layout of Blackwell tensor cores (w4a4.py's native
+global scales, and the swizzled 128x4 block-scale layout of Blackwell tensor cores (rac.py's native
 kernels hand row-major scales to `tl.dot_scaled`).
 
 Shape letters: K = last (reduction) dim, G = K / 16 blocks per row, M = product of the leading dims.
@@ -426,7 +426,7 @@ if triton is not None:
     def _quantize_pairs(even, odd, global_scale):
         """The format's arithmetic on a tile of blocks: (BLOCKS, 8) even and odd fp32 elements and a
         global scale (scalar, or one per block) -> E2M1 codes of each half, the block scales as fp32
-        and as E4M3 bit patterns (BLOCKS,). Shared with w4a4.py's fused activation quantizer."""
+        and as E4M3 bit patterns (BLOCKS,). Shared with rac.py's fused activation quantizer."""
         # block amax and NaN/Inf detection (tl.max does not promise to propagate NaN)
         even_ok, odd_ok = tl.abs(even) < float("inf"), tl.abs(odd) < float("inf")  # False for NaN
         non_finite = tl.max((~even_ok | ~odd_ok).to(tl.int32), axis=1) > 0     # (BLOCKS,)

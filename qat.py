@@ -155,7 +155,7 @@ def _forget_weights(model, args, output):
 @torch.no_grad()
 def compensated_values(x, rac_mask=None):
     """x (M, K) -> DQ(Q(x)) + DQ(Q(S * r)) in fp32, r = x - DQ(Q(x)), S = rac_mask (G,) over blocks, both
-    quantized with x's dynamic global scale: w4a4.quantize_activation_reference, dequantized."""
+    quantized with x's dynamic global scale: rac.py's quantize_activation_reference, dequantized."""
     x = x.float()  # quantizing x or its exact fp32 copy gives the same codes; fp32 keeps DQ exact
     global_scale = nvfp4.compute_global_scale(x)
     values = nvfp4.fake_quantize(x, global_scale)                                      # (M, K), exact

@@ -1,6 +1,5 @@
-"""The rollout side: NVFP4 W4A4 layers with residual activation compensation (RAC), and the conversion
-of a moe.py model into its rollout twin, weight sync and RAC calibration. The GEMMs they run on, with
-their twins, are in w4a4.py.
+"""The rollout side: NVFP4 W4A4 layers with residual activation compensation (RAC), the conversion of a
+moe.py model into its rollout twin, weight sync, and the Triton GEMMs those layers run on.
 
 A rollout layer computes y = x @ W.T, W (N, K), both operands blocked by 16 along K (G = K / 16 blocks):
 
@@ -15,38 +14,90 @@ Compensating whole blocks keeps the weight's codes and block scales valid for th
 GEMM applies both activation terms to the weight tile it already holds, so RAC never re-reads weights.
 rac_ratio 0 is naive NVFP4; 1 compensates every block (QUADS uses about 0.5). The residual shares x's
 global scale: a residual block is 6-16x smaller than its x block, so its E4M3 block scale still fits.
-(w4a4.quantize_activation_reference is these lines in code.)
+(quantize_activation_reference is these lines in code.)
 
 Why a dynamic global scale: in RL the weights change every step, so a calibrated static activation
 scale goes stale between syncs, and anything above it saturates: exactly the outlier channels that
 hurt NVFP4 most. The price is that a token's rounding depends on the largest value in its batch.
 
-How to read this file: block selection (RACSelector), the layers (NVFP4Linear, SharedInput for q/k/v,
-NVFP4Experts: each runs w4a4.py's Triton path on CUDA and its twin elsewhere), then conversion, sync
-and calibration.
+How to read this file: the slow twins (plain PyTorch: quantize, dequantize, matmul in fp32) come first,
+then block selection, the layers (each runs the Triton path on CUDA and its twin elsewhere), conversion
+and sync; then the Triton kernels, one section per twin (quantizer, dense GEMM, experts' grouped GEMM,
+Blackwell), each ending with the function that launches them; last, the one place a hardware path is
+chosen.
+
+Hopper kernels (also run on the CPU under TRITON_INTERPRET=1). Hopper has no FP4 tensor cores and
+`tl.dot_scaled` does not compile for sm_90, so the weight is decoded in registers: an E2M1 code c put
+in an E4M3 byte as (c & 7) << 2 | (c & 8) << 4 *is* c's value times 2^-6 (OPERAND_SHIFT), and the
+hardware E4M3 -> fp16 conversion times the block scale gives value * block_scale * 2^-6 exactly (<= 6
+significant bits). The activation operand is (DQ(x_q) + DQ(r_q)) / global_scale * 2^-6 in fp16: exact
+for each term; the sum rounds to fp16's 11 bits (bf16's 8 would lose much of what the residual adds
+back). A weight byte holds elements 2i and 2i+1, so K is consumed as an even and an odd half: two
+products per K step, no shuffles. Accumulation is fp32; 2^12 (EPILOGUE_SCALE) and both global scales
+are applied at the end.
+  - Decode, small inputs (M * K <= FUSED_ELEMENTS: one token at model sizes, a few rows at toy ones):
+    one launch per layer. Every program reads the whole x (a few KB, from L2), reduces its amax,
+    quantizes the K range it needs (codes, block scales, the residual of the selected blocks:
+    nvfp4.py's arithmetic, bit-identical to the twin) and, at M = 1, streams its weight rows as a GEMV
+    on fp32 FMAs (tl.dot needs 16 rows); a few rows take the tensor-core tiles of their M bucket.
+  - Decode, more rows: one quantizer launch writes the fp16 operand once; the GEMM decodes its weight
+    tile in registers and runs the fp16 tensor cores, as y.T = W @ x.T (the weight rows on the MMA's
+    wide side) or, X_FIRST, as y = x @ W.T. Which is faster depends on the shape; the autotuner picks
+    among both. Re-quantizing 16 rows in every program costs more than the extra launch (measured in
+    bench.py). Split-K gives the weight stream enough programs: each split stores a partial tile, and
+    the last to arrive (an atomic counter per tile) sums them in a fixed order: deterministic.
+  - Prefill (M >= PREFILL_ROWS): one pass decodes the weight to fp16 (exactly), then both operands
+    stream into shared memory; an in-register decode would repeat M / BLOCK_M times (slower from a
+    few hundred rows on: bench.py).
+  - Experts: one grouped launch over (expert, row tile, N tile), X_FIRST at decode. Rows are sorted
+    by expert once (moe.route_tokens); a program finds its expert from the per-expert counts on the
+    device (no host sync), so experts without tokens cost nothing. The gate/up GEMM gathers token rows
+    and applies SwiGLU in its epilogue; the down GEMM scales each row by its router weight.
+  - Stacked weights: up to three weights (an attention's q/k/v_proj) in one GEMM, each weight's global
+    scale applied to its own columns and its output stored as its own (M, N_i) tensor.
+Blackwell (sm_100+): `tl.dot_scaled(..., "e2m1", ...)` reads the packed codes and E4M3 scales as they
+are (dense and grouped). Chosen in one place (`gemm_backend`), checked against the Hopper kernels on
+first use and dropped with a one-line warning if they disagree. Its numerics are UNTESTED (no such GPU
+here; the interpreter reads E4M3 scales as E8M0); a CPU test compiles it for sm_100.
+
+Shape letters: M rows (tokens or token-expert assignments), K reduction dim, N output features,
+G = K / 16 blocks, T tokens, A active experts per token, R = T * A assignments, E experts,
+D model dim, I expert hidden dim.
 
 An attention's q/k/v_proj read one input: they share one block selection, one quantization and one
 GEMM over their stacked weights, each weight's global scale on its own columns (SharedInput).
-
-Shape letters: M rows, K reduction dim, N output features, G = K / 16 blocks, T tokens, A active
-experts per token, R = T * A assignments, E experts, D model dim, I expert hidden dim.
 
 Left out: static activation scales, a gate/up-style stacking of q/k/v in the trainer (qat.py keeps
 three layers), per-expert RAC block selection (one selection per layer input), FP4 KV caches. The FP8
 baseline lives in fp8.py.
 """
+import itertools
+import os
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fp8
 import moe
 import nvfp4
-import w4a4
 from nvfp4 import BLOCK_SIZE, NVFP4Tensor
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the torch twins run
+    triton = None
+
 MODES = ("bf16", "fp8", "nvfp4")
+OPERAND_SHIFT = 2.0 ** -6          # the Hopper kernels' fp16 operands hold value * block_scale * 2^-6
+EPILOGUE_SCALE = OPERAND_SHIFT ** -2  # 2^12: undoes the two operands' 2^-6
+FUSED_ELEMENTS = 4096              # inputs up to this size (M * K) are quantized inside the GEMM
+PREFILL_ROWS = 257                 # from this many rows on, the weight is decoded once per call
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+use_triton = nvfp4._use_triton  # the one test for the fast path: Triton on CUDA tensors, twins elsewhere
 
 
 # ======================================================================== input checks
@@ -59,6 +110,134 @@ def _check_features(features, name):
     if features % BLOCK_SIZE:
         raise ValueError(f"{name}: {features} features is not a multiple of the NVFP4 block size "
                          f"{BLOCK_SIZE}")
+
+
+def _check_matrix(x, name):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name}: expected a 2-D tensor (M, K), got {shape}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{name}: expected bfloat16/float16/float32 activations, got dtype {x.dtype}")
+    if x.shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"{name}: K={x.shape[-1]} is not a multiple of the NVFP4 block size {BLOCK_SIZE}")
+
+
+def _check_rac_mask(rac_mask, x):
+    if rac_mask is None:
+        return
+    n_blocks = x.shape[-1] // BLOCK_SIZE
+    if (not isinstance(rac_mask, torch.Tensor) or rac_mask.dtype != torch.bool
+            or rac_mask.shape != (n_blocks,)):
+        got = (f"{rac_mask.dtype} {tuple(rac_mask.shape)}" if isinstance(rac_mask, torch.Tensor)
+               else type(rac_mask).__name__)
+        raise ValueError(f"rac_mask must be a bool tensor of shape (G,) = ({n_blocks},), got {got}")
+    if rac_mask.device != x.device:
+        raise ValueError(f"rac_mask is on {rac_mask.device} but the activation is on {x.device}")
+
+
+def _check_operands(x_q, w_q, residual, name, stacked=False):
+    for label, q in (("x_q", x_q), ("w_q", w_q), ("residual", residual)):
+        if q is not None and not isinstance(q, NVFP4Tensor):
+            raise ValueError(f"{name}: {label} must be an NVFP4Tensor, got {type(q).__name__}")
+    if len(x_q.shape) != 2 or len(w_q.shape) != (3 if stacked else 2):
+        raise ValueError(f"{name}: expected x_q (M, K) and w_q {'(E, N, K)' if stacked else '(N, K)'}, "
+                         f"got {x_q.shape} and {w_q.shape}")
+    if x_q.shape[-1] != w_q.shape[-1]:
+        raise ValueError(f"{name}: K differs: x_q {x_q.shape} vs w_q {w_q.shape}")
+    if x_q.device != w_q.device:
+        raise ValueError(f"{name}: x_q is on {x_q.device} but w_q is on {w_q.device}")
+    if residual is not None:
+        if residual.shape != x_q.shape or residual.device != x_q.device:
+            raise ValueError(f"{name}: residual {residual.shape} on {residual.device} does not match x_q")
+        if not torch.equal(residual.global_scale.reshape(()), x_q.global_scale.reshape(())):
+            raise ValueError(f"{name}: the residual must share x_q's global scale")
+
+
+# ======================================================================== the slow twins (plain PyTorch)
+def quantize_activation_reference(x, rac_mask=None):
+    """x (M, K) -> (x_q, residual): NVFP4 codes of x (dynamic global scale), and of the residual
+    x - DQ(x_q) on the blocks where rac_mask (G,) is True (zero elsewhere), with x's global scale;
+    residual is None without a mask."""
+    _check_matrix(x, "quantize_activation_reference")
+    _check_rac_mask(rac_mask, x)
+    x_q = nvfp4.quantize_reference(x)  # the dynamic global scale amax(|x|) / 2688
+    if rac_mask is None:
+        return x_q, None
+    M, K = x.shape
+    residual = x.float() - nvfp4.dequantize_reference(x_q, torch.float32)               # (M, K), exact
+    residual = torch.where(rac_mask[None, :, None], residual.view(M, -1, BLOCK_SIZE), 0.0).view(M, K)
+    return x_q, nvfp4.quantize_reference(residual, x_q.global_scale)
+
+
+def matmul_reference(x_q, w_q, residual=None, out_dtype=torch.bfloat16, w=None):
+    """(DQ(x_q) + DQ(residual)) @ DQ(w_q).T in fp32: x_q (M, K), w_q (N, K) -> (M, N) out_dtype. w: DQ(w_q)
+    in fp32 when the caller keeps it (the rollout layers do, between weight loads)."""
+    _check_operands(x_q, w_q, residual, "matmul_reference")
+    x = nvfp4.dequantize_reference(x_q, torch.float32)
+    if residual is not None:
+        x = x + nvfp4.dequantize_reference(residual, torch.float32)
+    w = nvfp4.dequantize_reference(w_q, torch.float32) if w is None else w
+    return (x @ w.T).to(out_dtype)
+
+
+def nvfp4_linear_reference(x, w_q, rac_mask=None):
+    """The NVFP4 layer's twin: quantize x (and its RAC residual), dequantize, fp32 matmul -> (M, N) fp32."""
+    x_q, residual = quantize_activation_reference(x, rac_mask)
+    return matmul_reference(x_q, w_q, residual, out_dtype=torch.float32)
+
+
+def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_weights=None, swiglu=False,
+                             out_dtype=torch.bfloat16, w=None):
+    """The experts' GEMM: rows (x_q's, or x_q[row_ids]) grouped by expert, counts (E,) rows each, row
+    block e multiplied by DQ(w_q[e]).T (w_q (E, N, K)). swiglu: the N weight rows are [gate; up] and
+    the output is silu(gate) * up (N/2 columns). row_weights (R,) scale the output rows. A loop in fp32.
+    w: DQ(w_q) in fp32 when the caller keeps it."""
+    _check_operands(x_q, w_q, residual, "grouped_matmul_reference", stacked=True)
+    x = nvfp4.dequantize_reference(x_q, torch.float32)
+    if residual is not None:
+        x = x + nvfp4.dequantize_reference(residual, torch.float32)
+    if row_ids is not None:
+        x = x[row_ids]                                                                  # (R, K)
+    w = nvfp4.dequantize_reference(w_q, torch.float32) if w is None else w              # (E, N, K)
+    outputs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        y = x[start:start + n] @ w[e].T                                                 # (n, N)
+        if swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up                                                       # (n, N/2)
+        outputs.append(y)
+        start += n
+    y = torch.cat(outputs)
+    if row_weights is not None:
+        y = y * row_weights.float()[:, None]
+    return y.to(out_dtype)
+
+
+def _values_without_global_scale(q):
+    """code_value * block_scale in fp32 (exact), (..., K)."""
+    values = nvfp4.decode_e2m1(nvfp4.unpack_codes(q.data))                              # (..., K)
+    values = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE) * q.block_scale.float().unsqueeze(-1)
+    return values.reshape(q.shape)
+
+
+def _planes(values):
+    """(M, K) -> (2, M, K/2) fp16: even columns, then odd ones (the order a packed byte holds them)."""
+    return torch.stack((values[:, 0::2], values[:, 1::2])).to(torch.float16).contiguous()
+
+
+def activation_operand(x_q, residual=None):
+    """Twin of the Hopper kernels' activation operand: (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
+    as fp16 planes (2, M, K/2). Each term is exact in fp32; the fp16 rounding of their sum is the one
+    step the kernels add to matmul_reference."""
+    values = _values_without_global_scale(x_q)
+    if residual is not None:
+        values = values + _values_without_global_scale(residual)
+    return _planes(values * OPERAND_SHIFT)
+
+
+def weight_operand_reference(w_q):
+    """Twin of the prefill weight pass: DQ(w_q) / global_scale * 2^-6 as fp16 planes (2, N, K/2), exact."""
+    return _planes(_values_without_global_scale(w_q) * OPERAND_SHIFT)
 
 
 # ======================================================================== RAC block selection
@@ -137,10 +316,10 @@ class DequantizedWeight:
 
 
 def _quantized_input(x2, rac_mask):
-    """What a layer's GEMM takes of x2 (M, K): w4a4.layer_input on the Triton path, else the twin's codes."""
-    if w4a4.use_triton(x2):
-        return w4a4.layer_input(x2, rac_mask)
-    return w4a4.quantize_activation_reference(x2, rac_mask)
+    """What a layer's GEMM takes of x2 (M, K): layer_input on the Triton path, else the twin's codes."""
+    if use_triton(x2):
+        return layer_input(x2, rac_mask)
+    return quantize_activation_reference(x2, rac_mask)
 
 
 class NVFP4Linear(nn.Module):
@@ -200,14 +379,21 @@ class NVFP4Linear(nn.Module):
 
     def _matmul(self, x2, rac_mask, act):
         """x2 (M, K) @ DQ(W).T in x2's dtype, on act = _quantized_input(x2, rac_mask)."""
-        if w4a4.use_triton(x2):
-            return w4a4.layer_matmul(x2, self.weight_q, rac_mask, act, x2.dtype)
+        if use_triton(x2):
+            return layer_matmul(x2, self.weight_q, rac_mask, act, x2.dtype)
         x_q, residual = act                                                              # the twin's codes
         w_q = self.weight_q
-        return w4a4.matmul_reference(x_q, w_q, residual, torch.float32, self.weight_fp32(w_q)).to(x2.dtype)
+        return matmul_reference(x_q, w_q, residual, torch.float32, self.weight_fp32(w_q)).to(x2.dtype)
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, rac_ratio={self.rac.rac_ratio}"
+
+
+def stack_weights(weights):
+    """NVFP4 weights (N_i, K), each with its own global scale, as one (sum N_i, K) NVFP4Tensor whose
+    global_scale holds the (len(weights),) scales: what nvfp4_linear_triton takes with splits = the N_i."""
+    return NVFP4Tensor(torch.cat([w.data for w in weights]), torch.cat([w.block_scale for w in weights]),
+                       torch.stack([w.global_scale.reshape(()) for w in weights]))
 
 
 class SharedInput:
@@ -225,7 +411,7 @@ class SharedInput:
         self.layers = list(layers)
         self.splits = [layer.out_features for layer in self.layers]
         self.input, self.version, self.outputs, self.waiting, self.warned = None, None, None, (), False
-        self.weight_q = w4a4.stack_weights([layer.weight_q for layer in self.layers])
+        self.weight_q = stack_weights([layer.weight_q for layer in self.layers])
         start = 0
         for i, (layer, rows) in enumerate(zip(self.layers, self.splits)):  # the buffers become views of it
             layer.weight_data = self.weight_q.data[start:start + rows]
@@ -263,9 +449,9 @@ class SharedInput:
         act = _quantized_input(x2, rac_mask)
         if x.is_inference():
             return layer._matmul(x2, rac_mask, act)
-        stacked = self._stacked() if w4a4.use_triton(x2) else None
+        stacked = self._stacked() if use_triton(x2) else None
         if stacked is not None:
-            outputs = w4a4.layer_matmul(x2, stacked, rac_mask, act, x2.dtype, self.splits)
+            outputs = layer_matmul(x2, stacked, rac_mask, act, x2.dtype, self.splits)
         else:
             outputs = [other._matmul(x2, rac_mask, act) for other in self.layers]
         self.input, self.version, self.outputs = x, x._version, outputs
@@ -326,30 +512,29 @@ class NVFP4Experts(nn.Module):
         T, A = expert_ids.shape
         routing = moe.route_tokens(expert_ids, self.n_experts)
         row_weights = expert_weights.reshape(-1)[routing.order].float()                  # (R,)
-        forward = self._forward_triton if w4a4.use_triton(x) else self._forward_reference
+        forward = self._forward_triton if use_triton(x) else self._forward_reference
         y_sorted = forward(x, routing, row_weights)                                      # (R, D), weighted
         return y_sorted[routing.inverse_order].view(T, A, -1).sum(dim=1).to(x.dtype)
 
     def _forward_triton(self, x, routing, row_weights):
-        native = w4a4.gemm_backend(x.device) == "native"  # codes for tl.dot_scaled, else the fp16 operand
-        act = w4a4.quantize_activation_triton(x, self.rac_gate_up(x), codes=native, operand=not native)
-        hidden = w4a4.grouped_matmul_triton(act, self.gate_up_q, routing.counts, row_ids=routing.token_ids,
-                                            swiglu=True, out_dtype=x.dtype)              # (R, I)
-        act = w4a4.quantize_activation_triton(hidden, self.rac_down(hidden), codes=native,
-                                              operand=not native)
-        return w4a4.grouped_matmul_triton(act, self.down_q, routing.counts, row_weights=row_weights,
-                                          out_dtype=x.dtype)                             # (R, D)
+        native = gemm_backend(x.device) == "native"  # codes for tl.dot_scaled, else the fp16 operand
+        act = quantize_activation_triton(x, self.rac_gate_up(x), codes=native, operand=not native)
+        hidden = grouped_matmul_triton(act, self.gate_up_q, routing.counts, row_ids=routing.token_ids,
+                                       swiglu=True, out_dtype=x.dtype)                   # (R, I)
+        act = quantize_activation_triton(hidden, self.rac_down(hidden), codes=native, operand=not native)
+        return grouped_matmul_triton(act, self.down_q, routing.counts, row_weights=row_weights,
+                                     out_dtype=x.dtype)                                  # (R, D)
 
     def _forward_reference(self, x, routing, row_weights):
         """The twin: the same quantization steps, dequantized, a loop of fp32 matmuls over experts."""
         gate_up_q, down_q = self.gate_up_q, self.down_q
-        x_q, residual = w4a4.quantize_activation_reference(x, self.rac_gate_up(x))
-        hidden = w4a4.grouped_matmul_reference(x_q, gate_up_q, routing.counts, residual,
-                                               row_ids=routing.token_ids, swiglu=True, out_dtype=x.dtype,
-                                               w=self.gate_up_fp32(gate_up_q))
-        h_q, residual = w4a4.quantize_activation_reference(hidden, self.rac_down(hidden))
-        return w4a4.grouped_matmul_reference(h_q, down_q, routing.counts, residual, row_weights=row_weights,
-                                             out_dtype=torch.float32, w=self.down_fp32(down_q))
+        x_q, residual = quantize_activation_reference(x, self.rac_gate_up(x))
+        hidden = grouped_matmul_reference(x_q, gate_up_q, routing.counts, residual,
+                                          row_ids=routing.token_ids, swiglu=True, out_dtype=x.dtype,
+                                          w=self.gate_up_fp32(gate_up_q))
+        h_q, residual = quantize_activation_reference(hidden, self.rac_down(hidden))
+        return grouped_matmul_reference(h_q, down_q, routing.counts, residual, row_weights=row_weights,
+                                        out_dtype=torch.float32, w=self.down_fp32(down_q))
 
     def extra_repr(self):
         return (f"n_experts={self.n_experts}, dim={self.dim}, expert_dim={self.expert_dim}, "
@@ -446,3 +631,909 @@ def calibrate_rac(rollout_model, tokens):
         for selector in selectors:
             selector.finish_calibration()
     return rollout_model
+
+
+# ======================================================================== Triton: the activation quantizer
+if triton is not None:
+    from nvfp4 import _e2m1_value, _load_pairs, _quantize_pairs, _to_bf16_bits
+
+    _DIVISOR = tl.constexpr(nvfp4.GLOBAL_SCALE_DIVISOR)  # 2688: global_scale = amax / (6 * 448)
+    _SHIFT = tl.constexpr(OPERAND_SHIFT)
+    _EPILOGUE = tl.constexpr(EPILOGUE_SCALE)
+    _FUSED = tl.constexpr(FUSED_ELEMENTS)
+
+    # Twin: quantize_activation_reference (codes) and activation_operand (the fp16 operand). A program
+    # quantizes BLOCKS 16-element blocks of the flattened (M * G, 16) input as two (BLOCKS, 8) tiles of
+    # even and odd elements (nvfp4.py's pair layout: a bf16 pair is one 32-bit load, and a packed byte
+    # is code(even) | code(odd) << 4) with nvfp4.py's own arithmetic: bit for bit the twin.
+    @triton.jit
+    def _scale_from_amax(amax):
+        """nvfp4.compute_global_scale: amax / 2688, 1.0 for an all-zero input, NaN if not finite."""
+        scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, _DIVISOR))
+        return tl.where(amax < float("inf"), scale, float("nan"))
+
+    @triton.jit
+    def _abs_max(x_ptr, start, stop, CHUNK: tl.constexpr):
+        """max |x| over elements start..stop (a strided loop of CHUNK-wide loads); NaN counts as Inf."""
+        running = tl.zeros((CHUNK,), dtype=tl.float32)
+        for begin in range(start, stop, CHUNK):
+            offs = begin + tl.arange(0, CHUNK)
+            v = tl.abs(tl.load(x_ptr + offs, mask=offs < stop, other=0.0).to(tl.float32))
+            running = tl.maximum(running, tl.where(v == v, v, float("inf")))
+        return tl.max(running, axis=0)
+
+    @triton.jit
+    def _mul_rn(a, b, GPU: tl.constexpr):
+        """a * b rounded to fp32 as a step of its own. A plain product followed by an addition is fused
+        into one FMA by the GPU compiler, which skips that rounding (the twin makes it): mul.rn is never
+        fused. Seen on the H200: RAC residual codes that differed from the twin's."""
+        if GPU:
+            return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        return a * b
+
+    @triton.jit
+    def _quantize_blocks(x_words_ptr, rac_mask_ptr, blocks, in_range, blocks_per_row, global_scale,
+                         HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, GPU: tl.constexpr):
+        """Flat block indices (BLOCKS,) -> codes and E4M3 bytes of x and of its RAC residual, and the
+        operand values (DQ(x_q) + DQ(r_q)) / global_scale as fp32 (BLOCKS, 8) even and odd tiles."""
+        pairs = tl.arange(0, 8)
+        even, odd = _load_pairs(x_words_ptr, blocks, pairs, in_range[:, None], X_BF16)  # (BLOCKS, 8) each
+        code_even, code_odd, block_scale, scale_byte = _quantize_pairs(even, odd, global_scale)
+        value_even = _e2m1_value(code_even) * block_scale[:, None]
+        value_odd = _e2m1_value(code_odd) * block_scale[:, None]
+        r_even, r_odd, r_byte = code_even, code_odd, scale_byte  # (placeholders without a residual)
+        if HAS_RESIDUAL:
+            keep = (tl.load(rac_mask_ptr + blocks % blocks_per_row, mask=in_range, other=0) != 0)[:, None]
+            res_even = tl.where(keep, even - _mul_rn(value_even, global_scale, GPU), 0.0)  # x - DQ(x_q)
+            res_odd = tl.where(keep, odd - _mul_rn(value_odd, global_scale, GPU), 0.0)
+            r_even, r_odd, r_scale, r_byte = _quantize_pairs(res_even, res_odd, global_scale)
+            value_even += _e2m1_value(r_even) * r_scale[:, None]                         # exact in fp32
+            value_odd += _e2m1_value(r_odd) * r_scale[:, None]
+        return code_even, code_odd, scale_byte, r_even, r_odd, r_byte, value_even, value_odd
+
+    @triton.jit
+    def _store_codes(data_ptr, scale_ptr, blocks, in_range, code_even, code_odd, scale_byte):
+        pairs = tl.arange(0, 8)
+        tl.store(data_ptr + blocks[:, None] * 8 + pairs[None, :], (code_even | (code_odd << 4)).to(tl.uint8),
+                 mask=in_range[:, None])
+        tl.store(scale_ptr + blocks, scale_byte.to(tl.uint8), mask=in_range)
+
+    @triton.jit
+    def _quantize_activation_kernel(
+        # pointers: input (elements, and its pair view), selection, scales, outputs
+        x_ptr, x_words_ptr, rac_mask_ptr, partial_amax_ptr, global_scale_ptr,
+        data_ptr, block_scale_ptr, res_data_ptr, res_block_scale_ptr, operand_ptr,
+        # sizes (plane_size: elements in one operand plane, M * K / 2)
+        numel, n_blocks, blocks_per_row, n_partials, plane_size,
+        # meta-parameters
+        AMAX_HERE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, WRITE_CODES: tl.constexpr,
+        WRITE_OPERAND: tl.constexpr, BLOCKS: tl.constexpr, CHUNK: tl.constexpr, PARTIALS: tl.constexpr,
+        GPU: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        if AMAX_HERE:  # a small input: every program reduces all of it (L2-resident) itself
+            global_scale = _scale_from_amax(_abs_max(x_ptr, 0, numel, CHUNK))
+        else:          # the maxima of _partial_amax_kernel's slices
+            idx = tl.arange(0, PARTIALS)
+            partial = tl.load(partial_amax_ptr + idx, mask=idx < n_partials, other=0.0)
+            global_scale = _scale_from_amax(tl.max(partial, axis=0))
+        tl.store(global_scale_ptr, global_scale, mask=pid == 0)
+        blocks = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        in_range = blocks < n_blocks
+        code_even, code_odd, scale_byte, r_even, r_odd, r_byte, value_even, value_odd = _quantize_blocks(
+            x_words_ptr, rac_mask_ptr, blocks, in_range, blocks_per_row, global_scale, HAS_RESIDUAL, X_BF16,
+            GPU)
+        if WRITE_CODES:
+            _store_codes(data_ptr, block_scale_ptr, blocks, in_range, code_even, code_odd, scale_byte)
+            if HAS_RESIDUAL:
+                _store_codes(res_data_ptr, res_block_scale_ptr, blocks, in_range, r_even, r_odd, r_byte)
+        if WRITE_OPERAND:  # fp16 planes, 16 contiguous bytes per block in each
+            offs = blocks[:, None] * 8 + tl.arange(0, 8)[None, :]
+            tl.store(operand_ptr + offs, (value_even * _SHIFT).to(tl.float16), mask=in_range[:, None])
+            tl.store(operand_ptr + plane_size + offs, (value_odd * _SHIFT).to(tl.float16),
+                     mask=in_range[:, None])
+
+    @triton.jit
+    def _partial_amax_kernel(x_ptr, partial_ptr, numel, SLICE: tl.constexpr, CHUNK: tl.constexpr):
+        """One max |x| per program over a slice (no atomics, nothing to zero first)."""
+        start = tl.program_id(0).to(tl.int64) * SLICE
+        amax = _abs_max(x_ptr, start, tl.minimum(start + SLICE, numel), CHUNK)
+        tl.store(partial_ptr + tl.program_id(0), amax)
+
+
+def _require_triton():
+    if triton is None:
+        raise RuntimeError("the Triton kernels need the `triton` package; use the *_reference twins instead")
+
+
+def _as_int16(y):
+    return y.view(torch.int16) if y.dtype == torch.bfloat16 else y
+
+
+def _check_out_dtype(out_dtype):
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"out_dtype must be bfloat16/float16/float32, got {out_dtype}")
+
+
+def _empty_planes(rows, half_k, device):
+    """An fp16 operand buffer (2, rows, K/2), the planes a multiple of 64 elements apart (16-byte aligned)."""
+    plane = triton.cdiv(rows * half_k, 64) * 64
+    return (torch.empty((2, plane), dtype=torch.float16, device=device)[:, :rows * half_k]
+            .view(2, rows, half_k))
+
+
+class Activation(NamedTuple):
+    """An activation quantized for the W4A4 GEMMs (the fields a path does not need are None)."""
+    x_q: NVFP4Tensor | None       # codes and block scales of x, with the global scale
+    residual: NVFP4Tensor | None  # RAC residual codes (zero blocks where not compensated), same global scale
+    operand: torch.Tensor | None  # (2, M, K/2) fp16 planes of (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
+    global_scale: torch.Tensor    # () fp32
+
+
+_AMAX_CHUNK = FUSED_ELEMENTS  # elements per load in the amax loops: small inputs in one load
+_AMAX_SLICES = 256       # at most this many partial maxima: every quantizer program reads all of them
+
+
+def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
+    """The quantizer: x (M, K) -> Activation with the fp16 operand (operand=True) and/or the NVFP4
+    codes of x and of its RAC residual (codes=True). Dynamic global scale amax(|x|) / 2688: reduced
+    inside the launch for inputs up to FUSED_ELEMENTS, by one partial-max launch before it otherwise."""
+    _require_triton()
+    _check_matrix(x, "quantize_activation_triton")
+    _check_rac_mask(rac_mask, x)
+    x = nvfp4._contiguous_pairs(x)
+    M, K = x.shape
+    n_blocks, device = M * K // BLOCK_SIZE, x.device
+    dummy = torch.empty(1, dtype=torch.uint8, device=device)
+    data = block_scale = res_data = res_block_scale = out_operand = None
+    if codes:
+        data = torch.empty((M, K // 2), dtype=torch.uint8, device=device)
+        block_scale = torch.empty((M, K // BLOCK_SIZE), dtype=torch.float8_e4m3fn, device=device)
+        if rac_mask is not None:
+            res_data, res_block_scale = torch.empty_like(data), torch.empty_like(block_scale)
+    if operand:
+        out_operand = _empty_planes(M, K // 2, device)
+    global_scale = torch.empty((), dtype=torch.float32, device=device)
+    amax_here, partials, slice_ = x.numel() <= FUSED_ELEMENTS, dummy, 0
+    if not amax_here:
+        slice_ = _AMAX_CHUNK * triton.cdiv(triton.cdiv(x.numel(), _AMAX_CHUNK), _AMAX_SLICES)
+        partials = torch.empty(triton.cdiv(x.numel(), slice_), dtype=torch.float32, device=device)
+        _partial_amax_kernel[(partials.numel(),)](x, partials, x.numel(), SLICE=slice_, CHUNK=_AMAX_CHUNK)
+
+    def ptr(t, view=None):
+        return dummy if t is None else (t.view(view) if view is not None else t)
+
+    blocks = 32 if n_blocks <= 16384 else 128  # small inputs: more programs, shorter chains
+    _quantize_activation_kernel[(triton.cdiv(n_blocks, blocks),)](
+        x, nvfp4._pair_view(x), ptr(rac_mask, torch.uint8), partials, global_scale,
+        ptr(data), ptr(block_scale, torch.uint8), ptr(res_data), ptr(res_block_scale, torch.uint8),
+        ptr(out_operand),
+        x.numel(), n_blocks, K // BLOCK_SIZE, partials.numel() if not amax_here else 0,
+        out_operand.stride(0) if operand else 0,
+        AMAX_HERE=amax_here, HAS_RESIDUAL=rac_mask is not None, X_BF16=x.dtype == torch.bfloat16,
+        WRITE_CODES=codes, WRITE_OPERAND=operand, BLOCKS=blocks, CHUNK=_AMAX_CHUNK, GPU=not _INTERPRET,
+        PARTIALS=triton.next_power_of_2(partials.numel()))
+    x_q = NVFP4Tensor(data, block_scale, global_scale) if codes else None
+    residual = (NVFP4Tensor(res_data, res_block_scale, global_scale) if codes and rac_mask is not None
+                else None)
+    return Activation(x_q, residual, out_operand, global_scale)
+
+
+# ======================================================================== Triton: the dense GEMM
+if triton is not None:
+    # ------------------------------------------------------------------ GEMM building blocks
+    @triton.jit
+    def _e4m3_to_fp16(byte, GPU: tl.constexpr):
+        """E4M3 bytes (uint8) -> fp16, exact. The GPU decodes 0x7F as NaN; the interpreter as 480."""
+        value = byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        if not GPU:
+            value = tl.where((byte & 0x7F) == 0x7F, float("nan"), value).to(tl.float16)
+        return value
+
+    @triton.jit
+    def _e2m1_pairs_to_fp16(packed, GPU: tl.constexpr):
+        """Packed bytes -> (even, odd) fp16 tensors of the same shape: the low and the high nibble's
+        E2M1 value times 2^-6, via the code's E4M3 byte ((c & 7) << 2 | (c & 8) << 4). On the GPU the
+        bit arithmetic runs on 32-bit words (4 codes per instruction) and cvt.rn.f16x2.e4m3x2 converts
+        two bytes per instruction; elementwise, so however Triton groups 4 bytes the result is the same."""
+        if GPU:
+            even, odd = tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 lo, hi, t;
+                .reg .b16 l0, l1, h0, h1;
+                and.b32 t, $4, 0x08080808;
+                shl.b32 t, t, 4;
+                and.b32 lo, $4, 0x07070707;
+                shl.b32 lo, lo, 2;
+                or.b32 lo, lo, t;
+                shr.b32 hi, $4, 2;
+                and.b32 hi, hi, 0x1C1C1C1C;
+                and.b32 t, $4, 0x80808080;
+                or.b32 hi, hi, t;
+                mov.b32 {l0, l1}, lo;
+                mov.b32 {h0, h1}, hi;
+                cvt.rn.f16x2.e4m3x2 $0, l0;
+                cvt.rn.f16x2.e4m3x2 $1, l1;
+                cvt.rn.f16x2.e4m3x2 $2, h0;
+                cvt.rn.f16x2.e4m3x2 $3, h1;
+                }
+                """,
+                constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=True,
+                pack=4)
+        else:
+            even = (((packed & 7) << 2) | ((packed & 8) << 4)).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            odd = (((packed >> 2) & 0x1C) | (packed & 0x80)).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return even, odd
+
+    @triton.jit
+    def _weight_tile(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
+                     ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GPU: tl.constexpr,
+                     BLOCKED: tl.constexpr = False):
+        """Columns k0..k0+BLOCK_K of NVFP4 rows as (ROWS, BLOCK_K/2) fp16 even and odd tiles holding
+        value * block_scale * 2^-6 exactly; BLOCKED: as (ROWS, BLOCK_K/16, 8) tiles, one block per row of 8.
+        Flat tiles load each row's BLOCK_K/2 bytes as one run (16-byte loads) for the tensor cores, whose
+        operands go through shared memory anyway. Blocked tiles are the GEMV's: it loads its activation
+        row in the same (ROWS, BLOCK_K/16, 8) shape, so Triton gives both one layout and the product
+        needs no shuffle of the decoded tile through shared memory (checked in the compiled IR)."""
+        GB: tl.constexpr = BLOCK_K // 16
+        blocks = k0 // 16 + tl.arange(0, GB)                                            # (GB,)
+        if BLOCKED:
+            byte_cols = (blocks[:, None] * 8 + tl.arange(0, 8)[None, :])[None, :, :]       # (1, GB, 8)
+            data_ptrs = data_ptr + rows[:, None, None] * stride_data + byte_cols
+            data_mask = row_mask[:, None, None] & (byte_cols < K // 2)
+        else:
+            byte_cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]                   # (1, BLOCK_K/2)
+            data_ptrs = data_ptr + rows[:, None] * stride_data + byte_cols
+            data_mask = row_mask[:, None] & (byte_cols < K // 2)
+        scale_ptrs = scale_ptr + rows[:, None] * stride_scale + blocks[None, :]
+        if EVEN_K:  # masks constant along K: wide loads
+            packed = tl.load(data_ptrs, mask=data_mask if not BLOCKED else row_mask[:, None, None], other=0)
+            scale_byte = tl.load(scale_ptrs, mask=row_mask[:, None], other=0)           # (ROWS, GB)
+        else:
+            packed = tl.load(data_ptrs, mask=data_mask, other=0)
+            scale_byte = tl.load(scale_ptrs, mask=row_mask[:, None] & (blocks < K // 16)[None, :], other=0)
+        block_scale = _e4m3_to_fp16(scale_byte, GPU)[:, :, None]                        # (ROWS, GB, 1)
+        even, odd = _e2m1_pairs_to_fp16(packed, GPU)
+        if BLOCKED:
+            even, odd = even * block_scale, odd * block_scale                           # exact in fp16
+        else:
+            even = tl.reshape(tl.reshape(even, (ROWS, GB, 8)) * block_scale, (ROWS, BLOCK_K // 2))
+            odd = tl.reshape(tl.reshape(odd, (ROWS, GB, 8)) * block_scale, (ROWS, BLOCK_K // 2))
+        return even, odd
+
+    @triton.jit
+    def _operand_tile(x_ptr, rows, row_mask, k0, K, stride_row, plane_size, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr, BLOCKED: tl.constexpr = False):
+        """Columns k0..k0+BLOCK_K of fp16 operand planes (2, rows, K/2) as (rows, BLOCK_K/2) even and odd
+        tiles, or (rows, BLOCK_K/16, 8) ones (BLOCKED)."""
+        if BLOCKED:
+            cols = (k0 // 2 + tl.arange(0, BLOCK_K // 16)[:, None] * 8 + tl.arange(0, 8)[None, :])[None, :, :]
+            ptrs = x_ptr + rows[:, None, None].to(tl.int64) * stride_row + cols
+            mask = row_mask[:, None, None] & (cols < K // 2)
+        else:
+            cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
+            ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_row + cols
+            mask = row_mask[:, None] & (cols < K // 2)
+        return tl.load(ptrs, mask=mask, other=0.0), tl.load(ptrs + plane_size, mask=mask, other=0.0)
+
+    @triton.jit
+    def _quantized_tile(x_words_ptr, rac_mask_ptr, global_scale, row0, M, k0, K, HAS_RESIDUAL: tl.constexpr,
+                        X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCKED: tl.constexpr, GPU: tl.constexpr):
+        """The fused path's activation tile: rows row0.. and columns k0..k0+BLOCK_K of x quantized here
+        (as the quantizer kernel does, bit for bit) -> (BLOCK_M, BLOCK_K/2) fp16 even and odd tiles, or
+        (BLOCK_M, BLOCK_K/16, 8) ones (BLOCKED). In the fused GEMV Triton still moves the decoded weight
+        tile to this tile's layout (a shared-memory round trip); bench.py's variants measure the cost."""
+        GB: tl.constexpr = BLOCK_K // 16
+        idx = tl.arange(0, BLOCK_M * GB)
+        row, block = row0 + idx // GB, k0 // 16 + idx % GB
+        in_range = (row < M) & (block < K // 16)
+        blocks = row.to(tl.int64) * (K // 16) + block
+        _, _, _, _, _, _, value_even, value_odd = _quantize_blocks(
+            x_words_ptr, rac_mask_ptr, blocks, in_range, K // 16, global_scale, HAS_RESIDUAL, X_BF16, GPU)
+        shape: tl.constexpr = (BLOCK_M, GB, 8) if BLOCKED else (BLOCK_M, BLOCK_K // 2)
+        return (tl.reshape((value_even * _SHIFT).to(tl.float16), shape),
+                tl.reshape((value_odd * _SHIFT).to(tl.float16), shape))
+
+    @triton.jit
+    def _mainloop(x_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols,
+                  col_mask, stride_w, stride_ws, w_plane, K, k_begin, k_end, FUSED: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, W_FP16: tl.constexpr, GPU: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  x_rows, X_FIRST: tl.constexpr, x_elems_ptr=None):
+        """-> (acc, x_global): acc (BLOCK_N, BLOCK_M) = W[cols] @ X[rows].T over columns k_begin..k_end,
+        in fp32, without the global scales and 2^12; x_global as given, or, FUSED, reduced here from
+        x_elems_ptr's M * K <= FUSED_ELEMENTS elements. X: quantized here (FUSED) or fp16 operand planes
+        (rows x_rows, or row0..); W: NVFP4 codes, or fp16 operand planes (W_FP16). BLOCK_M == 1: a GEMV
+        on fp32 FMAs. X_FIRST: X is the MMA's left operand (M side) and the weight its right one, whose
+        staged codes Triton decodes straight into mma.sync's operand registers; fewer instructions per
+        weight element than the weight on the left, whose wgmma register layout makes Triton read the
+        codes two bytes at a time (seen in the SASS)."""
+        GEMV: tl.constexpr = BLOCK_M == 1
+        if FUSED:
+            # one masked load (M * K <= _FUSED); not _abs_max's loop, which measured 3-4% slower at M = 1
+            offs = tl.arange(0, _FUSED)
+            v = tl.abs(tl.load(x_elems_ptr + offs, mask=offs < M * K, other=0.0).to(tl.float32))
+            x_global = _scale_from_amax(tl.max(tl.where(v == v, v, float("inf")), axis=0))
+        row_mask = (row0 + tl.arange(0, BLOCK_M)) < M
+        if BLOCK_M == 1:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        elif X_FIRST:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            if W_FP16:
+                w_even, w_odd = _operand_tile(w_ptr, cols, col_mask, k0, K, stride_w, w_plane, BLOCK_K,
+                                              EVEN_K)
+            else:
+                w_even, w_odd = _weight_tile(w_ptr, w_scale_ptr, cols, col_mask, k0, K, stride_w, stride_ws,
+                                             BLOCK_N, BLOCK_K, EVEN_K, GPU, GEMV)
+            if FUSED:
+                x_even, x_odd = _quantized_tile(x_ptr, rac_mask_ptr, x_global, row0, M, k0, K, HAS_RESIDUAL,
+                                                X_BF16, BLOCK_M, BLOCK_K, GEMV, GPU)
+            elif GEMV:  # the one row, loaded once per weight row (from L1) so that it has the weight's layout
+                x_even, x_odd = _operand_tile(x_ptr, x_rows + 0 * cols, row_mask | (cols < 0), k0, K,
+                                              stride_x, x_plane, BLOCK_K, EVEN_K, GEMV)
+            else:
+                x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K,
+                                              EVEN_K, GEMV)
+            if GEMV:  # (BLOCK_N, GB, 8) * (1, GB, 8): products of fp16 values are exact in fp32
+                products = (w_even.to(tl.float32) * x_even.to(tl.float32)
+                            + w_odd.to(tl.float32) * x_odd.to(tl.float32))
+                acc += tl.sum(tl.sum(products, axis=2), axis=1)
+            elif X_FIRST:
+                acc = tl.dot(x_even, tl.trans(w_even), acc)
+                acc = tl.dot(x_odd, tl.trans(w_odd), acc)
+            else:
+                acc = tl.dot(w_even, tl.trans(x_even), acc)
+                acc = tl.dot(w_odd, tl.trans(x_odd), acc)
+        if GEMV:
+            acc = acc[:, None]                                                           # (BLOCK_N, 1)
+        elif X_FIRST:
+            acc = tl.trans(acc)                                                          # (BLOCK_N, BLOCK_M)
+        return acc, x_global
+
+    @triton.jit
+    def _store_at(y_ptr, offs, mask, value, OUT_BF16: tl.constexpr):
+        """Store fp32 values at element offsets of y. BF16 rounds to nearest-even by integer arithmetic
+        through an int16 view of y (the interpreter's own cast truncates)."""
+        if OUT_BF16:
+            tl.store(y_ptr + offs, _to_bf16_bits(value).to(tl.int16), mask=mask)
+        else:
+            tl.store(y_ptr + offs, value.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, value, OUT_BF16: tl.constexpr):
+        """Store a (cols, rows) tile of fp32 values into y (M, N)."""
+        offs = rows[None, :].to(tl.int64) * stride_y + cols[:, None]
+        _store_at(y_ptr, offs, row_mask[None, :] & col_mask[:, None], value, OUT_BF16)
+
+    @triton.jit
+    def _split_columns(cols, M, N, N1, N2):
+        """Up to three weights stacked along N, split at columns N1 and N2 (N1 = N2 = N: one weight).
+        Their outputs lie one after another in y, each (M, its N) row-major. -> per column (cols,): which
+        weight (its global scale's index), y's offset of its row 0, and the row stride."""
+        which = (cols >= N1).to(tl.int32) + (cols >= N2).to(tl.int32)
+        start = tl.where(which == 0, 0, tl.where(which == 1, N1, N2)).to(tl.int64)
+        end = tl.where(which == 0, N1, tl.where(which == 1, N2, N)).to(tl.int64)
+        return which, M * start + cols - start, end - start
+
+    @triton.jit
+    def _store_split(y_ptr, rows, row_mask, col_base, col_stride, col_mask, value, OUT_BF16: tl.constexpr):
+        """Store a (cols, rows) tile at _split_columns' offsets."""
+        offs = rows[None, :].to(tl.int64) * col_stride[:, None] + col_base[:, None]
+        _store_at(y_ptr, offs, row_mask[None, :] & col_mask[:, None], value, OUT_BF16)
+
+    @triton.jit
+    def _weight_operand_kernel(data_ptr, scale_ptr, out_ptr, N, K, stride_data, stride_scale, plane_size,
+                               GPU: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Prefill: NVFP4 (N, K) -> fp16 planes (2, N, K/2), once per call. Twin: weight_operand_reference."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        k0 = tl.program_id(1) * BLOCK_K
+        row_mask = rows < N
+        even, odd = _weight_tile(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
+                                 ROWS, BLOCK_K, False, GPU)
+        cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        offs = rows[:, None].to(tl.int64) * (K // 2) + cols[None, :]
+        mask = row_mask[:, None] & (cols < K // 2)[None, :]
+        tl.store(out_ptr + offs, even, mask=mask)
+        tl.store(out_ptr + plane_size + offs, odd, mask=mask)
+
+    # ------------------------------------------------------------------ autotuning
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K[, X_FIRST[, maxnreg]]) per M bucket; BLOCK_M 1 is
+    # the GEMV. maxnreg caps the registers a thread (more programs an SM, at the price of spills).
+    # Decode buckets stream the weight: small BLOCK_M, wide BLOCK_K (long contiguous byte runs per row),
+    # and enough (N tile, K split) programs to keep every SM's loads in flight. Under the interpreter one
+    # small configuration per bucket, splitting K in the decode buckets so tests run the split epilogue,
+    # and X_FIRST in two buckets so tests run both operand orders.
+    DENSE_CONFIGS = {
+        1: [(1, 16, 512, 4, 1, 4), (1, 16, 1024, 4, 1, 2), (1, 16, 2048, 4, 1, 1), (1, 8, 1024, 4, 1, 2),
+            (1, 16, 4096, 8, 1, 1)],
+        16: [(16, 64, 256, 4, 3, 4), (16, 32, 256, 4, 3, 8), (16, 64, 256, 4, 3, 2), (16, 128, 256, 8, 3, 2)],
+        64: [(32, 64, 256, 4, 3, 2), (64, 64, 256, 8, 3, 4), (32, 64, 256, 4, 3, 4), (32, 32, 256, 4, 3, 4)],
+        256: [(64, 128, 128, 4, 3, 2, True), (64, 64, 256, 4, 3, 1, True), (128, 64, 128, 4, 3, 1, True),
+              (128, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2), (64, 64, 128, 4, 3, 1)],
+        4096: [(128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1)],
+    }
+    # Not (128, 128, 64, 8 warps, 3 stages): under Triton 3.6 on the H200 the grouped kernel compiled
+    # with it gave non-deterministic results with NaN rows; tests/test_rac.py runs every configuration
+    # of both kernels repeatedly on the GPU.
+    GROUPED_CONFIGS = {
+        16: [(16, 64, 256, 4, 3, 1, True), (16, 128, 128, 4, 3, 1, True), (16, 32, 256, 4, 3, 1, True),
+             (16, 64, 128, 4, 4, 1, True), (16, 128, 256, 4, 3, 1, True), (16, 32, 256, 4, 3, 1),
+             (16, 64, 256, 4, 2, 1, True, 128)],
+        64: [(32, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 1), (32, 64, 128, 4, 3, 1, True),
+             (32, 128, 128, 4, 3, 1, True)],
+        256: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
+        4096: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
+    }
+    _INTERPRETER_CONFIGS = {bucket: [(1 if bucket == 1 else 16, 32, 64, 4, 1, 2 if bucket <= 16 else 1,
+                                      bucket in (16, 256))] for bucket in DENSE_CONFIGS}
+
+    def _m_bucket(m, table):
+        return next(b for b in table if m <= b or b == 4096)
+
+    def _configs(table):
+        configs = []
+        for bucket, entries in (_INTERPRETER_CONFIGS if _INTERPRET else table).items():
+            if bucket not in table:
+                continue
+            for bm, bn, bk, warps, stages, split_k, *rest in entries:  # rest: X_FIRST, maxnreg
+                configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k,
+                                              "BUCKET": bucket, "X_FIRST": bool(rest and rest[0])},
+                                             num_warps=warps, num_stages=stages,
+                                             maxnreg=rest[1] if len(rest) > 1 else None))
+        return configs
+
+    def _prune(configs, named_args, **kwargs):
+        """Keep the configs of the call's M bucket: autotuning times 2-4 candidates, not all of them."""
+        return [c for c in configs if c.kwargs["BUCKET"] == named_args["M_BUCKET"]]
+
+    _HEURISTICS = {"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0}
+
+    def _bench_in_graph(kernel_call, quantiles):
+        """Autotuning times candidates as CUDA-graph replays: decode kernels run for a few microseconds,
+        where eager timing is mostly launch overhead and picked poor configurations (seen on the H200)."""
+        return triton.testing.do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
+
+    # ------------------------------------------------------------------ dense GEMM (Hopper)
+    # Twin: nvfp4_linear_reference (FUSED) / matmul_reference on the operand.
+    @triton.autotune(configs=_configs(DENSE_CONFIGS), key=["M_BUCKET", "N", "K", "FUSED", "W_FP16"],
+                     prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
+    @triton.heuristics(_HEURISTICS)
+    @triton.jit(do_not_specialize=["M"])
+    def _dense_kernel(
+        # pointers. FUSED: x (elements, for the amax), its pair view and the RAC mask; otherwise the
+        # operand planes and their global scale. Split-K: partial tiles and per-tile arrival counters.
+        x_ptr, x_words_ptr, rac_mask_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, y_ptr,
+        workspace_ptr, counter_ptr,
+        # sizes (M_BUCKET: the autotuning key; *_plane: elements in one operand plane; the columns from N1
+        # on take the second weight global scale, from N2 on the third: stacked q/k/v weights)
+        M, N, K, M_BUCKET, x_plane, w_plane, N1, N2,
+        # strides (operand planes and y in elements, w in bytes, scales in blocks)
+        stride_x, stride_w, stride_ws,
+        # meta-parameters
+        FUSED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, W_FP16: tl.constexpr,
+        OUT_BF16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr, EVEN_K: tl.constexpr,
+        X_FIRST: tl.constexpr,
+    ):
+        # N tiles vary fastest: programs running together share the activation rows and stream
+        # disjoint weight rows, which is what a weight-bound decode wants.
+        pid, pid_k = tl.program_id(0), tl.program_id(1)
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        row0 = (pid // n_tiles) * BLOCK_M
+        cols = ((pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        col_mask = cols < N
+        k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_begin = pid_k * k_per_split
+        k_end = tl.minimum(K, k_begin + k_per_split)
+        x_global = 1.0 if FUSED else tl.load(x_global_ptr)  # (FUSED: reduced inside the main loop)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        acc, x_global = _mainloop(x_words_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr,
+                                  w_scale_ptr, cols, col_mask, stride_w, stride_ws, w_plane, K, k_begin,
+                                  k_end, FUSED, HAS_RESIDUAL, X_BF16, W_FP16, GPU, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  EVEN_K, rows, X_FIRST, x_ptr)
+        which, col_base, col_stride = _split_columns(cols, M, N, N1, N2)
+        scale = _EPILOGUE * x_global * tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[:, None]
+        if SPLIT_K == 1:
+            _store_split(y_ptr, rows, rows < M, col_base, col_stride, col_mask, acc * scale, OUT_BF16)
+        else:
+            # each split stores its partial tile; the last to arrive (an acq_rel counter per tile) adds
+            # the SPLIT_K partials in a fixed order (deterministic), resets the counter and stores y
+            tile: tl.constexpr = BLOCK_N * BLOCK_M
+            offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+            part_ptr = workspace_ptr + pid.to(tl.int64) * (SPLIT_K * tile) + offs
+            tl.store(part_ptr + pid_k * tile, acc)
+            tl.debug_barrier()                                                           # all partials issued
+            arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
+            tl.debug_barrier()
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for split in range(SPLIT_K):
+                    total += tl.load(part_ptr + split * tile, cache_modifier=".cg")
+                # ready for the next call
+                tl.atomic_xchg(counter_ptr + pid, 0)
+                _store_split(y_ptr, rows, rows < M, col_base, col_stride, col_mask, total * scale, OUT_BF16)
+
+
+_SPLIT_COUNTERS = {}
+
+
+def _split_k_buffers(M, N, bucket, device):
+    """Scratch for split-K partial tiles (written before read: no init) and the per-tile arrival
+    counters (zero, reset to zero by the kernel itself: kept per device). Counters are shared by all
+    calls, so split-K launches must not run concurrently on two streams."""
+    configs = (_INTERPRETER_CONFIGS if _INTERPRET else DENSE_CONFIGS)[bucket]
+    splits = [(bm, bn, split) for bm, bn, _, _, _, split, *_ in configs if split > 1]
+    if not splits:
+        return (torch.empty(1, dtype=torch.float32, device=device),
+                torch.empty(1, dtype=torch.int32, device=device))
+    size = max(split * triton.cdiv(M, bm) * bm * triton.cdiv(N, bn) * bn for bm, bn, split in splits)
+    tiles = max(triton.cdiv(M, bm) * triton.cdiv(N, bn) for bm, bn, _ in splits)
+    counters = _SPLIT_COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = _SPLIT_COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return torch.empty(size, dtype=torch.float32, device=device), counters
+
+
+def _split_output(y, M, N, splits):
+    """The dense kernels' flat output -> (M, N), or one contiguous (M, n) tensor per stacked weight."""
+    if splits is None:
+        return y.view(M, N)
+    return tuple(part.view(M, n) for part, n in zip(y.split([M * n for n in splits]), splits))
+
+
+def _column_splits(w_q, splits):
+    """(N1, N2) for the kernels' per-column weight global scale: w_q stacks len(splits) weights along N."""
+    N = w_q.shape[0]
+    ends = list(itertools.accumulate(splits or ()))[:-1] + [N, N]  # where weights 2 and 3 begin, else N
+    return ends[0], ends[1]
+
+
+def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None, splits=None):
+    """The Hopper dense kernel: on x itself (quantized inside the GEMM) or on a quantized `act`."""
+    fused = act is None
+    M = x.shape[0] if fused else act.operand.shape[1]
+    N, K = w_q.shape
+    device = w_q.device
+    y = torch.empty(M * N, dtype=out_dtype, device=device)  # splits: each weight's (M, n) after another
+    w_data, w_scale = w_q.data.contiguous(), w_q.block_scale.contiguous().view(torch.uint8)
+    w_fp16 = M >= PREFILL_ROWS
+    w_ptr, stride_w, w_plane = w_data, w_data.stride(0), 0
+    if w_fp16:
+        w_operand = _empty_planes(N, K // 2, device)
+        rows, block_k = 64, 256
+        _weight_operand_kernel[(triton.cdiv(N, rows), triton.cdiv(K, block_k))](
+            w_data, w_scale, w_operand, N, K, w_data.stride(0), w_scale.stride(0), w_operand.stride(0),
+            GPU=not _INTERPRET, ROWS=rows, BLOCK_K=block_k)
+        w_ptr, stride_w, w_plane = w_operand, K // 2, w_operand.stride(0)
+    if fused:
+        x = nvfp4._contiguous_pairs(x)
+        mask = rac_mask.view(torch.uint8) if rac_mask is not None else w_data
+        x_args = (x, nvfp4._pair_view(x), mask, w_q.global_scale)                     # (x_global_ptr unused)
+        x_plane, stride_x, x_bf16 = 0, K, x.dtype == torch.bfloat16
+    else:
+        x_args = (act.operand, act.operand, w_data, act.global_scale)
+        x_plane, stride_x, x_bf16 = act.operand.stride(0), act.operand.stride(1), False
+    bucket = _m_bucket(M, DENSE_CONFIGS)
+    workspace, counters = _split_k_buffers(M, N, bucket, device)
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+    _dense_kernel[grid](*x_args, w_ptr, w_scale, w_q.global_scale.contiguous(), _as_int16(y), workspace,
+                        counters, M, N, K, bucket, x_plane, w_plane, *_column_splits(w_q, splits),
+                        stride_x, stride_w, w_scale.stride(0), FUSED=fused,
+                        HAS_RESIDUAL=fused and rac_mask is not None, X_BF16=x_bf16, W_FP16=w_fp16,
+                        OUT_BF16=out_dtype == torch.bfloat16, GPU=not _INTERPRET)
+    return _split_output(y, M, N, splits)
+
+
+def layer_input(x, rac_mask):
+    """What the Triton GEMM takes of x (M, K): on Blackwell the codes; at one token on Hopper None (the
+    GEMM quantizes x itself); else the fp16 operand."""
+    if gemm_backend(x.device) == "native":
+        return quantize_activation_triton(x, rac_mask, codes=True, operand=False)
+    return None if x.numel() <= FUSED_ELEMENTS else quantize_activation_triton(x, rac_mask)
+
+
+def layer_matmul(x, w_q, rac_mask, act, out_dtype, splits=None):
+    """The layer's GEMM on layer_input's `act` (Triton, CUDA)."""
+    if act is None:
+        return _dense_portable(w_q, out_dtype, x=x, rac_mask=rac_mask, splits=splits)
+    if act.operand is None:
+        return _dense_native(act.x_q, act.residual, w_q, out_dtype, splits)
+    return _dense_portable(w_q, out_dtype, act=act, splits=splits)
+
+
+def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=None):
+    """The NVFP4 layer's fast path, x (M, K) -> (M, N): a decode-sized x is quantized inside the GEMM
+    (one launch); larger inputs take one quantizer launch and one GEMM; Blackwell the native kernel.
+    splits: w_q stacks up to three weights along N (their row counts), global_scale one per weight:
+    q/k/v_proj as one GEMM, equal to three (up to fp32 accumulation order)."""
+    _require_triton()
+    _check_matrix(x, "nvfp4_linear")
+    _check_rac_mask(rac_mask, x)
+    _check_out_dtype(out_dtype)
+    if x.shape[1] != w_q.shape[1] or x.device != w_q.device:
+        raise ValueError(f"nvfp4_linear: x {tuple(x.shape)} on {x.device} does not match the weight "
+                         f"{tuple(w_q.shape)} on {w_q.device}")
+    n_scales = 1 if splits is None else len(splits)
+    if splits is not None and not (1 <= len(splits) <= 3 and sum(splits) == w_q.shape[0]):
+        raise ValueError(f"nvfp4_linear: splits {tuple(splits)} must be 1 to 3 row counts adding up to the "
+                         f"weight's N = {w_q.shape[0]}")
+    if w_q.global_scale.numel() != n_scales:
+        raise ValueError(f"nvfp4_linear: the weight has {w_q.global_scale.numel()} global scales; "
+                         f"expected {n_scales} (one per stacked weight)")
+    return layer_matmul(x, w_q, rac_mask, layer_input(x, rac_mask), out_dtype, splits)
+
+
+# ======================================================================== Triton: the experts' grouped GEMM
+if triton is not None:
+    @triton.jit
+    def _expert_tile(counts_ptr, E, pid_m, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+        """Which (expert, row tile) is program pid_m's? Expert e owns cdiv(counts[e], BLOCK_M) tiles,
+        laid end to end; a prefix sum over the E counts answers it on the device. -> (expert, first
+        sorted row of the tile, end row of the expert, total tiles: programs beyond it have no work)."""
+        experts = tl.arange(0, E_POW2)
+        counts = tl.load(counts_ptr + experts, mask=experts < E, other=0).to(tl.int32)    # (E_POW2,)
+        tiles = (counts + BLOCK_M - 1) // BLOCK_M
+        tile_end = tl.cumsum(tiles, axis=0)
+        expert = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
+        mine = experts == expert
+        first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), axis=0)
+        first_row = tl.sum(tl.where(mine, tl.cumsum(counts, axis=0) - counts, 0), axis=0)
+        end_row = first_row + tl.sum(tl.where(mine, counts, 0), axis=0)
+        return expert, first_row + (pid_m - first_tile) * BLOCK_M, end_row, tl.sum(tiles, axis=0)
+
+    # Twin: grouped_matmul_reference.
+    @triton.autotune(configs=_configs(GROUPED_CONFIGS), key=["M_BUCKET", "N", "K"],
+                     prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
+    @triton.heuristics(_HEURISTICS)
+    @triton.jit
+    def _grouped_kernel(
+        # pointers
+        x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, w_ptr, w_scale_ptr, w_global_ptr, counts_ptr,
+        y_ptr,
+        # sizes: N is the weight's rows (2I for SwiGLU, whose output has N/2 columns)
+        N, K, E, M_BUCKET, x_plane,
+        # strides
+        stride_x, stride_we, stride_w, stride_wse, stride_ws, stride_y,
+        # meta-parameters
+        GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, SWIGLU: tl.constexpr, OUT_BF16: tl.constexpr,
+        GPU: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr, EVEN_K: tl.constexpr,
+        X_FIRST: tl.constexpr,
+    ):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        expert, row0, end_row, n_tiles = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
+        if pid_m >= n_tiles:  # the grid is an upper bound on the tile count: surplus programs exit
+            return
+        sorted_rows = row0 + tl.arange(0, BLOCK_M)
+        row_mask = sorted_rows < end_row
+        x_rows = tl.load(row_ids_ptr + sorted_rows, mask=row_mask, other=0) if GATHER else sorted_rows
+        n_out = N // 2 if SWIGLU else N
+        cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        col_mask = cols < n_out
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
+        scale = _EPILOGUE * tl.load(x_global_ptr) * tl.load(w_global_ptr + expert)
+        if SWIGLU:  # one stacked tile: the gate rows cols (of [0, I)), then the up rows I + cols
+            stacked = tl.arange(0, 2 * BLOCK_N)
+            w_rows = pid_n * BLOCK_N + stacked % BLOCK_N + (stacked // BLOCK_N) * n_out
+            w_mask = pid_n * BLOCK_N + stacked % BLOCK_N < n_out
+            acc, _ = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base,
+                               w_rows.to(tl.int64), w_mask, stride_w, stride_ws, 0, K, 0, K, False, False,
+                               False, False, GPU, BLOCK_M, 2 * BLOCK_N, BLOCK_K, EVEN_K, x_rows, X_FIRST)
+            acc = acc * scale                                                           # (2 BLOCK_N, BLOCK_M)
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+            out = gate / (1.0 + tl.exp(-gate)) * up                                      # silu(gate) * up
+        else:
+            out, _ = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, cols,
+                               col_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU,
+                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, x_rows, X_FIRST)
+            out = out * scale
+        if ROW_WEIGHTS:
+            out = out * tl.load(row_weights_ptr + sorted_rows, mask=row_mask, other=0.0)[None, :]
+        _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, out, OUT_BF16)
+
+
+def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swiglu=False,
+                          out_dtype=torch.bfloat16):
+    """The experts' GEMM (twin: grouped_matmul_reference) on a quantized Activation: rows
+    (act's, or act's row_ids[r]) grouped by expert per counts (E,), w_q (E, N, K). No host sync."""
+    _require_triton()
+    _check_out_dtype(out_dtype)
+    E, N, K = w_q.shape
+    act_rows = act.operand.shape[1] if act.operand is not None else act.x_q.shape[0]
+    n_rows = row_ids.numel() if row_ids is not None else act_rows
+    n_out = N // 2 if swiglu else N
+    y = torch.empty((n_rows, n_out), dtype=out_dtype, device=w_q.device)
+    if n_rows == 0:
+        return y
+    flags = dict(GATHER=row_ids is not None, ROW_WEIGHTS=row_weights is not None, SWIGLU=swiglu,
+                 OUT_BF16=out_dtype == torch.bfloat16, E_POW2=max(2, triton.next_power_of_2(E)))
+    row_ids = row_ids if row_ids is not None else counts
+    row_weights = row_weights if row_weights is not None else counts
+    if act.operand is None:  # codes only: the native kernel
+        return _grouped_native(act, w_q, counts, row_ids, row_weights, y, flags)
+    w_data, w_scale = w_q.data.contiguous(), w_q.block_scale.contiguous().view(torch.uint8)
+    operand = act.operand
+
+    def grid(meta):  # an upper bound on sum_e cdiv(counts[e], BLOCK_M): no host sync
+        return (triton.cdiv(n_rows, meta["BLOCK_M"]) + min(E, n_rows), triton.cdiv(n_out, meta["BLOCK_N"]))
+
+    _grouped_kernel[grid](operand, act.global_scale, row_ids, row_weights, w_data, w_scale,
+                          w_q.global_scale.contiguous(), counts, _as_int16(y), N, K, E,
+                          _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS), operand.stride(0),
+                          operand.stride(1), w_data.stride(0), w_data.stride(1), w_scale.stride(0),
+                          w_scale.stride(1), y.stride(0), GPU=not _INTERPRET, **flags)
+    return y
+
+
+# ======================================================================== Blackwell: native FP4 kernels
+if triton is not None:
+    # sm_100+; compiled for sm_100 by a CPU test, numerics untested (no such GPU here). One tl.dot_scaled per
+    # loop body: with two (x and its residual, or gate and up) Triton 3.6's automatic warp specialization
+    # fails to compile for sm_100. So the residual is a second pass over K (the weight tiles read again,
+    # mostly from L2), and SwiGLU's gate and up rows are one stacked tile, as in the Hopper kernel.
+    @triton.jit
+    def _native_k_loop(acc, x_ptr, xs_ptr, rows, row_mask, stride_x, stride_xs, w_ptr, ws_ptr, cols, col_mask,
+                       stride_w, stride_ws, K, BLOCK_K: tl.constexpr):
+        """acc (BLOCK_M, cols) += X[rows] @ W[cols].T over all of K on FP4 tensor cores."""
+        for k0 in range(0, K, BLOCK_K):
+            byte_idx = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            block_idx = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            byte_ok, block_ok = byte_idx < K // 2, block_idx < K // 16
+            x = tl.load(x_ptr + rows[:, None] * stride_x + byte_idx[None, :],
+                        mask=row_mask[:, None] & byte_ok[None, :], other=0)
+            xs = tl.load(xs_ptr + rows[:, None] * stride_xs + block_idx[None, :],
+                         mask=row_mask[:, None] & block_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * stride_w + byte_idx[None, :],
+                        mask=col_mask[:, None] & byte_ok[None, :], other=0)
+            ws = tl.load(ws_ptr + cols[:, None] * stride_ws + block_idx[None, :],
+                         mask=col_mask[:, None] & block_ok[None, :], other=0.0)
+            acc = tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
+        return acc
+
+    @triton.jit
+    def _dense_native_kernel(
+        x_ptr, x_scale_ptr, r_ptr, r_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, y_ptr,
+        M, N, K, N1, N2, stride_x, stride_xs, stride_w, stride_ws,
+        HAS_RESIDUAL: tl.constexpr, OUT_BF16: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """y = (x + r) @ W.T: packed codes and E4M3 scales go to tl.dot_scaled as they are."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask, col_mask = rows < M, cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _native_k_loop(acc, x_ptr, x_scale_ptr, rows, row_mask, stride_x, stride_xs, w_ptr, w_scale_ptr,
+                             cols, col_mask, stride_w, stride_ws, K, BLOCK_K)
+        if HAS_RESIDUAL:  # the same weights, the residual's codes
+            acc = _native_k_loop(acc, r_ptr, r_scale_ptr, rows, row_mask, stride_x, stride_xs, w_ptr,
+                                 w_scale_ptr, cols, col_mask, stride_w, stride_ws, K, BLOCK_K)
+        which, col_base, col_stride = _split_columns(cols, M, N, N1, N2)
+        scale = tl.load(x_global_ptr) * tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[None, :]
+        _store_split(y_ptr, rows, row_mask, col_base, col_stride, col_mask, tl.trans(acc * scale), OUT_BF16)
+
+    @triton.jit
+    def _grouped_native_kernel(
+        x_ptr, x_scale_ptr, r_ptr, r_scale_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr,
+        w_ptr, w_scale_ptr, w_global_ptr, counts_ptr, y_ptr,
+        N, K, E, stride_x, stride_xs, stride_we, stride_w, stride_wse, stride_ws, stride_y,
+        GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, SWIGLU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+        OUT_BF16: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """The grouped kernel on FP4 tensor cores (SWIGLU: the gate and up rows as one stacked tile)."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        expert, row0, end_row, n_tiles = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
+        if pid_m >= n_tiles:
+            return
+        sorted_rows = row0 + tl.arange(0, BLOCK_M)
+        row_mask = sorted_rows < end_row
+        x_rows = tl.load(row_ids_ptr + sorted_rows, mask=row_mask, other=0) if GATHER else sorted_rows
+        n_out = N // 2 if SWIGLU else N
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < n_out
+        W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
+        stacked = tl.arange(0, W_ROWS)
+        w_rows = pid_n * BLOCK_N + stacked % BLOCK_N + (stacked // BLOCK_N) * n_out    # SWIGLU: [gate; up]
+        w_mask = pid_n * BLOCK_N + stacked % BLOCK_N < n_out
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
+        acc = tl.zeros((BLOCK_M, W_ROWS), dtype=tl.float32)
+        acc = _native_k_loop(acc, x_ptr, x_scale_ptr, x_rows, row_mask, stride_x, stride_xs, w_base, ws_base,
+                             w_rows, w_mask, stride_w, stride_ws, K, BLOCK_K)
+        if HAS_RESIDUAL:
+            acc = _native_k_loop(acc, r_ptr, r_scale_ptr, x_rows, row_mask, stride_x, stride_xs, w_base,
+                                 ws_base, w_rows, w_mask, stride_w, stride_ws, K, BLOCK_K)
+        out = acc * (tl.load(x_global_ptr) * tl.load(w_global_ptr + expert))
+        if SWIGLU:
+            gate, up = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+            out = gate / (1.0 + tl.exp(-gate)) * up                                      # silu(gate) * up
+        if ROW_WEIGHTS:
+            out = out * tl.load(row_weights_ptr + sorted_rows, mask=row_mask, other=0.0)[:, None]
+        _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, tl.trans(out), OUT_BF16)
+
+
+def _dense_native(x_q, residual, w_q, out_dtype, splits=None):
+    M, K = x_q.shape
+    N = w_q.shape[0]
+    y = torch.empty(M * N, dtype=out_dtype, device=x_q.device)
+    r = residual if residual is not None else x_q
+    block_m, block_n, block_k = 128, 128, 128
+    _dense_native_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+        x_q.data, x_q.block_scale, r.data, r.block_scale, x_q.global_scale, w_q.data, w_q.block_scale,
+        w_q.global_scale, _as_int16(y), M, N, K, *_column_splits(w_q, splits), x_q.data.stride(0),
+        x_q.block_scale.stride(0), w_q.data.stride(0), w_q.block_scale.stride(0),
+        HAS_RESIDUAL=residual is not None,
+        OUT_BF16=out_dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return _split_output(y, M, N, splits)
+
+
+def _grouped_native(act, w_q, counts, row_ids, row_weights, y, flags):
+    """grouped_matmul_triton's launch on Blackwell: act's codes, y (rows, N or N/2) allocated by it."""
+    E, N, K = w_q.shape
+    r = act.residual if act.residual is not None else act.x_q
+    (rows, n_out), block_m, block_n, block_k = y.shape, 128, 128, 128
+    _grouped_native_kernel[(triton.cdiv(rows, block_m) + min(E, rows), triton.cdiv(n_out, block_n))](
+        act.x_q.data, act.x_q.block_scale, r.data, r.block_scale, act.global_scale, row_ids, row_weights,
+        w_q.data, w_q.block_scale, w_q.global_scale, counts, _as_int16(y), N, K, E,
+        act.x_q.data.stride(0), act.x_q.block_scale.stride(0), w_q.data.stride(0), w_q.data.stride(1),
+        w_q.block_scale.stride(0), w_q.block_scale.stride(1), y.stride(0),
+        HAS_RESIDUAL=act.residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4, **flags)
+    return y
+
+
+# ======================================================================== the one place a path is chosen
+_BACKENDS = {}
+
+
+def _native_agrees(device):
+    """Run the native kernels once on a check problem and compare them with the Hopper kernels.
+    Any disagreement or error: warn once, in one line, and return False (use the portable kernels)."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(48, 256, generator=generator).to(device, torch.bfloat16)
+    w_q = nvfp4.quantize_weight(torch.randn(80, 256, generator=generator).to(device, torch.bfloat16))
+    stacked_q = nvfp4.quantize_weight(torch.randn(3, 80, 256, generator=generator).to(device, torch.bfloat16))
+    counts = torch.tensor([20, 0, 28], device=device)
+    mask = torch.arange(16, device=device) % 2 == 0
+    act = quantize_activation_triton(x, mask, codes=True, operand=True)
+    codes = act._replace(operand=None)  # what the native kernels take
+    checks = (("dense", lambda: _dense_native(act.x_q, act.residual, w_q, torch.float32),
+               lambda: _dense_portable(w_q, torch.float32, act=act)),
+              ("grouped", lambda: grouped_matmul_triton(codes, stacked_q, counts, out_dtype=torch.float32),
+               lambda: grouped_matmul_triton(act, stacked_q, counts, out_dtype=torch.float32)))
+    for name, native, portable in checks:
+        reference = portable()
+        try:
+            result = native()
+        except Exception as error:  # a compiler or launch failure: report it and keep the portable path
+            warnings.warn(f"rac.py: the native FP4 {name} GEMM failed on {device} ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0] if str(error) else ''}); using the portable kernels")
+            return False
+        error = ((result - reference).norm() / reference.norm()).item()
+        if not error < 1e-3:
+            warnings.warn(f"rac.py: the native FP4 {name} GEMM disagrees with the portable kernel on "
+                          f"{device} (relative error {error:.2e}); using the portable kernels")
+            return False
+    return True
+
+
+def gemm_backend(device):
+    """'native' (tl.dot_scaled on sm_100+, if it passed its first-use check) or 'portable'."""
+    if device.type != "cuda":
+        return "portable"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _BACKENDS:
+        blackwell = torch.cuda.get_device_capability(index)[0] >= 10
+        _BACKENDS[index] = ("native" if blackwell and _native_agrees(torch.device("cuda", index))
+                            else "portable")
+    return _BACKENDS[index]

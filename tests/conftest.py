@@ -9,9 +9,8 @@
 - torch computes on one thread: the shapes are tiny, so one thread is the fastest and the least
   disturbed by other processes on a shared CPU. A test that changes the thread count gets it back.
 - Helpers: `report_diff` (max and mean difference, for fast-vs-slow twin tests), `bits` and `same_bits`
-  (bitwise comparison), `assert_same_quantization` (two NVFP4 tensors hold the same bits),
-  `tiny_model` (the tiny preset with seeded weights) and `routing_with_empty_experts` (expert routes
-  that leave some experts without tokens).
+  (bitwise comparison), `assert_same_quantization` (two NVFP4 tensors hold the same bits), and
+  `tiny_model` (the tiny preset with seeded weights).
 """
 import os
 import sys
@@ -122,12 +121,3 @@ def raises_one_line(call, names, problem, error=ValueError):
     message = str(raised.value)
     assert names in message and problem in message and "\n" not in message, message
     return message
-
-
-def routing_with_empty_experts(n_experts, tokens, active, device, seed=0):
-    """Random top-A routes that never pick experts 0, 2 and the last one (they receive no tokens)."""
-    generator = torch.Generator().manual_seed(seed)
-    allowed = torch.tensor([e for e in range(n_experts) if e not in (0, 2, n_experts - 1)])
-    scores = torch.rand(tokens, allowed.numel(), generator=generator)
-    expert_ids = allowed[scores.topk(active, dim=-1).indices].to(device)
-    return expert_ids, moe.route_tokens(expert_ids, n_experts)

@@ -15,7 +15,6 @@ import nvfp4
 import qat
 import rac
 import rollout
-import w4a4
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -413,14 +412,14 @@ def test_moeresq_linear_equals_the_rollout_layers_torch_twin_to_accumulation_ord
     x[:, 16:32] *= 30  # an outlier block: the residual matters
     mask = half_the_blocks(4, seed=1)
     rollout_layer = rac.NVFP4Linear.from_float(linear)
-    expected = w4a4.nvfp4_linear_reference(x, rollout_layer.weight_q, mask)       # the rollout's twin, fp32
+    expected = rac.nvfp4_linear_reference(x, rollout_layer.weight_q, mask)       # the rollout's twin, fp32
     trainer_layer = qat.QATLinear.from_float(copy.deepcopy(linear), "moeresq")
     trainer_layer.rac_masks = (mask,)
     scale = expected.abs().max().item()
     assert report_diff(trainer_layer(x), expected, "moeresq vs rollout twin")[0] <= 1e-6 * scale
     # the compensation is really there: without it (w4a4) or without activation quantization (qat) the
     # trainer is far from the rollout
-    naive = w4a4.nvfp4_linear_reference(x, rollout_layer.weight_q, None)
+    naive = rac.nvfp4_linear_reference(x, rollout_layer.weight_q, None)
     assert report_diff(expected, naive, "rac vs naive rollout")[0] > 1e-3 * scale
     for mode in ("w4a4", "qat"):
         other = qat.QATLinear.from_float(copy.deepcopy(linear), mode)(x)
@@ -451,7 +450,7 @@ def test_moeresq_experts_equal_the_rollout_experts_torch_twin_to_accumulation_or
 
 # ----------------------------------------------------------------------------------------------- trace
 def recorded_and_used(x):
-    return nvfp4.quantize(x), w4a4.quantize_activation_triton(x, codes=True).x_q
+    return nvfp4.quantize(x), rac.quantize_activation_triton(x, codes=True).x_q
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

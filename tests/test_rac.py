@@ -1,20 +1,25 @@
-"""rac.py: residual activation compensation (block selection, calibration, the error it removes), the
-NVFP4 layers' Triton path against their twins, q/k/v sharing one quantization and one GEMM, model
-conversion, weight sync against the QAT weight rule, and clear errors."""
+"""rac.py: the activation quantizer (bit for bit), the dense (fused decode, GEMV, split-K, prefill) and
+grouped W4A4 kernels against their dequantize-then-matmul twins (CPU under TRITON_INTERPRET=1, GPU
+natively), every autotuning configuration on the GPU, the Blackwell kernels' guard and sm_100
+compilation, residual activation compensation (block selection, calibration, the error it removes),
+q/k/v sharing one quantization and one GEMM, model conversion, weight sync against the QAT weight rule,
+and clear errors."""
 import copy
+import os
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import bits, raises_one_line, relative_error, report_diff, routing_with_empty_experts, same_bits
-from conftest import tiny_model
+from conftest import HAS_TRITON, bits, raises_one_line, relative_error, report_diff, same_bits, tiny_model
 
 import fp8
 import moe
 import nvfp4
 import qat
 import rac
-import w4a4
 
 
 def _outlier_activations(rows, cols, seed, device="cpu", dtype=torch.bfloat16):
@@ -27,6 +32,442 @@ def _outlier_activations(rows, cols, seed, device="cpu", dtype=torch.bfloat16):
         t = torch.distributions.StudentT(4.0).sample((rows, cols)) * channel_scale
         return t.to(device, dtype)
     return batch
+
+
+# ============================================================================ quantizer
+@pytest.mark.parametrize("rows,cols", [(1, 16), (3, 48), (17, 80), (64, 768)])
+@pytest.mark.parametrize("compensate", [False, True])
+def test_quantizer_matches_its_twin_bit_for_bit(kernel_device, rows, cols, compensate):
+    # (64, 768) has 49152 elements: above FUSED_ELEMENTS, so its amax comes from the partial-max launch
+    torch.manual_seed(rows * cols)
+    x = (torch.randn(rows, cols) * torch.exp(torch.randn(cols))).to(kernel_device, torch.bfloat16)
+    x[0, :5] = -1e-30  # negative values that round to zero
+    mask = (torch.arange(cols // 16, device=kernel_device) % 2 == 0) if compensate else None
+    act = rac.quantize_activation_triton(x, mask, codes=True, operand=True)
+    x_q, residual = rac.quantize_activation_reference(x.cpu(), None if mask is None else mask.cpu())
+    assert same_bits(act.global_scale, x_q.global_scale)
+    assert same_bits(act.x_q.data, x_q.data) and same_bits(act.x_q.block_scale, x_q.block_scale)
+    if compensate:
+        assert same_bits(act.residual.data, residual.data)
+        assert same_bits(act.residual.block_scale, residual.block_scale)
+        # unselected blocks carry no residual; selected ones do (the test input has no exact blocks)
+        scales = residual.block_scale.float()
+        assert (scales[:, ~mask.cpu()] == 0).all() and (scales[:, mask.cpu()] > 0).any()
+    else:
+        assert act.residual is None
+    assert same_bits(act.operand, rac.activation_operand(x_q, residual))
+    # the operand twin is the definition: (code value * block scale, x's and r's summed) * 2^-6 in fp16
+    def values(q):
+        codes = nvfp4.unpack_codes(q.data.cpu())
+        magnitude = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float64)[(codes & 7).long()]
+        signed = torch.where(codes >= 8, -magnitude, magnitude).view(rows, -1, 16)
+        return (signed * q.block_scale.cpu().double()[..., None]).view(rows, cols)
+    exact = values(x_q) + (values(residual) if residual is not None else 0.0)
+    planes = torch.stack((exact[:, 0::2], exact[:, 1::2])) * 2.0 ** -6
+    assert torch.equal(rac.activation_operand(x_q, residual).double(), planes.half().double())
+
+
+def test_quantizer_zeros_and_nan(kernel_device):
+    zeros = torch.zeros(2, 32, device=kernel_device, dtype=torch.bfloat16)
+    act = rac.quantize_activation_triton(zeros, torch.ones(2, dtype=torch.bool, device=kernel_device),
+                                         codes=True)
+    assert act.global_scale.item() == 1.0 and (act.operand == 0).all() and (act.residual.data == 0).all()
+    x = torch.randn(3, 32, device=kernel_device)
+    x[1, 20] = float("nan")
+    act = rac.quantize_activation_triton(x, torch.ones(2, dtype=torch.bool, device=kernel_device))
+    x_q, residual = rac.quantize_activation_reference(x.cpu(), torch.ones(2, dtype=torch.bool))
+    assert act.global_scale.isnan().item() and x_q.global_scale.isnan().item()
+    assert same_bits(act.operand, rac.activation_operand(x_q, residual))
+    assert act.operand[:, 1, 8:].isnan().all()  # the NaN block (columns 16..31) stays NaN
+
+
+def _compiled_output(script):
+    """Run a compile-only script in a fresh Python with the interpreter off (Triton compiles for a GPU it
+    does not have, with its own ptxas) -> its stdout lines."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.splitlines()
+
+
+_COMPILE_FOR_SM90 = r"""
+import re, triton, rac
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+def jit(kernel):
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):  # through autotune and heuristics
+        kernel = kernel.fn
+    return kernel
+i = "i32"
+kernels = {
+    "quantizer": (rac._quantize_activation_kernel,
+                  ["*bf16", "*i32", "*u8", "*fp32", "*fp32", "*u8", "*u8", "*u8", "*u8", "*fp16"] + [i] * 5,
+                  dict(AMAX_HERE=True, HAS_RESIDUAL=True, X_BF16=True, WRITE_CODES=True, WRITE_OPERAND=True,
+                       BLOCKS=32, CHUNK=4096, PARTIALS=1)),
+    "fused GEMV": (rac._dense_kernel,
+                   ["*bf16", "*i32", "*u8", "*fp32", "*u8", "*u8", "*fp32", "*i16", "*fp32", "*i32"]
+                   + [i] * 11,
+                   dict(FUSED=True, HAS_RESIDUAL=True, X_BF16=True, W_FP16=False, OUT_BF16=True, BLOCK_M=1,
+                        BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, BUCKET=1, EVEN_K=True, X_FIRST=False)),
+}
+for name, (kernel, types, constants) in kernels.items():
+    kernel = jit(kernel)
+    for gpu in (True, False):
+        c = dict(constants, GPU=gpu)
+        names = kernel.arg_names
+        signature = dict(zip([n for n in names if n not in c], types))
+        signature.update({n: "constexpr" for n in c})
+        ptx = compile(ASTSource(kernel, signature, c), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        print(name.replace(" ", "_"), gpu, len(re.findall(r"\bmul\.rn\.f32\b", ptx)))
+"""
+
+
+def test_compiled_kernels_round_the_residuals_product_on_its_own():
+    # What the interpreter cannot show: compiled for the GPU, x - DQ(x_q) would become one FMA, skipping
+    # the product's fp32 rounding the twin makes (seen on the H200 as residual codes unlike the twin's).
+    # The quantizer and the fused decode GEMV must hold the never-fused mul.rn.f32 (not in their
+    # interpreter build, GPU=False: the count is of the residual's products, not of something else).
+    lines = _compiled_output(_COMPILE_FOR_SM90)
+    counts = {(name, gpu): int(n) for name, gpu, n in (line.split() for line in lines)}
+    assert set(counts) == {(name, gpu) for name in ("quantizer", "fused_GEMV") for gpu in ("True", "False")}
+    for name in ("quantizer", "fused_GEMV"):
+        assert counts[name, "True"] > 0 and counts[name, "False"] == 0, counts
+
+
+# ============================================================================ dense layer path
+def _dense_case(rows, cols, out_features, device, seed):
+    torch.manual_seed(seed)
+    x = torch.randn(rows, cols, device=device, dtype=torch.bfloat16) * 4
+    w_q = nvfp4.quantize_weight(torch.randn(out_features, cols, device=device))
+    return x, w_q
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("cols,out_features", [(16, 24), (48, 40), (96, 33), (256, 72)])
+@pytest.mark.parametrize("compensate", [False, True])
+def test_dense_kernel_matches_the_layer_twin(kernel_device, rows, cols, out_features, compensate):
+    # M = 1 is the GEMV, 3 and 17 the tensor-core tiles with and without split-K; inputs up to
+    # FUSED_ELEMENTS are quantized inside the GEMM, (64, 768) below takes the quantizer launch
+    x, w_q = _dense_case(rows, cols, out_features, kernel_device, rows + cols + out_features)
+    mask = torch.arange(cols // 16, device=kernel_device) % 2 == 0 if compensate else None
+    y = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
+    reference = rac.nvfp4_linear_reference(x, w_q, mask)
+    max_diff, _ = report_diff(y, reference, f"dense M={rows} K={cols} N={out_features} rac={compensate}")
+    # fp32 accumulation order only; with a residual also the fp16 rounding of x + r (2^-12 relative)
+    assert max_diff <= (2e-3 if compensate else 1e-5) * reference.abs().max().item() + 1e-6
+    y_bf16 = rac.nvfp4_linear_triton(x, w_q, mask)
+    assert y_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(y_bf16.float(), reference, rtol=1e-2, atol=1e-2 * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("fused_elements,prefill_rows", [(0, 10 ** 9), (0, 1)])
+def test_quantizer_launch_and_prefill_paths_match_the_fused_path(kernel_device, monkeypatch, fused_elements,
+                                                                   prefill_rows):
+    # the same layer with the quantizer as its own launch, and with the prefill weight pass
+    x, w_q = _dense_case(5, 96, 40, kernel_device, 0)
+    mask = torch.arange(6, device=kernel_device) < 4
+    fused = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
+    monkeypatch.setattr(rac, "FUSED_ELEMENTS", fused_elements)
+    monkeypatch.setattr(rac, "PREFILL_ROWS", prefill_rows)
+    y = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
+    assert report_diff(y, fused, "unfused vs fused")[0] <= 1e-5 * fused.abs().max().item()
+
+
+def test_prefill_weight_pass_matches_its_twin(kernel_device):
+    torch.manual_seed(0)
+    w_q = nvfp4.quantize_weight(torch.randn(40, 96, device=kernel_device))
+    operand = rac._empty_planes(40, 48, kernel_device)
+    rac._weight_operand_kernel[(1, 1)](w_q.data, w_q.block_scale.view(torch.uint8), operand, 40, 96, 48, 6,
+                                       operand.stride(0), GPU=kernel_device == "cuda", ROWS=64, BLOCK_K=256)
+    assert same_bits(operand, rac.weight_operand_reference(w_q))
+
+
+def test_split_k_counters_are_reset_so_repeated_calls_agree(kernel_device):
+    x, w_q = _dense_case(1, 256, 72, kernel_device, 3)  # the interpreter's decode bucket splits K in two
+    first = rac.nvfp4_linear_triton(x, w_q, out_dtype=torch.float32)
+    counters = rac._SPLIT_COUNTERS[w_q.device]
+    assert (counters == 0).all()
+    assert torch.equal(rac.nvfp4_linear_triton(x, w_q, out_dtype=torch.float32), first)
+
+
+def _stacked(weights):
+    """Three weights quantized one by one (their own global scales), stacked along N as q/k/v are."""
+    qs = [nvfp4.quantize_weight(w) for w in weights]
+    return qs, rac.stack_weights(qs)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("compensate", [False, True])
+def test_stacked_weights_give_each_weight_its_own_global_scale_and_output(kernel_device, rows, compensate):
+    # 40 / 24 / 8 rows: tiles straddle the weights (the interpreter's BLOCK_N is 32); the three global
+    # scales differ by 2^10; (64, 96) takes the quantizer launch, smaller inputs the fused decode
+    generator = torch.Generator().manual_seed(rows)
+    weights = [torch.randn(n, 96, generator=generator).to(kernel_device) * scale
+               for n, scale in ((40, 1.0), (24, 2.0 ** 10), (8, 2.0 ** -10))]
+    qs, stacked = _stacked(weights)
+    x = torch.randn(rows, 96, generator=generator).to(kernel_device, torch.bfloat16)
+    mask = torch.arange(6, device=kernel_device) % 2 == 0 if compensate else None
+    outputs = rac.nvfp4_linear_triton(x, stacked, mask, out_dtype=torch.float32, splits=(40, 24, 8))
+    assert [tuple(y.shape) for y in outputs] == [(rows, 40), (rows, 24), (rows, 8)]
+    for y, q in zip(outputs, qs):  # each against its own layer's twin, and contiguous (q/k norms read rows)
+        reference = rac.nvfp4_linear_reference(x, q, mask)
+        assert y.is_contiguous()
+        assert report_diff(y, reference)[0] <= (2e-3 if compensate else 1e-5) * reference.abs().max() + 1e-30
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 16, 64, 300, 1500])
+@pytest.mark.parametrize("out_features,cols", [(4096, 2048), (512, 2048), (2048, 4096), (200, 96)])
+def test_dense_kernel_matches_the_twin_on_gpu_shapes(rows, out_features, cols):
+    torch.manual_seed(0)
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    w_q = nvfp4.quantize_weight(torch.randn(out_features, cols, device="cuda", dtype=torch.bfloat16) * 0.02)
+    for mask in (None, torch.arange(cols // 16, device="cuda") % 2 == 0):
+        y = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
+        reference = rac.nvfp4_linear_reference(x, w_q, mask)
+        max_diff, _ = report_diff(y, reference,
+                                  f"gpu dense M={rows} N={out_features} K={cols} rac={mask is not None}")
+        assert max_diff <= (2e-3 if mask is not None else 1e-4) * reference.abs().max().item()
+
+
+# ============================================================================ grouped GEMM (experts)
+def _routing_with_empty_experts(n_experts, tokens, active, device, seed=0):
+    """Random top-A routes that never pick experts 0, 2 and the last one (they receive no tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(n_experts) if e not in (0, 2, n_experts - 1)])
+    scores = torch.rand(tokens, allowed.numel(), generator=generator)
+    expert_ids = allowed[scores.topk(active, dim=-1).indices].to(device)
+    return expert_ids, moe.route_tokens(expert_ids, n_experts)
+
+
+@pytest.mark.parametrize("tokens", [3, 21])
+def test_grouped_kernel_matches_the_per_expert_twin(kernel_device, tokens):
+    # 21 tokens x 2 on 4 used experts: some experts get more rows than one 16-row tile
+    torch.manual_seed(tokens)
+    E, D, I, A = 7, 48, 32, 2
+    expert_ids, routing = _routing_with_empty_experts(E, tokens, A, kernel_device, seed=tokens)
+    assert (routing.counts[[0, 2, E - 1]] == 0).all()
+    x = torch.randn(tokens, D, device=kernel_device, dtype=torch.bfloat16)
+    act = rac.quantize_activation_triton(x, torch.tensor([True, False, True], device=kernel_device),
+                                         codes=True)
+    gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device=kernel_device))
+    hidden = rac.grouped_matmul_triton(act, gate_up_q, routing.counts, row_ids=routing.token_ids,
+                                       swiglu=True, out_dtype=torch.float32)
+    reference = rac.grouped_matmul_reference(act.x_q, gate_up_q, routing.counts, act.residual,
+                                             row_ids=routing.token_ids, swiglu=True,
+                                             out_dtype=torch.float32)
+    assert hidden.shape == (tokens * A, I)
+    assert report_diff(hidden, reference,
+                       "grouped gate/up + swiglu")[0] <= 2e-3 * reference.abs().max().item()
+
+    act = rac.quantize_activation_triton(reference, codes=True)
+    down_q = nvfp4.quantize_weight(torch.randn(E, D, I, device=kernel_device))
+    row_weights = torch.rand(tokens * A, device=kernel_device)
+    y = rac.grouped_matmul_triton(act, down_q, routing.counts, row_weights=row_weights,
+                                  out_dtype=torch.float32)
+    reference = rac.grouped_matmul_reference(act.x_q, down_q, routing.counts, row_weights=row_weights,
+                                             out_dtype=torch.float32)
+    assert report_diff(y, reference, "grouped down * router weight")[0] <= 1e-5 * reference.abs().max().item()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [1, 64, 256])
+def test_grouped_kernel_matches_the_twin_on_qwen3_expert_shapes(tokens):
+    torch.manual_seed(0)
+    E, D, I, A = 128, 2048, 768, 8
+    routing = moe.route_tokens(torch.rand(tokens, E, device="cuda").topk(A, dim=-1).indices, E)
+    act = rac.quantize_activation_triton(torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16),
+                                         torch.arange(D // 16, device="cuda") % 4 == 0, codes=True)
+    gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02)
+    hidden = rac.grouped_matmul_triton(act, gate_up_q, routing.counts, row_ids=routing.token_ids,
+                                       swiglu=True, out_dtype=torch.float32)
+    reference = rac.grouped_matmul_reference(act.x_q, gate_up_q, routing.counts, act.residual,
+                                             row_ids=routing.token_ids, swiglu=True,
+                                             out_dtype=torch.float32)
+    assert report_diff(hidden, reference,
+                       f"gpu grouped gate/up T={tokens}")[0] <= 2e-3 * reference.abs().max().item()
+    act = rac.quantize_activation_triton(reference.bfloat16(), codes=True)
+    down_q = nvfp4.quantize_weight(torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02)
+    row_weights = torch.rand(tokens * A, device="cuda")
+    y = rac.grouped_matmul_triton(act, down_q, routing.counts, row_weights=row_weights,
+                                  out_dtype=torch.float32)
+    reference = rac.grouped_matmul_reference(act.x_q, down_q, routing.counts, row_weights=row_weights,
+                                             out_dtype=torch.float32)
+    assert report_diff(y, reference, f"gpu grouped down T={tokens}")[0] <= 1e-4 * reference.abs().max().item()
+
+
+def test_configuration_tables_reach_triton_with_their_operand_order_and_register_cap(monkeypatch):
+    # the tables' optional 7th and 8th fields (X_FIRST, maxnreg) must reach the autotuner's configurations:
+    # a dropped cap compiles another kernel than the one measured (the grouped gate/up pick has one)
+    monkeypatch.setattr(rac, "_INTERPRET", False)
+    for table in (rac.DENSE_CONFIGS, rac.GROUPED_CONFIGS):
+        entries = [(bucket, entry) for bucket, rows in table.items() for entry in rows]
+        configs = rac._configs(table)
+        assert len(configs) == len(entries)
+        for config, (bucket, entry) in zip(configs, entries):
+            kw = config.kwargs
+            assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], config.num_warps, config.num_stages,
+                    kw["SPLIT_K"], kw["BUCKET"]) == (*entry[:6], bucket)
+            assert kw["X_FIRST"] == (len(entry) > 6 and entry[6])
+            assert config.maxnreg == (entry[7] if len(entry) > 7 else None)
+    assert any(len(entry) > 7 for rows in rac.GROUPED_CONFIGS.values() for entry in rows)
+
+
+def _forced_configs(kernel, bucket, relabel=lambda config: True):
+    """Each of the kernel's autotuning configurations in turn: the bucket's own, and those of other
+    buckets that `relabel` accepts, relabelled for `bucket` so the pruner keeps them."""
+    import triton
+    configs = list(kernel.configs)
+    try:
+        for config in configs:
+            if config.kwargs["BUCKET"] != bucket and not relabel(config):
+                continue
+            kernel.configs = [triton.Config({**config.kwargs, "BUCKET": bucket}, num_warps=config.num_warps,
+                                            num_stages=config.num_stages, maxnreg=config.maxnreg)]
+            kernel.cache.clear()
+            yield config
+    finally:
+        kernel.configs = configs
+        kernel.cache.clear()
+
+
+@pytest.mark.cuda
+def test_every_gpu_config_is_deterministic_and_matches_the_twin():
+    # Autotuning may pick any configuration, so each one is forced and repeated (a miscompiled one showed
+    # as run-to-run differences): the experts at a prefill of 512 evaluation prompts (26k tokens, the small
+    # preset's shapes), the dense kernel at each decode bucket (GEMV, split-K; RAC) and at prefill size.
+    import triton
+    torch.manual_seed(0)
+    E, D, I, A, T, repeats = 32, 512, 256, 4, 26112, 10
+    routing = moe.route_tokens(torch.rand(T, E, device="cuda").topk(A, dim=-1).indices, E)
+    gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device="cuda") * 0.05)
+    down_q = nvfp4.quantize_weight(torch.randn(E, D, I, device="cuda") * 0.05)
+    x = rac.quantize_activation_triton(torch.randn(T, D, device="cuda", dtype=torch.bfloat16), codes=True)
+    h = rac.quantize_activation_triton(torch.randn(T * A, I, device="cuda", dtype=torch.bfloat16),
+                                       codes=True)
+    row_weights = torch.rand(T * A, device="cuda")
+    w_q = nvfp4.quantize_weight(torch.randn(512, D, device="cuda") * 0.05)
+    bucket = rac._m_bucket(triton.cdiv(T * A, E), rac.GROUPED_CONFIGS)
+    calls = {
+        "gate/up": (rac._grouped_kernel, bucket,
+                    lambda: rac.grouped_matmul_triton(x, gate_up_q, routing.counts,
+                                                      row_ids=routing.token_ids, swiglu=True,
+                                                      out_dtype=torch.float32),
+                    rac.grouped_matmul_reference(x.x_q, gate_up_q, routing.counts,
+                                                 row_ids=routing.token_ids, swiglu=True,
+                                                 out_dtype=torch.float32)),
+        "down": (rac._grouped_kernel, bucket,
+                 lambda: rac.grouped_matmul_triton(h, down_q, routing.counts, row_weights=row_weights,
+                                                   out_dtype=torch.float32),
+                 rac.grouped_matmul_reference(h.x_q, down_q, routing.counts, row_weights=row_weights,
+                                              out_dtype=torch.float32)),
+        "dense prefill": (rac._dense_kernel, 4096, lambda: rac._dense_portable(w_q, torch.float32, act=x),
+                          rac.matmul_reference(x.x_q, w_q, out_dtype=torch.float32)),
+    }
+    mask = torch.arange(D // 16, device="cuda") % 2 == 0
+    for rows in (1, 16, 64):  # each decode bucket, activation quantized inside the GEMM and before it
+        x_small = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16)
+        act = rac.quantize_activation_triton(x_small, mask)
+        reference = rac.nvfp4_linear_reference(x_small, w_q, mask)
+        for label, kwargs in (("fused", dict(x=x_small, rac_mask=mask)), ("quantizer launch", dict(act=act))):
+            calls[f"dense decode M={rows} {label}"] = (
+                rac._dense_kernel, rac._m_bucket(rows, rac.DENSE_CONFIGS),
+                lambda kwargs=kwargs: rac._dense_portable(w_q, torch.float32, **kwargs), reference)
+    failures = []
+    for name, (kernel, bucket, call, reference) in calls.items():
+        # split-K scratch is sized for the call's own bucket, and the GEMV (BLOCK_M 1) is the M = 1 bucket's
+        # own (it never meets prefill's fp16 weight planes): only other configurations move between buckets
+        for config in _forced_configs(kernel, bucket, relabel=lambda config: config.kwargs["SPLIT_K"] == 1
+                                      and config.kwargs["BLOCK_M"] > 1):
+            first = call()
+            differing = sum(not torch.equal(call(), first) for _ in range(repeats))
+            error = ((first - reference).abs().max() / reference.abs().max()).item()
+            if differing or not error <= 2e-3:  # NaN fails too
+                failures.append(f"{name} {config}: {differing}/{repeats} repeats differ, "
+                                f"relative error {error:.2e}")
+    assert not failures, "\n".join(failures)
+
+
+# ============================================================================ the native (Blackwell) path
+def test_native_path_is_dropped_loudly_when_it_disagrees_or_fails(kernel_device, monkeypatch):
+    # stand-ins for the native launches (no Blackwell GPU here): wrong values, a failure, the twins
+    def dense_wrong(x_q, residual, w_q, out_dtype, splits=None):
+        return torch.zeros(x_q.shape[0], w_q.shape[0], device=x_q.device, dtype=out_dtype)
+
+    def grouped_wrong(act, w_q, counts, row_ids, row_weights, y, flags):
+        return y.zero_()
+
+    def broken(*args):
+        raise RuntimeError("no FP4 tensor cores here")
+
+    def dense_twin(x_q, residual, w_q, out_dtype, splits=None):
+        return rac.matmul_reference(x_q, w_q, residual, out_dtype)
+
+    def grouped_twin(act, w_q, counts, row_ids, row_weights, y, flags):
+        return rac.grouped_matmul_reference(act.x_q, w_q, counts, act.residual, out_dtype=y.dtype)
+
+    device = torch.device(kernel_device)
+    for dense, grouped, message in ((dense_wrong, grouped_twin, "dense GEMM disagrees with the portable"),
+                                    (dense_twin, grouped_wrong, "grouped GEMM disagrees"),
+                                    (broken, grouped_twin, "dense GEMM failed"),
+                                    (dense_twin, broken, "grouped GEMM failed")):
+        monkeypatch.setattr(rac, "_dense_native", dense)
+        monkeypatch.setattr(rac, "_grouped_native", grouped)
+        with pytest.warns(UserWarning, match=message):
+            assert not rac._native_agrees(device)
+    monkeypatch.setattr(rac, "_dense_native", dense_twin)
+    monkeypatch.setattr(rac, "_grouped_native", grouped_twin)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rac._native_agrees(device)
+
+
+def test_backend_is_native_only_on_blackwell_and_only_if_its_check_passes(monkeypatch):
+    checks = []
+    monkeypatch.setattr(rac, "_native_agrees", lambda device: checks.append(device) or verdict)
+    for capability, verdict, expected in (((9, 0), True, "portable"), ((10, 0), False, "portable"),
+                                          ((10, 0), True, "native")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        rac._BACKENDS.clear()
+        assert rac.gemm_backend(torch.device("cuda", 0)) == expected
+        assert rac.gemm_backend(torch.device("cuda", 0)) == expected  # decided once per device
+    assert len(checks) == 2  # Hopper never runs the check
+    rac._BACKENDS.clear()
+    assert rac.gemm_backend(torch.device("cpu")) == "portable"
+
+
+_COMPILE_FOR_SM100 = r"""
+import re, rac
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+p8, pf, p32, i = "*u8", "*fp32", "*i32", "i32"
+common = dict(OUT_BF16=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)
+kernels = {
+    "dense": (rac._dense_native_kernel,
+              [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, p8, "*fp8e4nv", pf, "*i16"] + [i] * 9,
+              dict(HAS_RESIDUAL=True, **common)),
+    "grouped": (rac._grouped_native_kernel,
+                [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, p8, "*fp8e4nv", pf, "*i64", "*i16"]
+                + [i] * 10,
+                dict(GATHER=True, ROW_WEIGHTS=False, SWIGLU=True, HAS_RESIDUAL=True, E_POW2=128, **common)),
+}
+for name, (kernel, types, constants) in kernels.items():
+    names = kernel.arg_names
+    signature = dict(zip(names, types + ["constexpr"] * len(constants)))
+    ptx = compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 100, 32)).asm["ptx"]
+    # NVFP4's block-16 scaled MMA: spelled .block16 by Triton 3.9, .scale_vec::4X (its older alias) by 3.6
+    print(name, len(re.findall(r"tcgen05\.mma\.cta_group::1\.kind::mxf4nvf4\.block_scale"
+                               r"\.(?:block16|scale_vec::4X)\b", ptx)))
+"""
+
+
+def test_native_kernels_compile_to_blackwell_fp4_tensor_core_instructions():
+    # This checks the instruction, not the numerics: those stay untested without a Blackwell GPU.
+    counts = dict(line.split() for line in _compiled_output(_COMPILE_FOR_SM100))
+    assert set(counts) == {"dense", "grouped"} and all(int(n) > 0 for n in counts.values()), counts
 
 
 # ============================================================================ RAC
@@ -44,7 +485,7 @@ def test_rac_reduces_output_error_monotonically_on_outlier_channels():
         selector.start_calibration()
         selector(calibration)
         selector.finish_calibration()
-        errors.append(relative_error(w4a4.nvfp4_linear_reference(x, w_q, selector(x)), exact))
+        errors.append(relative_error(rac.nvfp4_linear_reference(x, w_q, selector(x)), exact))
     print("relative error by rac_ratio 0, .25, .5, .75, 1:", [f"{e:.4f}" for e in errors])
     assert all(a > b for a, b in zip(errors, errors[1:])), errors
     assert errors[2] < 0.5 * errors[0]
@@ -87,8 +528,8 @@ def _shared_attention(device):
 
 
 def _count_calls(monkeypatch, name):
-    calls, original = [], getattr(w4a4, name)
-    monkeypatch.setattr(w4a4, name, lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    calls, original = [], getattr(rac, name)
+    monkeypatch.setattr(rac, name, lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
     return calls
 
 
@@ -106,7 +547,7 @@ def test_q_k_v_quantize_their_one_input_once_and_equal_unshared_layers(monkeypat
         outputs = [layer(x) for layer in order]
         assert len(calls) == quantizations
         for layer, y in zip(order, outputs):  # the layer's own computation, nothing shared
-            expected = w4a4.nvfp4_linear_reference(x.reshape(-1, x.shape[-1]), layer.weight_q, mask)
+            expected = rac.nvfp4_linear_reference(x.reshape(-1, x.shape[-1]), layer.weight_q, mask)
             assert same_bits(y, expected.to(x.dtype).view(*x.shape[:-1], -1))
 
     check(layers, x, 1)                                   # q quantizes, k and v reuse
@@ -126,14 +567,14 @@ def _check_one_stacked_gemm(monkeypatch, layers, x, gemms_expected):
     outputs = [layer(x) for layer in layers]
     assert (len(gemms), len(quantizations)) == (gemms_expected, 1)
     for layer, y in zip(layers, outputs):  # each layer's own twin
-        reference = w4a4.nvfp4_linear_reference(x.float(), layer.weight_q, mask)
+        reference = rac.nvfp4_linear_reference(x.float(), layer.weight_q, mask)
         assert y.is_contiguous() and relative_error(y, reference) < 1e-2
 
 
 @torch.no_grad()
 def test_q_k_v_run_as_one_stacked_gemm_that_follows_weight_reloads(monkeypatch, kernel_device):
     attention, layers = _shared_attention(kernel_device)
-    monkeypatch.setattr(w4a4, "use_triton", lambda x: True)  # the CUDA path, here under the interpreter
+    monkeypatch.setattr(rac, "use_triton", lambda x: True)  # the CUDA path, here under the interpreter
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(5, layers[0].in_features, generator=generator).to(kernel_device, torch.bfloat16)
     _check_one_stacked_gemm(monkeypatch, layers, x, 1)
@@ -212,7 +653,7 @@ def test_the_twin_path_dequantizes_a_weight_again_whenever_it_changes():
     x = torch.randn(5, 64)
 
     def twin():  # dequantizes the weight itself, every call
-        return w4a4.nvfp4_linear_reference(x, layer.weight_q)
+        return rac.nvfp4_linear_reference(x, layer.weight_q)
 
     first = layer(x)
     assert same_bits(first, twin()) and same_bits(layer(x), first)
@@ -265,7 +706,7 @@ def test_nvfp4_experts_fast_path_matches_the_twin_and_moe(kernel_device):
     nn.init.normal_(experts.down_proj, std=0.1)
     layer = rac.NVFP4Experts.from_float(experts, rac_ratio=0.5)
     x = torch.randn(9, 64, device=kernel_device, dtype=torch.bfloat16)
-    expert_ids, routing = routing_with_empty_experts(6, 9, 2, kernel_device)
+    expert_ids, routing = _routing_with_empty_experts(6, 9, 2, kernel_device)
     weights = torch.softmax(torch.randn(9, 2, device=kernel_device), dim=-1)
     row_weights = weights.reshape(-1)[routing.order].float()
     fast = layer._forward_triton(x, routing, row_weights)
@@ -283,6 +724,39 @@ def test_nvfp4_experts_fast_path_matches_the_twin_and_moe(kernel_device):
 
 # ============================================================================ errors
 BAD_CALLS = [  # (id, call, what the message names, the problem it states)
+    *[(f"{label} ({name})", lambda q=quantize, args=args: q(*args), names, problem)
+      for name, quantize in (("twin", rac.quantize_activation_reference),
+                             ("Triton", rac.quantize_activation_triton))[:2 if HAS_TRITON else 1]
+      for label, args, names, problem in (
+          ("activation K", (torch.randn(2, 40),), "K=40", "not a multiple of the NVFP4 block size 16"),
+          ("activation dtype", (torch.randint(0, 4, (2, 32)),), "activations", "got dtype torch.int64"),
+          ("rac_mask shape", (torch.randn(2, 32), torch.ones(3, dtype=torch.bool)), "rac_mask",
+           "(G,) = (2,), got torch.bool (3,)"))],
+    ("K mismatch", lambda: rac.matmul_reference(nvfp4.quantize(torch.randn(2, 32)),
+                                                nvfp4.quantize(torch.randn(4, 48))),
+    "K differs", "x_q (2, 32) vs w_q (4, 48)"),
+    ("residual scale", lambda: rac.matmul_reference(nvfp4.quantize(torch.randn(2, 32)),
+                                                    nvfp4.quantize(torch.randn(4, 32)),
+                                                    nvfp4.quantize(torch.randn(2, 32))),
+    "residual", "must share x_q's global scale"),
+    ("x_q type", lambda: rac.matmul_reference(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 32))),
+     "x_q", "must be an NVFP4Tensor, got Tensor"),
+    ("kernel K", lambda: rac.nvfp4_linear_triton(torch.randn(2, 40), nvfp4.quantize(torch.randn(4, 48))),
+     "K=40", "not a multiple of"),
+    ("x vs weight", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 48))),
+     "x (2, 32)", "does not match the weight (4, 48)"),
+    ("out_dtype", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32).half(),
+                                                  nvfp4.quantize(torch.randn(4, 32)), out_dtype=torch.int8),
+    "out_dtype", "got torch.int8"),
+    ("rac_mask dtype", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32),
+                                                       nvfp4.quantize(torch.randn(4, 32)), torch.ones(2)),
+    "rac_mask", "must be a bool tensor of shape (G,) = (2,), got torch.float32 (2,)"),
+    ("splits sum", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), _stacked([torch.randn(4, 32)] * 3)[1],
+                                                   splits=(4, 4, 5)),
+    "splits (4, 4, 5)", "adding up to the weight's N = 12"),
+    ("splits scales", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32),
+                                                      _stacked([torch.randn(4, 32)] * 3)[1]),
+    "3 global scales", "expected 1 (one per stacked weight)"),
     ("layer features", lambda: rac.NVFP4Linear(40, 8), "40 features",
      "not a multiple of the NVFP4 block size"),
     ("input device", lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32, device="meta")), "input on meta",

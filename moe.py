@@ -153,15 +153,23 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _inv_rms(x, D, eps):
+        """1 / rms of a row held in fp32 (masked lanes 0): the one reduction both norm kernels use."""
+        return tl.math.rsqrt(tl.sum(x * x, axis=0) * (1.0 / D) + eps)  # * 1/D, as torch's mean
+
+    @triton.jit
+    def _scaled(x, inv_rms, weight, x_dtype: tl.constexpr, y_dtype: tl.constexpr):
+        """weight * x_normed with the twin's two casts: x_normed back to x's dtype first, then the product."""
+        return _round_to(weight * _round_to(x * inv_rms, x_dtype), y_dtype)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < D
         x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) * (1.0 / D) + eps)  # * 1/D, as torch's mean
-        normed = _round_to(x * inv_rms, x_ptr.dtype.element_ty)            # the cast back before * w
         weight = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = _round_to(weight * normed, y_ptr.dtype.element_ty)
+        y = _scaled(x, _inv_rms(x, D, eps), weight, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty)
         tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -249,8 +257,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 if triton is not None:
     # Twin: apply_rope(RMSNorm(x).transpose(1, 2), cos, sin), bit for bit on the GPU. One program per (token,
-    # head) row: the row's sum of squares exactly as _rms_norm_kernel takes it (same load, same reduction),
-    # then every rounding torch's BF16 ops make (the norm's two casts, each RoPE product, their sum).
+    # head) row: the row's statistics and casts as _rms_norm_kernel takes them (same load, _inv_rms and
+    # _scaled), then every rounding torch's BF16 ops make in RoPE (each product, their sum).
     # The element rotate_half brings to position j is loaded a second time (from L1) rather than shuffled.
     # In a decode step this is one launch where the norm and RoPE took six (mul, neg, cat, mul, add).
     @triton.jit
@@ -264,13 +272,13 @@ if triton is not None:
         half = HD // 2
         rotated = tl.where(cols < half, cols + half, cols - half)   # rotate_half([a, b]) = [-b, a]
         x = tl.load(x_ptr + pid * HD + cols, mask=mask, other=0.0).to(tl.float32)
-        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) * (1.0 / HD) + eps)  # as in _rms_norm_kernel
+        inv_rms = _inv_rms(x, HD, eps)
         x_rot = tl.load(x_ptr + pid * HD + rotated, mask=mask, other=0.0).to(tl.float32)
         dtype = y_ptr.dtype.element_ty
         weight = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         weight_rot = tl.load(w_ptr + rotated, mask=mask, other=0.0).to(tl.float32)
-        normed = _round_to(weight * _round_to(x * inv_rms, dtype), dtype)
-        normed_rot = _round_to(weight_rot * _round_to(x_rot * inv_rms, dtype), dtype)
+        normed = _scaled(x, inv_rms, weight, dtype, dtype)
+        normed_rot = _scaled(x_rot, inv_rms, weight_rot, dtype, dtype)
         normed_rot = tl.where(cols < half, -normed_rot, normed_rot)
         angle = b * stride_cos_b + t * stride_cos_t + cols
         cos = tl.load(cos_ptr + angle, mask=mask, other=0.0).to(tl.float32)
@@ -421,7 +429,8 @@ if triton is not None:
                             mask=(chunks < n_chunks)[:, None], other=0)                     # (CHUNKS, E)
         counts = tl.sum(per_chunk, axis=0)                                                  # (E,)
         earlier = tl.sum(tl.where((chunks < chunk)[:, None], per_chunk, 0), axis=0)
-        base = tl.cumsum(counts, axis=0) - counts + earlier   # expert's start + its rows in earlier chunks
+        ends = tl.cumsum(counts, axis=0)                                                    # (E,) offsets
+        base = ends - counts + earlier                        # expert's start + its rows in earlier chunks
         n = chunk * CHUNK + tl.arange(0, CHUNK)
         valid = n < N
         ids = tl.load(ids_ptr + n, mask=valid, other=-1)
@@ -433,7 +442,7 @@ if triton is not None:
         tl.store(token_ids_ptr + position, (n // n_active).to(tl.int64), mask=valid)
         if chunk == 0:
             tl.store(counts_ptr + experts, counts.to(tl.int64), mask=experts < E)
-            tl.store(offsets_ptr + experts, tl.cumsum(counts, axis=0), mask=experts < E)
+            tl.store(offsets_ptr + experts, ends, mask=experts < E)
 
 
 def route_tokens_triton(expert_ids: Tensor, n_experts: int) -> Routing:

@@ -245,16 +245,25 @@ if triton is not None:
         x = x * 0x1B873593
         return x ^ (x >> 16)
 
+    _ROW_STRIDE = tl.constexpr(ROW_STRIDE)
+    _POSITION_STRIDE = tl.constexpr(POSITION_STRIDE)
+    _TOKEN_STRIDE = tl.constexpr(TOKEN_STRIDE)
+
+    @triton.jit
+    def _uniform_kernel(seed_key_ptr, rows_ptr, position_ptr, row, tokens):
+        """The twin's uniforms for one row's tokens: its arithmetic in uint32, whose products wrap mod 2^32
+        exactly as the twin's masked int64 ones."""
+        key = (tl.load(seed_key_ptr).to(tl.uint32) + tl.load(rows_ptr + row).to(tl.uint32) * _ROW_STRIDE
+               + tl.load(position_ptr).to(tl.uint32) * _POSITION_STRIDE)
+        x = _mix32_kernel(_mix32_kernel(key) + tokens.to(tl.uint32) * _TOKEN_STRIDE)
+        return ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07                     # 2^-23
+
     @triton.jit
     def _noise_kernel(seed_key_ptr, rows_ptr, position_ptr, out_ptr, V, BLOCK: tl.constexpr):
-        """One (row, token block) per program, one pass: the twin's arithmetic in uint32, whose products
-        wrap mod 2^32 exactly as the twin's masked int64 ones."""
+        """One (row, token block) per program, one pass."""
         row = tl.program_id(0)
         tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        key = (tl.load(seed_key_ptr).to(tl.uint32) + tl.load(rows_ptr + row).to(tl.uint32) * 0x27D4EB2F
-               + tl.load(position_ptr).to(tl.uint32) * 0x165667B1)
-        x = _mix32_kernel(_mix32_kernel(key) + tokens.to(tl.uint32) * 0x61C88647)
-        uniform = ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07                  # 2^-23
+        uniform = _uniform_kernel(seed_key_ptr, rows_ptr, position_ptr, row, tokens)
         tl.store(out_ptr + row.to(tl.int64) * V + tokens, -tl.log(uniform), mask=tokens < V)
 
 
@@ -307,6 +316,7 @@ if triton is not None:
     # equals the twin's except where two candidates' scores agree to fp32 rounding (exp, log, 1 / tau in
     # another order); the log-prob agrees to a few fp32 units.
     _SAMPLE_SLICE = 4096  # vocabulary entries per program of the first pass
+    _FIELDS = tl.constexpr(SAMPLE_FIELDS)
 
     @triton.jit
     def _sample_slice_kernel(logits_ptr, stride_row, seed_key_ptr, rows_ptr, position_ptr, part_ptr, V,
@@ -320,15 +330,12 @@ if triton is not None:
             score = z                                          # argmax z; log-probs of the untempered z
         else:
             z = z * inv_temperature                           # z / tau to one fp32 rounding
-            key = (tl.load(seed_key_ptr).to(tl.uint32) + tl.load(rows_ptr + row).to(tl.uint32) * 0x27D4EB2F
-                   + tl.load(position_ptr).to(tl.uint32) * 0x165667B1)             # as _noise_kernel
-            x = _mix32_kernel(_mix32_kernel(key) + tokens.to(tl.uint32) * 0x61C88647)
-            uniform = ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07        # 2^-23
+            uniform = _uniform_kernel(seed_key_ptr, rows_ptr, position_ptr, row, tokens)  # as _noise_kernel
             score = tl.where(mask, z - tl.log(-tl.log(uniform)), float("-inf"))   # z - log E
         z_max = tl.max(z, axis=0)
         best_score, best = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
         at_best = tl.arange(0, BLOCK) == best
-        out = part_ptr + (row * tl.num_programs(1) + part).to(tl.int64) * 5          # SAMPLE_FIELDS
+        out = part_ptr + (row * tl.num_programs(1) + part).to(tl.int64) * _FIELDS
         tl.store(out, z_max)
         tl.store(out + 1, tl.sum(tl.exp(z - z_max), axis=0))
         tl.store(out + 2, best_score)
@@ -340,7 +347,7 @@ if triton is not None:
         row = tl.program_id(0)
         idx = tl.arange(0, PARTS)
         mask = idx < n_parts
-        slices = part_ptr + (row * n_parts + idx).to(tl.int64) * 5                  # SAMPLE_FIELDS
+        slices = part_ptr + (row * n_parts + idx).to(tl.int64) * _FIELDS
         z_max = tl.load(slices, mask=mask, other=float("-inf"))
         sum_exp = tl.load(slices + 1, mask=mask, other=0.0)
         score = tl.load(slices + 2, mask=mask, other=float("-inf"))

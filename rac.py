@@ -1278,17 +1278,20 @@ if triton is not None:
     def _expert_tile(counts_ptr, E, pid_m, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
         """Which (expert, row tile) is program pid_m's? Expert e owns cdiv(counts[e], BLOCK_M) tiles,
         laid end to end; a prefix sum over the E counts answers it on the device. -> (expert, first
-        sorted row of the tile, end row of the expert, total tiles: programs beyond it have no work)."""
+        sorted row of the tile, end row of the expert); expert >= E: beyond the last tile, no work.
+        Tiles and rows share one int64 prefix sum (tiles in the high 32 bits, rows below: no carry as
+        long as there are fewer than 2^32 rows), so the program takes one cumulative sum and two
+        reductions, each a round of barriers, where it took two and five."""
         experts = tl.arange(0, E_POW2)
-        counts = tl.load(counts_ptr + experts, mask=experts < E, other=0).to(tl.int32)    # (E_POW2,)
-        tiles = (counts + BLOCK_M - 1) // BLOCK_M
-        tile_end = tl.cumsum(tiles, axis=0)
-        expert = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)
-        mine = experts == expert
-        first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), axis=0)
-        first_row = tl.sum(tl.where(mine, tl.cumsum(counts, axis=0) - counts, 0), axis=0)
-        end_row = first_row + tl.sum(tl.where(mine, counts, 0), axis=0)
-        return expert, first_row + (pid_m - first_tile) * BLOCK_M, end_row, tl.sum(tiles, axis=0)
+        counts = tl.load(counts_ptr + experts, mask=experts < E, other=0).to(tl.int64)    # (E_POW2,)
+        packed = (((counts + BLOCK_M - 1) // BLOCK_M) << 32) + counts
+        ends = tl.cumsum(packed, axis=0)                               # (tile end << 32) + row end
+        expert = tl.sum(((ends >> 32) <= pid_m).to(tl.int32), axis=0)
+        start = tl.sum(tl.where(experts == expert, ends - packed, 0), axis=0)
+        first_tile = start >> 32
+        first_row = (start - (first_tile << 32)).to(tl.int32)
+        rows = tl.load(counts_ptr + expert, mask=expert < E, other=0).to(tl.int32)
+        return expert, first_row + (pid_m - first_tile.to(tl.int32)) * BLOCK_M, first_row + rows
 
     # Twin: grouped_matmul_reference.
     @triton.autotune(configs=_configs(GROUPED_CONFIGS), key=["M_BUCKET", "N", "K"],
@@ -1310,8 +1313,8 @@ if triton is not None:
         X_FIRST: tl.constexpr,
     ):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        expert, row0, end_row, n_tiles = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
-        if pid_m >= n_tiles:  # the grid is an upper bound on the tile count: surplus programs exit
+        expert, row0, end_row = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
+        if expert >= E:  # the grid is an upper bound on the tile count: surplus programs exit
             return
         sorted_rows = row0 + tl.arange(0, BLOCK_M)
         row_mask = sorted_rows < end_row
@@ -1432,8 +1435,8 @@ if triton is not None:
     ):
         """The grouped kernel on FP4 tensor cores (SWIGLU: the gate and up rows as one stacked tile)."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        expert, row0, end_row, n_tiles = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
-        if pid_m >= n_tiles:
+        expert, row0, end_row = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
+        if expert >= E:
             return
         sorted_rows = row0 + tl.arange(0, BLOCK_M)
         row_mask = sorted_rows < end_row

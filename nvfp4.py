@@ -144,7 +144,7 @@ def decode_e2m1(code, dtype=torch.float32):
     if table is None:
         signed = E2M1_VALUES + tuple(-v for v in E2M1_VALUES)
         table = _DECODE_TABLES[dtype, code.device] = torch.tensor(signed, dtype=dtype, device=code.device)
-    return table.index_select(0, code.reshape(-1).int()).view(code.shape)
+    return table.index_select(0, (code.reshape(-1) & 15).int()).view(code.shape)  # bits above 3 ignored
 
 
 def pack_codes(code):

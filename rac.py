@@ -169,13 +169,17 @@ def quantize_activation_reference(x, rac_mask=None):
     return x_q, nvfp4.quantize_reference(residual, x_q.global_scale)
 
 
+def _compensated(x_q, residual):
+    """DQ(x_q) + DQ(residual) in fp32, or DQ(x_q) alone: the activation the layer's GEMM multiplies."""
+    x = nvfp4.dequantize_reference(x_q, torch.float32)
+    return x if residual is None else x + nvfp4.dequantize_reference(residual, torch.float32)
+
+
 def matmul_reference(x_q, w_q, residual=None, out_dtype=torch.bfloat16, w=None):
     """(DQ(x_q) + DQ(residual)) @ DQ(w_q).T in fp32: x_q (M, K), w_q (N, K) -> (M, N) out_dtype. w: DQ(w_q)
     in fp32 when the caller keeps it (the rollout layers do, between weight loads)."""
     _check_operands(x_q, w_q, residual, "matmul_reference")
-    x = nvfp4.dequantize_reference(x_q, torch.float32)
-    if residual is not None:
-        x = x + nvfp4.dequantize_reference(residual, torch.float32)
+    x = _compensated(x_q, residual)
     w = nvfp4.dequantize_reference(w_q, torch.float32) if w is None else w
     return (x @ w.T).to(out_dtype)
 
@@ -193,9 +197,7 @@ def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_
     the output is silu(gate) * up (N/2 columns). row_weights (R,) scale the output rows. A loop in fp32.
     w: DQ(w_q) in fp32 when the caller keeps it."""
     _check_operands(x_q, w_q, residual, "grouped_matmul_reference", stacked=True)
-    x = nvfp4.dequantize_reference(x_q, torch.float32)
-    if residual is not None:
-        x = x + nvfp4.dequantize_reference(residual, torch.float32)
+    x = _compensated(x_q, residual)
     if row_ids is not None:
         x = x[row_ids]                                                                  # (R, K)
     w = nvfp4.dequantize_reference(w_q, torch.float32) if w is None else w              # (E, N, K)

@@ -1295,6 +1295,26 @@ if triton is not None:
         rows = tl.load(counts_ptr + expert, mask=expert < E, other=0).to(tl.int32)
         return expert, first_row + (pid_m - first_tile.to(tl.int32)) * BLOCK_M, first_row + rows
 
+    @triton.jit
+    def _expert_weight_rows(pid_n, n_out, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
+        """The weight rows of N tile pid_n -> (rows, mask): BLOCK_N rows, or SWIGLU's stacked tile of
+        2 BLOCK_N, the gate rows (of [0, I)) then the up rows I + the same, so that one product holds
+        both halves of the SwiGLU."""
+        W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
+        stacked = tl.arange(0, W_ROWS)
+        cols = pid_n * BLOCK_N + stacked % BLOCK_N
+        return (cols + (stacked // BLOCK_N) * n_out).to(tl.int64), cols < n_out
+
+    @triton.jit
+    def _swiglu(acc, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ROWS_LAST: tl.constexpr):
+        """silu(gate) * up of a stacked tile's product, (2 BLOCK_N, BLOCK_M) if ROWS_LAST (the weight
+        rows first, as the Hopper kernel's) else (BLOCK_M, 2 BLOCK_N); the result keeps the order."""
+        if ROWS_LAST:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+        else:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        return gate / (1.0 + tl.exp(-gate)) * up
+
     # Twin: grouped_matmul_reference.
     @triton.autotune(configs=_configs(GROUPED_CONFIGS), key=["M_BUCKET", "N", "K"],
                      prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
@@ -1327,21 +1347,14 @@ if triton is not None:
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
         scale = _EPILOGUE * tl.load(x_global_ptr) * tl.load(w_global_ptr + expert)
-        if SWIGLU:  # one stacked tile: the gate rows cols (of [0, I)), then the up rows I + cols
-            stacked = tl.arange(0, 2 * BLOCK_N)
-            w_rows = pid_n * BLOCK_N + stacked % BLOCK_N + (stacked // BLOCK_N) * n_out
-            w_mask = pid_n * BLOCK_N + stacked % BLOCK_N < n_out
-            acc, _ = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base,
-                               w_rows.to(tl.int64), w_mask, stride_w, stride_ws, 0, K, 0, K, False, False,
-                               False, False, GPU, BLOCK_M, 2 * BLOCK_N, BLOCK_K, EVEN_K, x_rows, X_FIRST)
-            acc = acc * scale                                                           # (2 BLOCK_N, BLOCK_M)
-            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
-            out = gate / (1.0 + tl.exp(-gate)) * up                                      # silu(gate) * up
-        else:
-            out, _ = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, cols,
-                               col_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU,
-                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, x_rows, X_FIRST)
-            out = out * scale
+        W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
+        w_rows, w_mask = _expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
+        acc, _ = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, w_rows,
+                           w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU, BLOCK_M,
+                           W_ROWS, BLOCK_K, EVEN_K, x_rows, X_FIRST)
+        out = acc * scale                                                              # (W_ROWS, BLOCK_M)
+        if SWIGLU:
+            out = _swiglu(out, BLOCK_N, BLOCK_M, True)                                 # (BLOCK_N, BLOCK_M)
         if ROW_WEIGHTS:
             out = out * tl.load(row_weights_ptr + sorted_rows, mask=row_mask, other=0.0)[None, :]
         _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, out, OUT_BF16)
@@ -1447,9 +1460,7 @@ if triton is not None:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < n_out
         W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
-        stacked = tl.arange(0, W_ROWS)
-        w_rows = pid_n * BLOCK_N + stacked % BLOCK_N + (stacked // BLOCK_N) * n_out    # SWIGLU: [gate; up]
-        w_mask = pid_n * BLOCK_N + stacked % BLOCK_N < n_out
+        w_rows, w_mask = _expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
         acc = tl.zeros((BLOCK_M, W_ROWS), dtype=tl.float32)
@@ -1460,8 +1471,7 @@ if triton is not None:
                                  ws_base, w_rows, w_mask, stride_w, stride_ws, K, BLOCK_K)
         out = acc * (tl.load(x_global_ptr) * tl.load(w_global_ptr + expert))
         if SWIGLU:
-            gate, up = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-            out = gate / (1.0 + tl.exp(-gate)) * up                                      # silu(gate) * up
+            out = _swiglu(out, BLOCK_N, BLOCK_M, False)                                  # (BLOCK_M, BLOCK_N)
         if ROW_WEIGHTS:
             out = out * tl.load(row_weights_ptr + sorted_rows, mask=row_mask, other=0.0)[:, None]
         _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, tl.trans(out), OUT_BF16)

@@ -663,11 +663,13 @@ def _bench_decode_per_precision(rac, batches=(64, 256), prompt_len=64, short=16,
         torch.cuda.empty_cache()
 
     print(f"\n### decode tokens/s per precision: Qwen3-30B-A3B layer shapes, {config.n_layers} layers, "
-          f"vocab {vocab_size}, random weights; prompts of {prompt_len} tokens, 1 sample each. ms / decode step: "
-          f"the captured step's graph replayed {long - 1} times after a generate call, fastest of 5 rounds; "
+          f"vocab {vocab_size}, random weights; prompts of {prompt_len} tokens, 1 sample each. "
+          f"ms / decode step: the captured step's graph replayed {long - 1} times after a generate call, "
+          f"fastest of 5 rounds; "
           f"tokens/s = B / that (the ratios below use it); end to end: B * {long - short} / "
           f"(t({long} new) - t({short} new)), each t the fastest of 5 generate calls")
-    print("| rollout layers | batch | ms / decode step | decode tokens/s | end to end tokens/s | CUDA graph |")
+    print("| rollout layers | batch | ms / decode step | decode tokens/s | end to end tokens/s | "
+          "CUDA graph |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for name, batch, step_ms, rate, end_to_end, graph in rows:
         if batch is None:

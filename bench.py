@@ -489,8 +489,9 @@ def bench_rollout(args):
     _bench_decode_per_precision(rac)
 
 
-def _time_generate(model, prompts, num_samples, max_new_tokens, repeats=3):
-    """Median wall seconds of rollout.generate (one warm-up call first), and the last Rollout."""
+def _time_generate(model, prompts, num_samples, max_new_tokens, repeats=3, statistic="median"):
+    """Wall seconds of rollout.generate over `repeats` calls after a warm-up (their median, or their
+    minimum: the least disturbed call), and the last Rollout."""
     import statistics
     import time
     import rollout
@@ -503,7 +504,28 @@ def _time_generate(model, prompts, num_samples, max_new_tokens, repeats=3):
         out = rollout.generate(model, prompts, num_samples, max_new_tokens, seed=seed)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+    return (min(times) if statistic == "min" else statistics.median(times)), out
+
+
+def _graph_step_ms(model, max_new_tokens, rounds=5):
+    """ms per decode step of the model's most recently used pooled decode state (the generate call just
+    made): its CUDA graph replayed max_new_tokens - 1 times from the prompt's end (the cache's own
+    capacity), timed with CUDA events; the fastest of `rounds`. The generate calls' wall time also holds
+    the eager prefill, whose time on the H200 jumps between two levels about 25 ms apart at batch 256
+    from call to call: a rate taken as a difference of two calls moved by 10-20% with it."""
+    import rollout
+    state = next(reversed(rollout._POOLS[model][1].values()))
+    times = []
+    for _ in range(rounds):
+        state.cache.length.fill_(state.prompt_width)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(max_new_tokens - 1):
+            state.graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (max_new_tokens - 1))
+    return min(times)
 
 
 def _bench_rollout_vs_hf(n_prompts=16, num_samples=16, max_new_tokens=128, vocab_size=32768):
@@ -625,27 +647,37 @@ def _bench_decode_per_precision(rac, batches=(64, 256), prompt_len=64, short=16,
             if mode is not None:
                 rac.convert_for_rollout(model, mode, rac_ratio=rac_ratio)
             for batch in batches:
-                t_short, _ = _time_generate(model, prompts[:batch], 1, short)
-                t_long, out = _time_generate(model, prompts[:batch], 1, long)
-                rates[name, batch] = batch * (long - short) / (t_long - t_short)
-                step_ms = 1e3 * (t_long - t_short) / (long - short)
-                rows.append((name, batch, step_ms, rates[name, batch], out.used_cuda_graph))
+                # the fastest of five calls each: a rate is a difference of two times, so a
+                # disturbed short call moves the rate by several % (seen: median short calls of 35 vs
+                # 45 ms in two runs of one variant, the long ones 188 ms both times)
+                t_short, _ = _time_generate(model, prompts[:batch], 1, short, repeats=5, statistic="min")
+                t_long, out = _time_generate(model, prompts[:batch], 1, long, repeats=5, statistic="min")
+                end_to_end = batch * (long - short) / (t_long - t_short)
+                step_ms = _graph_step_ms(model, long) if out.used_cuda_graph else None
+                rates[name, batch] = batch * 1e3 / step_ms if step_ms else end_to_end
+                rows.append((name, batch, step_ms, rates[name, batch], end_to_end, out.used_cuda_graph))
         except Exception as error:  # report the failing variant and keep measuring the others
-            rows.append((name, None, None, None, f"failed: {type(error).__name__}: {error}"))
+            rows.append((name, None, None, None, None, f"failed: {type(error).__name__}: {error}"))
         rollout.free_decode_states(model)
         del model
         torch.cuda.empty_cache()
 
     print(f"\n### decode tokens/s per precision: Qwen3-30B-A3B layer shapes, {config.n_layers} layers, "
-          f"vocab {vocab_size}, random weights; prompts of {prompt_len} tokens, 1 sample each; "
-          f"rate = B * {long - short} / (t({long} new) - t({short} new))")
-    print("| rollout layers | batch | ms / decode step | decode tokens/s | CUDA graph |")
-    print("| --- | ---: | ---: | ---: | --- |")
-    for name, batch, step_ms, rate, graph in rows:
+          f"vocab {vocab_size}, random weights; prompts of {prompt_len} tokens, 1 sample each. "
+          f"ms / decode step: the captured step's graph replayed {long - 1} times after a generate call, "
+          f"fastest of 5 rounds; "
+          f"tokens/s = B / that (the ratios below use it); end to end: B * {long - short} / "
+          f"(t({long} new) - t({short} new)), each t the fastest of 5 generate calls")
+    print("| rollout layers | batch | ms / decode step | decode tokens/s | end to end tokens/s | "
+          "CUDA graph |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for name, batch, step_ms, rate, end_to_end, graph in rows:
         if batch is None:
-            print(f"| {name} | - | - | - | {graph} |")
+            print(f"| {name} | - | - | - | - | {graph} |")
         else:
-            print(f"| {name} | {batch} | {step_ms:.2f} | {rate:,.0f} | {'yes' if graph else 'no (eager)'} |")
+            step = f"{step_ms:.3f}" if step_ms else "-"
+            print(f"| {name} | {batch} | {step} | {rate:,.0f} | {end_to_end:,.0f} | "
+                  f"{'yes' if graph else 'no (eager)'} |")
 
     for b in batches:
         print(f"\n| speed ratio at batch {b} | measured | target |")

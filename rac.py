@@ -609,7 +609,7 @@ def _check_operands(x_q, w_q, residual, name, stacked=False):
             raise ValueError(f"{name}: the residual must share x_q's global scale")
 
 
-# ============================================================ twins of the Hopper kernels' fp16 operands
+# ======================================================================== twins of the Hopper fp16 operands
 def _values_without_global_scale(q):
     """code_value * block_scale in fp32 (exact), (..., K)."""
     values = nvfp4.decode_e2m1(nvfp4.unpack_codes(q.data))                              # (..., K)

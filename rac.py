@@ -20,9 +20,10 @@ Why a dynamic global scale: in RL the weights change every step, so a calibrated
 scale goes stale between syncs, and anything above it saturates: exactly the outlier channels that
 hurt NVFP4 most. The price is that a token's rounding depends on the largest value in its batch.
 
-How to read this file: the slow twins (plain PyTorch: quantize, dequantize, matmul in fp32) come first,
-then block selection, the layers (each runs the Triton path on CUDA and its twin elsewhere), conversion
-and sync; then the Triton kernels, one section per twin (quantizer, dense GEMM, experts' grouped GEMM,
+How to read this file: the idea first, as the slow twins (plain PyTorch: quantize, dequantize, matmul in
+fp32), then block selection, the layers (each runs the Triton path on CUDA and its twin elsewhere),
+conversion and sync. Then what the fast path needs: input checks, the twins of the Hopper kernels' fp16
+operands, and the Triton kernels, one section per twin (quantizer, dense GEMM, experts' grouped GEMM,
 Blackwell), each ending with the function that launches them; last, the one place a hardware path is
 chosen.
 
@@ -100,59 +101,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 use_triton = nvfp4._use_triton  # the one test for the fast path: Triton on CUDA tensors, twins elsewhere
 
 
-# ======================================================================== input checks
-def _check_ratio(rac_ratio):
-    if not isinstance(rac_ratio, (int, float)) or not 0.0 <= rac_ratio <= 1.0:
-        raise ValueError(f"rac_ratio must be a number in [0, 1], got {rac_ratio!r}")
-
-
-def _check_features(features, name):
-    if features % BLOCK_SIZE:
-        raise ValueError(f"{name}: {features} features is not a multiple of the NVFP4 block size "
-                         f"{BLOCK_SIZE}")
-
-
-def _check_matrix(x, name):
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{name}: expected a 2-D tensor (M, K), got {shape}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"{name}: expected bfloat16/float16/float32 activations, got dtype {x.dtype}")
-    if x.shape[-1] % BLOCK_SIZE:
-        raise ValueError(f"{name}: K={x.shape[-1]} is not a multiple of the NVFP4 block size {BLOCK_SIZE}")
-
-
-def _check_rac_mask(rac_mask, x):
-    if rac_mask is None:
-        return
-    n_blocks = x.shape[-1] // BLOCK_SIZE
-    if (not isinstance(rac_mask, torch.Tensor) or rac_mask.dtype != torch.bool
-            or rac_mask.shape != (n_blocks,)):
-        got = (f"{rac_mask.dtype} {tuple(rac_mask.shape)}" if isinstance(rac_mask, torch.Tensor)
-               else type(rac_mask).__name__)
-        raise ValueError(f"rac_mask must be a bool tensor of shape (G,) = ({n_blocks},), got {got}")
-    if rac_mask.device != x.device:
-        raise ValueError(f"rac_mask is on {rac_mask.device} but the activation is on {x.device}")
-
-
-def _check_operands(x_q, w_q, residual, name, stacked=False):
-    for label, q in (("x_q", x_q), ("w_q", w_q), ("residual", residual)):
-        if q is not None and not isinstance(q, NVFP4Tensor):
-            raise ValueError(f"{name}: {label} must be an NVFP4Tensor, got {type(q).__name__}")
-    if len(x_q.shape) != 2 or len(w_q.shape) != (3 if stacked else 2):
-        raise ValueError(f"{name}: expected x_q (M, K) and w_q {'(E, N, K)' if stacked else '(N, K)'}, "
-                         f"got {x_q.shape} and {w_q.shape}")
-    if x_q.shape[-1] != w_q.shape[-1]:
-        raise ValueError(f"{name}: K differs: x_q {x_q.shape} vs w_q {w_q.shape}")
-    if x_q.device != w_q.device:
-        raise ValueError(f"{name}: x_q is on {x_q.device} but w_q is on {w_q.device}")
-    if residual is not None:
-        if residual.shape != x_q.shape or residual.device != x_q.device:
-            raise ValueError(f"{name}: residual {residual.shape} on {residual.device} does not match x_q")
-        if not torch.equal(residual.global_scale.reshape(()), x_q.global_scale.reshape(())):
-            raise ValueError(f"{name}: the residual must share x_q's global scale")
-
-
 # ======================================================================== the slow twins (plain PyTorch)
 def quantize_activation_reference(x, rac_mask=None):
     """x (M, K) -> (x_q, residual): NVFP4 codes of x (dynamic global scale), and of the residual
@@ -213,33 +161,6 @@ def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_
     if row_weights is not None:
         y = y * row_weights.float()[:, None]
     return y.to(out_dtype)
-
-
-def _values_without_global_scale(q):
-    """code_value * block_scale in fp32 (exact), (..., K)."""
-    values = nvfp4.decode_e2m1(nvfp4.unpack_codes(q.data))                              # (..., K)
-    values = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE) * q.block_scale.float().unsqueeze(-1)
-    return values.reshape(q.shape)
-
-
-def _planes(values):
-    """(M, K) -> (2, M, K/2) fp16: even columns, then odd ones (the order a packed byte holds them)."""
-    return torch.stack((values[:, 0::2], values[:, 1::2])).to(torch.float16).contiguous()
-
-
-def activation_operand(x_q, residual=None):
-    """Twin of the Hopper kernels' activation operand: (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
-    as fp16 planes (2, M, K/2). Each term is exact in fp32; the fp16 rounding of their sum is the one
-    step the kernels add to matmul_reference."""
-    values = _values_without_global_scale(x_q)
-    if residual is not None:
-        values = values + _values_without_global_scale(residual)
-    return _planes(values * OPERAND_SHIFT)
-
-
-def weight_operand_reference(w_q):
-    """Twin of the prefill weight pass: DQ(w_q) / global_scale * 2^-6 as fp16 planes (2, N, K/2), exact."""
-    return _planes(_values_without_global_scale(w_q) * OPERAND_SHIFT)
 
 
 # ======================================================================== RAC block selection
@@ -633,6 +554,87 @@ def calibrate_rac(rollout_model, tokens):
         for selector in selectors:
             selector.finish_calibration()
     return rollout_model
+
+
+# ======================================================================== input checks
+def _check_ratio(rac_ratio):
+    if not isinstance(rac_ratio, (int, float)) or not 0.0 <= rac_ratio <= 1.0:
+        raise ValueError(f"rac_ratio must be a number in [0, 1], got {rac_ratio!r}")
+
+
+def _check_features(features, name):
+    if features % BLOCK_SIZE:
+        raise ValueError(f"{name}: {features} features is not a multiple of the NVFP4 block size "
+                         f"{BLOCK_SIZE}")
+
+
+def _check_matrix(x, name):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name}: expected a 2-D tensor (M, K), got {shape}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{name}: expected bfloat16/float16/float32 activations, got dtype {x.dtype}")
+    if x.shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"{name}: K={x.shape[-1]} is not a multiple of the NVFP4 block size {BLOCK_SIZE}")
+
+
+def _check_rac_mask(rac_mask, x):
+    if rac_mask is None:
+        return
+    n_blocks = x.shape[-1] // BLOCK_SIZE
+    if (not isinstance(rac_mask, torch.Tensor) or rac_mask.dtype != torch.bool
+            or rac_mask.shape != (n_blocks,)):
+        got = (f"{rac_mask.dtype} {tuple(rac_mask.shape)}" if isinstance(rac_mask, torch.Tensor)
+               else type(rac_mask).__name__)
+        raise ValueError(f"rac_mask must be a bool tensor of shape (G,) = ({n_blocks},), got {got}")
+    if rac_mask.device != x.device:
+        raise ValueError(f"rac_mask is on {rac_mask.device} but the activation is on {x.device}")
+
+
+def _check_operands(x_q, w_q, residual, name, stacked=False):
+    for label, q in (("x_q", x_q), ("w_q", w_q), ("residual", residual)):
+        if q is not None and not isinstance(q, NVFP4Tensor):
+            raise ValueError(f"{name}: {label} must be an NVFP4Tensor, got {type(q).__name__}")
+    if len(x_q.shape) != 2 or len(w_q.shape) != (3 if stacked else 2):
+        raise ValueError(f"{name}: expected x_q (M, K) and w_q {'(E, N, K)' if stacked else '(N, K)'}, "
+                         f"got {x_q.shape} and {w_q.shape}")
+    if x_q.shape[-1] != w_q.shape[-1]:
+        raise ValueError(f"{name}: K differs: x_q {x_q.shape} vs w_q {w_q.shape}")
+    if x_q.device != w_q.device:
+        raise ValueError(f"{name}: x_q is on {x_q.device} but w_q is on {w_q.device}")
+    if residual is not None:
+        if residual.shape != x_q.shape or residual.device != x_q.device:
+            raise ValueError(f"{name}: residual {residual.shape} on {residual.device} does not match x_q")
+        if not torch.equal(residual.global_scale.reshape(()), x_q.global_scale.reshape(())):
+            raise ValueError(f"{name}: the residual must share x_q's global scale")
+
+
+# ======================================================================== twins of the Hopper fp16 operands
+def _values_without_global_scale(q):
+    """code_value * block_scale in fp32 (exact), (..., K)."""
+    values = nvfp4.decode_e2m1(nvfp4.unpack_codes(q.data))                              # (..., K)
+    values = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE) * q.block_scale.float().unsqueeze(-1)
+    return values.reshape(q.shape)
+
+
+def _planes(values):
+    """(M, K) -> (2, M, K/2) fp16: even columns, then odd ones (the order a packed byte holds them)."""
+    return torch.stack((values[:, 0::2], values[:, 1::2])).to(torch.float16).contiguous()
+
+
+def activation_operand(x_q, residual=None):
+    """Twin of the Hopper kernels' activation operand: (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
+    as fp16 planes (2, M, K/2). Each term is exact in fp32; the fp16 rounding of their sum is the one
+    step the kernels add to matmul_reference."""
+    values = _values_without_global_scale(x_q)
+    if residual is not None:
+        values = values + _values_without_global_scale(residual)
+    return _planes(values * OPERAND_SHIFT)
+
+
+def weight_operand_reference(w_q):
+    """Twin of the prefill weight pass: DQ(w_q) / global_scale * 2^-6 as fp16 planes (2, N, K/2), exact."""
+    return _planes(_values_without_global_scale(w_q) * OPERAND_SHIFT)
 
 
 # ======================================================================== Triton: the activation quantizer

@@ -647,9 +647,9 @@ def _bench_decode_per_precision(rac, batches=(64, 256), prompt_len=64, short=16,
             if mode is not None:
                 rac.convert_for_rollout(model, mode, rac_ratio=rac_ratio)
             for batch in batches:
-                # the fastest of five calls each: a rate is a difference of two times, so a
-                # disturbed short call moves the rate by several % (seen: median short calls of 35 vs
-                # 45 ms in two runs of one variant, the long ones 188 ms both times)
+                # end to end (the side column): the fastest of five calls per length, as a disturbed
+                # call moves a difference of two times by several %; the rate itself is timed from
+                # the decode graph's replays, which hold no prefill
                 t_short, _ = _time_generate(model, prompts[:batch], 1, short, repeats=5, statistic="min")
                 t_long, out = _time_generate(model, prompts[:batch], 1, long, repeats=5, statistic="min")
                 end_to_end = batch * (long - short) / (t_long - t_short)

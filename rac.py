@@ -1308,10 +1308,10 @@ if triton is not None:
         return (cols + (stacked // BLOCK_N) * n_out).to(tl.int64), cols < n_out
 
     @triton.jit
-    def _swiglu(acc, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ROWS_LAST: tl.constexpr):
-        """silu(gate) * up of a stacked tile's product, (2 BLOCK_N, BLOCK_M) if ROWS_LAST (the weight
-        rows first, as the Hopper kernel's) else (BLOCK_M, 2 BLOCK_N); the result keeps the order."""
-        if ROWS_LAST:
+    def _swiglu(acc, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, WEIGHT_ROWS_FIRST: tl.constexpr):
+        """silu(gate) * up of a stacked tile's product: (2 BLOCK_N, BLOCK_M) if WEIGHT_ROWS_FIRST (the
+        Hopper kernel's) else (BLOCK_M, 2 BLOCK_N); the result keeps the order."""
+        if WEIGHT_ROWS_FIRST:
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
         else:
             gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))

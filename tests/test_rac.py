@@ -81,6 +81,28 @@ def test_quantizer_zeros_and_nan(kernel_device):
     assert act.operand[:, 1, 8:].isnan().all()  # the NaN block (columns 16..31) stays NaN
 
 
+@pytest.mark.parametrize("rows", [3, 16])  # 3 x 4096: narrow chunks; 16 x 4096: wide ones
+def test_partial_max_finds_the_largest_value_in_every_chunk_of_a_slice(kernel_device, monkeypatch, rows):
+    # two slices, so that each program of the partial-max launch loops over several chunks
+    monkeypatch.setattr(rac, "_AMAX_SLICES", 2)
+    numel = rows * 4096
+    chunk = rac._partial_chunk(numel)
+    assert chunk == (4 if rows == 16 else 1) * rac._AMAX_CHUNK
+    torch.manual_seed(rows)
+    base = torch.rand(numel) * 0.5
+    # the first and last element, and the first and last of every chunk
+    places = sorted({0, numel - 1} | {c * chunk + e for c in range(numel // chunk) for e in (0, chunk - 1)})
+    for place in places:
+        x = base.clone()
+        x[place] = -3.0 if place % 2 else 3.0
+        partials = rac._partial_amax(x.view(rows, 4096).to(kernel_device, torch.bfloat16))
+        assert partials.numel() == 2 and partials.max().item() == 3.0, place
+    # and the quantizer takes its global scale from them
+    x = base.view(rows, 4096).to(kernel_device, torch.bfloat16)
+    scale = rac.quantize_activation_triton(x).global_scale
+    assert same_bits(scale, nvfp4.compute_global_scale(x.cpu().float()))
+
+
 def _compiled_output(script):
     """Run a compile-only script in a fresh Python with the interpreter off (Triton compiles for a GPU it
     does not have, with its own ptxas) -> its stdout lines."""

@@ -437,7 +437,7 @@ class NVFP4Experts(nn.Module):
         row_weights = expert_weights.reshape(-1)[routing.order].float()                  # (R,)
         forward = self._forward_triton if use_triton(x) else self._forward_reference
         y_sorted = forward(x, routing, row_weights)                                      # (R, D), weighted
-        return y_sorted[routing.inverse_order].view(T, A, -1).sum(dim=1).to(x.dtype)
+        return moe.sum_expert_rows(y_sorted, routing, A).to(x.dtype)
 
     def _forward_triton(self, x, routing, row_weights):
         native = gemm_backend(x.device) == "native"  # codes for tl.dot_scaled, else the fp16 operand

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import raises_one_line, report_diff, tiny_model
+from conftest import raises_one_line, report_diff, same_bits, tiny_model
 from safetensors.torch import load_file, save_file
 
 import moe
@@ -268,6 +268,35 @@ def test_fused_routing_equals_the_torch_routing_in_every_integer(kernel_device):
         for name, got, expected in zip(moe.Routing._fields, fused, moe.route_tokens_reference(expert_ids,
                                                                                             n_experts)):
             assert got.dtype == expected.dtype and torch.equal(got.cpu(), expected), name
+
+
+def test_sum_expert_rows_is_each_tokens_rows_added_in_order():
+    # oracle: a float64 loop over tokens and their assignments, in the routing's own terms (order)
+    generator = torch.Generator().manual_seed(5)
+    T, A, D = 6, 3, 32
+    routing = route_tokens(torch.randint(4, (T, A), generator=generator), 4)
+    y_sorted = torch.randn(T * A, D, generator=generator)
+    rows_of = {int(n): i for i, n in enumerate(routing.order)}          # assignment t*A + a -> sorted row
+    oracle = torch.stack([sum(y_sorted[rows_of[t * A + a]].double() for a in range(A)) for t in range(T)])
+    got = moe.sum_expert_rows_reference(y_sorted, routing, A)
+    torch.testing.assert_close(got.double(), oracle, rtol=1e-6, atol=1e-6)
+    bf16 = moe.sum_expert_rows_reference(y_sorted.bfloat16(), routing, A)  # one rounding, at the end
+    from_fp32 = moe.sum_expert_rows_reference(y_sorted.bfloat16().float(), routing, A).bfloat16()
+    assert torch.equal(bf16, from_fp32)
+
+
+def test_fused_sum_of_expert_rows_equals_its_twin_bit_for_bit(kernel_device):
+    generator = torch.Generator().manual_seed(6)
+    # one token and one expert; a partial D block; a decode layer's shape (D 2048 in two blocks)
+    for tokens, active, dim in ((1, 1, 16), (3, 2, 48), (17, 8, 1040), (4, 8, 2048)):
+        routing = route_tokens(torch.randint(8, (tokens, active), generator=generator), 8)
+        for dtype in (torch.bfloat16, torch.float32):
+            y_sorted = (torch.randn(tokens * active, dim, generator=generator) * 3).to(dtype)
+            y_sorted[0, :4] = -0.0  # a token whose first row holds -0: the sum starts from that row, not 0
+            device_routing = moe.Routing(*(t.to(kernel_device) for t in routing))
+            fused = moe.sum_expert_rows_triton(y_sorted.to(kernel_device), device_routing, active)
+            twin = moe.sum_expert_rows_reference(y_sorted, routing, active)
+            assert same_bits(fused.cpu(), twin), (tokens, dtype)
 
 
 @pytest.mark.cuda

@@ -488,7 +488,7 @@ def sum_expert_rows_reference(y_sorted: Tensor, routing: Routing, n_active: int)
 if triton is not None:
     # Twin: sum_expert_rows_reference, bit for bit. One program per (token, block of D) gathers the token's
     # A rows through inverse_order and adds them in the twin's order: a gather and a reduction launch
-    # become one (at a decode step of 256 tokens they took about 10 us a layer on an H200).
+    # become one (on an H200 at a decode step of 256 tokens: 8.7 us a layer, the fused launch 3.6).
     @triton.jit
     def _sum_rows_kernel(y_ptr, inverse_ptr, out_ptr, D, A: tl.constexpr, BLOCK: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
@@ -521,6 +521,10 @@ def sum_expert_rows_triton(y_sorted: Tensor, routing: Routing, n_active: int) ->
 def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
     """Each token's A rows of y_sorted (N, D), already weighted, summed -> (T, D). The one place its path
     is chosen: the Triton kernel on CUDA (bfloat16, float32), the twin elsewhere."""
+    n = routing.inverse_order.numel()
+    if y_sorted.dim() != 2 or y_sorted.shape[0] != n or n_active < 1 or n % n_active:
+        raise ValueError(f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, "
+                         f"the routing's assignments, a multiple of n_active={n_active}")
     if triton is not None and y_sorted.is_cuda and y_sorted.dtype in _FUSED_NORM_DTYPES:
         return sum_expert_rows_triton(y_sorted, routing, n_active)
     return sum_expert_rows_reference(y_sorted, routing, n_active)

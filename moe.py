@@ -175,12 +175,12 @@ if triton is not None:
 
 
 _FUSED_NORM_MAX_DIM = 16384  # the fused kernel holds a whole row in one program's registers
-_FUSED_NORM_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes whose roundings _round_to makes
+_ROUNDED_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes whose roundings _round_to makes
 
 
 def _fused_norm_applies(x: Tensor, weight: Tensor) -> bool:
     return (triton is not None and x.is_cuda and x.shape[-1] <= _FUSED_NORM_MAX_DIM
-            and x.dtype in _FUSED_NORM_DTYPES and weight.dtype in _FUSED_NORM_DTYPES)
+            and x.dtype in _ROUNDED_DTYPES and weight.dtype in _ROUNDED_DTYPES)
 
 
 def _norm_warps(block: int) -> int:
@@ -191,7 +191,7 @@ def _norm_warps(block: int) -> int:
 
 def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """The fused RMSNorm (forward only): x (..., D) -> (..., D) in the dtype weight * x would have."""
-    if x.dtype not in _FUSED_NORM_DTYPES or weight.dtype not in _FUSED_NORM_DTYPES:
+    if x.dtype not in _ROUNDED_DTYPES or weight.dtype not in _ROUNDED_DTYPES:
         raise ValueError(f"rms_norm_triton: x and weight must be bfloat16 or float32, got {x.dtype} and "
                          f"{weight.dtype}")
     x2 = x.contiguous().view(-1, x.shape[-1])                                             # (rows, D)
@@ -505,7 +505,7 @@ if triton is not None:
 
 def sum_expert_rows_triton(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
     """sum_expert_rows as one Triton launch (y_sorted in bfloat16 or float32)."""
-    if y_sorted.dtype not in _FUSED_NORM_DTYPES:
+    if y_sorted.dtype not in _ROUNDED_DTYPES:
         raise ValueError(f"sum_expert_rows_triton: y_sorted must be bfloat16 or float32, got "
                          f"{y_sorted.dtype}")
     y_sorted = y_sorted.contiguous()
@@ -525,7 +525,7 @@ def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor
     if y_sorted.dim() != 2 or y_sorted.shape[0] != n or n_active < 1 or n % n_active:
         raise ValueError(f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, "
                          f"the routing's assignments, a multiple of n_active={n_active}")
-    if triton is not None and y_sorted.is_cuda and y_sorted.dtype in _FUSED_NORM_DTYPES:
+    if triton is not None and y_sorted.is_cuda and y_sorted.dtype in _ROUNDED_DTYPES:
         return sum_expert_rows_triton(y_sorted, routing, n_active)
     return sum_expert_rows_reference(y_sorted, routing, n_active)
 

@@ -183,10 +183,11 @@ def bench_gemm(args):
                     continue
                 kernel.configs = [c]
                 kernel.cache.clear()
-                kw = c.kwargs
+                kw, tiles = c.kwargs, c.kwargs.get("N_TILES", 1)
                 yield (f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']} split-K {kw['SPLIT_K']} "
                        f"{c.num_warps}w {c.num_stages}s{' x-first' if kw['X_FIRST'] else ''}"
-                       f"{f' maxnreg {c.maxnreg}' if c.maxnreg else ''}")
+                       f"{f' maxnreg {c.maxnreg}' if c.maxnreg else ''}"
+                       f"{f' {tiles} N tiles' if tiles > 1 else ''}")
         finally:
             kernel.configs = configs
             kernel.cache.clear()
@@ -305,7 +306,7 @@ def bench_gemm(args):
         expert_ids = torch.rand(T, E, device="cuda").topk(A, dim=-1).indices
         weights = torch.softmax(torch.randn(T, A, device="cuda"), dim=-1)
         routing = moe.route_tokens(expert_ids, E)
-        row_weights = weights.reshape(-1)[routing.order].float()
+        expert_weights = weights.reshape(-1)  # (T * A,); the down GEMM reads them through routing.order
         x_sorted = x[routing.token_ids]
         hit = int((routing.counts > 0).sum())
         layer = rac.NVFP4Experts(E, D, I, device="cuda")
@@ -333,16 +334,17 @@ def bench_gemm(args):
         act_x = rac.quantize_activation_triton(x)
         act_h = rac.quantize_activation_triton(torch.randn(T * A, I, device="cuda", dtype=bf16))
         t = {"bf16": graph_us([bf16_layer]), "fp8": graph_us([fp8_layer]),
-             "w4a4": graph_us([lambda: layer._forward_triton(x, routing, row_weights)]),
-             "rac": graph_us([lambda: rac_layer._forward_triton(x, routing, row_weights)]),
+             "w4a4": graph_us([lambda: layer._forward_triton(x, routing, expert_weights)]),
+             "rac": graph_us([lambda: rac_layer._forward_triton(x, routing, expert_weights)]),
              "gate_up": graph_us([lambda: rac.grouped_matmul_triton(act_x, gate_up_q, routing.counts,
                                                                      row_ids=routing.token_ids,
                                                                      swiglu=True)]),
              "down": graph_us([lambda: rac.grouped_matmul_triton(act_h, down_q, routing.counts,
-                                                                  row_weights=row_weights)])}
+                                                                  row_weights=expert_weights,
+                                                                  row_weight_ids=routing.order)])}
         bucket = rac._m_bucket(-(-T * A // E), rac.GROUPED_CONFIGS)
         configs = "; ".join(
-            f"{label}: {graph_us([lambda: layer._forward_triton(x, routing, row_weights)]):.1f}"
+            f"{label}: {graph_us([lambda: layer._forward_triton(x, routing, expert_weights)]):.1f}"
             for label in forced(rac._grouped_kernel, bucket))
         floor = {k: hit * n * (0.5 + 1 / 16) / copy_bw * 1e6
                  for k, n in (("gate_up", 2 * I * D), ("down", D * I))}
@@ -375,11 +377,12 @@ def _print_autotuned(rac):
     print("\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages):")
     for kernel in (rac._dense_kernel, rac._grouped_kernel):
         for key, config in kernel.cache.items():
-            kw = config.kwargs
+            kw, tiles = config.kwargs, config.kwargs.get("N_TILES", 1)
             print(f"  {kernel.fn.fn.__name__} {key[:5]} -> {kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}, "
                   f"split-K {kw['SPLIT_K']}, {config.num_warps}w, {config.num_stages}s"
                   f"{', x-first' if kw['X_FIRST'] else ''}"
-                  f"{f', maxnreg {config.maxnreg}' if config.maxnreg else ''}")
+                  f"{f', maxnreg {config.maxnreg}' if config.maxnreg else ''}"
+                  f"{f', {tiles} N tiles' if tiles > 1 else ''}")
 
 
 # ---------------------------------------------------------------------------- qat (qat.py)

@@ -139,10 +139,11 @@ def nvfp4_linear_reference(x, w_q, rac_mask=None):
 
 
 def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_weights=None, swiglu=False,
-                             out_dtype=torch.bfloat16, w=None):
+                             out_dtype=torch.bfloat16, w=None, row_weight_ids=None):
     """The experts' GEMM: rows (x_q's, or x_q[row_ids]) grouped by expert, counts (E,) rows each, row
     block e multiplied by DQ(w_q[e]).T (w_q (E, N, K)). swiglu: the N weight rows are [gate; up] and
-    the output is silu(gate) * up (N/2 columns). row_weights (R,) scale the output rows. A loop in fp32.
+    the output is silu(gate) * up (N/2 columns). Output row r is scaled by row_weights[r], or by
+    row_weights[row_weight_ids[r]] (the router weights (T * A,) and routing.order). A loop in fp32.
     w: DQ(w_q) in fp32 when the caller keeps it."""
     _check_operands(x_q, w_q, residual, "grouped_matmul_reference", stacked=True)
     x = _compensated(x_q, residual)
@@ -159,6 +160,7 @@ def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_
         start += n
     y = torch.cat(outputs)
     if row_weights is not None:
+        row_weights = row_weights if row_weight_ids is None else row_weights[row_weight_ids]    # (R,)
         y = y * row_weights.float()[:, None]
     return y.to(out_dtype)
 
@@ -434,21 +436,21 @@ class NVFP4Experts(nn.Module):
         fp8.check_layer_input(x, self.dim, self.gate_up_data.device, "NVFP4Experts")
         T, A = expert_ids.shape
         routing = moe.route_tokens(expert_ids, self.n_experts)
-        row_weights = expert_weights.reshape(-1)[routing.order].float()                  # (R,)
         forward = self._forward_triton if use_triton(x) else self._forward_reference
-        y_sorted = forward(x, routing, row_weights)                                      # (R, D), weighted
+        y_sorted = forward(x, routing, expert_weights.reshape(-1))                       # (R, D), weighted
         return moe.sum_expert_rows(y_sorted, routing, A).to(x.dtype)
 
-    def _forward_triton(self, x, routing, row_weights):
+    def _forward_triton(self, x, routing, expert_weights):
+        """x (T, D), routing, expert_weights (T * A,) -> (R, D): each sorted row times its router weight."""
         native = gemm_backend(x.device) == "native"  # codes for tl.dot_scaled, else the fp16 operand
         act = quantize_activation_triton(x, self.rac_gate_up(x), codes=native, operand=not native)
         hidden = grouped_matmul_triton(act, self.gate_up_q, routing.counts, row_ids=routing.token_ids,
                                        swiglu=True, out_dtype=x.dtype)                   # (R, I)
         act = quantize_activation_triton(hidden, self.rac_down(hidden), codes=native, operand=not native)
-        return grouped_matmul_triton(act, self.down_q, routing.counts, row_weights=row_weights,
-                                     out_dtype=x.dtype)                                  # (R, D)
+        return grouped_matmul_triton(act, self.down_q, routing.counts, row_weights=expert_weights,
+                                     row_weight_ids=routing.order, out_dtype=x.dtype)    # (R, D)
 
-    def _forward_reference(self, x, routing, row_weights):
+    def _forward_reference(self, x, routing, expert_weights):
         """The twin: the same quantization steps, dequantized, a loop of fp32 matmuls over experts."""
         gate_up_q, down_q = self.gate_up_q, self.down_q
         x_q, residual = quantize_activation_reference(x, self.rac_gate_up(x))
@@ -456,8 +458,9 @@ class NVFP4Experts(nn.Module):
                                           row_ids=routing.token_ids, swiglu=True, out_dtype=x.dtype,
                                           w=self.gate_up_fp32(gate_up_q))
         h_q, residual = quantize_activation_reference(hidden, self.rac_down(hidden))
-        return grouped_matmul_reference(h_q, down_q, routing.counts, residual, row_weights=row_weights,
-                                        out_dtype=torch.float32, w=self.down_fp32(down_q))
+        return grouped_matmul_reference(h_q, down_q, routing.counts, residual, row_weights=expert_weights,
+                                        out_dtype=torch.float32, w=self.down_fp32(down_q),
+                                        row_weight_ids=routing.order)
 
     def extra_repr(self):
         return (f"n_experts={self.n_experts}, dim={self.dim}, expert_dim={self.expert_dim}, "
@@ -1061,8 +1064,9 @@ if triton is not None:
         tl.store(out_ptr + plane_size + offs, odd, mask=mask)
 
     # ------------------------------------------------------------------ autotuning
-    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K[, X_FIRST[, maxnreg]]) per M bucket; BLOCK_M 1 is
-    # the GEMV. maxnreg caps the registers a thread (more programs an SM, at the price of spills).
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K[, X_FIRST[, maxnreg[, N_TILES]]]) per M bucket;
+    # BLOCK_M 1 is the GEMV. maxnreg caps the registers a thread (more programs an SM, at the price of
+    # spills). N_TILES (grouped, X_FIRST): N tiles a program, in one loop (down_proj's K = 768 is 3 steps).
     # Decode buckets stream the weight: small BLOCK_M, wide BLOCK_K (long contiguous byte runs per row),
     # and enough (N tile, K split) programs to keep every SM's loads in flight. Under the interpreter one
     # small configuration per bucket, splitting K in the decode buckets so tests run the split epilogue,
@@ -1082,27 +1086,31 @@ if triton is not None:
     GROUPED_CONFIGS = {
         16: [(16, 64, 256, 4, 3, 1, True), (16, 128, 128, 4, 3, 1, True), (16, 32, 256, 4, 3, 1, True),
              (16, 64, 128, 4, 4, 1, True), (16, 128, 256, 4, 3, 1, True), (16, 32, 256, 4, 3, 1),
-             (16, 64, 256, 4, 2, 1, True, 128)],
+             (16, 64, 256, 4, 2, 1, True, 128), (16, 128, 256, 4, 2, 1, True, None, 3),
+             (16, 128, 256, 4, 2, 1, True, 128, 4)],
         64: [(32, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 1), (32, 64, 128, 4, 3, 1, True),
              (32, 128, 128, 4, 3, 1, True)],
         256: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
         4096: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
     }
     _INTERPRETER_CONFIGS = {bucket: [(1 if bucket == 1 else 16, 32, 64, 4, 1, 2 if bucket <= 16 else 1,
-                                      bucket in (16, 256))] for bucket in DENSE_CONFIGS}
+                                      bucket in (16, 256), None, 2 if bucket == 16 else 1)]
+                            for bucket in DENSE_CONFIGS}
 
     def _m_bucket(m, table):
         return next(b for b in table if m <= b or b == 4096)
 
-    def _configs(table):
+    def _configs(table, grouped=False):
         configs = []
         for bucket, entries in (_INTERPRETER_CONFIGS if _INTERPRET else table).items():
             if bucket not in table:
                 continue
-            for bm, bn, bk, warps, stages, split_k, *rest in entries:  # rest: X_FIRST, maxnreg
-                configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k,
-                                              "BUCKET": bucket, "X_FIRST": bool(rest and rest[0])},
-                                             num_warps=warps, num_stages=stages,
+            for bm, bn, bk, warps, stages, split_k, *rest in entries:  # rest: X_FIRST, maxnreg, N_TILES
+                kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "BUCKET": bucket,
+                          "X_FIRST": bool(rest and rest[0])}
+                if grouped:
+                    kwargs["N_TILES"] = rest[2] if len(rest) > 2 else 1
+                configs.append(triton.Config(kwargs, num_warps=warps, num_stages=stages,
                                              maxnreg=rest[1] if len(rest) > 1 else None))
         return configs
 
@@ -1331,25 +1339,40 @@ if triton is not None:
             gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
         return gate / (1.0 + tl.exp(-gate)) * up
 
+    @triton.jit
+    def _grouped_store(acc, scale, y_ptr, row_weights_ptr, weight_rows, sorted_rows, row_mask, tile, n_out,
+                       stride_y, ROW_WEIGHTS: tl.constexpr, SWIGLU: tl.constexpr, OUT_BF16: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The epilogue of N tile `tile` on its (W_ROWS, BLOCK_M) product: scales, SwiGLU, router weights."""
+        out = acc * scale                                                              # (W_ROWS, BLOCK_M)
+        if SWIGLU:
+            out = _swiglu(out, BLOCK_N, BLOCK_M, True)                                 # (BLOCK_N, BLOCK_M)
+        if ROW_WEIGHTS:
+            router_weight = tl.load(row_weights_ptr + weight_rows, mask=row_mask, other=0.0).to(tl.float32)
+            out = out * router_weight[None, :]
+        cols = (tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        _store_tile(y_ptr, sorted_rows, row_mask, cols, cols < n_out, stride_y, out, OUT_BF16)
+
     # Twin: grouped_matmul_reference.
-    @triton.autotune(configs=_configs(GROUPED_CONFIGS), key=["M_BUCKET", "N", "K"],
+    @triton.autotune(configs=_configs(GROUPED_CONFIGS, grouped=True), key=["M_BUCKET", "N", "K"],
                      prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
     @triton.heuristics(_HEURISTICS)
     @triton.jit
     def _grouped_kernel(
-        # pointers
-        x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, w_ptr, w_scale_ptr, w_global_ptr, counts_ptr,
-        y_ptr,
+        # pointers (weight_ids: where each sorted row's router weight is, routing.order)
+        x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, weight_ids_ptr, w_ptr, w_scale_ptr, w_global_ptr,
+        counts_ptr, y_ptr,
         # sizes: N is the weight's rows (2I for SwiGLU, whose output has N/2 columns)
         N, K, E, M_BUCKET, x_plane,
         # strides
         stride_x, stride_we, stride_w, stride_wse, stride_ws, stride_y,
         # meta-parameters
-        GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, SWIGLU: tl.constexpr, OUT_BF16: tl.constexpr,
-        GPU: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr, EVEN_K: tl.constexpr,
-        X_FIRST: tl.constexpr,
+        GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, WEIGHT_IDS: tl.constexpr, SWIGLU: tl.constexpr,
+        OUT_BF16: tl.constexpr, GPU: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr,
+        EVEN_K: tl.constexpr, X_FIRST: tl.constexpr, N_TILES: tl.constexpr,
     ):
+        tl.static_assert(N_TILES == 1 or X_FIRST, "several N tiles a program: the X_FIRST loop only")
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         expert, row0, end_row = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
         if expert >= E:  # the grid is an upper bound on the tile count: surplus programs exit
@@ -1357,29 +1380,48 @@ if triton is not None:
         sorted_rows = row0 + tl.arange(0, BLOCK_M)
         row_mask = sorted_rows < end_row
         x_rows = tl.load(row_ids_ptr + sorted_rows, mask=row_mask, other=0) if GATHER else sorted_rows
+        weight_rows = (tl.load(weight_ids_ptr + sorted_rows, mask=row_mask, other=0) if WEIGHT_IDS
+                       else sorted_rows)
         n_out = N // 2 if SWIGLU else N
-        cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        col_mask = cols < n_out
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
         scale = _EPILOGUE * tl.load(x_global_ptr) * tl.load(w_global_ptr + expert)
         W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
-        w_rows, w_mask = _expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
-        acc, _ = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, w_rows,
-                           w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU, BLOCK_M,
-                           W_ROWS, BLOCK_K, EVEN_K, x_rows, X_FIRST)
-        out = acc * scale                                                              # (W_ROWS, BLOCK_M)
-        if SWIGLU:
-            out = _swiglu(out, BLOCK_N, BLOCK_M, True)                                 # (BLOCK_N, BLOCK_M)
-        if ROW_WEIGHTS:
-            out = out * tl.load(row_weights_ptr + sorted_rows, mask=row_mask, other=0.0)[None, :]
-        _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, out, OUT_BF16)
+        if N_TILES == 1:
+            w_rows, w_mask = _expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
+            acc, _ = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, w_rows,
+                               w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU,
+                               BLOCK_M, W_ROWS, BLOCK_K, EVEN_K, x_rows, X_FIRST)
+            _grouped_store(acc, scale, y_ptr, row_weights_ptr, weight_rows, sorted_rows, row_mask, pid_n,
+                           n_out, stride_y, ROW_WEIGHTS, SWIGLU, OUT_BF16, BLOCK_M, BLOCK_N)
+        else:
+            # N_TILES tiles in one loop over (tile, K step): the pipeline loads the next tile's first K steps
+            # while this one ends, where a program per tile would wait for them (down_proj at decode: 8% less
+            # time on the H200)
+            k_steps = tl.cdiv(K, BLOCK_K)
+            first = pid_n * N_TILES
+            acc = tl.zeros((BLOCK_M, W_ROWS), dtype=tl.float32)
+            for step in range(0, tl.minimum(N_TILES, tl.cdiv(n_out, BLOCK_N) - first) * k_steps):
+                tile, k0 = first + step // k_steps, (step % k_steps) * BLOCK_K
+                w_rows, w_mask = _expert_weight_rows(tile, n_out, BLOCK_N, SWIGLU)
+                w_even, w_odd = _weight_tile(w_base, ws_base, w_rows, w_mask, k0, K, stride_w, stride_ws,
+                                             W_ROWS, BLOCK_K, EVEN_K, GPU)
+                x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K,
+                                              EVEN_K)
+                acc = tl.dot(x_even, tl.trans(w_even), acc)
+                acc = tl.dot(x_odd, tl.trans(w_odd), acc)
+                if step % k_steps == k_steps - 1:
+                    _grouped_store(tl.trans(acc), scale, y_ptr, row_weights_ptr, weight_rows, sorted_rows,
+                                   row_mask, tile, n_out, stride_y, ROW_WEIGHTS, SWIGLU, OUT_BF16, BLOCK_M,
+                                   BLOCK_N)
+                    acc = tl.zeros((BLOCK_M, W_ROWS), dtype=tl.float32)
 
 
 def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swiglu=False,
-                          out_dtype=torch.bfloat16):
+                          out_dtype=torch.bfloat16, row_weight_ids=None):
     """The experts' GEMM (twin: grouped_matmul_reference) on a quantized Activation: rows
-    (act's, or act's row_ids[r]) grouped by expert per counts (E,), w_q (E, N, K). No host sync."""
+    (act's, or act's row_ids[r]) grouped by expert per counts (E,), w_q (E, N, K); output row r scaled by
+    row_weights[r] or row_weights[row_weight_ids[r]]. No host sync."""
     _require_triton()
     _check_out_dtype(out_dtype)
     E, N, K = w_q.shape
@@ -1389,19 +1431,21 @@ def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swig
     y = torch.empty((n_rows, n_out), dtype=out_dtype, device=w_q.device)
     if n_rows == 0:
         return y
-    flags = dict(GATHER=row_ids is not None, ROW_WEIGHTS=row_weights is not None, SWIGLU=swiglu,
+    flags = dict(GATHER=row_ids is not None, ROW_WEIGHTS=row_weights is not None,
+                 WEIGHT_IDS=row_weights is not None and row_weight_ids is not None, SWIGLU=swiglu,
                  OUT_BF16=out_dtype == torch.bfloat16, E_POW2=max(2, triton.next_power_of_2(E)))
-    row_ids = row_ids if row_ids is not None else counts
-    row_weights = row_weights if row_weights is not None else counts
+    row_ids, row_weights, row_weight_ids = (t if t is not None else counts
+                                            for t in (row_ids, row_weights, row_weight_ids))
     if act.operand is None:  # codes only: the native kernel
-        return _grouped_native(act, w_q, counts, row_ids, row_weights, y, flags)
+        return _grouped_native(act, w_q, counts, row_ids, row_weights, row_weight_ids, y, flags)
     w_data, w_scale = w_q.data.contiguous(), w_q.block_scale.contiguous().view(torch.uint8)
     operand = act.operand
 
     def grid(meta):  # an upper bound on sum_e cdiv(counts[e], BLOCK_M): no host sync
-        return (triton.cdiv(n_rows, meta["BLOCK_M"]) + min(E, n_rows), triton.cdiv(n_out, meta["BLOCK_N"]))
+        return (triton.cdiv(n_rows, meta["BLOCK_M"]) + min(E, n_rows),
+                triton.cdiv(triton.cdiv(n_out, meta["BLOCK_N"]), meta["N_TILES"]))
 
-    _grouped_kernel[grid](operand, act.global_scale, row_ids, row_weights, w_data, w_scale,
+    _grouped_kernel[grid](operand, act.global_scale, row_ids, row_weights, row_weight_ids, w_data, w_scale,
                           w_q.global_scale.contiguous(), counts, _as_int16(y), N, K, E,
                           _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS), operand.stride(0),
                           operand.stride(1), w_data.stride(0), w_data.stride(1), w_scale.stride(0),
@@ -1457,10 +1501,11 @@ if triton is not None:
 
     @triton.jit
     def _grouped_native_kernel(
-        x_ptr, x_scale_ptr, r_ptr, r_scale_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr,
+        x_ptr, x_scale_ptr, r_ptr, r_scale_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, weight_ids_ptr,
         w_ptr, w_scale_ptr, w_global_ptr, counts_ptr, y_ptr,
         N, K, E, stride_x, stride_xs, stride_we, stride_w, stride_wse, stride_ws, stride_y,
-        GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, SWIGLU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+        GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, WEIGHT_IDS: tl.constexpr, SWIGLU: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
         OUT_BF16: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
@@ -1489,7 +1534,10 @@ if triton is not None:
         if SWIGLU:
             out = _swiglu(out, BLOCK_N, BLOCK_M, False)                                  # (BLOCK_M, BLOCK_N)
         if ROW_WEIGHTS:
-            out = out * tl.load(row_weights_ptr + sorted_rows, mask=row_mask, other=0.0)[:, None]
+            weight_rows = (tl.load(weight_ids_ptr + sorted_rows, mask=row_mask, other=0) if WEIGHT_IDS
+                           else sorted_rows)
+            router_weight = tl.load(row_weights_ptr + weight_rows, mask=row_mask, other=0.0).to(tl.float32)
+            out = out * router_weight[:, None]
         _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, tl.trans(out), OUT_BF16)
 
 
@@ -1508,14 +1556,14 @@ def _dense_native(x_q, residual, w_q, out_dtype, splits=None):
     return _split_output(y, M, N, splits)
 
 
-def _grouped_native(act, w_q, counts, row_ids, row_weights, y, flags):
+def _grouped_native(act, w_q, counts, row_ids, row_weights, row_weight_ids, y, flags):
     """grouped_matmul_triton's launch on Blackwell: act's codes, y (rows, N or N/2) allocated by it."""
     E, N, K = w_q.shape
     r = act.residual if act.residual is not None else act.x_q
     (rows, n_out), block_m, block_n, block_k = y.shape, 128, 128, 128
     _grouped_native_kernel[(triton.cdiv(rows, block_m) + min(E, rows), triton.cdiv(n_out, block_n))](
         act.x_q.data, act.x_q.block_scale, r.data, r.block_scale, act.global_scale, row_ids, row_weights,
-        w_q.data, w_q.block_scale, w_q.global_scale, counts, _as_int16(y), N, K, E,
+        row_weight_ids, w_q.data, w_q.block_scale, w_q.global_scale, counts, _as_int16(y), N, K, E,
         act.x_q.data.stride(0), act.x_q.block_scale.stride(0), w_q.data.stride(0), w_q.data.stride(1),
         w_q.block_scale.stride(0), w_q.block_scale.stride(1), y.stride(0),
         HAS_RESIDUAL=act.residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -267,13 +267,14 @@ def _routing_with_empty_experts(n_experts, tokens, active, device, seed=0):
 
 @pytest.mark.parametrize("tokens", [3, 21])
 def test_grouped_kernel_matches_the_per_expert_twin(kernel_device, tokens):
-    # 21 tokens x 2 on 4 used experts: some experts get more rows than one 16-row tile
+    # 21 tokens x 2 on 4 used experts: some experts get more rows than one 16-row tile. D = 80: the down
+    # GEMM's output is 3 of the interpreter's 32-column tiles, 2 a program in its N_TILES loop (one left over)
     torch.manual_seed(tokens)
-    E, D, I, A = 7, 48, 32, 2
+    E, D, I, A = 7, 80, 32, 2
     expert_ids, routing = _routing_with_empty_experts(E, tokens, A, kernel_device, seed=tokens)
     assert (routing.counts[[0, 2, E - 1]] == 0).all()
     x = torch.randn(tokens, D, device=kernel_device, dtype=torch.bfloat16)
-    act = rac.quantize_activation_triton(x, torch.tensor([True, False, True], device=kernel_device),
+    act = rac.quantize_activation_triton(x, torch.arange(D // 16, device=kernel_device) % 2 == 0,
                                          codes=True)
     gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device=kernel_device))
     hidden = rac.grouped_matmul_triton(act, gate_up_q, routing.counts, row_ids=routing.token_ids,
@@ -293,6 +294,19 @@ def test_grouped_kernel_matches_the_per_expert_twin(kernel_device, tokens):
     reference = rac.grouped_matmul_reference(act.x_q, down_q, routing.counts, row_weights=row_weights,
                                              out_dtype=torch.float32)
     assert report_diff(y, reference, "grouped down * router weight")[0] <= 1e-5 * reference.abs().max().item()
+    # the router weights as the layer passes them: (T * A,) in assignment order, read through routing.order;
+    # the oracle is the sorted path just checked, on the weights gathered by hand
+    expert_weights = torch.rand(tokens, A, device=kernel_device, dtype=torch.bfloat16).reshape(-1)
+    by_order = rac.grouped_matmul_triton(act, down_q, routing.counts, row_weights=expert_weights,
+                                         row_weight_ids=routing.order, out_dtype=torch.float32)
+    gathered = expert_weights[routing.order].float()
+    assert torch.equal(by_order, rac.grouped_matmul_triton(act, down_q, routing.counts, row_weights=gathered,
+                                                           out_dtype=torch.float32))
+    twin_by_order = rac.grouped_matmul_reference(act.x_q, down_q, routing.counts, row_weights=expert_weights,
+                                                 row_weight_ids=routing.order, out_dtype=torch.float32)
+    twin_sorted = rac.grouped_matmul_reference(act.x_q, down_q, routing.counts, row_weights=gathered,
+                                               out_dtype=torch.float32)
+    assert torch.equal(twin_by_order, twin_sorted)
 
 
 @pytest.mark.cuda
@@ -321,13 +335,14 @@ def test_grouped_kernel_matches_the_twin_on_qwen3_expert_shapes(tokens):
     assert report_diff(y, reference, f"gpu grouped down T={tokens}")[0] <= 1e-4 * reference.abs().max().item()
 
 
-def test_configuration_tables_reach_triton_with_their_operand_order_and_register_cap(monkeypatch):
-    # the tables' optional 7th and 8th fields (X_FIRST, maxnreg) must reach the autotuner's configurations:
-    # a dropped cap compiles another kernel than the one measured (the grouped gate/up pick has one)
+def test_configuration_tables_reach_triton_with_their_operand_order_register_cap_and_tiles(monkeypatch):
+    # the tables' optional 7th to 9th fields (X_FIRST, maxnreg, N_TILES) must reach the autotuner's
+    # configurations: a dropped cap compiles another kernel than the one measured (the grouped gate/up pick
+    # has one); the dense kernel takes no N_TILES
     monkeypatch.setattr(rac, "_INTERPRET", False)
-    for table in (rac.DENSE_CONFIGS, rac.GROUPED_CONFIGS):
+    for table, grouped in ((rac.DENSE_CONFIGS, False), (rac.GROUPED_CONFIGS, True)):
         entries = [(bucket, entry) for bucket, rows in table.items() for entry in rows]
-        configs = rac._configs(table)
+        configs = rac._configs(table, grouped)
         assert len(configs) == len(entries)
         for config, (bucket, entry) in zip(configs, entries):
             kw = config.kwargs
@@ -335,7 +350,8 @@ def test_configuration_tables_reach_triton_with_their_operand_order_and_register
                     kw["SPLIT_K"], kw["BUCKET"]) == (*entry[:6], bucket)
             assert kw["X_FIRST"] == (len(entry) > 6 and entry[6])
             assert config.maxnreg == (entry[7] if len(entry) > 7 else None)
-    assert any(len(entry) > 7 for rows in rac.GROUPED_CONFIGS.values() for entry in rows)
+            assert kw.get("N_TILES") == ((entry[8] if len(entry) > 8 else 1) if grouped else None)
+    assert any(len(entry) > 8 and entry[8] > 1 and entry[7] for entry in rac.GROUPED_CONFIGS[16])
 
 
 def _forced_configs(kernel, bucket, relabel=lambda config: True):
@@ -419,7 +435,7 @@ def test_native_path_is_dropped_loudly_when_it_disagrees_or_fails(kernel_device,
     def dense_wrong(x_q, residual, w_q, out_dtype, splits=None):
         return torch.zeros(x_q.shape[0], w_q.shape[0], device=x_q.device, dtype=out_dtype)
 
-    def grouped_wrong(act, w_q, counts, row_ids, row_weights, y, flags):
+    def grouped_wrong(act, w_q, counts, row_ids, row_weights, row_weight_ids, y, flags):
         return y.zero_()
 
     def broken(*args):
@@ -428,7 +444,7 @@ def test_native_path_is_dropped_loudly_when_it_disagrees_or_fails(kernel_device,
     def dense_twin(x_q, residual, w_q, out_dtype, splits=None):
         return rac.matmul_reference(x_q, w_q, residual, out_dtype)
 
-    def grouped_twin(act, w_q, counts, row_ids, row_weights, y, flags):
+    def grouped_twin(act, w_q, counts, row_ids, row_weights, row_weight_ids, y, flags):
         return rac.grouped_matmul_reference(act.x_q, w_q, counts, act.residual, out_dtype=y.dtype)
 
     device = torch.device(kernel_device)
@@ -472,9 +488,15 @@ kernels = {
               [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, p8, "*fp8e4nv", pf, "*i16"] + [i] * 9,
               dict(HAS_RESIDUAL=True, **common)),
     "grouped": (rac._grouped_native_kernel,
-                [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, p8, "*fp8e4nv", pf, "*i64", "*i16"]
+                [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, "*i64", p8, "*fp8e4nv", pf, "*i64", "*i16"]
                 + [i] * 10,
-                dict(GATHER=True, ROW_WEIGHTS=False, SWIGLU=True, HAS_RESIDUAL=True, E_POW2=128, **common)),
+                dict(GATHER=True, ROW_WEIGHTS=False, WEIGHT_IDS=False, SWIGLU=True, HAS_RESIDUAL=True,
+                     E_POW2=128, **common)),
+    "grouped_down": (rac._grouped_native_kernel,
+                     [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, "*i64", p8, "*fp8e4nv", pf, "*i64",
+                      "*i16"] + [i] * 10,
+                     dict(GATHER=False, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=False, HAS_RESIDUAL=True,
+                          E_POW2=128, **common)),
 }
 for name, (kernel, types, constants) in kernels.items():
     names = kernel.arg_names
@@ -489,7 +511,8 @@ for name, (kernel, types, constants) in kernels.items():
 def test_native_kernels_compile_to_blackwell_fp4_tensor_core_instructions():
     # This checks the instruction, not the numerics: those stay untested without a Blackwell GPU.
     counts = dict(line.split() for line in _compiled_output(_COMPILE_FOR_SM100))
-    assert set(counts) == {"dense", "grouped"} and all(int(n) > 0 for n in counts.values()), counts
+    assert set(counts) == {"dense", "grouped", "grouped_down"}, counts
+    assert all(int(n) > 0 for n in counts.values()), counts
 
 
 # ============================================================================ RAC
@@ -730,9 +753,8 @@ def test_nvfp4_experts_fast_path_matches_the_twin_and_moe(kernel_device):
     x = torch.randn(9, 64, device=kernel_device, dtype=torch.bfloat16)
     expert_ids, routing = _routing_with_empty_experts(6, 9, 2, kernel_device)
     weights = torch.softmax(torch.randn(9, 2, device=kernel_device), dim=-1)
-    row_weights = weights.reshape(-1)[routing.order].float()
-    fast = layer._forward_triton(x, routing, row_weights)
-    twin = layer._forward_reference(x, routing, row_weights)
+    fast = layer._forward_triton(x, routing, weights.reshape(-1))
+    twin = layer._forward_reference(x, routing, weights.reshape(-1))
     report_diff(fast, twin, "NVFP4Experts triton vs twin")
     torch.testing.assert_close(fast.float(), twin.float(), rtol=2e-2, atol=2e-2 * twin.abs().max().item())
     combined = (twin[routing.inverse_order].view(9, 2, -1).sum(dim=1)).to(x.dtype)

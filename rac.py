@@ -53,7 +53,9 @@ are applied at the end.
   - Experts: one grouped launch over (expert, row tile, N tile), X_FIRST at decode. Rows are sorted
     by expert once (moe.route_tokens); a program finds its expert from the per-expert counts on the
     device (no host sync), so experts without tokens cost nothing. The gate/up GEMM gathers token rows
-    and applies SwiGLU in its epilogue; the down GEMM scales each row by its router weight.
+    and applies SwiGLU in its epilogue; the down GEMM scales each row by its router weight, read through
+    routing.order (no gather launch), and may take several N tiles a program in one loop over (tile, K
+    step), so that its short K loop (768 = 3 steps) does not restart the pipeline for every tile.
   - Stacked weights: up to three weights (an attention's q/k/v_proj) in one GEMM, each weight's global
     scale applied to its own columns and its output stored as its own (M, N_i) tensor.
 Blackwell (sm_100+): `tl.dot_scaled(..., "e2m1", ...)` reads the packed codes and E4M3 scales as they

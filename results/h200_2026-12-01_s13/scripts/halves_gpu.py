@@ -1,0 +1,78 @@
+"""Grouped GEMMs (Qwen3-30B-A3B experts, 128 top-8) with 32-row X_FIRST tiles run as two 16-row halves (the weight
+tile decoded once for both; the second half's MMAs only when it holds rows) against the table's 16-row picks."""
+import sys, torch, triton, moe, nvfp4, rac
+
+def graph_us(fn, n=10, reps=30):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(); fn()
+    torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay(); torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); g.replay(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b) * 1e3 / n)
+    return sorted(ts)[len(ts) // 2]
+
+torch.manual_seed(0)
+E, D, I, A = 128, 2048, 768, 8
+gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02)
+down_q = nvfp4.quantize_weight(torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02)
+kernel = rac._grouped_kernel
+
+def cfg(bm, bn, bk, w, s, mr=None, halves=False, hoist=False):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "BUCKET": 16, "X_FIRST": True,
+                          "HALVES": halves, "HOIST": hoist}, num_warps=w, num_stages=s, maxnreg=mr)
+
+GU = [("pick 16/64/256 2s mr128", cfg(16, 64, 256, 4, 2, 128)),
+      ("32/64/256 2s mr128 plain", cfg(32, 64, 256, 4, 2, 128)),
+      ("32/64/256 2s mr128 halves", cfg(32, 64, 256, 4, 2, 128, True)),
+      ("32/64/256 2s mr128 halves hoist", cfg(32, 64, 256, 4, 2, 128, True, True)),
+      ("32/64/256 2s halves", cfg(32, 64, 256, 4, 2, None, True)),
+      ("32/64/256 3s halves", cfg(32, 64, 256, 4, 3, None, True)),
+      ("32/64/128 3s halves", cfg(32, 64, 128, 4, 3, None, True)),
+      ("32/32/256 3s halves", cfg(32, 32, 256, 4, 3, None, True)),
+      ("32/128/128 3s halves", cfg(32, 128, 128, 4, 3, None, True)),
+      ("32/64/256 2s mr168 halves", cfg(32, 64, 256, 4, 2, 168, True)),
+      ("32/64/256 2s mr192 halves", cfg(32, 64, 256, 4, 2, 192, True)),
+      ("32/32/256 2s mr128 halves", cfg(32, 32, 256, 4, 2, 128, True))]
+DN = [("pick 16/128/128 3s", cfg(16, 128, 128, 4, 3)),
+      ("32/128/128 3s plain", cfg(32, 128, 128, 4, 3)),
+      ("32/128/128 3s halves", cfg(32, 128, 128, 4, 3, None, True)),
+      ("32/128/128 3s halves hoist", cfg(32, 128, 128, 4, 3, None, True, True)),
+      ("32/64/256 3s halves", cfg(32, 64, 256, 4, 3, None, True)),
+      ("32/128/128 2s halves", cfg(32, 128, 128, 4, 2, None, True)),
+      ("32/64/128 3s halves", cfg(32, 64, 128, 4, 3, None, True)),
+      ("32/128/256 3s halves", cfg(32, 128, 256, 4, 3, None, True))]
+for T in (64, 256):
+    routing = moe.route_tokens(torch.rand(T, E, device="cuda").topk(A, dim=-1).indices, E)
+    counts = routing.counts.cpu()
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    act_x = rac.quantize_activation_triton(x, torch.arange(D // 16, device="cuda") % 2 == 0)
+    act_h = rac.quantize_activation_triton(torch.randn(T * A, I, device="cuda", dtype=torch.bfloat16),
+                                           torch.arange(I // 16, device="cuda") % 2 == 0)
+    row_weights = torch.rand(T * A, device="cuda")
+    gu = lambda: rac.grouped_matmul_triton(act_x, gate_up_q, routing.counts, row_ids=routing.token_ids, swiglu=True)
+    dn = lambda: rac.grouped_matmul_triton(act_h, down_q, routing.counts, row_weights=row_weights)
+    print(f"T={T}: rows an expert max {counts.max().item()}, experts > 16 rows: {(counts > 16).sum().item()}, "
+          f"16-row tiles {((counts + 15) // 16).sum().item()}, 32-row tiles {((counts + 31) // 32).sum().item()}")
+    for name, fn, table in (("gate/up", gu, GU), ("down", dn, DN)):
+        ref = None
+        for label, c in table:
+            kernel.configs = [c]; kernel.cache.clear()
+            try:
+                y = fn(); again = fn()
+                if ref is None:
+                    ref = y.clone()
+                same = torch.equal(y, ref)
+                err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                t = graph_us(fn)
+                print(f"  {name:8s} {label:34s} {t:7.1f} us  bit-identical to pick: {same}  rel {err:.1e}  "
+                      f"repeat equal: {torch.equal(y, again)}", flush=True)
+            except Exception as e:
+                print(f"  {name:8s} {label:34s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)

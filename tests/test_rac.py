@@ -767,6 +767,12 @@ def test_nvfp4_experts_fast_path_matches_the_twin_and_moe(kernel_device):
 
 
 # ============================================================================ errors
+def _grouped_call(rows=4, K=32):
+    """(act, w_q, counts) of a small grouped GEMM on the CPU: enough for its input checks."""
+    act = rac.Activation(None, None, torch.zeros(2, rows, K // 2, dtype=torch.float16), torch.ones(()))
+    return act, nvfp4.quantize_weight(torch.randn(2, 8, K)), torch.tensor([rows, 0])
+
+
 BAD_CALLS = [  # (id, call, what the message names, the problem it states)
     *[(f"{label} ({name})", lambda q=quantize, args=args: q(*args), names, problem)
       for name, quantize in (("twin", rac.quantize_activation_reference),
@@ -785,6 +791,11 @@ BAD_CALLS = [  # (id, call, what the message names, the problem it states)
     "residual", "must share x_q's global scale"),
     ("x_q type", lambda: rac.matmul_reference(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 32))),
      "x_q", "must be an NVFP4Tensor, got Tensor"),
+    ("router weight ids", lambda: rac.grouped_matmul_triton(*_grouped_call(), row_weights=torch.ones(6),
+                                                            row_weight_ids=torch.arange(3)),
+     "row_weight_ids", "one id per row (4,), got (3,) and row_weights (6,)"),
+    ("router weights", lambda: rac.grouped_matmul_triton(*_grouped_call(), row_weights=torch.ones(5)),
+     "row_weights", "one weight per row (4,), got (5,)"),
     ("kernel K", lambda: rac.nvfp4_linear_triton(torch.randn(2, 40), nvfp4.quantize(torch.randn(4, 48))),
      "K=40", "not a multiple of"),
     ("x vs weight", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 48))),

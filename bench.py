@@ -517,7 +517,7 @@ def _graph_step_ms(model, max_new_tokens, rounds=5):
     the eager prefill, whose time on the H200 jumps between two levels about 25 ms apart at batch 256
     from call to call: a rate taken as a difference of two calls moved by 10-20% with it."""
     import rollout
-    state = next(reversed(rollout._POOLS[model][1].values()))
+    state = rollout.last_decode_state(model)
     times = []
     for _ in range(rounds):
         state.cache.length.fill_(state.prompt_width)

@@ -562,6 +562,13 @@ def try_capture(model: MoETransformer, state: DecodeState) -> None:
         torch.cuda.synchronize()
 
 
+def last_decode_state(model: nn.Module) -> "DecodeState | None":
+    """The pooled state the model's latest generate call decoded with (a benchmark replays its graph), or
+    None if it has none."""
+    pool = _POOLS.get(model)
+    return next(reversed(pool[1].values())) if pool and pool[1] else None
+
+
 def free_decode_states(model: nn.Module) -> None:
     """Drop the model's pooled KV caches and CUDA graphs (they are also dropped with the model)."""
     _POOLS.pop(model, None)

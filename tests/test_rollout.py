@@ -392,12 +392,20 @@ def test_decode_state_is_reused_and_dropped_when_weights_are_replaced():
     state = rollout.get_decode_state(model, 8, 16, 5, dict(temperature=1.0, top_k=0, top_p=1.0, eos_id=None,
                                                            pad_id=0), cuda_graph=False)
     rollout.generate(model, [[3, 4, 5]], num_samples=8, max_new_tokens=5, seed=9)  # same shapes: same buffers
-    assert rollout._POOLS[model][1][next(reversed(rollout._POOLS[model][1]))] is state
+    assert rollout.last_decode_state(model) is state
+    rollout.generate(model, [[3, 4, 5]], num_samples=3, max_new_tokens=5)  # another shape: its own state
+    assert rollout.last_decode_state(model).tokens.shape[0] == 3
+    rollout.generate(model, [[3, 4, 5]], num_samples=8, max_new_tokens=5)
+    assert rollout.last_decode_state(model) is state                         # the latest call's, again
     # a weight replaced (not copied in place) makes every pooled state stale
     model.lm_head.weight = nn.Parameter(torch.randn_like(model.lm_head.weight))
     out = rollout.generate(model, PROMPTS, num_samples=1, max_new_tokens=5, temperature=0.0)
-    assert state not in rollout._POOLS[model][1].values()
+    assert rollout.last_decode_state(model) is not state
+    assert rollout.get_decode_state(model, 8, 16, 5, dict(temperature=1.0, top_k=0, top_p=1.0, eos_id=None,
+                                                          pad_id=0), cuda_graph=False) is not state
     assert completion_list(out, 0) == greedy_without_cache(model, PROMPTS[0], 5)
+    rollout.free_decode_states(model)
+    assert rollout.last_decode_state(model) is None
 
 
 def test_rollout_through_rac_fp8_layers_matches_their_forward():

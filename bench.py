@@ -183,11 +183,7 @@ def bench_gemm(args):
                     continue
                 kernel.configs = [c]
                 kernel.cache.clear()
-                kw, tiles = c.kwargs, c.kwargs.get("N_TILES", 1)
-                yield (f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']} split-K {kw['SPLIT_K']} "
-                       f"{c.num_warps}w {c.num_stages}s{' x-first' if kw['X_FIRST'] else ''}"
-                       f"{f' maxnreg {c.maxnreg}' if c.maxnreg else ''}"
-                       f"{f' {tiles} N tiles' if tiles > 1 else ''}")
+                yield _config_label(c, " ")
         finally:
             kernel.configs = configs
             kernel.cache.clear()
@@ -372,17 +368,22 @@ def bench_gemm(args):
     _print_autotuned(rac)
 
 
+def _config_label(config, sep):
+    """A W4A4 kernel configuration in words: BLOCK_M/N/K, split-K, warps, stages, and the optional fields."""
+    kw, tiles = config.kwargs, config.kwargs.get("N_TILES", 1)
+    parts = [f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"split-K {kw['SPLIT_K']}",
+             f"{config.num_warps}w", f"{config.num_stages}s"]
+    parts += ["x-first"] * bool(kw["X_FIRST"]) + [f"maxnreg {config.maxnreg}"] * bool(config.maxnreg)
+    parts += [f"{tiles} N tiles"] * (tiles > 1)
+    return sep.join(parts)
+
+
 def _print_autotuned(rac):
     """The configurations rac.py's autotuner chose in this process, per key (shape bucket, N, K, ...)."""
     print("\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages):")
     for kernel in (rac._dense_kernel, rac._grouped_kernel):
         for key, config in kernel.cache.items():
-            kw, tiles = config.kwargs, config.kwargs.get("N_TILES", 1)
-            print(f"  {kernel.fn.fn.__name__} {key[:5]} -> {kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}, "
-                  f"split-K {kw['SPLIT_K']}, {config.num_warps}w, {config.num_stages}s"
-                  f"{', x-first' if kw['X_FIRST'] else ''}"
-                  f"{f', maxnreg {config.maxnreg}' if config.maxnreg else ''}"
-                  f"{f', {tiles} N tiles' if tiles > 1 else ''}")
+            print(f"  {kernel.fn.fn.__name__} {key[:5]} -> {_config_label(config, ', ')}")
 
 
 # ---------------------------------------------------------------------------- qat (qat.py)

@@ -99,6 +99,7 @@ OPERAND_SHIFT = 2.0 ** -6          # the Hopper kernels' fp16 operands hold valu
 EPILOGUE_SCALE = OPERAND_SHIFT ** -2  # 2^12: undoes the two operands' 2^-6
 FUSED_ELEMENTS = 4096              # inputs up to this size (M * K) are quantized inside the GEMM
 PREFILL_ROWS = 257                 # from this many rows on, the weight is decoded once per call
+EARLY_LAUNCH_PROGRAMS = 256        # a quantizer launch this small lets the next kernel launch as it starts
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 use_triton = nvfp4._use_triton  # the one test for the fast path: Triton on CUDA tensors, twins elsewhere
 
@@ -651,6 +652,16 @@ if triton is not None:
     _EPILOGUE = tl.constexpr(EPILOGUE_SCALE)
     _FUSED = tl.constexpr(FUSED_ELEMENTS)
 
+    @triton.jit
+    def _after_previous_kernel(PDL: tl.constexpr, EARLY: tl.constexpr = False):
+        """PDL (programmatic dependent launch, sm_90+): this kernel may start while the one before it in the
+        stream still runs, so each program first waits for that kernel's end and writes, before any load or
+        store. EARLY: the next kernel may launch once every program of this one has started."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            if EARLY:
+                tl.extra.cuda.gdc_launch_dependents()
+
     # Twin: quantize_activation_reference (codes) and activation_operand (the fp16 operand). A program
     # quantizes BLOCKS 16-element blocks of the flattened (M * G, 16) input as two (BLOCKS, 8) tiles of
     # even and odd elements (nvfp4.py's pair layout: a bf16 pair is one 32-bit load, and a packed byte
@@ -718,8 +729,9 @@ if triton is not None:
         # meta-parameters
         AMAX_HERE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, WRITE_CODES: tl.constexpr,
         WRITE_OPERAND: tl.constexpr, BLOCKS: tl.constexpr, CHUNK: tl.constexpr, PARTIALS: tl.constexpr,
-        GPU: tl.constexpr,
+        GPU: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
     ):
+        _after_previous_kernel(PDL, EARLY)
         pid = tl.program_id(0)
         if AMAX_HERE:  # a small input: every program reduces all of it (L2-resident) itself
             global_scale = _scale_from_amax(_abs_max(x_ptr, 0, numel, CHUNK))
@@ -744,11 +756,39 @@ if triton is not None:
                      mask=in_range[:, None])
 
     @triton.jit
-    def _partial_amax_kernel(x_ptr, partial_ptr, numel, SLICE: tl.constexpr, CHUNK: tl.constexpr):
+    def _partial_amax_kernel(x_ptr, partial_ptr, numel, SLICE: tl.constexpr, CHUNK: tl.constexpr,
+                             PDL: tl.constexpr, EARLY: tl.constexpr):
         """One max |x| per program over a slice (no atomics, nothing to zero first)."""
+        _after_previous_kernel(PDL, EARLY)
         start = tl.program_id(0).to(tl.int64) * SLICE
         amax = _abs_max(x_ptr, start, tl.minimum(start + SLICE, numel), CHUNK)
         tl.store(partial_ptr + tl.program_id(0), amax)
+
+
+_PDL = {}  # device index -> launch with programmatic dependent launch
+
+
+def _pdl(device):
+    """Launch the quantizer and GEMM kernels with programmatic dependent launch? Yes on sm_90+ GPUs: a
+    kernel's programs are then set up while the kernel ahead of it finishes, where they waited for its end
+    (a decode step of 4 Qwen3-30B-A3B layers: 1.9% shorter at batch 64 on the H200, bit-identical)."""
+    if _INTERPRET or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PDL:
+        _PDL[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return _PDL[index]
+
+
+def _launch_options(device, programs=None):
+    """PDL flags and launch option of a kernel; `programs`: it may let the next kernel launch early (a
+    small quantizer launch). With more programs than EARLY_LAUNCH_PROGRAMS the next GEMM's early programs
+    slowed the decode step by 6% on the H200 (768: the down_proj input at batch 256)."""
+    pdl = _pdl(device)
+    options = dict(PDL=pdl, launch_pdl=pdl)
+    if programs is not None:
+        options["EARLY"] = pdl and programs <= EARLY_LAUNCH_PROGRAMS
+    return options
 
 
 def _require_triton():
@@ -797,7 +837,8 @@ def _partial_amax(x):
     chunk = _partial_chunk(x.numel())
     slice_ = chunk * triton.cdiv(triton.cdiv(x.numel(), chunk), _AMAX_SLICES)
     partials = torch.empty(triton.cdiv(x.numel(), slice_), dtype=torch.float32, device=x.device)
-    _partial_amax_kernel[(partials.numel(),)](x, partials, x.numel(), SLICE=slice_, CHUNK=chunk)
+    _partial_amax_kernel[(partials.numel(),)](x, partials, x.numel(), SLICE=slice_, CHUNK=chunk,
+                                              **_launch_options(x.device, partials.numel()))
     return partials
 
 
@@ -828,7 +869,8 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
         return dummy if t is None else (t.view(view) if view is not None else t)
 
     blocks = 32 if n_blocks <= 16384 else 128  # small inputs: more programs, shorter chains
-    _quantize_activation_kernel[(triton.cdiv(n_blocks, blocks),)](
+    programs = triton.cdiv(n_blocks, blocks)
+    _quantize_activation_kernel[(programs,)](
         x, nvfp4._pair_view(x), ptr(rac_mask, torch.uint8), partials, global_scale,
         ptr(data), ptr(block_scale, torch.uint8), ptr(res_data), ptr(res_block_scale, torch.uint8),
         ptr(out_operand),
@@ -836,7 +878,7 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
         out_operand.stride(0) if operand else 0,
         AMAX_HERE=amax_here, HAS_RESIDUAL=rac_mask is not None, X_BF16=x.dtype == torch.bfloat16,
         WRITE_CODES=codes, WRITE_OPERAND=operand, BLOCKS=blocks, CHUNK=_AMAX_CHUNK, GPU=not _INTERPRET,
-        PARTIALS=triton.next_power_of_2(partials.numel()))
+        PARTIALS=triton.next_power_of_2(partials.numel()), **_launch_options(device, programs))
     x_q = NVFP4Tensor(data, block_scale, global_scale) if codes else None
     residual = (NVFP4Tensor(res_data, res_block_scale, global_scale) if codes and rac_mask is not None
                 else None)
@@ -1147,8 +1189,9 @@ if triton is not None:
         FUSED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, W_FP16: tl.constexpr,
         OUT_BF16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr, EVEN_K: tl.constexpr,
-        X_FIRST: tl.constexpr,
+        X_FIRST: tl.constexpr, PDL: tl.constexpr,
     ):
+        _after_previous_kernel(PDL)
         # N tiles vary fastest: programs running together share the activation rows and stream
         # disjoint weight rows, which is what a weight-bound decode wants.
         pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -1257,7 +1300,7 @@ def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None, splits=None
                         counters, M, N, K, bucket, x_plane, w_plane, *_column_splits(w_q, splits),
                         stride_x, stride_w, w_scale.stride(0), FUSED=fused,
                         HAS_RESIDUAL=fused and rac_mask is not None, X_BF16=x_bf16, W_FP16=w_fp16,
-                        OUT_BF16=out_dtype == torch.bfloat16, GPU=not _INTERPRET)
+                        OUT_BF16=out_dtype == torch.bfloat16, GPU=not _INTERPRET, **_launch_options(device))
     return _split_output(y, M, N, splits)
 
 
@@ -1372,9 +1415,10 @@ if triton is not None:
         GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, WEIGHT_IDS: tl.constexpr, SWIGLU: tl.constexpr,
         OUT_BF16: tl.constexpr, GPU: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr,
-        EVEN_K: tl.constexpr, X_FIRST: tl.constexpr, N_TILES: tl.constexpr,
+        EVEN_K: tl.constexpr, X_FIRST: tl.constexpr, N_TILES: tl.constexpr, PDL: tl.constexpr,
     ):
         tl.static_assert(N_TILES == 1 or X_FIRST, "several N tiles a program: the X_FIRST loop only")
+        _after_previous_kernel(PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         expert, row0, end_row = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
         if expert >= E:  # the grid is an upper bound on the tile count: surplus programs exit
@@ -1458,7 +1502,8 @@ def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swig
                           w_q.global_scale.contiguous(), counts, _as_int16(y), N, K, E,
                           _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS), operand.stride(0),
                           operand.stride(1), w_data.stride(0), w_data.stride(1), w_scale.stride(0),
-                          w_scale.stride(1), y.stride(0), GPU=not _INTERPRET, **flags)
+                          w_scale.stride(1), y.stride(0), GPU=not _INTERPRET, **_launch_options(w_q.device),
+                          **flags)
     return y
 
 

@@ -128,12 +128,13 @@ kernels = {
     "quantizer": (rac._quantize_activation_kernel,
                   ["*bf16", "*i32", "*u8", "*fp32", "*fp32", "*u8", "*u8", "*u8", "*u8", "*fp16"] + [i] * 5,
                   dict(AMAX_HERE=True, HAS_RESIDUAL=True, X_BF16=True, WRITE_CODES=True, WRITE_OPERAND=True,
-                       BLOCKS=32, CHUNK=4096, PARTIALS=1)),
+                       BLOCKS=32, CHUNK=4096, PARTIALS=1, PDL=False, EARLY=False)),
     "fused GEMV": (rac._dense_kernel,
                    ["*bf16", "*i32", "*u8", "*fp32", "*u8", "*u8", "*fp32", "*i16", "*fp32", "*i32"]
                    + [i] * 11,
                    dict(FUSED=True, HAS_RESIDUAL=True, X_BF16=True, W_FP16=False, OUT_BF16=True, BLOCK_M=1,
-                        BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, BUCKET=1, EVEN_K=True, X_FIRST=False)),
+                        BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, BUCKET=1, EVEN_K=True, X_FIRST=False,
+                        PDL=False)),
 }
 for name, (kernel, types, constants) in kernels.items():
     kernel = jit(kernel)
@@ -145,6 +146,81 @@ for name, (kernel, types, constants) in kernels.items():
         ptx = compile(ASTSource(kernel, signature, c), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
         print(name.replace(" ", "_"), gpu, len(re.findall(r"\bmul\.rn\.f32\b", ptx)))
 """
+
+
+_COMPILE_PDL_FOR_SM90 = r"""
+import re, triton, rac
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+def jit(kernel):
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):  # through autotune and heuristics
+        kernel = kernel.fn
+    return kernel
+i = "i32"
+dense_types = ["*bf16", "*i32", "*u8", "*fp32", "*u8", "*u8", "*fp32", "*i16", "*fp32", "*i32"] + [i] * 11
+dense = dict(HAS_RESIDUAL=False, X_BF16=False, W_FP16=False, OUT_BF16=True, BUCKET=16, EVEN_K=True)
+kernels = {
+    "partial_max": (rac._partial_amax_kernel, ["*bf16", "*fp32", i], dict(SLICE=4096, CHUNK=4096)),
+    "quantizer": (rac._quantize_activation_kernel,
+                  ["*bf16", "*i32", "*u8", "*fp32", "*fp32", "*u8", "*u8", "*u8", "*u8", "*fp16"] + [i] * 5,
+                  dict(AMAX_HERE=False, HAS_RESIDUAL=True, X_BF16=True, WRITE_CODES=True, WRITE_OPERAND=True,
+                       BLOCKS=32, CHUNK=4096, PARTIALS=256, GPU=True)),
+    "fused_GEMV": (rac._dense_kernel, dense_types,
+                   dict(dense, FUSED=True, HAS_RESIDUAL=True, X_BF16=True, BLOCK_M=1, BLOCK_N=16,
+                        BLOCK_K=1024, SPLIT_K=1, X_FIRST=False, GPU=True)),
+    "dense_split_k": (rac._dense_kernel, ["*fp16", "*fp16"] + dense_types[2:],
+                      dict(dense, FUSED=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, X_FIRST=True,
+                           GPU=True)),
+    "grouped": (rac._grouped_kernel,
+                ["*fp16", "*fp32", "*i64", "*fp32", "*i64", "*u8", "*u8", "*fp32", "*i64", "*i16"] + [i] * 11,
+                dict(GATHER=True, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=True, OUT_BF16=True, GPU=True,
+                     E_POW2=128, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, BUCKET=16, EVEN_K=True,
+                     X_FIRST=True, N_TILES=1)),
+}
+memory = re.compile(r"\b(?:ld|st|atom|red)\.global\b|\bcp\.async\b")
+for name, (kernel, types, constants) in kernels.items():
+    kernel = jit(kernel)
+    small = "EARLY" in kernel.arg_names
+    flags = [dict(PDL=False), dict(PDL=True)] + ([dict(PDL=True, EARLY=True)] if small else [])
+    for extra in flags:
+        extra = {"EARLY": False, **extra} if small else extra
+        c = dict(constants, **extra)
+        signature = dict(zip([n for n in kernel.arg_names if n not in c], types))
+        signature.update({n: "constexpr" for n in c})
+        ptx = compile(ASTSource(kernel, signature, c), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        wait, first = ptx.find("griddepcontrol.wait"), memory.search(ptx)
+        print(name, int(extra["PDL"]), int(extra.get("EARLY", False)), int(wait >= 0),
+              int(wait >= 0 and first is not None and wait < first.start()),
+              int("griddepcontrol.launch_dependents" in ptx))
+"""
+
+
+def test_kernels_launched_after_the_previous_one_wait_for_it_before_any_memory_access():
+    # Programmatic dependent launch: a kernel may start before the one ahead of it in the stream ends, so
+    # its griddepcontrol.wait must come before its first global load or store (else it reads stale data,
+    # now and then); with PDL off (pre-Hopper GPUs) the instructions must be absent (sm_80 lacks them).
+    rows = [line.split() for line in _compiled_output(_COMPILE_PDL_FOR_SM90)]
+    seen = {(name, pdl, early): (wait, before, trigger) for name, pdl, early, wait, before, trigger in rows}
+    names = {"partial_max", "quantizer", "fused_GEMV", "dense_split_k", "grouped"}
+    assert {name for name, *_ in seen} == names, seen
+    for name in names:
+        assert seen[name, "0", "0"] == ("0", "0", "0"), (name, seen[name, "0", "0"])
+        assert seen[name, "1", "0"] == ("1", "1", "0"), (name, seen[name, "1", "0"])
+    for name in ("partial_max", "quantizer"):  # the small kernels can let the next one launch early
+        assert seen[name, "1", "1"] == ("1", "1", "1"), (name, seen[name, "1", "1"])
+
+
+def test_pdl_is_used_on_hopper_and_later_and_early_launch_only_after_small_quantizer_launches(monkeypatch):
+    for capability, expected in (((8, 0), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        monkeypatch.setattr(rac, "_INTERPRET", False)
+        rac._PDL.clear()
+        device = torch.device("cuda", 0)
+        assert rac._launch_options(device) == dict(PDL=expected, launch_pdl=expected)
+        assert rac._launch_options(device, rac.EARLY_LAUNCH_PROGRAMS)["EARLY"] == expected
+        assert rac._launch_options(device, rac.EARLY_LAUNCH_PROGRAMS + 1)["EARLY"] is False
+    rac._PDL.clear()
+    assert rac._launch_options(torch.device("cpu"), 1) == dict(PDL=False, launch_pdl=False, EARLY=False)
 
 
 def test_compiled_kernels_round_the_residuals_product_on_its_own():
@@ -461,6 +537,44 @@ def test_native_path_is_dropped_loudly_when_it_disagrees_or_fails(kernel_device,
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert rac._native_agrees(device)
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_pdl_launches_in_a_cuda_graph_give_the_plain_launches_results(monkeypatch):
+    # Each replay takes a new input: a kernel that read before the one ahead of it had written would show
+    # up as a replay unlike the plain launches' result (a CUDA graph replays the decode step like this).
+    E, D, I, A, T = 128, 2048, 768, 8, 256
+    torch.manual_seed(0)
+    experts = rac.NVFP4Experts(E, D, I, rac_ratio=0.5, device="cuda")
+    experts.load_weights(torch.randn(E, 2 * I, D, device="cuda") * 0.05,
+                         torch.randn(E, D, I, device="cuda") * 0.05)
+    linear = rac.NVFP4Linear(D, 4096, rac_ratio=0.5, device="cuda")
+    linear.load_weight(torch.randn(4096, D, device="cuda") * 0.05)
+    inputs = [torch.randn(T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    routes = [torch.rand(T, E, device="cuda").topk(A, dim=-1) for _ in inputs]
+    static_x, static_ids, static_w = inputs[0].clone(), routes[0].indices.clone(), routes[0].values.clone()
+
+    def step():
+        return experts(static_x, static_ids, static_w), linear(static_x[:64]), linear(static_x[:1])
+
+    def run(pdl):
+        monkeypatch.setattr(rac, "_pdl", lambda device: pdl and device.type == "cuda")
+        step()  # compile and autotune outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step()
+        results = []
+        for x, route in zip(inputs * 3, routes * 3):
+            static_x.copy_(x), static_ids.copy_(route.indices), static_w.copy_(route.values)
+            graph.replay()
+            results.append([y.clone() for y in outputs])
+        return results
+
+    plain, pdl = run(False), run(True)
+    assert not all(torch.equal(a, b) for a, b in zip(plain[0], plain[1]))  # the inputs do change
+    for replay_plain, replay_pdl in zip(plain, pdl):
+        assert all(torch.equal(a, b) for a, b in zip(replay_plain, replay_pdl))
 
 
 def test_backend_is_native_only_on_blackwell_and_only_if_its_check_passes(monkeypatch):

@@ -99,7 +99,7 @@ OPERAND_SHIFT = 2.0 ** -6          # the Hopper kernels' fp16 operands hold valu
 EPILOGUE_SCALE = OPERAND_SHIFT ** -2  # 2^12: undoes the two operands' 2^-6
 FUSED_ELEMENTS = 4096              # inputs up to this size (M * K) are quantized inside the GEMM
 PREFILL_ROWS = 257                 # from this many rows on, the weight is decoded once per call
-EARLY_LAUNCH_PROGRAMS = 256        # a quantizer launch this small lets the next kernel launch as it starts
+EARLY_LAUNCH_PROGRAMS = 256        # an experts' quantizer launch this small lets the GEMM launch as it starts
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 use_triton = nvfp4._use_triton  # the one test for the fast path: Triton on CUDA tensors, twins elsewhere
 
@@ -446,10 +446,12 @@ class NVFP4Experts(nn.Module):
     def _forward_triton(self, x, routing, expert_weights):
         """x (T, D), routing, expert_weights (T * A,) -> (R, D): each sorted row times its router weight."""
         native = gemm_backend(x.device) == "native"  # codes for tl.dot_scaled, else the fp16 operand
-        act = quantize_activation_triton(x, self.rac_gate_up(x), codes=native, operand=not native)
+        act = quantize_activation_triton(x, self.rac_gate_up(x), codes=native, operand=not native,
+                                         early_launch=True)
         hidden = grouped_matmul_triton(act, self.gate_up_q, routing.counts, row_ids=routing.token_ids,
                                        swiglu=True, out_dtype=x.dtype)                   # (R, I)
-        act = quantize_activation_triton(hidden, self.rac_down(hidden), codes=native, operand=not native)
+        act = quantize_activation_triton(hidden, self.rac_down(hidden), codes=native, operand=not native,
+                                         early_launch=True)
         return grouped_matmul_triton(act, self.down_q, routing.counts, row_weights=expert_weights,
                                      row_weight_ids=routing.order, out_dtype=x.dtype)    # (R, D)
 
@@ -780,14 +782,15 @@ def _pdl(device):
     return _PDL[index]
 
 
-def _launch_options(device, programs=None):
-    """PDL flags and launch option of a kernel; `programs`: it may let the next kernel launch early (a
-    small quantizer launch). With more programs than EARLY_LAUNCH_PROGRAMS the next GEMM's early programs
-    slowed the decode step by 6% on the H200 (768: the down_proj input at batch 256)."""
+def _launch_options(device, early=None):
+    """A kernel's PDL flags and launch option; early (kernels that can trigger): may the next kernel launch
+    as soon as this one has started? Early launch pays before a kernel of many waves of programs (the
+    quantizer after the partial max, the experts' GEMM after their quantizer); before a dense GEMM of
+    about one wave it cost more than it saved on the H200 (its programs land on SMs still busy)."""
     pdl = _pdl(device)
     options = dict(PDL=pdl, launch_pdl=pdl)
-    if programs is not None:
-        options["EARLY"] = pdl and programs <= EARLY_LAUNCH_PROGRAMS
+    if early is not None:
+        options["EARLY"] = pdl and early
     return options
 
 
@@ -838,14 +841,16 @@ def _partial_amax(x):
     slice_ = chunk * triton.cdiv(triton.cdiv(x.numel(), chunk), _AMAX_SLICES)
     partials = torch.empty(triton.cdiv(x.numel(), slice_), dtype=torch.float32, device=x.device)
     _partial_amax_kernel[(partials.numel(),)](x, partials, x.numel(), SLICE=slice_, CHUNK=chunk,
-                                              **_launch_options(x.device, partials.numel()))
+                                              **_launch_options(x.device, early=True))
     return partials
 
 
-def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
+def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True, early_launch=False):
     """The quantizer: x (M, K) -> Activation with the fp16 operand (operand=True) and/or the NVFP4
     codes of x and of its RAC residual (codes=True). Dynamic global scale amax(|x|) / 2688: reduced
-    inside the launch for inputs up to FUSED_ELEMENTS, by one partial-max launch before it otherwise."""
+    inside the launch for inputs up to FUSED_ELEMENTS, by one partial-max launch before it otherwise.
+    early_launch: the next kernel (the experts' GEMM) may launch while this one runs (sm_90+), if the
+    launch has at most EARLY_LAUNCH_PROGRAMS programs (more, 768 at batch 256, measured slower)."""
     _require_triton()
     _check_matrix(x, "quantize_activation_triton")
     _check_rac_mask(rac_mask, x)
@@ -878,7 +883,8 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True):
         out_operand.stride(0) if operand else 0,
         AMAX_HERE=amax_here, HAS_RESIDUAL=rac_mask is not None, X_BF16=x.dtype == torch.bfloat16,
         WRITE_CODES=codes, WRITE_OPERAND=operand, BLOCKS=blocks, CHUNK=_AMAX_CHUNK, GPU=not _INTERPRET,
-        PARTIALS=triton.next_power_of_2(partials.numel()), **_launch_options(device, programs))
+        PARTIALS=triton.next_power_of_2(partials.numel()),
+        **_launch_options(device, early=early_launch and programs <= EARLY_LAUNCH_PROGRAMS))
     x_q = NVFP4Tensor(data, block_scale, global_scale) if codes else None
     residual = (NVFP4Tensor(res_data, res_block_scale, global_scale) if codes and rac_mask is not None
                 else None)

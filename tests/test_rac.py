@@ -210,17 +210,38 @@ def test_kernels_launched_after_the_previous_one_wait_for_it_before_any_memory_a
         assert seen[name, "1", "1"] == ("1", "1", "1"), (name, seen[name, "1", "1"])
 
 
-def test_pdl_is_used_on_hopper_and_later_and_early_launch_only_after_small_quantizer_launches(monkeypatch):
+def test_pdl_is_used_on_hopper_and_later_and_early_launch_only_where_asked(monkeypatch):
     for capability, expected in (((8, 0), False), ((9, 0), True), ((10, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
         monkeypatch.setattr(rac, "_INTERPRET", False)
         rac._PDL.clear()
         device = torch.device("cuda", 0)
         assert rac._launch_options(device) == dict(PDL=expected, launch_pdl=expected)
-        assert rac._launch_options(device, rac.EARLY_LAUNCH_PROGRAMS)["EARLY"] == expected
-        assert rac._launch_options(device, rac.EARLY_LAUNCH_PROGRAMS + 1)["EARLY"] is False
+        assert rac._launch_options(device, early=True)["EARLY"] == expected
+        assert rac._launch_options(device, early=False)["EARLY"] is False
     rac._PDL.clear()
-    assert rac._launch_options(torch.device("cpu"), 1) == dict(PDL=False, launch_pdl=False, EARLY=False)
+    assert rac._launch_options(torch.device("cpu"), early=True) == dict(PDL=False, launch_pdl=False,
+                                                                        EARLY=False)
+
+
+def test_only_the_experts_small_quantizer_launches_let_the_next_kernel_launch_early(monkeypatch):
+    launches = []
+    original = rac._launch_options
+    monkeypatch.setattr(rac, "_launch_options", lambda device, early=None: launches.append(early) or
+                        original(device, early))
+    monkeypatch.setattr(rac, "EARLY_LAUNCH_PROGRAMS", 16)  # 32 rows of 256: 512 blocks, 16 programs of 32
+    for rows, early_launch, expected in ((32, True, True), (33, True, False), (32, False, False)):
+        launches.clear()
+        rac.quantize_activation_triton(torch.randn(rows, 256).bfloat16(), early_launch=early_launch)
+        assert launches == [True, expected], (rows, early_launch, launches)  # partial max, then quantizer
+    experts = rac.NVFP4Experts(4, 64, 32)
+    monkeypatch.setattr(rac, "use_triton", lambda x: True)
+    calls = []
+    quantize = rac.quantize_activation_triton
+    monkeypatch.setattr(rac, "quantize_activation_triton", lambda *args, **kwargs:
+                        calls.append(kwargs.get("early_launch")) or quantize(*args, **kwargs))
+    experts(torch.randn(3, 64).bfloat16(), torch.tensor([[0, 1], [1, 2], [3, 0]]), torch.rand(3, 2))
+    assert calls == [True, True]
 
 
 def test_compiled_kernels_round_the_residuals_product_on_its_own():

@@ -1370,6 +1370,18 @@ if triton is not None:
         return expert, first_row + (pid_m - first_tile.to(tl.int32)) * BLOCK_M, first_row + rows
 
     @triton.jit
+    def _tile_rows(row_ids_ptr, weight_ids_ptr, row0, end_row, GATHER: tl.constexpr, WEIGHT_IDS: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+        """A row tile -> (its sorted rows, their mask, the activation rows they read (GATHER: row_ids), where
+        their router weights are (WEIGHT_IDS: weight_ids, routing.order))."""
+        sorted_rows = row0 + tl.arange(0, BLOCK_M)
+        row_mask = sorted_rows < end_row
+        x_rows = tl.load(row_ids_ptr + sorted_rows, mask=row_mask, other=0) if GATHER else sorted_rows
+        weight_rows = (tl.load(weight_ids_ptr + sorted_rows, mask=row_mask, other=0) if WEIGHT_IDS
+                       else sorted_rows)
+        return sorted_rows, row_mask, x_rows, weight_rows
+
+    @triton.jit
     def _expert_weight_rows(pid_n, n_out, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
         """The weight rows of N tile pid_n -> (rows, mask): BLOCK_N rows, or SWIGLU's stacked tile of
         2 BLOCK_N, the gate rows (of [0, I)) then the up rows I + the same, so that one product holds
@@ -1428,11 +1440,8 @@ if triton is not None:
         expert, row0, end_row = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
         if expert >= E:  # the grid is an upper bound on the tile count: surplus programs exit
             return
-        sorted_rows = row0 + tl.arange(0, BLOCK_M)
-        row_mask = sorted_rows < end_row
-        x_rows = tl.load(row_ids_ptr + sorted_rows, mask=row_mask, other=0) if GATHER else sorted_rows
-        weight_rows = (tl.load(weight_ids_ptr + sorted_rows, mask=row_mask, other=0) if WEIGHT_IDS
-                       else sorted_rows)
+        sorted_rows, row_mask, x_rows, weight_rows = _tile_rows(row_ids_ptr, weight_ids_ptr, row0, end_row,
+                                                                GATHER, WEIGHT_IDS, BLOCK_M)
         n_out = N // 2 if SWIGLU else N
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
@@ -1572,9 +1581,8 @@ if triton is not None:
         expert, row0, end_row = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
         if expert >= E:
             return
-        sorted_rows = row0 + tl.arange(0, BLOCK_M)
-        row_mask = sorted_rows < end_row
-        x_rows = tl.load(row_ids_ptr + sorted_rows, mask=row_mask, other=0) if GATHER else sorted_rows
+        sorted_rows, row_mask, x_rows, weight_rows = _tile_rows(row_ids_ptr, weight_ids_ptr, row0, end_row,
+                                                                GATHER, WEIGHT_IDS, BLOCK_M)
         n_out = N // 2 if SWIGLU else N
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < n_out
@@ -1592,8 +1600,6 @@ if triton is not None:
         if SWIGLU:
             out = _swiglu(out, BLOCK_N, BLOCK_M, False)                                  # (BLOCK_M, BLOCK_N)
         if ROW_WEIGHTS:
-            weight_rows = (tl.load(weight_ids_ptr + sorted_rows, mask=row_mask, other=0) if WEIGHT_IDS
-                           else sorted_rows)
             router_weight = tl.load(row_weights_ptr + weight_rows, mask=row_mask, other=0.0).to(tl.float32)
             out = out * router_weight[:, None]
         _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, tl.trans(out), OUT_BF16)

@@ -58,6 +58,10 @@ are applied at the end.
     step), so that its short K loop (768 = 3 steps) does not restart the pipeline for every tile.
   - Stacked weights: up to three weights (an attention's q/k/v_proj) in one GEMM, each weight's global
     scale applied to its own columns and its output stored as its own (M, N_i) tensor.
+  - Launches (sm_90+): programmatic dependent launch. A kernel may be launched while the one ahead of it
+    still runs, and its programs wait for that kernel's end before any load or store. The partial max
+    and the experts' quantizers let the next kernel launch as soon as they have started: it runs many
+    waves of programs. Before a dense GEMM of about one wave that cost more than it saved.
 Blackwell (sm_100+): `tl.dot_scaled(..., "e2m1", ...)` reads the packed codes and E4M3 scales as they
 are (dense and grouped). Chosen in one place (`gemm_backend`), checked against the Hopper kernels on
 first use and dropped with a one-line warning if they disagree. Its numerics are UNTESTED (no such GPU

@@ -115,7 +115,7 @@ def _compiled_output(script):
     return result.stdout.splitlines()
 
 
-_COMPILE_FOR_SM90 = r"""
+_COMPILE_PREAMBLE = r"""
 import re, triton, rac
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
@@ -124,6 +124,10 @@ def jit(kernel):
         kernel = kernel.fn
     return kernel
 i = "i32"
+"""
+
+
+_COMPILE_FOR_SM90 = _COMPILE_PREAMBLE + r"""
 kernels = {
     "quantizer": (rac._quantize_activation_kernel,
                   ["*bf16", "*i32", "*u8", "*fp32", "*fp32", "*u8", "*u8", "*u8", "*u8", "*fp16"] + [i] * 5,
@@ -148,15 +152,7 @@ for name, (kernel, types, constants) in kernels.items():
 """
 
 
-_COMPILE_PDL_FOR_SM90 = r"""
-import re, triton, rac
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
-def jit(kernel):
-    while not isinstance(kernel, triton.runtime.jit.JITFunction):  # through autotune and heuristics
-        kernel = kernel.fn
-    return kernel
-i = "i32"
+_COMPILE_PDL_FOR_SM90 = _COMPILE_PREAMBLE + r"""
 dense_types = ["*bf16", "*i32", "*u8", "*fp32", "*u8", "*u8", "*fp32", "*i16", "*fp32", "*i32"] + [i] * 11
 dense = dict(HAS_RESIDUAL=False, X_BF16=False, W_FP16=False, OUT_BF16=True, BUCKET=16, EVEN_K=True)
 kernels = {

@@ -503,8 +503,16 @@ if triton is not None:
         tl.store(out_ptr + token * D + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _check_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> None:
+    n = routing.inverse_order.numel()
+    if y_sorted.dim() != 2 or y_sorted.shape[0] != n or n_active < 1 or n % n_active:
+        raise ValueError(f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, "
+                         f"the routing's assignments, a multiple of n_active={n_active}")
+
+
 def sum_expert_rows_triton(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
     """sum_expert_rows as one Triton launch (y_sorted in bfloat16 or float32)."""
+    _check_expert_rows(y_sorted, routing, n_active)  # the kernel would read out of bounds
     if y_sorted.dtype not in _ROUNDED_DTYPES:
         raise ValueError(f"sum_expert_rows_triton: y_sorted must be bfloat16 or float32, got "
                          f"{y_sorted.dtype}")
@@ -521,10 +529,7 @@ def sum_expert_rows_triton(y_sorted: Tensor, routing: Routing, n_active: int) ->
 def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
     """Each token's A rows of y_sorted (N, D), already weighted, summed -> (T, D). The one place its path
     is chosen: the Triton kernel on CUDA (bfloat16, float32), the twin elsewhere."""
-    n = routing.inverse_order.numel()
-    if y_sorted.dim() != 2 or y_sorted.shape[0] != n or n_active < 1 or n % n_active:
-        raise ValueError(f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, "
-                         f"the routing's assignments, a multiple of n_active={n_active}")
+    _check_expert_rows(y_sorted, routing, n_active)
     if triton is not None and y_sorted.is_cuda and y_sorted.dtype in _ROUNDED_DTYPES:
         return sum_expert_rows_triton(y_sorted, routing, n_active)
     return sum_expert_rows_reference(y_sorted, routing, n_active)

@@ -564,6 +564,8 @@ BAD_CALLS = [  # (id, call given a scratch directory, what the message names, th
     ("cache alone", lambda tmp: _forward(kv_cache=ConcatKVCache(2)), "kv_cache", "attn_mask"),
     ("expert rows", lambda tmp: moe.sum_expert_rows(torch.zeros(5, 4), route_tokens(torch.zeros(3, 2,
      dtype=torch.long), 4), 2), "y_sorted (5, 4)", "N = 6"),
+    ("expert rows, kernel", lambda tmp: moe.sum_expert_rows_triton(torch.zeros(5, 4), route_tokens(
+     torch.zeros(3, 2, dtype=torch.long), 4), 2), "y_sorted (5, 4)", "N = 6"),
     ("float mask", lambda tmp: _forward(attn_mask=torch.zeros(2, 1, 5, 5)), "attn_mask", "bool"),
     ("positions", lambda tmp: _forward(positions=torch.zeros(2, 4, dtype=torch.long)), "positions", "(2, 5)"),
     ("routes shape", lambda tmp: _forward(forced_routes=torch.zeros(2, 5, 2, dtype=torch.long)),

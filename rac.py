@@ -774,12 +774,16 @@ if triton is not None:
 _PDL = {}  # device index -> launch with programmatic dependent launch
 
 
+def _cuda_index(device):
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _pdl(device):
     """Launch the quantizer and GEMM kernels with programmatic dependent launch? Yes on sm_90+ GPUs: a
     kernel's programs can then be set up while the kernel ahead of it finishes (the README has the gain)."""
     if _INTERPRET or device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     if index not in _PDL:
         _PDL[index] = torch.cuda.get_device_capability(index) >= (9, 0)
     return _PDL[index]
@@ -1503,7 +1507,7 @@ def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swig
     if n_rows == 0:
         return y
     flags = dict(GATHER=row_ids is not None, ROW_WEIGHTS=row_weights is not None,
-                 WEIGHT_IDS=row_weights is not None and row_weight_ids is not None, SWIGLU=swiglu,
+                 WEIGHT_IDS=row_weight_ids is not None, SWIGLU=swiglu,
                  OUT_BF16=out_dtype == torch.bfloat16, E_POW2=max(2, triton.next_power_of_2(E)))
     row_ids, row_weights, row_weight_ids = (t if t is not None else counts
                                             for t in (row_ids, row_weights, row_weight_ids))
@@ -1678,7 +1682,7 @@ def gemm_backend(device):
     """'native' (tl.dot_scaled on sm_100+, if it passed its first-use check) or 'portable'."""
     if device.type != "cuda":
         return "portable"
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     if index not in _BACKENDS:
         blackwell = torch.cuda.get_device_capability(index)[0] >= 10
         _BACKENDS[index] = ("native" if blackwell and _native_agrees(torch.device("cuda", index))

@@ -153,6 +153,8 @@ def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_
     row_weights[row_weight_ids[r]] (the router weights (T * A,) and routing.order). A loop in fp32.
     w: DQ(w_q) in fp32 when the caller keeps it."""
     _check_operands(x_q, w_q, residual, "grouped_matmul_reference", stacked=True)
+    _check_row_weights(row_weights, row_weight_ids, row_ids.numel() if row_ids is not None else x_q.shape[0],
+                       "grouped_matmul_reference")
     x = _compensated(x_q, residual)
     if row_ids is not None:
         x = x[row_ids]                                                                  # (R, K)
@@ -619,6 +621,17 @@ def _check_operands(x_q, w_q, residual, name, stacked=False):
             raise ValueError(f"{name}: residual {residual.shape} on {residual.device} does not match x_q")
         if not torch.equal(residual.global_scale.reshape(()), x_q.global_scale.reshape(())):
             raise ValueError(f"{name}: the residual must share x_q's global scale")
+
+
+def _check_row_weights(row_weights, row_weight_ids, n_rows, name):
+    """The experts' GEMM scales row r by row_weights[r], or by row_weights[row_weight_ids[r]]."""
+    if row_weight_ids is not None and (row_weights is None or row_weight_ids.shape != (n_rows,)):
+        weights = None if row_weights is None else tuple(row_weights.shape)
+        raise ValueError(f"{name}: row_weight_ids must index row_weights with one id per row ({n_rows},), "
+                         f"got {tuple(row_weight_ids.shape)} and row_weights {weights}")
+    if row_weights is not None and row_weight_ids is None and row_weights.shape != (n_rows,):
+        raise ValueError(f"{name}: row_weights must hold one weight per row ({n_rows},), got "
+                         f"{tuple(row_weights.shape)}")
 
 
 # ======================================================================== twins of the Hopper fp16 operands
@@ -1496,13 +1509,7 @@ def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swig
     act_rows = act.operand.shape[1] if act.operand is not None else act.x_q.shape[0]
     n_rows = row_ids.numel() if row_ids is not None else act_rows
     n_out = N // 2 if swiglu else N
-    if row_weight_ids is not None and (row_weights is None or row_weight_ids.shape != (n_rows,)):
-        weights = None if row_weights is None else tuple(row_weights.shape)
-        raise ValueError(f"grouped_matmul_triton: row_weight_ids must index row_weights with one id per row "
-                         f"({n_rows},), got {tuple(row_weight_ids.shape)} and row_weights {weights}")
-    if row_weights is not None and row_weight_ids is None and row_weights.shape != (n_rows,):
-        raise ValueError(f"grouped_matmul_triton: row_weights must hold one weight per row ({n_rows},), "
-                         f"got {tuple(row_weights.shape)}")
+    _check_row_weights(row_weights, row_weight_ids, n_rows, "grouped_matmul_triton")
     y = torch.empty((n_rows, n_out), dtype=out_dtype, device=w_q.device)
     if n_rows == 0:
         return y

@@ -927,6 +927,9 @@ BAD_CALLS = [  # (id, call, what the message names, the problem it states)
      "row_weight_ids", "one id per row (4,), got (3,) and row_weights (6,)"),
     ("router weights", lambda: rac.grouped_matmul_triton(*_grouped_call(), row_weights=torch.ones(5)),
      "row_weights", "one weight per row (4,), got (5,)"),
+    ("router weight ids (twin)", lambda: rac.grouped_matmul_reference(
+        nvfp4.quantize(torch.randn(4, 32)), *_grouped_call()[1:], row_weights=torch.ones(6),
+        row_weight_ids=torch.arange(3)), "grouped_matmul_reference: row_weight_ids", "one id per row (4,)"),
     ("kernel K", lambda: rac.nvfp4_linear_triton(torch.randn(2, 40), nvfp4.quantize(torch.randn(4, 48))),
      "K=40", "not a multiple of"),
     ("x vs weight", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 48))),

@@ -1374,6 +1374,9 @@ def _column_splits(w_q, splits):
 def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None, splits=None):
     """The Hopper dense kernel: on x itself (quantized inside the GEMM) or on a quantized `act`."""
     fused = act is None
+    if fused and x.numel() > FUSED_ELEMENTS:  # the fused amax reads at most that many elements
+        raise ValueError(f"_dense_portable: x {tuple(x.shape)} is too large to be quantized inside the GEMM "
+                         f"(at most FUSED_ELEMENTS = {FUSED_ELEMENTS} elements; pass act= the quantizer's)")
     M = x.shape[0] if fused else act.operand.shape[1]
     N, K = w_q.shape
     device = w_q.device

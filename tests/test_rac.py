@@ -589,11 +589,12 @@ def test_every_gpu_config_is_deterministic_and_matches_the_twin(monkeypatch):
                               lambda: rac._dense_portable(w_q, torch.float32, act=x),
                               rac.matmul_reference(x.x_q, w_q, out_dtype=torch.float32))
     mask = torch.arange(D // 16, device="cuda") % 2 == 0
-    for rows in (1, 16, 64):  # each decode bucket, activation quantized inside the GEMM and before it
+    for rows in (1, 8, 16, 64):  # each decode bucket, activation quantized inside the GEMM and before it
         x_small = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16)
         act = rac.quantize_activation_triton(x_small, mask)
         reference = rac.nvfp4_linear_reference(x_small, w_q, mask)
-        for label, kwargs in (("fused", dict(x=x_small, rac_mask=mask)), ("quantizer launch", dict(act=act))):
+        fused = [("fused", dict(x=x_small, rac_mask=mask))] * (x_small.numel() <= rac.FUSED_ELEMENTS)
+        for label, kwargs in fused + [("quantizer launch", dict(act=act))]:
             calls[f"dense decode M={rows} {label}"] = (
                 rac._dense_kernel, rac._m_bucket(rows, rac.DENSE_CONFIGS), False, False,
                 lambda kwargs=kwargs: rac._dense_portable(w_q, torch.float32, **kwargs), reference)
@@ -1021,6 +1022,9 @@ BAD_CALLS = [  # (id, call, what the message names, the problem it states)
      "row_weight_ids", "one id per row (4,), got (3,) and row_weights (6,)"),
     ("router weights", lambda: rac.grouped_matmul_triton(*_grouped_call(), row_weights=torch.ones(5)),
      "row_weights", "one weight per row (4,), got (5,)"),
+    ("fused GEMM input", lambda: rac._dense_portable(nvfp4.quantize(torch.randn(4, 512)), torch.float32,
+                                                     x=torch.randn(9, 512)),
+     "x (9, 512) is too large", "at most FUSED_ELEMENTS = 4096 elements"),
     ("experts layout", lambda: rac.grouped_matmul_triton(_grouped_call()[0], rac.unchunk_experts(
         _grouped_call()[1]), _grouped_call()[2]), "w must be ExpertWeights", "got NVFP4Tensor"),
     ("experts rows", lambda: rac.chunk_experts(nvfp4.quantize_weight(torch.randn(2, 8, 32))), "N=8 rows",

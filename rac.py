@@ -1,5 +1,5 @@
 """The rollout side: NVFP4 W4A4 layers with residual activation compensation (RAC), the conversion of a
-moe.py model into its rollout twin, weight sync, and the Triton GEMMs those layers run on.
+moe.py model into its rollout twin, weight sync, and the Triton (and Gluon) GEMMs those layers run on.
 
 A rollout layer computes y = x @ W.T, W (N, K), both operands blocked by 16 along K (G = K / 16 blocks):
 
@@ -21,11 +21,11 @@ scale goes stale between syncs, and anything above it saturates: exactly the out
 hurt NVFP4 most. The price is that a token's rounding depends on the largest value in its batch.
 
 How to read this file: the idea first, as the slow twins (plain PyTorch: quantize, dequantize, matmul in
-fp32), then block selection, the layers (each runs the Triton path on CUDA and its twin elsewhere),
-conversion and sync. Then what the fast path needs: input checks, the twins of the Hopper kernels' fp16
-operands, and the Triton kernels, one section per twin (quantizer, dense GEMM, experts' grouped GEMM,
-Blackwell), each ending with the function that launches them; last, the one place a hardware path is
-chosen.
+fp32), then block selection, the experts' weight layout, the layers (each runs the Triton path on CUDA
+and its twin elsewhere), conversion and sync. Then what the fast path needs: input checks, the twins of
+the Hopper kernels' fp16 operands, and the kernels, one section per twin (quantizer, dense GEMM, experts'
+grouped GEMM in Triton and in Gluon, Blackwell), each ending with the function that launches them; last,
+the one place a hardware path is chosen.
 
 Hopper kernels (also run on the CPU under TRITON_INTERPRET=1). Hopper has no FP4 tensor cores and
 `tl.dot_scaled` does not compile for sm_90, so the weight is decoded in registers: an E2M1 code c put
@@ -50,12 +50,16 @@ are applied at the end.
   - Prefill (M >= PREFILL_ROWS): one pass decodes the weight to fp16 (exactly), then both operands
     stream into shared memory; an in-register decode would repeat M / BLOCK_M times (slower from a
     few hundred rows on: bench.py).
-  - Experts: one grouped launch over (expert, row tile, N tile), X_FIRST at decode. Rows are sorted
-    by expert once (moe.route_tokens); a program finds its expert from the per-expert counts on the
-    device (no host sync), so experts without tokens cost nothing. The gate/up GEMM gathers token rows
-    and applies SwiGLU in its epilogue; the down GEMM scales each row by its router weight, read through
-    routing.order (no gather launch), and may take several N tiles a program in one loop over (tile, K
-    step), so that its short K loop (768 = 3 steps) does not restart the pipeline for every tile.
+  - Experts: one grouped launch over (expert, row tile, N tile). Rows are sorted by expert once
+    (moe.route_tokens); a program finds its expert from the per-expert counts on the device (no host
+    sync), so experts without tokens cost nothing. The gate/up GEMM gathers token rows and applies
+    SwiGLU in its epilogue; the down GEMM scales each row by its router weight, read through
+    routing.order (no gather launch). The expert weights are stored in ExpertWeights' blocked layout
+    (16-row blocks by 128-element K chunks), so that a program streams a few contiguous runs. On sm_89
+    and sm_90 the kernel is written in Gluon, Triton's layout-explicit dialect, to decode the codes
+    straight into mma.sync's operand registers with the weight rows on the MMA's left, in tiles of 8 to
+    64 token rows (GPU only: the CPU tests compile it for sm_90). The Triton kernel (X_FIRST at decode;
+    several N tiles a program for down_proj's short K loop) runs under the interpreter and elsewhere.
   - Stacked weights: up to three weights (an attention's q/k/v_proj) in one GEMM, each weight's global
     scale applied to its own columns and its output stored as its own (M, N_i) tensor.
   - Launches (sm_90+): programmatic dependent launch. A kernel may be launched while the one ahead of it
@@ -239,8 +243,9 @@ class ExpertWeights(NamedTuple):
     blocks of EXPERT_ROW_BLOCK, each block's K in chunks of `chunk` elements, one (block, chunk) stored as
     one run of 16 rows x chunk/2 bytes. A program's weight tile for a K step is then a few such runs, and
     its whole stream a few contiguous regions, where row-major codes give it 64-byte pieces 1 KB apart:
-    12-18% less time for the experts' GEMMs at decode on the H200 (bench.py gemm). The codes and scales
-    are nvfp4.quantize_weight's, moved (chunk_experts, unchunk_experts)."""
+    the Gluon kernel's gate/up GEMM at 64 decode tokens took 84 us on it against 102 us on row-major codes
+    (H200, README). The codes and scales are nvfp4.quantize_weight's, moved (chunk_experts,
+    unchunk_experts)."""
     data: torch.Tensor          # uint8 (E, N / 16, K / chunk, 16, chunk / 2)
     block_scale: torch.Tensor   # float8_e4m3fn (E, N / 16, K / chunk, 16, chunk / 16)
     global_scale: torch.Tensor  # float32 (E,)

@@ -291,6 +291,7 @@ def bench_gemm(args):
     gate_up = torch.randn(E, 2 * I, D, device="cuda", dtype=bf16) * 0.02
     down = torch.randn(E, D, I, device="cuda", dtype=bf16) * 0.02
     gate_up_q, down_q = nvfp4.quantize_weight(gate_up), nvfp4.quantize_weight(down)
+    gate_up_w, down_w = rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q)  # the kernels' layout
     (gate_up8, gate_up_s), (down8, down_s) = fp8.quantize_weight(gate_up), fp8.quantize_weight(down)
     print("\n### Expert layer, decode (128 experts, top-8; gate/up 2048 -> 2x768, SwiGLU, "
           "down 768 -> 2048)\n")
@@ -306,12 +307,9 @@ def bench_gemm(args):
         x_sorted = x[routing.token_ids]
         hit = int((routing.counts > 0).sum())
         layer = rac.NVFP4Experts(E, D, I, device="cuda")
-        layer.gate_up_data.copy_(gate_up_q.data)
-        layer.gate_up_block_scale.copy_(gate_up_q.block_scale)
-        layer.gate_up_global_scale.copy_(gate_up_q.global_scale)
-        layer.down_data.copy_(down_q.data)
-        layer.down_block_scale.copy_(down_q.block_scale)
-        layer.down_global_scale.copy_(down_q.global_scale)
+        for name, w in (("gate_up", gate_up_w), ("down", down_w)):
+            for part in ("data", "block_scale", "global_scale"):
+                getattr(layer, f"{name}_{part}").copy_(getattr(w, part))
         rac_layer = rac.NVFP4Experts(E, D, I, rac_ratio=0.5, device="cuda")
         rac_layer.load_state_dict(layer.state_dict(), strict=False)
         for selector in (rac_layer.rac_gate_up, rac_layer.rac_down):
@@ -332,16 +330,16 @@ def bench_gemm(args):
         t = {"bf16": graph_us([bf16_layer]), "fp8": graph_us([fp8_layer]),
              "w4a4": graph_us([lambda: layer._forward_triton(x, routing, expert_weights)]),
              "rac": graph_us([lambda: rac_layer._forward_triton(x, routing, expert_weights)]),
-             "gate_up": graph_us([lambda: rac.grouped_matmul_triton(act_x, gate_up_q, routing.counts,
+             "gate_up": graph_us([lambda: rac.grouped_matmul_triton(act_x, gate_up_w, routing.counts,
                                                                      row_ids=routing.token_ids,
                                                                      swiglu=True)]),
-             "down": graph_us([lambda: rac.grouped_matmul_triton(act_h, down_q, routing.counts,
+             "down": graph_us([lambda: rac.grouped_matmul_triton(act_h, down_w, routing.counts,
                                                                   row_weights=expert_weights,
                                                                   row_weight_ids=routing.order)])}
-        bucket = rac._m_bucket(-(-T * A // E), rac.GROUPED_CONFIGS)
+        bucket = rac._m_bucket(-(-T * A // E), rac.GLUON_CONFIGS)
         configs = "; ".join(
             f"{label}: {graph_us([lambda: layer._forward_triton(x, routing, expert_weights)]):.1f}"
-            for label in forced(rac._grouped_kernel, bucket))
+            for label in forced(rac._grouped_gluon_kernel, bucket))
         floor = {k: hit * n * (0.5 + 1 / 16) / copy_bw * 1e6
                  for k, n in (("gate_up", 2 * I * D), ("down", D * I))}
         total = floor["gate_up"] + floor["down"]
@@ -349,7 +347,7 @@ def bench_gemm(args):
               f"{t['bf16'] / t['rac']:.2f}x | {t['fp8'] / t['rac']:.2f}x | {100 * total / t['rac']:.0f}% | "
               f"{t['gate_up']:.1f}, {t['down']:.1f} | {floor['gate_up']:.1f}, {floor['down']:.1f} | "
               f"{configs} |")
-    del gate_up, down, gate_up_q, down_q, gate_up8, down8
+    del gate_up, down, gate_up_q, down_q, gate_up_w, down_w, gate_up8, down8
 
     # ------------------------------------------------------------------ 4. prefill
     print("\n### Dense projections, prefill (M = 4096; the W4A4 GEMM decodes the weight once, "
@@ -371,6 +369,8 @@ def bench_gemm(args):
 def _config_label(config, sep):
     """A W4A4 kernel configuration in words: BLOCK_M/N/K, split-K, warps, stages, and the optional fields."""
     kw, tiles = config.kwargs, config.kwargs.get("N_TILES", 1)
+    if "BLOCK_T" in kw:  # the experts' Gluon kernel: rows of a tile, output columns, K step, warps
+        return sep.join([f"{kw['BLOCK_T']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"{config.num_warps}w"])
     parts = [f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"split-K {kw['SPLIT_K']}",
              f"{config.num_warps}w", f"{config.num_stages}s"]
     parts += ["x-first"] * bool(kw["X_FIRST"]) + [f"maxnreg {config.maxnreg}"] * bool(config.maxnreg)
@@ -381,7 +381,8 @@ def _config_label(config, sep):
 def _print_autotuned(rac):
     """The configurations rac.py's autotuner chose in this process, per key (shape bucket, N, K, ...)."""
     print("\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages):")
-    for kernel in (rac._dense_kernel, rac._grouped_kernel):
+    gluon = (rac._grouped_gluon_kernel,) if rac.gluon is not None else ()
+    for kernel in (rac._dense_kernel, rac._grouped_kernel, *gluon):
         for key, config in kernel.cache.items():
             print(f"  {kernel.fn.fn.__name__} {key[:5]} -> {_config_label(config, ', ')}")
 

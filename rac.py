@@ -1,5 +1,5 @@
 """The rollout side: NVFP4 W4A4 layers with residual activation compensation (RAC), the conversion of a
-moe.py model into its rollout twin, weight sync, and the Triton GEMMs those layers run on.
+moe.py model into its rollout twin, weight sync, and the Triton (and Gluon) GEMMs those layers run on.
 
 A rollout layer computes y = x @ W.T, W (N, K), both operands blocked by 16 along K (G = K / 16 blocks):
 
@@ -21,11 +21,11 @@ scale goes stale between syncs, and anything above it saturates: exactly the out
 hurt NVFP4 most. The price is that a token's rounding depends on the largest value in its batch.
 
 How to read this file: the idea first, as the slow twins (plain PyTorch: quantize, dequantize, matmul in
-fp32), then block selection, the layers (each runs the Triton path on CUDA and its twin elsewhere),
-conversion and sync. Then what the fast path needs: input checks, the twins of the Hopper kernels' fp16
-operands, and the Triton kernels, one section per twin (quantizer, dense GEMM, experts' grouped GEMM,
-Blackwell), each ending with the function that launches them; last, the one place a hardware path is
-chosen.
+fp32), then block selection, the experts' weight layout, the layers (each runs the Triton path on CUDA
+and its twin elsewhere), conversion and sync. Then what the fast path needs: input checks, the twins of
+the Hopper kernels' fp16 operands, and the kernels, one section per twin (quantizer, dense GEMM, experts'
+grouped GEMM in Triton and in Gluon, Blackwell), each ending with the function that launches them; last,
+the one place a hardware path is chosen.
 
 Hopper kernels (also run on the CPU under TRITON_INTERPRET=1). Hopper has no FP4 tensor cores and
 `tl.dot_scaled` does not compile for sm_90, so the weight is decoded in registers: an E2M1 code c put
@@ -50,12 +50,16 @@ are applied at the end.
   - Prefill (M >= PREFILL_ROWS): one pass decodes the weight to fp16 (exactly), then both operands
     stream into shared memory; an in-register decode would repeat M / BLOCK_M times (slower from a
     few hundred rows on: bench.py).
-  - Experts: one grouped launch over (expert, row tile, N tile), X_FIRST at decode. Rows are sorted
-    by expert once (moe.route_tokens); a program finds its expert from the per-expert counts on the
-    device (no host sync), so experts without tokens cost nothing. The gate/up GEMM gathers token rows
-    and applies SwiGLU in its epilogue; the down GEMM scales each row by its router weight, read through
-    routing.order (no gather launch), and may take several N tiles a program in one loop over (tile, K
-    step), so that its short K loop (768 = 3 steps) does not restart the pipeline for every tile.
+  - Experts: one grouped launch over (expert, row tile, N tile). Rows are sorted by expert once
+    (moe.route_tokens); a program finds its expert from the per-expert counts on the device (no host
+    sync), so experts without tokens cost nothing. The gate/up GEMM gathers token rows and applies
+    SwiGLU in its epilogue; the down GEMM scales each row by its router weight, read through
+    routing.order (no gather launch). The expert weights are stored in ExpertWeights' blocked layout
+    (16-row blocks by 128-element K chunks), so that a program streams a few contiguous runs. On sm_89
+    and sm_90 the kernel is written in Gluon, Triton's layout-explicit dialect, to decode the codes
+    straight into mma.sync's operand registers with the weight rows on the MMA's left, in tiles of 8 to
+    64 token rows (GPU only: the CPU tests compile it for sm_90). The Triton kernel (X_FIRST at decode;
+    several N tiles a program for down_proj's short K loop) runs under the interpreter and elsewhere.
   - Stacked weights: up to three weights (an attention's q/k/v_proj) in one GEMM, each weight's global
     scale applied to its own columns and its output stored as its own (M, N_i) tensor.
   - Launches (sm_90+): programmatic dependent launch. A kernel may be launched while the one ahead of it
@@ -97,6 +101,11 @@ try:
     import triton.language as tl
 except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the torch twins run
     triton = None
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except ImportError:  # Triton before 3.5: the experts run on the Triton kernel
+    gluon = None
 
 MODES = ("bf16", "fp8", "nvfp4")
 OPERAND_SHIFT = 2.0 ** -6          # the Hopper kernels' fp16 operands hold value * block_scale * 2^-6
@@ -104,6 +113,8 @@ EPILOGUE_SCALE = OPERAND_SHIFT ** -2  # 2^12: undoes the two operands' 2^-6
 FUSED_ELEMENTS = 4096              # inputs up to this size (M * K) are quantized inside the GEMM
 PREFILL_ROWS = 257                 # from this many rows on, the weight is decoded once per call
 EARLY_LAUNCH_PROGRAMS = 256        # an experts' quantizer launch this small lets the GEMM launch as it starts
+EXPERT_ROW_BLOCK = 16              # expert weights are stored in blocks of 16 rows ...
+EXPERT_K_CHUNK = 128               # ... by chunks of 128 elements of K (all of K when it is not a multiple)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 use_triton = nvfp4._use_triton  # the one test for the fast path: Triton on CUDA tensors, twins elsewhere
 
@@ -148,17 +159,17 @@ def nvfp4_linear_reference(x, w_q, rac_mask=None):
 def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_weights=None, swiglu=False,
                              out_dtype=torch.bfloat16, w=None, row_weight_ids=None):
     """The experts' GEMM: rows (x_q's, or x_q[row_ids]) grouped by expert, counts (E,) rows each, row
-    block e multiplied by DQ(w_q[e]).T (w_q (E, N, K)). swiglu: the N weight rows are [gate; up] and
-    the output is silu(gate) * up (N/2 columns). Output row r is scaled by row_weights[r], or by
-    row_weights[row_weight_ids[r]] (the router weights (T * A,) and routing.order). A loop in fp32.
-    w: DQ(w_q) in fp32 when the caller keeps it."""
+    block e multiplied by DQ(w_q[e]).T (w_q (E, N, K): an NVFP4Tensor, or ExpertWeights). swiglu: the N
+    weight rows are [gate; up] and the output is silu(gate) * up (N/2 columns). Output row r is scaled by
+    row_weights[r], or by row_weights[row_weight_ids[r]] (the router weights (T * A,) and routing.order).
+    A loop in fp32. w: DQ(w_q) in fp32 when the caller keeps it."""
     _check_operands(x_q, w_q, residual, "grouped_matmul_reference", stacked=True)
     _check_row_weights(row_weights, row_weight_ids, row_ids.numel() if row_ids is not None else x_q.shape[0],
                        "grouped_matmul_reference")
     x = _compensated(x_q, residual)
     if row_ids is not None:
         x = x[row_ids]                                                                  # (R, K)
-    w = nvfp4.dequantize_reference(w_q, torch.float32) if w is None else w              # (E, N, K)
+    w = _dequantized(w_q) if w is None else w                                           # (E, N, K)
     outputs, start = [], 0
     for e, n in enumerate(counts.tolist()):
         y = x[start:start + n] @ w[e].T                                                 # (n, N)
@@ -226,6 +237,56 @@ class RACSelector(nn.Module):
         return f"n_blocks={self.n_blocks}, rac_ratio={self.rac_ratio}, n_selected={self.n_selected}"
 
 
+# ======================================================================== the experts' weight layout
+class ExpertWeights(NamedTuple):
+    """Stacked expert weights (E, N, K) in the order the grouped kernels stream them: each expert's rows in
+    blocks of EXPERT_ROW_BLOCK, each block's K in chunks of `chunk` elements, one (block, chunk) stored as
+    one run of 16 rows x chunk/2 bytes. A program's weight tile for a K step is then a few such runs, and
+    its whole stream a few contiguous regions, where row-major codes give it 64-byte pieces 1 KB apart:
+    the Gluon kernel's gate/up GEMM at 64 decode tokens took 84 us on it against 102 us on row-major codes
+    (H200, README). The codes and scales are nvfp4.quantize_weight's, moved (chunk_experts,
+    unchunk_experts)."""
+    data: torch.Tensor          # uint8 (E, N / 16, K / chunk, 16, chunk / 2)
+    block_scale: torch.Tensor   # float8_e4m3fn (E, N / 16, K / chunk, 16, chunk / 16)
+    global_scale: torch.Tensor  # float32 (E,)
+
+    @property
+    def shape(self):
+        E, blocks, chunks, rows, half = self.data.shape
+        return (E, blocks * rows, chunks * half * 2)
+
+    @property
+    def chunk(self):
+        return self.data.shape[-1] * 2
+
+    @property
+    def device(self):
+        return self.data.device
+
+
+def expert_chunk(K):
+    return EXPERT_K_CHUNK if K % EXPERT_K_CHUNK == 0 else K
+
+
+def chunk_experts(w_q):
+    """NVFP4Tensor (E, N, K) -> ExpertWeights (N a multiple of 16)."""
+    E, N, K = w_q.shape
+    chunk, rows = expert_chunk(K), EXPERT_ROW_BLOCK
+    if N % rows:
+        raise ValueError(f"chunk_experts: N={N} rows is not a multiple of {rows}")
+
+    def blocked(t, per_byte):  # (E, N, K / per_byte) -> (E, N / 16, K / chunk, 16, chunk / per_byte)
+        return t.reshape(E, N // rows, rows, K // chunk, chunk // per_byte).transpose(2, 3).contiguous()
+    return ExpertWeights(blocked(w_q.data, 2), blocked(w_q.block_scale, BLOCK_SIZE), w_q.global_scale)
+
+
+def unchunk_experts(w):
+    """ExpertWeights -> NVFP4Tensor (E, N, K): a view when K is one chunk, else a copy."""
+    E, N, _ = w.shape
+    return NVFP4Tensor(*(t.transpose(2, 3).reshape(E, N, -1) for t in (w.data, w.block_scale)),
+                       w.global_scale)
+
+
 # ======================================================================== rollout layers
 class DequantizedWeight:
     """DQ(W) in fp32 for a layer's twin path (the CPU's), kept while the weight's three buffers are the same
@@ -240,13 +301,19 @@ class DequantizedWeight:
     def __call__(self, q):
         tensors = (q.data, q.block_scale, q.global_scale)
         if any(t.is_inference() for t in tensors):
-            return nvfp4.dequantize_reference(q, torch.float32)
+            return _dequantized(q)
         versions = tuple(t._version for t in tensors)
         if not (len(self.tensors) == 3 and all(a is b for a, b in zip(tensors, self.tensors))
                 and versions == self.versions):
             self.tensors, self.versions = tensors, versions  # held: their memory is not reused meanwhile
-            self.value = nvfp4.dequantize_reference(q, torch.float32)
+            self.value = _dequantized(q)
         return self.value
+
+
+def _dequantized(q):
+    """DQ(q) in fp32, (..., N, K): an NVFP4Tensor, or experts' ExpertWeights."""
+    q = unchunk_experts(q) if isinstance(q, ExpertWeights) else q
+    return nvfp4.dequantize_reference(q, torch.float32)
 
 
 def _quantized_input(x2, rac_mask):
@@ -403,22 +470,33 @@ class NVFP4Experts(nn.Module):
         _check_features(expert_dim, "NVFP4Experts (expert dim)")
         self.n_experts, self.dim, self.expert_dim = n_experts, dim, expert_dim
         E, D, I = n_experts, dim, expert_dim
-        for name, (N, K) in (("gate_up", (2 * I, D)), ("down", (D, I))):
-            self.register_buffer(f"{name}_data", torch.zeros(E, N, K // 2, dtype=torch.uint8, device=device))
-            self.register_buffer(f"{name}_block_scale",
-                                 torch.zeros(E, N, K // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device))
+        for name, (N, K) in (("gate_up", (2 * I, D)), ("down", (D, I))):  # in ExpertWeights' layout
+            chunk, rows = expert_chunk(K), EXPERT_ROW_BLOCK
+            shape = (E, N // rows, K // chunk, rows)
+            self.register_buffer(f"{name}_data", torch.zeros(*shape, chunk // 2, dtype=torch.uint8,
+                                                             device=device))
+            self.register_buffer(f"{name}_block_scale", torch.zeros(*shape, chunk // BLOCK_SIZE,
+                                                                    dtype=torch.float8_e4m3fn, device=device))
             self.register_buffer(f"{name}_global_scale", torch.ones(E, dtype=torch.float32, device=device))
         self.rac_gate_up = RACSelector(D // BLOCK_SIZE, rac_ratio, device=device)
         self.rac_down = RACSelector(I // BLOCK_SIZE, rac_ratio, device=device)
         self.gate_up_fp32, self.down_fp32 = DequantizedWeight(), DequantizedWeight()  # the twin path's
 
     @property
-    def gate_up_q(self):
-        return NVFP4Tensor(self.gate_up_data, self.gate_up_block_scale, self.gate_up_global_scale)
+    def gate_up_w(self):
+        return ExpertWeights(self.gate_up_data, self.gate_up_block_scale, self.gate_up_global_scale)
+
+    @property
+    def down_w(self):
+        return ExpertWeights(self.down_data, self.down_block_scale, self.down_global_scale)
+
+    @property
+    def gate_up_q(self):  # (E, 2I, D) as nvfp4.quantize_weight gives it: a copy
+        return unchunk_experts(self.gate_up_w)
 
     @property
     def down_q(self):
-        return NVFP4Tensor(self.down_data, self.down_block_scale, self.down_global_scale)
+        return unchunk_experts(self.down_w)
 
     @classmethod
     def from_float(cls, experts, rac_ratio=0.0):
@@ -431,12 +509,12 @@ class NVFP4Experts(nn.Module):
     def load_weights(self, gate_up_proj, down_proj):
         """Quantize the master stacks with nvfp4.quantize_weight (per-expert global scales), in place."""
         for name, w in (("gate_up", gate_up_proj), ("down", down_proj)):
-            target = getattr(self, f"{name}_data")
-            if tuple(w.shape) != (*target.shape[:-1], target.shape[-1] * 2):
+            expected = getattr(self, f"{name}_w").shape
+            if tuple(w.shape) != expected:
                 raise ValueError(f"NVFP4Experts: {name} weight shape {tuple(w.shape)} does not match "
-                                 f"{(*target.shape[:-1], target.shape[-1] * 2)}")
-            q = nvfp4.quantize_weight(w.detach())
-            target.copy_(q.data)
+                                 f"{expected}")
+            q = chunk_experts(nvfp4.quantize_weight(w.detach()))
+            getattr(self, f"{name}_data").copy_(q.data)
             getattr(self, f"{name}_block_scale").copy_(q.block_scale)
             getattr(self, f"{name}_global_scale").copy_(q.global_scale)
 
@@ -454,23 +532,23 @@ class NVFP4Experts(nn.Module):
         native = gemm_backend(x.device) == "native"  # codes for tl.dot_scaled, else the fp16 operand
         act = quantize_activation_triton(x, self.rac_gate_up(x), codes=native, operand=not native,
                                          early_launch=True)
-        hidden = grouped_matmul_triton(act, self.gate_up_q, routing.counts, row_ids=routing.token_ids,
+        hidden = grouped_matmul_triton(act, self.gate_up_w, routing.counts, row_ids=routing.token_ids,
                                        swiglu=True, out_dtype=x.dtype)                   # (R, I)
         act = quantize_activation_triton(hidden, self.rac_down(hidden), codes=native, operand=not native,
                                          early_launch=True)
-        return grouped_matmul_triton(act, self.down_q, routing.counts, row_weights=expert_weights,
+        return grouped_matmul_triton(act, self.down_w, routing.counts, row_weights=expert_weights,
                                      row_weight_ids=routing.order, out_dtype=x.dtype)    # (R, D)
 
     def _forward_reference(self, x, routing, expert_weights):
         """The twin: the same quantization steps, dequantized, a loop of fp32 matmuls over experts."""
-        gate_up_q, down_q = self.gate_up_q, self.down_q
+        gate_up_w, down_w = self.gate_up_w, self.down_w
         x_q, residual = quantize_activation_reference(x, self.rac_gate_up(x))
-        hidden = grouped_matmul_reference(x_q, gate_up_q, routing.counts, residual,
+        hidden = grouped_matmul_reference(x_q, gate_up_w, routing.counts, residual,
                                           row_ids=routing.token_ids, swiglu=True, out_dtype=x.dtype,
-                                          w=self.gate_up_fp32(gate_up_q))
+                                          w=self.gate_up_fp32(gate_up_w))
         h_q, residual = quantize_activation_reference(hidden, self.rac_down(hidden))
-        return grouped_matmul_reference(h_q, down_q, routing.counts, residual, row_weights=expert_weights,
-                                        out_dtype=torch.float32, w=self.down_fp32(down_q),
+        return grouped_matmul_reference(h_q, down_w, routing.counts, residual, row_weights=expert_weights,
+                                        out_dtype=torch.float32, w=self.down_fp32(down_w),
                                         row_weight_ids=routing.order)
 
     def extra_repr(self):
@@ -607,7 +685,8 @@ def _check_rac_mask(rac_mask, x):
 
 def _check_operands(x_q, w_q, residual, name, stacked=False):
     for label, q in (("x_q", x_q), ("w_q", w_q), ("residual", residual)):
-        if q is not None and not isinstance(q, NVFP4Tensor):
+        allowed = (NVFP4Tensor, ExpertWeights) if stacked and label == "w_q" else NVFP4Tensor
+        if q is not None and not isinstance(q, allowed):
             raise ValueError(f"{name}: {label} must be an NVFP4Tensor, got {type(q).__name__}")
     if len(x_q.shape) != 2 or len(w_q.shape) != (3 if stacked else 2):
         raise ValueError(f"{name}: expected x_q (M, K) and w_q {'(E, N, K)' if stacked else '(N, K)'}, "
@@ -670,6 +749,7 @@ if triton is not None:
     _SHIFT = tl.constexpr(OPERAND_SHIFT)
     _EPILOGUE = tl.constexpr(EPILOGUE_SCALE)
     _FUSED = tl.constexpr(FUSED_ELEMENTS)
+    EXPERT_ROWS = tl.constexpr(EXPERT_ROW_BLOCK)
 
     @triton.jit
     def _after_previous_kernel(PDL: tl.constexpr, EARLY: tl.constexpr = False):
@@ -911,6 +991,31 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True, earl
     return Activation(x_q, residual, out_operand, global_scale)
 
 
+# Packed E2M1 codes -> fp16 x 2^-6 (even and odd nibbles), 4 bytes an invocation: shared by the Triton and
+# the Gluon kernels (_e2m1_pairs_to_fp16 says how it works).
+_E2M1_PAIRS_PTX = None if triton is None else tl.constexpr("""
+{
+.reg .b32 lo, hi, t;
+.reg .b16 l0, l1, h0, h1;
+and.b32 t, $4, 0x08080808;
+shl.b32 t, t, 4;
+and.b32 lo, $4, 0x07070707;
+shl.b32 lo, lo, 2;
+or.b32 lo, lo, t;
+shr.b32 hi, $4, 2;
+and.b32 hi, hi, 0x1C1C1C1C;
+and.b32 t, $4, 0x80808080;
+or.b32 hi, hi, t;
+mov.b32 {l0, l1}, lo;
+mov.b32 {h0, h1}, hi;
+cvt.rn.f16x2.e4m3x2 $0, l0;
+cvt.rn.f16x2.e4m3x2 $1, l1;
+cvt.rn.f16x2.e4m3x2 $2, h0;
+cvt.rn.f16x2.e4m3x2 $3, h1;
+}
+""")
+
+
 # ======================================================================== Triton: the dense GEMM
 if triton is not None:
     # ------------------------------------------------------------------ GEMM building blocks
@@ -930,27 +1035,7 @@ if triton is not None:
         two bytes per instruction; elementwise, so however Triton groups 4 bytes the result is the same."""
         if GPU:
             even, odd = tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 lo, hi, t;
-                .reg .b16 l0, l1, h0, h1;
-                and.b32 t, $4, 0x08080808;
-                shl.b32 t, t, 4;
-                and.b32 lo, $4, 0x07070707;
-                shl.b32 lo, lo, 2;
-                or.b32 lo, lo, t;
-                shr.b32 hi, $4, 2;
-                and.b32 hi, hi, 0x1C1C1C1C;
-                and.b32 t, $4, 0x80808080;
-                or.b32 hi, hi, t;
-                mov.b32 {l0, l1}, lo;
-                mov.b32 {h0, h1}, hi;
-                cvt.rn.f16x2.e4m3x2 $0, l0;
-                cvt.rn.f16x2.e4m3x2 $1, l1;
-                cvt.rn.f16x2.e4m3x2 $2, h0;
-                cvt.rn.f16x2.e4m3x2 $3, h1;
-                }
-                """,
+                asm=_E2M1_PAIRS_PTX,
                 constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=True,
                 pack=4)
         else:
@@ -1294,6 +1379,9 @@ def _column_splits(w_q, splits):
 def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None, splits=None):
     """The Hopper dense kernel: on x itself (quantized inside the GEMM) or on a quantized `act`."""
     fused = act is None
+    if fused and x.numel() > FUSED_ELEMENTS:  # the fused amax reads at most that many elements
+        raise ValueError(f"_dense_portable: x {tuple(x.shape)} is too large to be quantized inside the GEMM "
+                         f"(at most FUSED_ELEMENTS = {FUSED_ELEMENTS} elements; pass act= the quantizer's)")
     M = x.shape[0] if fused else act.operand.shape[1]
     N, K = w_q.shape
     device = w_q.device
@@ -1498,19 +1586,23 @@ if triton is not None:
                     acc = tl.zeros((BLOCK_M, W_ROWS), dtype=tl.float32)
 
 
-def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swiglu=False,
+def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu=False,
                           out_dtype=torch.bfloat16, row_weight_ids=None):
     """The experts' GEMM (twin: grouped_matmul_reference) on a quantized Activation: rows
-    (act's, or act's row_ids[r]) grouped by expert per counts (E,), w_q (E, N, K); output row r scaled by
-    row_weights[r] or row_weights[row_weight_ids[r]]. No host sync."""
+    (act's, or act's row_ids[r]) grouped by expert per counts (E,), w the ExpertWeights (E, N, K); output
+    row r scaled by row_weights[r] or row_weights[row_weight_ids[r]]. No host sync. Runs the Gluon kernel
+    on sm_89 / sm_90 (K a multiple of 64), tl.dot_scaled on sm_100+, else the Triton kernel."""
     _require_triton()
     _check_out_dtype(out_dtype)
-    E, N, K = w_q.shape
+    if not isinstance(w, ExpertWeights):
+        raise ValueError(f"grouped_matmul_triton: w must be ExpertWeights (rac.chunk_experts of the stacked "
+                         f"NVFP4Tensor), got {type(w).__name__}")
+    E, N, K = w.shape
     act_rows = act.operand.shape[1] if act.operand is not None else act.x_q.shape[0]
     n_rows = row_ids.numel() if row_ids is not None else act_rows
     n_out = N // 2 if swiglu else N
     _check_row_weights(row_weights, row_weight_ids, n_rows, "grouped_matmul_triton")
-    y = torch.empty((n_rows, n_out), dtype=out_dtype, device=w_q.device)
+    y = torch.empty((n_rows, n_out), dtype=out_dtype, device=w.device)
     if n_rows == 0:
         return y
     flags = dict(GATHER=row_ids is not None, ROW_WEIGHTS=row_weights is not None,
@@ -1519,7 +1611,10 @@ def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swig
     row_ids, row_weights, row_weight_ids = (t if t is not None else counts
                                             for t in (row_ids, row_weights, row_weight_ids))
     if act.operand is None:  # codes only: the native kernel
-        return _grouped_native(act, w_q, counts, row_ids, row_weights, row_weight_ids, y, flags)
+        return _grouped_native(act, w, counts, row_ids, row_weights, row_weight_ids, y, flags)
+    if _gluon_experts(w.device) and K % 64 == 0:
+        return _grouped_gluon(act, w, counts, row_ids, row_weights, row_weight_ids, y, flags)
+    w_q = unchunk_experts(w)  # the Triton kernel reads row-major codes: a copy unless K is one chunk
     w_data, w_scale = w_q.data.contiguous(), w_q.block_scale.contiguous().view(torch.uint8)
     operand = act.operand
 
@@ -1536,6 +1631,195 @@ def grouped_matmul_triton(act, w_q, counts, row_ids=None, row_weights=None, swig
     return y
 
 
+# ================================================================== Gluon: the experts' GEMM (sm_89, sm_90)
+# Twin: grouped_matmul_reference; same numerics as _grouped_kernel (equal outputs on the H200). Gluon is
+# Triton's layout-explicit dialect: here it lets the weight codes be loaded straight into the MMA's operand
+# registers and decoded there, which Triton's own layout choice does not (it reads 8-bit codes two bytes at a
+# time through shared memory). GPU only: Gluon does not run under the interpreter, so the CPU tests compile
+# it for sm_90 and the GPU tests check it against the twin.
+#   - mma.sync m16n8k16 with the weight rows on the left (M) and the tile's token rows on the right (N, in
+#     steps of 8): tiles of 8 rows cost a quarter of a 16-row MMA tile's decode-free work at 4 rows an expert.
+#   - k_width 8: a thread holds 8 consecutive K elements of a row, one NVFP4 block, so its codes are one
+#     8-byte load, its block scale one byte, and the decode feeds the MMA operand with no data movement.
+#   - SwiGLU: the tile's weight rows alternate 8 gate rows and their 8 up rows, so that gate and up of one
+#     output sit in the same thread's accumulator registers; the epilogue splits them in registers.
+#   - ExpertWeights' layout: a program's K steps read a few contiguous runs.
+# No shared memory and no software pipeline: programs a multiprocessor (registers allow 3-4) hide the load
+# latency. A cp.async pipeline of 3-6 stages and a one-step register prefetch were both slower (notes).
+if gluon is not None:
+    @gluon.jit
+    def _gluon_e2m1_pairs(packed):
+        return gl.inline_asm_elementwise(_E2M1_PAIRS_PTX, "=r,=r,=r,=r,r", [packed],
+                                         dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+
+    @gluon.jit
+    def _gluon_add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _gluon_expert_tile(counts_ptr, E, pid_m, BLOCK_T: gl.constexpr, E_POW2: gl.constexpr,
+                           NUM_WARPS: gl.constexpr):
+        """_expert_tile in Gluon: program pid_m's (expert, first sorted row, end row of the expert)."""
+        experts = gl.arange(0, E_POW2, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
+        counts = gl.load(counts_ptr + experts, mask=experts < E, other=0).to(gl.int64)
+        packed = (((counts + BLOCK_T - 1) // BLOCK_T) << 32) + counts
+        ends = gl.associative_scan(packed, 0, _gluon_add)               # (tile end << 32) + row end
+        expert = gl.sum(((ends >> 32) <= pid_m).to(gl.int32), axis=0)
+        start = gl.sum(gl.where(experts == expert, ends - packed, 0), axis=0)
+        first_tile = start >> 32
+        first_row = (start - (first_tile << 32)).to(gl.int32)
+        rows = gl.sum(gl.where(experts == expert, counts, 0), axis=0).to(gl.int32)
+        return expert, first_row + (pid_m - first_tile.to(gl.int32)) * BLOCK_T, first_row + rows
+
+    @gluon.jit
+    def _gluon_gate_up(t, W_ROWS: gl.constexpr, BLOCK_T: gl.constexpr):
+        """A (W_ROWS, T) tile whose rows alternate 8 gate and 8 up rows -> gate, up: (W_ROWS / 2, T) each."""
+        gate, up = gl.split(gl.permute(gl.reshape(t, (W_ROWS // 16, 2, 8, BLOCK_T)), (0, 2, 3, 1)))
+        return gl.reshape(gate, (W_ROWS // 2, BLOCK_T)), gl.reshape(up, (W_ROWS // 2, BLOCK_T))
+
+    @gluon.jit
+    def _gluon_wait_for_previous_kernel():
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+    def _gluon_prune(configs, named_args, **kwargs):
+        """The call's M bucket; BLOCK_K at most one chunk of the weight's layout and a divisor of it: 64 or
+        128 (an operand of k_width 8 needs 32 K elements an MMA, 64 of the even and odd halves)."""
+        chunk = kwargs["CHUNK"]
+        def step(c):
+            return max(b for b in (64, 128) if b <= c.kwargs["BLOCK_K"] and chunk % b == 0)
+        return [triton.Config({**c.kwargs, "BLOCK_K": step(c)}, num_warps=c.num_warps)
+                for c in configs if c.kwargs["BUCKET"] == named_args["M_BUCKET"]]
+
+    # (BLOCK_T rows, BLOCK_N output columns, BLOCK_K, warps) per bucket of rows an expert (mean). Timed on the
+    # H200 at 64 and 256 decode tokens (4 and 16 rows an expert): 8-row tiles at 4, 32-row tiles at 16 (one
+    # decode of the weight where 16-row tiles decode it about 1.5 times). Larger buckets: prefill.
+    GLUON_CONFIGS = {
+        8: [(8, 64, 128, 4), (8, 128, 128, 4), (8, 128, 64, 4)],
+        16: [(32, 64, 64, 4), (32, 128, 64, 4), (16, 128, 128, 4)],
+        64: [(32, 64, 64, 4), (32, 128, 64, 4), (64, 64, 64, 4)],
+        4096: [(64, 64, 64, 4), (64, 128, 64, 8), (32, 128, 64, 4)],
+    }
+
+    @triton.autotune(configs=[triton.Config({"BLOCK_T": t, "BLOCK_N": n, "BLOCK_K": k, "NUM_WARPS": w,
+                                             "BUCKET": bucket}, num_warps=w)
+                              for bucket, rows in GLUON_CONFIGS.items() for t, n, k, w in rows],
+                     key=["M_BUCKET", "N", "K"], prune_configs_by={"early_config_prune": _gluon_prune},
+                     do_bench=_bench_in_graph)
+    @gluon.jit
+    def _grouped_gluon_kernel(
+        # pointers, as _grouped_kernel's; the weight in ExpertWeights' layout
+        x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, weight_ids_ptr, w_ptr, w_scale_ptr, w_global_ptr,
+        counts_ptr, y_ptr,
+        # sizes: N is the weight's rows (2I for SwiGLU, whose output has N/2 columns)
+        N, K, E, M_BUCKET, x_plane,
+        # strides: activation rows; weight (expert, row block, chunk) in bytes, scales in blocks; y rows
+        stride_x, stride_we, stride_wb, stride_wc, stride_se, stride_sb, stride_sc, stride_y,
+        # meta-parameters
+        GATHER: gl.constexpr, ROW_WEIGHTS: gl.constexpr, WEIGHT_IDS: gl.constexpr, SWIGLU: gl.constexpr,
+        E_POW2: gl.constexpr, CHUNK: gl.constexpr, PDL: gl.constexpr, BUCKET: gl.constexpr,
+        BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_WARPS: gl.constexpr,
+    ):
+        W_ROWS: gl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
+        KC: gl.constexpr = BLOCK_K // 2                                   # bytes of a row a K step
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                      instr_shape=[16, 8])
+        w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        x_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        if PDL:
+            _gluon_wait_for_previous_kernel()
+        pid_m, pid_n = gl.program_id(0), gl.program_id(1)
+        expert, row0, end_row = _gluon_expert_tile(counts_ptr, E, pid_m, BLOCK_T, E_POW2, NUM_WARPS)
+        if expert >= E:  # the grid is an upper bound on the tile count: surplus programs exit
+            return
+        n_out = N // 2 if SWIGLU else N
+        # the right operand: the tile's activation rows, as (K, T) columns of the fp16 operand planes
+        t_x = row0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, x_layout))
+        if GATHER:
+            x_rows = gl.load(row_ids_ptr + t_x, mask=t_x < end_row, other=0)
+        else:
+            x_rows = t_x.to(gl.int64)
+        x_base = (x_ptr + x_rows.to(gl.int64)[None, :] * stride_x
+                  + gl.arange(0, KC, layout=gl.SliceLayout(1, x_layout))[:, None])
+        x_mask = (t_x < end_row)[None, :]
+        # the left operand: W_ROWS weight rows (SwiGLU: 8 gate rows, their 8 up rows, the next 8 gate rows...)
+        r = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, w_layout))
+        if SWIGLU:
+            col = pid_n * BLOCK_N + (r // 16) * 8 + r % 8
+            w_rows = col + ((r // 8) % 2) * n_out
+        else:
+            col = pid_n * BLOCK_N + r
+            w_rows = col
+        w_mask = (col < n_out)[:, None]
+        block, row = w_rows // EXPERT_ROWS, w_rows % EXPERT_ROWS
+        k = gl.arange(0, KC, layout=gl.SliceLayout(0, w_layout))
+        w_base = (w_ptr + expert.to(gl.int64) * stride_we
+                  + gl.multiple_of(block * stride_wb + row * (CHUNK // 2), 16)[:, None] + k[None, :])
+        s_base = (w_scale_ptr + expert.to(gl.int64) * stride_se
+                  + (block * stride_sb + row * (CHUNK // 16))[:, None] + (k // 8)[None, :])
+        acc = gl.zeros((W_ROWS, BLOCK_T), gl.float32, layout=mma)
+        for k0 in range(0, K, BLOCK_K):
+            chunk, within = k0 // CHUNK, k0 % CHUNK
+            step = gl.multiple_of(chunk * stride_wc + within // 2, 16)
+            codes = gl.load(w_base + step, mask=w_mask, other=0)
+            scale = gl.load(s_base + chunk * stride_sc + within // 16, mask=w_mask, other=0)
+            scale = scale.to(gl.float8e4nv, bitcast=True).to(gl.float16)           # exact
+            x_even = gl.load(x_base + k0 // 2, mask=x_mask, other=0.0)
+            x_odd = gl.load(x_base + x_plane + k0 // 2, mask=x_mask, other=0.0)
+            w_even, w_odd = _gluon_e2m1_pairs(codes)
+            acc = gl.nvidia.ampere.mma_v2(w_even * scale, x_even, acc)
+            acc = gl.nvidia.ampere.mma_v2(w_odd * scale, x_odd, acc)
+        # epilogue: both global scales and 2^12, SwiGLU, router weights
+        out = acc * (_EPILOGUE * gl.load(x_global_ptr) * gl.load(w_global_ptr + expert))   # (W_ROWS, T)
+        t_y = row0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, mma))
+        r_y = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, mma))
+        col_y = pid_n * BLOCK_N + ((r_y // 16) * 8 + r_y % 8 if SWIGLU else r_y)
+        y_ptrs = y_ptr + t_y.to(gl.int64)[None, :] * stride_y + col_y[:, None]
+        y_mask = (t_y < end_row)[None, :] & (col_y < n_out)[:, None]
+        if ROW_WEIGHTS:
+            ids = gl.load(weight_ids_ptr + t_y, mask=t_y < end_row, other=0) if WEIGHT_IDS else t_y
+            router = gl.load(row_weights_ptr + ids, mask=t_y < end_row, other=0.0).to(gl.float32)
+            router = gl.zeros_like(out) + router[None, :]
+        if SWIGLU:
+            gate, up = _gluon_gate_up(out, W_ROWS, BLOCK_T)
+            out = gate / (1.0 + gl.exp(-gate)) * up                                      # (BLOCK_N, T)
+            y_ptrs, _ = _gluon_gate_up(y_ptrs, W_ROWS, BLOCK_T)
+            y_mask, _ = _gluon_gate_up(y_mask, W_ROWS, BLOCK_T)
+            if ROW_WEIGHTS:
+                router, _ = _gluon_gate_up(router, W_ROWS, BLOCK_T)
+        if ROW_WEIGHTS:
+            out = out * router
+        gl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)  # bf16: round to nearest even
+
+
+def _gluon_experts(device):
+    """Whether the experts' GEMM takes the Gluon kernel on `device`: CUDA, compute capability 8.9 to 9.x
+    (cvt.e4m3x2 needs 8.9; sm_100+ takes tl.dot_scaled), Gluon importable, not the interpreter."""
+    if gluon is None or _INTERPRET or device.type != "cuda":
+        return False
+    return (8, 9) <= torch.cuda.get_device_capability(_cuda_index(device)) < (10, 0)
+
+
+def _grouped_gluon(act, w, counts, row_ids, row_weights, row_weight_ids, y, flags):
+    """grouped_matmul_triton's launch of the Gluon kernel: act's fp16 operand, y allocated by it."""
+    E, N, K = w.shape
+    operand, (n_rows, n_out) = act.operand, y.shape
+
+    def grid(meta):  # an upper bound on sum_e cdiv(counts[e], BLOCK_T): no host sync
+        return triton.cdiv(n_rows, meta["BLOCK_T"]) + min(E, n_rows), triton.cdiv(n_out, meta["BLOCK_N"])
+
+    options = _launch_options(w.device)
+    _grouped_gluon_kernel[grid](
+        operand, act.global_scale, row_ids, row_weights, row_weight_ids, w.data,
+        w.block_scale.view(torch.uint8), w.global_scale, counts, y, N, K, E,
+        _m_bucket(triton.cdiv(n_rows, E), GLUON_CONFIGS), operand.stride(0), operand.stride(1),
+        *w.data.stride()[:3], *w.block_scale.stride()[:3], y.stride(0),
+        GATHER=flags["GATHER"], ROW_WEIGHTS=flags["ROW_WEIGHTS"], WEIGHT_IDS=flags["WEIGHT_IDS"],
+        SWIGLU=flags["SWIGLU"], E_POW2=flags["E_POW2"], CHUNK=w.chunk, PDL=options["PDL"],
+        launch_pdl=options["launch_pdl"])
+    return y
+
+
 # ======================================================================== Blackwell: native FP4 kernels
 if triton is not None:
     # sm_100+; compiled for sm_100 by a CPU test, numerics untested (no such GPU here). One tl.dot_scaled per
@@ -1543,20 +1827,23 @@ if triton is not None:
     # fails to compile for sm_100. So the residual is a second pass over K (the weight tiles read again,
     # mostly from L2), and SwiGLU's gate and up rows are one stacked tile, as in the Hopper kernel.
     @triton.jit
-    def _native_k_loop(acc, x_ptr, xs_ptr, rows, row_mask, stride_x, stride_xs, w_ptr, ws_ptr, cols, col_mask,
-                       stride_w, stride_ws, K, BLOCK_K: tl.constexpr):
-        """acc (BLOCK_M, cols) += X[rows] @ W[cols].T over all of K on FP4 tensor cores."""
+    def _native_k_loop(acc, x_ptr, xs_ptr, rows, row_mask, stride_x, stride_xs, w_rows_ptr, ws_rows_ptr,
+                       col_mask, w_step, ws_step, K, BLOCK_K: tl.constexpr):
+        """acc (BLOCK_M, cols) += X[rows] @ W[cols].T over all of K on FP4 tensor cores. W's rows start at
+        w_rows_ptr (codes) and ws_rows_ptr (scales); each BLOCK_K step lies w_step bytes and ws_step scales
+        further on (BLOCK_K / 2 and / 16 in row-major codes; the chunk stride in ExpertWeights of
+        BLOCK_K-element chunks)."""
+        byte_idx, block_idx = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 16)
         for k0 in range(0, K, BLOCK_K):
-            byte_idx = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            block_idx = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-            byte_ok, block_ok = byte_idx < K // 2, block_idx < K // 16
-            x = tl.load(x_ptr + rows[:, None] * stride_x + byte_idx[None, :],
+            step = k0 // BLOCK_K
+            byte_ok, block_ok = k0 // 2 + byte_idx < K // 2, k0 // 16 + block_idx < K // 16
+            x = tl.load(x_ptr + rows[:, None] * stride_x + (k0 // 2 + byte_idx)[None, :],
                         mask=row_mask[:, None] & byte_ok[None, :], other=0)
-            xs = tl.load(xs_ptr + rows[:, None] * stride_xs + block_idx[None, :],
+            xs = tl.load(xs_ptr + rows[:, None] * stride_xs + (k0 // 16 + block_idx)[None, :],
                          mask=row_mask[:, None] & block_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + cols[:, None] * stride_w + byte_idx[None, :],
+            w = tl.load(w_rows_ptr[:, None] + step * w_step + byte_idx[None, :],
                         mask=col_mask[:, None] & byte_ok[None, :], other=0)
-            ws = tl.load(ws_ptr + cols[:, None] * stride_ws + block_idx[None, :],
+            ws = tl.load(ws_rows_ptr[:, None] + step * ws_step + block_idx[None, :],
                          mask=col_mask[:, None] & block_ok[None, :], other=0.0)
             acc = tl.dot_scaled(x, xs, "e2m1", tl.trans(w), ws, "e2m1", acc)
         return acc
@@ -1573,11 +1860,12 @@ if triton is not None:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask, col_mask = rows < M, cols < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _native_k_loop(acc, x_ptr, x_scale_ptr, rows, row_mask, stride_x, stride_xs, w_ptr, w_scale_ptr,
-                             cols, col_mask, stride_w, stride_ws, K, BLOCK_K)
+        w_rows, ws_rows = w_ptr + cols.to(tl.int64) * stride_w, w_scale_ptr + cols.to(tl.int64) * stride_ws
+        acc = _native_k_loop(acc, x_ptr, x_scale_ptr, rows, row_mask, stride_x, stride_xs, w_rows, ws_rows,
+                             col_mask, BLOCK_K // 2, BLOCK_K // 16, K, BLOCK_K)
         if HAS_RESIDUAL:  # the same weights, the residual's codes
-            acc = _native_k_loop(acc, r_ptr, r_scale_ptr, rows, row_mask, stride_x, stride_xs, w_ptr,
-                                 w_scale_ptr, cols, col_mask, stride_w, stride_ws, K, BLOCK_K)
+            acc = _native_k_loop(acc, r_ptr, r_scale_ptr, rows, row_mask, stride_x, stride_xs, w_rows,
+                                 ws_rows, col_mask, BLOCK_K // 2, BLOCK_K // 16, K, BLOCK_K)
         which, col_base, col_stride = _split_columns(cols, M, N, N1, N2)
         scale = tl.load(x_global_ptr) * tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[None, :]
         _store_split(y_ptr, rows, row_mask, col_base, col_stride, col_mask, tl.trans(acc * scale), OUT_BF16)
@@ -1586,7 +1874,8 @@ if triton is not None:
     def _grouped_native_kernel(
         x_ptr, x_scale_ptr, r_ptr, r_scale_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, weight_ids_ptr,
         w_ptr, w_scale_ptr, w_global_ptr, counts_ptr, y_ptr,
-        N, K, E, stride_x, stride_xs, stride_we, stride_w, stride_wse, stride_ws, stride_y,
+        N, K, E, stride_x, stride_xs, stride_we, stride_wb, stride_wr, w_step, stride_se, stride_sb,
+        stride_sr, s_step, stride_y,
         GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, WEIGHT_IDS: tl.constexpr, SWIGLU: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, OUT_BF16: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -1603,14 +1892,15 @@ if triton is not None:
         col_mask = cols < n_out
         W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
         w_rows, w_mask = _expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
-        w_base = w_ptr + expert.to(tl.int64) * stride_we
-        ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
+        block, row = w_rows // EXPERT_ROWS, w_rows % EXPERT_ROWS  # ExpertWeights' layout
+        w_base = w_ptr + expert.to(tl.int64) * stride_we + block * stride_wb + row * stride_wr
+        ws_base = w_scale_ptr + expert.to(tl.int64) * stride_se + block * stride_sb + row * stride_sr
         acc = tl.zeros((BLOCK_M, W_ROWS), dtype=tl.float32)
         acc = _native_k_loop(acc, x_ptr, x_scale_ptr, x_rows, row_mask, stride_x, stride_xs, w_base, ws_base,
-                             w_rows, w_mask, stride_w, stride_ws, K, BLOCK_K)
+                             w_mask, w_step, s_step, K, BLOCK_K)
         if HAS_RESIDUAL:
             acc = _native_k_loop(acc, r_ptr, r_scale_ptr, x_rows, row_mask, stride_x, stride_xs, w_base,
-                                 ws_base, w_rows, w_mask, stride_w, stride_ws, K, BLOCK_K)
+                                 ws_base, w_mask, w_step, s_step, K, BLOCK_K)
         out = acc * (tl.load(x_global_ptr) * tl.load(w_global_ptr + expert))
         if SWIGLU:
             out = _swiglu(out, BLOCK_N, BLOCK_M, False)                                  # (BLOCK_M, BLOCK_N)
@@ -1635,16 +1925,20 @@ def _dense_native(x_q, residual, w_q, out_dtype, splits=None):
     return _split_output(y, M, N, splits)
 
 
-def _grouped_native(act, w_q, counts, row_ids, row_weights, row_weight_ids, y, flags):
+def _grouped_native(act, w, counts, row_ids, row_weights, row_weight_ids, y, flags):
     """grouped_matmul_triton's launch on Blackwell: act's codes, y (rows, N or N/2) allocated by it."""
-    E, N, K = w_q.shape
+    E, N, K = w.shape
     r = act.residual if act.residual is not None else act.x_q
-    (rows, n_out), block_m, block_n, block_k = y.shape, 128, 128, 128
+    (rows, n_out), block_m, block_n, block_k = y.shape, 128, 128, EXPERT_K_CHUNK
+    # a K step is one chunk, or (K one chunk) block_k / 2 bytes further along the row
+    steps = [t.stride(2) if w.chunk == block_k else block_k // per for t, per in ((w.data, 2), (w.block_scale,
+                                                                                          BLOCK_SIZE))]
     _grouped_native_kernel[(triton.cdiv(rows, block_m) + min(E, rows), triton.cdiv(n_out, block_n))](
         act.x_q.data, act.x_q.block_scale, r.data, r.block_scale, act.global_scale, row_ids, row_weights,
-        row_weight_ids, w_q.data, w_q.block_scale, w_q.global_scale, counts, _as_int16(y), N, K, E,
-        act.x_q.data.stride(0), act.x_q.block_scale.stride(0), w_q.data.stride(0), w_q.data.stride(1),
-        w_q.block_scale.stride(0), w_q.block_scale.stride(1), y.stride(0),
+        row_weight_ids, w.data, w.block_scale, w.global_scale, counts, _as_int16(y), N, K, E,
+        act.x_q.data.stride(0), act.x_q.block_scale.stride(0), w.data.stride(0), w.data.stride(1),
+        w.data.stride(3), steps[0], w.block_scale.stride(0), w.block_scale.stride(1), w.block_scale.stride(3),
+        steps[1], y.stride(0),
         HAS_RESIDUAL=act.residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4, **flags)
     return y
@@ -1660,15 +1954,16 @@ def _native_agrees(device):
     generator = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(48, 256, generator=generator).to(device, torch.bfloat16)
     w_q = nvfp4.quantize_weight(torch.randn(80, 256, generator=generator).to(device, torch.bfloat16))
-    stacked_q = nvfp4.quantize_weight(torch.randn(3, 80, 256, generator=generator).to(device, torch.bfloat16))
+    stacked = torch.randn(3, 80, 256, generator=generator).to(device, torch.bfloat16)
+    stacked = chunk_experts(nvfp4.quantize_weight(stacked))
     counts = torch.tensor([20, 0, 28], device=device)
     mask = torch.arange(16, device=device) % 2 == 0
     act = quantize_activation_triton(x, mask, codes=True, operand=True)
     codes = act._replace(operand=None)  # what the native kernels take
     checks = (("dense", lambda: _dense_native(act.x_q, act.residual, w_q, torch.float32),
                lambda: _dense_portable(w_q, torch.float32, act=act)),
-              ("grouped", lambda: grouped_matmul_triton(codes, stacked_q, counts, out_dtype=torch.float32),
-               lambda: grouped_matmul_triton(act, stacked_q, counts, out_dtype=torch.float32)))
+              ("grouped", lambda: grouped_matmul_triton(codes, stacked, counts, out_dtype=torch.float32),
+               lambda: grouped_matmul_triton(act, stacked, counts, out_dtype=torch.float32)))
     for name, native, portable in checks:
         reference = portable()
         try:

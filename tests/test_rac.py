@@ -5,6 +5,7 @@ compilation, residual activation compensation (block selection, calibration, the
 q/k/v sharing one quantization and one GEMM, model conversion, weight sync against the QAT weight rule,
 and clear errors."""
 import copy
+import itertools
 import os
 import subprocess
 import sys
@@ -358,20 +359,94 @@ def _routing_with_empty_experts(n_experts, tokens, active, device, seed=0):
     return expert_ids, moe.route_tokens(expert_ids, n_experts)
 
 
-@pytest.mark.parametrize("tokens", [3, 21])
-def test_grouped_kernel_matches_the_per_expert_twin(kernel_device, tokens):
+def test_expert_weights_store_each_row_block_and_k_chunk_as_one_run():
+    # the oracle walks every code and scale and computes where ExpertWeights' layout puts it by hand
+    E, N, K = 2, 32, 384
+    w_q = nvfp4.quantize_weight(torch.randn(E, N, K))
+    w = rac.chunk_experts(w_q)
+    assert w.shape == (E, N, K) and w.chunk == 128
+    data, scale = w.data.flatten().tolist(), w.block_scale.view(torch.uint8).flatten().tolist()
+    codes, scales = w_q.data.tolist(), w_q.block_scale.view(torch.uint8).tolist()
+
+    def position(e, n, chunk, within, run):  # (expert, row block, chunk, row in block, within the run)
+        return (((e * (N // 16) + n // 16) * (K // 128) + chunk) * 16 + n % 16) * run + within
+    for e, n, j in itertools.product(range(E), range(N), range(K // 2)):   # byte j: elements 2j, 2j + 1
+        assert data[position(e, n, j // 64, j % 64, 64)] == codes[e][n][j]
+    for e, n, b in itertools.product(range(E), range(N), range(K // 16)):
+        assert scale[position(e, n, b // 8, b % 8, 8)] == scales[e][n][b]
+    back = rac.unchunk_experts(w)
+    assert same_bits(back.data, w_q.data) and same_bits(back.block_scale, w_q.block_scale)
+    # K not a multiple of 128: one chunk, the row-major codes in blocks of 16 rows, and unchunking is a view
+    w = rac.chunk_experts(nvfp4.quantize_weight(torch.randn(E, N, 96)))
+    assert w.chunk == 96 and rac.unchunk_experts(w).data.data_ptr() == w.data.data_ptr()
+
+
+def test_experts_take_the_gluon_kernel_on_sm89_and_hopper_only(monkeypatch):
+    if rac.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(rac, "_INTERPRET", False)
+    for capability, expected in (((8, 0), False), ((8, 9), True), ((9, 0), True), ((10, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert rac._gluon_experts(torch.device("cuda", 0)) is expected, capability
+    assert rac._gluon_experts(torch.device("cpu")) is False
+    monkeypatch.setattr(rac, "_INTERPRET", True)
+    assert rac._gluon_experts(torch.device("cuda", 0)) is False
+
+
+_COMPILE_GLUON_FOR_SM90 = _COMPILE_PREAMBLE + r"""
+from triton.experimental.gluon._runtime import GluonASTSource
+kernel = jit(rac._grouped_gluon_kernel)
+types = ["*fp16", "*fp32", "*i64", "*fp32", "*i64", "*u8", "*u8", "*fp32", "*i64", "*bf16"] + [i] * 13
+memory = re.compile(r"\b(?:ld|st|atom|red)\.global\b")
+for swiglu, tile, n, k in ((1, 8, 64, 128), (1, 32, 64, 64), (0, 8, 128, 128), (0, 64, 64, 64)):
+    for pdl in (False, True):
+        swiglu = bool(swiglu)
+        c = dict(GATHER=swiglu, ROW_WEIGHTS=not swiglu, WEIGHT_IDS=not swiglu, SWIGLU=swiglu, E_POW2=128,
+                 CHUNK=128, PDL=pdl, BUCKET=8, BLOCK_T=tile, BLOCK_N=n, BLOCK_K=k, NUM_WARPS=4)
+        signature = dict(zip([a for a in kernel.arg_names if a not in c], types))
+        signature.update({a: "constexpr" for a in c})
+        aligned = [a for a in kernel.arg_names if a not in c  # 16-divisible, as the launches see them
+                   and (signature[a].startswith("*") or a.startswith(("stride", "N", "K", "x_plane")))]
+        attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+        ptx = compile(GluonASTSource(kernel, signature, c, attrs), target=GPUTarget("cuda", 90, 32),
+                      options=dict(num_warps=4)).asm["ptx"]
+        wait, first = ptx.find("griddepcontrol.wait"), memory.search(ptx)
+        mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16", ptx))
+        loads8 = len(re.findall(r"ld\.global(?:\.\w+)*\.v2\.b32", ptx))
+        loads1 = len(re.findall(r"ld\.global(?:\.\w+)*\.[us]8", ptx))
+        print(int(swiglu), tile, int(pdl), mma, loads8, loads1, int("cp.async" in ptx), int(wait >= 0),
+              int(wait >= 0 and wait < first.start()))
+"""
+
+
+def test_experts_gluon_kernel_loads_8_byte_code_runs_into_mma_sync_on_hopper():
+    # compiled for sm_90 on the CPU (numerics: the GPU tests). Per K step a thread loads each of its weight
+    # rows' 8 codes bytes (one NVFP4 block) as one 8-byte load and its block scale as one byte, with no shared
+    # memory staging; with PDL its first memory access waits for the kernel ahead of it.
+    if rac.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    for line in _compiled_output(_COMPILE_GLUON_FOR_SM90):
+        swiglu, tile, pdl, mma, loads8, loads1, staged, wait, before = map(int, line.split())
+        assert mma > 0 and not staged, line
+        assert loads8 > 0 and loads8 >= loads1, line  # codes in 8-byte runs, scales a byte each
+        assert (wait, before) == ((1, 1) if pdl else (0, 0)), line
+
+
+@pytest.mark.parametrize("tokens, D", [(3, 80), (21, 80), (5, 256)])
+def test_grouped_kernel_matches_the_per_expert_twin(kernel_device, tokens, D):
     # 21 tokens x 2 on 4 used experts: some experts get more rows than one 16-row tile. D = 80: the down
-    # GEMM's output is 3 of the interpreter's 32-column tiles, 2 a program in its N_TILES loop (one left over)
+    # GEMM's output is 3 of the interpreter's 32-column tiles, 2 a program in its N_TILES loop (one left
+    # over); its K is one chunk of ExpertWeights' layout, D = 256 two
     torch.manual_seed(tokens)
-    E, D, I, A = 7, 80, 32, 2
+    E, I, A = 7, 32, 2
     expert_ids, routing = _routing_with_empty_experts(E, tokens, A, kernel_device, seed=tokens)
     assert (routing.counts[[0, 2, E - 1]] == 0).all()
     x = torch.randn(tokens, D, device=kernel_device, dtype=torch.bfloat16)
     act = rac.quantize_activation_triton(x, torch.arange(D // 16, device=kernel_device) % 2 == 0,
                                          codes=True)
     gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device=kernel_device))
-    hidden = rac.grouped_matmul_triton(act, gate_up_q, routing.counts, row_ids=routing.token_ids,
-                                       swiglu=True, out_dtype=torch.float32)
+    hidden = rac.grouped_matmul_triton(act, rac.chunk_experts(gate_up_q), routing.counts,
+                                       row_ids=routing.token_ids, swiglu=True, out_dtype=torch.float32)
     reference = rac.grouped_matmul_reference(act.x_q, gate_up_q, routing.counts, act.residual,
                                              row_ids=routing.token_ids, swiglu=True,
                                              out_dtype=torch.float32)
@@ -381,8 +456,9 @@ def test_grouped_kernel_matches_the_per_expert_twin(kernel_device, tokens):
 
     act = rac.quantize_activation_triton(reference, codes=True)
     down_q = nvfp4.quantize_weight(torch.randn(E, D, I, device=kernel_device))
+    down_w = rac.chunk_experts(down_q)
     row_weights = torch.rand(tokens * A, device=kernel_device)
-    y = rac.grouped_matmul_triton(act, down_q, routing.counts, row_weights=row_weights,
+    y = rac.grouped_matmul_triton(act, down_w, routing.counts, row_weights=row_weights,
                                   out_dtype=torch.float32)
     reference = rac.grouped_matmul_reference(act.x_q, down_q, routing.counts, row_weights=row_weights,
                                              out_dtype=torch.float32)
@@ -390,10 +466,10 @@ def test_grouped_kernel_matches_the_per_expert_twin(kernel_device, tokens):
     # the router weights as the layer passes them: (T * A,) in assignment order, read through routing.order;
     # the oracle is the sorted path just checked, on the weights gathered by hand
     expert_weights = torch.rand(tokens, A, device=kernel_device, dtype=torch.bfloat16).reshape(-1)
-    by_order = rac.grouped_matmul_triton(act, down_q, routing.counts, row_weights=expert_weights,
+    by_order = rac.grouped_matmul_triton(act, down_w, routing.counts, row_weights=expert_weights,
                                          row_weight_ids=routing.order, out_dtype=torch.float32)
     gathered = expert_weights[routing.order].float()
-    assert torch.equal(by_order, rac.grouped_matmul_triton(act, down_q, routing.counts, row_weights=gathered,
+    assert torch.equal(by_order, rac.grouped_matmul_triton(act, down_w, routing.counts, row_weights=gathered,
                                                            out_dtype=torch.float32))
     twin_by_order = rac.grouped_matmul_reference(act.x_q, down_q, routing.counts, row_weights=expert_weights,
                                                  row_weight_ids=routing.order, out_dtype=torch.float32)
@@ -411,17 +487,19 @@ def test_grouped_kernel_matches_the_twin_on_qwen3_expert_shapes(tokens):
     act = rac.quantize_activation_triton(torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16),
                                          torch.arange(D // 16, device="cuda") % 4 == 0, codes=True)
     gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02)
-    hidden = rac.grouped_matmul_triton(act, gate_up_q, routing.counts, row_ids=routing.token_ids,
-                                       swiglu=True, out_dtype=torch.float32)
+    hidden = rac.grouped_matmul_triton(act, rac.chunk_experts(gate_up_q), routing.counts,
+                                       row_ids=routing.token_ids, swiglu=True, out_dtype=torch.float32)
     reference = rac.grouped_matmul_reference(act.x_q, gate_up_q, routing.counts, act.residual,
                                              row_ids=routing.token_ids, swiglu=True,
                                              out_dtype=torch.float32)
     assert report_diff(hidden, reference,
                        f"gpu grouped gate/up T={tokens}")[0] <= 2e-3 * reference.abs().max().item()
+    if (8, 9) <= torch.cuda.get_device_capability() < (10, 0):  # this test checks the Gluon kernel there
+        assert rac._gluon_experts(torch.device("cuda"))
     act = rac.quantize_activation_triton(reference.bfloat16(), codes=True)
     down_q = nvfp4.quantize_weight(torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02)
     row_weights = torch.rand(tokens * A, device="cuda")
-    y = rac.grouped_matmul_triton(act, down_q, routing.counts, row_weights=row_weights,
+    y = rac.grouped_matmul_triton(act, rac.chunk_experts(down_q), routing.counts, row_weights=row_weights,
                                   out_dtype=torch.float32)
     reference = rac.grouped_matmul_reference(act.x_q, down_q, routing.counts, row_weights=row_weights,
                                              out_dtype=torch.float32)
@@ -466,59 +544,76 @@ def _forced_configs(kernel, bucket, relabel=lambda config: True):
 
 
 @pytest.mark.cuda
-def test_every_gpu_config_is_deterministic_and_matches_the_twin():
+def test_every_gpu_config_is_deterministic_and_matches_the_twin(monkeypatch):
     # Autotuning may pick any configuration, so each one is forced and repeated (a miscompiled one showed
-    # as run-to-run differences): the experts at a prefill of 512 evaluation prompts (26k tokens, the small
-    # preset's shapes), the dense kernel at each decode bucket (GEMV, split-K; RAC) and at prefill size.
+    # as run-to-run differences): the experts on the Gluon kernel at each of its buckets (the last a prefill
+    # of 512 evaluation prompts, 26k tokens, the small preset's shapes) and on the Triton one at that prefill,
+    # the dense kernel at each decode bucket (GEMV, split-K; RAC) and at prefill size.
     import triton
     torch.manual_seed(0)
     E, D, I, A, T, repeats = 32, 512, 256, 4, 26112, 10
-    routing = moe.route_tokens(torch.rand(T, E, device="cuda").topk(A, dim=-1).indices, E)
     gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device="cuda") * 0.05)
     down_q = nvfp4.quantize_weight(torch.randn(E, D, I, device="cuda") * 0.05)
-    x = rac.quantize_activation_triton(torch.randn(T, D, device="cuda", dtype=torch.bfloat16), codes=True)
-    h = rac.quantize_activation_triton(torch.randn(T * A, I, device="cuda", dtype=torch.bfloat16),
-                                       codes=True)
-    row_weights = torch.rand(T * A, device="cuda")
+    gate_up_w, down_w = rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q)
     w_q = nvfp4.quantize_weight(torch.randn(512, D, device="cuda") * 0.05)
-    bucket = rac._m_bucket(triton.cdiv(T * A, E), rac.GROUPED_CONFIGS)
-    calls = {
-        "gate/up": (rac._grouped_kernel, bucket,
-                    lambda: rac.grouped_matmul_triton(x, gate_up_q, routing.counts,
-                                                      row_ids=routing.token_ids, swiglu=True,
-                                                      out_dtype=torch.float32),
-                    rac.grouped_matmul_reference(x.x_q, gate_up_q, routing.counts,
-                                                 row_ids=routing.token_ids, swiglu=True,
-                                                 out_dtype=torch.float32)),
-        "down": (rac._grouped_kernel, bucket,
-                 lambda: rac.grouped_matmul_triton(h, down_q, routing.counts, row_weights=row_weights,
-                                                   out_dtype=torch.float32),
-                 rac.grouped_matmul_reference(h.x_q, down_q, routing.counts, row_weights=row_weights,
-                                              out_dtype=torch.float32)),
-        "dense prefill": (rac._dense_kernel, 4096, lambda: rac._dense_portable(w_q, torch.float32, act=x),
-                          rac.matmul_reference(x.x_q, w_q, out_dtype=torch.float32)),
-    }
+    calls = {}  # name -> (kernel, bucket, relabel, the Triton kernel for the experts?, call, reference)
+    for tokens in (64, 128, 512, T):  # 8, 16 and 64 rows an expert (the Gluon kernel's buckets), prefill
+        routing = moe.route_tokens(torch.rand(tokens, E, device="cuda").topk(A, dim=-1).indices, E)
+        x = rac.quantize_activation_triton(torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16),
+                                           codes=True)
+        h = rac.quantize_activation_triton(torch.randn(tokens * A, I, device="cuda", dtype=torch.bfloat16),
+                                           codes=True)
+        row_weights = torch.rand(tokens * A, device="cuda")
+        experts = {
+            "gate/up": (lambda x=x, routing=routing: rac.grouped_matmul_triton(
+                x, gate_up_w, routing.counts, row_ids=routing.token_ids, swiglu=True,
+                out_dtype=torch.float32),
+                rac.grouped_matmul_reference(x.x_q, gate_up_q, routing.counts, row_ids=routing.token_ids,
+                                             swiglu=True, out_dtype=torch.float32)),
+            "down": (lambda h=h, routing=routing, row_weights=row_weights: rac.grouped_matmul_triton(
+                h, down_w, routing.counts, row_weights=row_weights, out_dtype=torch.float32),
+                rac.grouped_matmul_reference(h.x_q, down_q, routing.counts, row_weights=row_weights,
+                                             out_dtype=torch.float32)),
+        }
+        rows = triton.cdiv(tokens * A, E)
+        for name, (call, reference) in experts.items():
+            calls[f"{name} gluon T={tokens}"] = (rac._grouped_gluon_kernel,
+                                                 rac._m_bucket(rows, rac.GLUON_CONFIGS), False, False,
+                                                 call, reference)
+            if tokens == T:
+                calls[f"{name} triton T={tokens}"] = (rac._grouped_kernel,
+                                                      rac._m_bucket(rows, rac.GROUPED_CONFIGS), False, True,
+                                                      call, reference)
+    x = rac.quantize_activation_triton(torch.randn(T, D, device="cuda", dtype=torch.bfloat16), codes=True)
+    calls["dense prefill"] = (rac._dense_kernel, 4096, True, False,
+                              lambda: rac._dense_portable(w_q, torch.float32, act=x),
+                              rac.matmul_reference(x.x_q, w_q, out_dtype=torch.float32))
     mask = torch.arange(D // 16, device="cuda") % 2 == 0
-    for rows in (1, 16, 64):  # each decode bucket, activation quantized inside the GEMM and before it
+    for rows in (1, 8, 16, 64):  # each decode bucket, activation quantized inside the GEMM and before it
         x_small = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16)
         act = rac.quantize_activation_triton(x_small, mask)
         reference = rac.nvfp4_linear_reference(x_small, w_q, mask)
-        for label, kwargs in (("fused", dict(x=x_small, rac_mask=mask)), ("quantizer launch", dict(act=act))):
+        fused = [("fused", dict(x=x_small, rac_mask=mask))] * (x_small.numel() <= rac.FUSED_ELEMENTS)
+        for label, kwargs in fused + [("quantizer launch", dict(act=act))]:
             calls[f"dense decode M={rows} {label}"] = (
-                rac._dense_kernel, rac._m_bucket(rows, rac.DENSE_CONFIGS),
+                rac._dense_kernel, rac._m_bucket(rows, rac.DENSE_CONFIGS), False, False,
                 lambda kwargs=kwargs: rac._dense_portable(w_q, torch.float32, **kwargs), reference)
     failures = []
-    for name, (kernel, bucket, call, reference) in calls.items():
+    for name, (kernel, bucket, relabel, triton_experts, call, reference) in calls.items():
         # split-K scratch is sized for the call's own bucket, and the GEMV (BLOCK_M 1) is the M = 1 bucket's
-        # own (it never meets prefill's fp16 weight planes): only other configurations move between buckets
-        for config in _forced_configs(kernel, bucket, relabel=lambda config: config.kwargs["SPLIT_K"] == 1
-                                      and config.kwargs["BLOCK_M"] > 1):
-            first = call()
-            differing = sum(not torch.equal(call(), first) for _ in range(repeats))
-            error = ((first - reference).abs().max() / reference.abs().max()).item()
-            if differing or not error <= 2e-3:  # NaN fails too
-                failures.append(f"{name} {config}: {differing}/{repeats} repeats differ, "
-                                f"relative error {error:.2e}")
+        # own (it never meets prefill's fp16 weight planes): only other dense configurations move to prefill
+        def movable(config):
+            return relabel and config.kwargs.get("SPLIT_K", 1) == 1 and config.kwargs.get("BLOCK_M", 2) > 1
+        with monkeypatch.context() as patch:
+            if triton_experts:
+                patch.setattr(rac, "_gluon_experts", lambda device: False)
+            for config in _forced_configs(kernel, bucket, relabel=movable):
+                first = call()
+                differing = sum(not torch.equal(call(), first) for _ in range(repeats))
+                error = ((first - reference).abs().max() / reference.abs().max()).item()
+                if differing or not error <= 2e-3:  # NaN fails too
+                    failures.append(f"{name} {config}: {differing}/{repeats} repeats differ, "
+                                    f"relative error {error:.2e}")
     assert not failures, "\n".join(failures)
 
 
@@ -620,12 +715,12 @@ kernels = {
               dict(HAS_RESIDUAL=True, **common)),
     "grouped": (rac._grouped_native_kernel,
                 [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, "*i64", p8, "*fp8e4nv", pf, "*i64", "*i16"]
-                + [i] * 10,
+                + [i] * 14,
                 dict(GATHER=True, ROW_WEIGHTS=False, WEIGHT_IDS=False, SWIGLU=True, HAS_RESIDUAL=True,
                      E_POW2=128, **common)),
     "grouped_down": (rac._grouped_native_kernel,
                      [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, "*i64", p8, "*fp8e4nv", pf, "*i64",
-                      "*i16"] + [i] * 10,
+                      "*i16"] + [i] * 14,
                      dict(GATHER=False, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=False, HAS_RESIDUAL=True,
                           E_POW2=128, **common)),
 }
@@ -899,9 +994,9 @@ def test_nvfp4_experts_fast_path_matches_the_twin_and_moe(kernel_device):
 
 # ============================================================================ errors
 def _grouped_call(rows=4, K=32):
-    """(act, w_q, counts) of a small grouped GEMM on the CPU: enough for its input checks."""
+    """(act, w, counts) of a small grouped GEMM on the CPU: enough for its input checks."""
     act = rac.Activation(None, None, torch.zeros(2, rows, K // 2, dtype=torch.float16), torch.ones(()))
-    return act, nvfp4.quantize_weight(torch.randn(2, 8, K)), torch.tensor([rows, 0])
+    return act, rac.chunk_experts(nvfp4.quantize_weight(torch.randn(2, 16, K))), torch.tensor([rows, 0])
 
 
 BAD_CALLS = [  # (id, call, what the message names, the problem it states)
@@ -927,6 +1022,13 @@ BAD_CALLS = [  # (id, call, what the message names, the problem it states)
      "row_weight_ids", "one id per row (4,), got (3,) and row_weights (6,)"),
     ("router weights", lambda: rac.grouped_matmul_triton(*_grouped_call(), row_weights=torch.ones(5)),
      "row_weights", "one weight per row (4,), got (5,)"),
+    ("fused GEMM input", lambda: rac._dense_portable(nvfp4.quantize(torch.randn(4, 512)), torch.float32,
+                                                     x=torch.randn(9, 512)),
+     "x (9, 512) is too large", "at most FUSED_ELEMENTS = 4096 elements"),
+    ("experts layout", lambda: rac.grouped_matmul_triton(_grouped_call()[0], rac.unchunk_experts(
+        _grouped_call()[1]), _grouped_call()[2]), "w must be ExpertWeights", "got NVFP4Tensor"),
+    ("experts rows", lambda: rac.chunk_experts(nvfp4.quantize_weight(torch.randn(2, 8, 32))), "N=8 rows",
+     "not a multiple of 16"),
     ("router weight ids (twin)", lambda: rac.grouped_matmul_reference(
         nvfp4.quantize(torch.randn(4, 32)), *_grouped_call()[1:], row_weights=torch.ones(6),
         row_weight_ids=torch.arange(3)), "grouped_matmul_reference: row_weight_ids", "one id per row (4,)"),

@@ -368,13 +368,12 @@ def bench_gemm(args):
 
 def _config_label(config, sep):
     """A W4A4 kernel configuration in words: BLOCK_M/N/K, split-K, warps, stages, and the optional fields."""
-    kw, tiles = config.kwargs, config.kwargs.get("N_TILES", 1)
+    kw = config.kwargs
     if "BLOCK_T" in kw:  # the experts' Gluon kernel: rows of a tile, output columns, K step, warps
         return sep.join([f"{kw['BLOCK_T']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"{config.num_warps}w"])
     parts = [f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"split-K {kw['SPLIT_K']}",
              f"{config.num_warps}w", f"{config.num_stages}s"]
     parts += ["x-first"] * bool(kw["X_FIRST"]) + [f"maxnreg {config.maxnreg}"] * bool(config.maxnreg)
-    parts += [f"{tiles} N tiles"] * (tiles > 1)
     return sep.join(parts)
 
 

@@ -58,8 +58,8 @@ are applied at the end.
     (16-row blocks by 128-element K chunks), so that a program streams a few contiguous runs. On sm_89
     and sm_90 the kernel is written in Gluon, Triton's layout-explicit dialect, to decode the codes
     straight into mma.sync's operand registers with the weight rows on the MMA's left, in tiles of 8 to
-    64 token rows (GPU only: the CPU tests compile it for sm_90). The Triton kernel (X_FIRST at decode;
-    several N tiles a program for down_proj's short K loop) runs under the interpreter and elsewhere.
+    64 token rows (GPU only: the CPU tests compile it for sm_90). The Triton kernel (X_FIRST at decode)
+    runs under the interpreter and elsewhere.
   - Stacked weights: up to three weights (an attention's q/k/v_proj) in one GEMM, each weight's global
     scale applied to its own columns and its output stored as its own (M, N_i) tensor.
   - Launches (sm_90+): programmatic dependent launch. A kernel may be launched while the one ahead of it
@@ -1219,9 +1219,8 @@ if triton is not None:
         tl.store(out_ptr + plane_size + offs, odd, mask=mask)
 
     # ------------------------------------------------------------------ autotuning
-    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K[, X_FIRST[, maxnreg[, N_TILES]]]) per M bucket;
-    # BLOCK_M 1 is the GEMV. maxnreg caps the registers a thread (more programs an SM, at the price of
-    # spills). N_TILES (grouped, X_FIRST): N tiles a program, in one loop (down_proj's K = 768 is 3 steps).
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K[, X_FIRST[, maxnreg]]) per M bucket; BLOCK_M 1 is
+    # the GEMV. maxnreg caps the registers a thread (more programs an SM, at the price of spills).
     # Decode buckets stream the weight: small BLOCK_M, wide BLOCK_K (long contiguous byte runs per row),
     # and enough (N tile, K split) programs to keep every SM's loads in flight. Under the interpreter one
     # small configuration per bucket, splitting K in the decode buckets so tests run the split epilogue,
@@ -1237,34 +1236,32 @@ if triton is not None:
     }
     # Not (128, 128, 64, 8 warps, 3 stages): under Triton 3.6 on the H200 the grouped kernel compiled
     # with it gave non-deterministic results with NaN rows; tests/test_rac.py runs every configuration
-    # of both kernels repeatedly on the GPU.
+    # of both kernels repeatedly on the GPU. (On sm_89 / sm_90 the experts take the Gluon kernel; this
+    # table serves the shapes it does not take and other GPUs.)
     GROUPED_CONFIGS = {
         16: [(16, 64, 256, 4, 3, 1, True), (16, 128, 128, 4, 3, 1, True), (16, 32, 256, 4, 3, 1, True),
              (16, 64, 128, 4, 4, 1, True), (16, 128, 256, 4, 3, 1, True), (16, 32, 256, 4, 3, 1),
-             (16, 64, 256, 4, 2, 1, True, 128), (16, 128, 256, 4, 2, 1, True, None, 3),
-             (16, 128, 256, 4, 2, 1, True, 128, 4)],
+             (16, 64, 256, 4, 2, 1, True, 128)],
         64: [(32, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 1), (32, 64, 128, 4, 3, 1, True),
              (32, 128, 128, 4, 3, 1, True)],
         256: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
         4096: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
     }
     _INTERPRETER_CONFIGS = {bucket: [(1 if bucket == 1 else 16, 32, 64, 4, 1, 2 if bucket <= 16 else 1,
-                                      bucket in (16, 256), None, 2 if bucket == 16 else 1)]
+                                      bucket in (16, 256))]
                             for bucket in DENSE_CONFIGS}
 
     def _m_bucket(m, table):
         return next(b for b in table if m <= b or b == 4096)
 
-    def _configs(table, grouped=False):
+    def _configs(table):
         configs = []
         for bucket, entries in (_INTERPRETER_CONFIGS if _INTERPRET else table).items():
             if bucket not in table:
                 continue
-            for bm, bn, bk, warps, stages, split_k, *rest in entries:  # rest: X_FIRST, maxnreg, N_TILES
+            for bm, bn, bk, warps, stages, split_k, *rest in entries:  # rest: X_FIRST, maxnreg
                 kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "BUCKET": bucket,
                           "X_FIRST": bool(rest and rest[0])}
-                if grouped:
-                    kwargs["N_TILES"] = rest[2] if len(rest) > 2 else 1
                 configs.append(triton.Config(kwargs, num_warps=warps, num_stages=stages,
                                              maxnreg=rest[1] if len(rest) > 1 else None))
         return configs
@@ -1525,7 +1522,7 @@ if triton is not None:
         _store_tile(y_ptr, sorted_rows, row_mask, cols, cols < n_out, stride_y, out, OUT_BF16)
 
     # Twin: grouped_matmul_reference.
-    @triton.autotune(configs=_configs(GROUPED_CONFIGS, grouped=True), key=["M_BUCKET", "N", "K"],
+    @triton.autotune(configs=_configs(GROUPED_CONFIGS), key=["M_BUCKET", "N", "K"],
                      prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
     @triton.heuristics(_HEURISTICS)
     @triton.jit
@@ -1541,9 +1538,8 @@ if triton is not None:
         GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, WEIGHT_IDS: tl.constexpr, SWIGLU: tl.constexpr,
         OUT_BF16: tl.constexpr, GPU: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr,
-        EVEN_K: tl.constexpr, X_FIRST: tl.constexpr, N_TILES: tl.constexpr, PDL: tl.constexpr,
+        EVEN_K: tl.constexpr, X_FIRST: tl.constexpr, PDL: tl.constexpr,
     ):
-        tl.static_assert(N_TILES == 1 or X_FIRST, "several N tiles a program: the X_FIRST loop only")
         _after_previous_kernel(PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         expert, row0, end_row = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
@@ -1556,34 +1552,12 @@ if triton is not None:
         ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
         scale = _EPILOGUE * tl.load(x_global_ptr) * tl.load(w_global_ptr + expert)
         W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
-        if N_TILES == 1:
-            w_rows, w_mask = _expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
-            acc, _ = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, w_rows,
-                               w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU,
-                               BLOCK_M, W_ROWS, BLOCK_K, EVEN_K, x_rows, X_FIRST)
-            _grouped_store(acc, scale, y_ptr, row_weights_ptr, weight_rows, sorted_rows, row_mask, pid_n,
-                           n_out, stride_y, ROW_WEIGHTS, SWIGLU, OUT_BF16, BLOCK_M, BLOCK_N)
-        else:
-            # N_TILES tiles in one loop over (tile, K step): the pipeline loads the next tile's first K steps
-            # while this one ends, where a program per tile would wait for them (down_proj at decode: 7-10%
-            # less time on the H200)
-            k_steps = tl.cdiv(K, BLOCK_K)
-            first = pid_n * N_TILES
-            acc = tl.zeros((BLOCK_M, W_ROWS), dtype=tl.float32)
-            for step in range(0, tl.minimum(N_TILES, tl.cdiv(n_out, BLOCK_N) - first) * k_steps):
-                tile, k0 = first + step // k_steps, (step % k_steps) * BLOCK_K
-                w_rows, w_mask = _expert_weight_rows(tile, n_out, BLOCK_N, SWIGLU)
-                w_even, w_odd = _weight_tile(w_base, ws_base, w_rows, w_mask, k0, K, stride_w, stride_ws,
-                                             W_ROWS, BLOCK_K, EVEN_K, GPU)
-                x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K,
-                                              EVEN_K)
-                acc = tl.dot(x_even, tl.trans(w_even), acc)
-                acc = tl.dot(x_odd, tl.trans(w_odd), acc)
-                if step % k_steps == k_steps - 1:
-                    _grouped_store(tl.trans(acc), scale, y_ptr, row_weights_ptr, weight_rows, sorted_rows,
-                                   row_mask, tile, n_out, stride_y, ROW_WEIGHTS, SWIGLU, OUT_BF16, BLOCK_M,
-                                   BLOCK_N)
-                    acc = tl.zeros((BLOCK_M, W_ROWS), dtype=tl.float32)
+        w_rows, w_mask = _expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
+        acc, _ = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, w_rows,
+                           w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU,
+                           BLOCK_M, W_ROWS, BLOCK_K, EVEN_K, x_rows, X_FIRST)
+        _grouped_store(acc, scale, y_ptr, row_weights_ptr, weight_rows, sorted_rows, row_mask, pid_n,
+                       n_out, stride_y, ROW_WEIGHTS, SWIGLU, OUT_BF16, BLOCK_M, BLOCK_N)
 
 
 def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu=False,
@@ -1619,8 +1593,7 @@ def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu
     operand = act.operand
 
     def grid(meta):  # an upper bound on sum_e cdiv(counts[e], BLOCK_M): no host sync
-        return (triton.cdiv(n_rows, meta["BLOCK_M"]) + min(E, n_rows),
-                triton.cdiv(triton.cdiv(n_out, meta["BLOCK_N"]), meta["N_TILES"]))
+        return triton.cdiv(n_rows, meta["BLOCK_M"]) + min(E, n_rows), triton.cdiv(n_out, meta["BLOCK_N"])
 
     _grouped_kernel[grid](operand, act.global_scale, row_ids, row_weights, row_weight_ids, w_data, w_scale,
                           w_q.global_scale.contiguous(), counts, _as_int16(y), N, K, E,

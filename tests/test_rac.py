@@ -172,7 +172,7 @@ kernels = {
                 ["*fp16", "*fp32", "*i64", "*fp32", "*i64", "*u8", "*u8", "*fp32", "*i64", "*i16"] + [i] * 11,
                 dict(GATHER=True, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=True, OUT_BF16=True, GPU=True,
                      E_POW2=128, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, BUCKET=16, EVEN_K=True,
-                     X_FIRST=True, N_TILES=1)),
+                     X_FIRST=True)),
 }
 memory = re.compile(r"\b(?:ld|st|atom|red)\.global\b|\bcp\.async\b")
 for name, (kernel, types, constants) in kernels.items():
@@ -435,8 +435,8 @@ def test_experts_gluon_kernel_loads_8_byte_code_runs_into_mma_sync_on_hopper():
 @pytest.mark.parametrize("tokens, D", [(3, 80), (21, 80), (5, 256)])
 def test_grouped_kernel_matches_the_per_expert_twin(kernel_device, tokens, D):
     # 21 tokens x 2 on 4 used experts: some experts get more rows than one 16-row tile. D = 80: the down
-    # GEMM's output is 3 of the interpreter's 32-column tiles, 2 a program in its N_TILES loop (one left
-    # over); its K is one chunk of ExpertWeights' layout, D = 256 two
+    # GEMM's output is 3 of the interpreter's 32-column tiles (the last one short); its K is one chunk of
+    # ExpertWeights' layout, D = 256 two
     torch.manual_seed(tokens)
     E, I, A = 7, 32, 2
     expert_ids, routing = _routing_with_empty_experts(E, tokens, A, kernel_device, seed=tokens)
@@ -506,14 +506,13 @@ def test_grouped_kernel_matches_the_twin_on_qwen3_expert_shapes(tokens):
     assert report_diff(y, reference, f"gpu grouped down T={tokens}")[0] <= 1e-4 * reference.abs().max().item()
 
 
-def test_configuration_tables_reach_triton_with_their_operand_order_register_cap_and_tiles(monkeypatch):
-    # the tables' optional 7th to 9th fields (X_FIRST, maxnreg, N_TILES) must reach the autotuner's
-    # configurations: a dropped cap compiles another kernel than the one measured (the grouped gate/up pick
-    # has one); the dense kernel takes no N_TILES
+def test_configuration_tables_reach_triton_with_their_operand_order_and_register_cap(monkeypatch):
+    # the tables' optional 7th and 8th fields (X_FIRST, maxnreg) must reach the autotuner's configurations: a
+    # dropped cap compiles another kernel than the one measured
     monkeypatch.setattr(rac, "_INTERPRET", False)
-    for table, grouped in ((rac.DENSE_CONFIGS, False), (rac.GROUPED_CONFIGS, True)):
+    for table in (rac.DENSE_CONFIGS, rac.GROUPED_CONFIGS):
         entries = [(bucket, entry) for bucket, rows in table.items() for entry in rows]
-        configs = rac._configs(table, grouped)
+        configs = rac._configs(table)
         assert len(configs) == len(entries)
         for config, (bucket, entry) in zip(configs, entries):
             kw = config.kwargs
@@ -521,8 +520,7 @@ def test_configuration_tables_reach_triton_with_their_operand_order_register_cap
                     kw["SPLIT_K"], kw["BUCKET"]) == (*entry[:6], bucket)
             assert kw["X_FIRST"] == (len(entry) > 6 and entry[6])
             assert config.maxnreg == (entry[7] if len(entry) > 7 else None)
-            assert kw.get("N_TILES") == ((entry[8] if len(entry) > 8 else 1) if grouped else None)
-    assert any(len(entry) > 8 and entry[8] > 1 and entry[7] for entry in rac.GROUPED_CONFIGS[16])
+    assert any(len(entry) > 7 and entry[7] for entry in rac.GROUPED_CONFIGS[16])
 
 
 def _forced_configs(kernel, bucket, relabel=lambda config: True):

@@ -1607,18 +1607,20 @@ def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu
 # ================================================================== Gluon: the experts' GEMM (sm_89, sm_90)
 # Twin: grouped_matmul_reference; same numerics as _grouped_kernel (equal outputs on the H200). Gluon is
 # Triton's layout-explicit dialect: here it lets the weight codes be loaded straight into the MMA's operand
-# registers and decoded there, which Triton's own layout choice does not (it reads 8-bit codes two bytes at a
-# time through shared memory). GPU only: Gluon does not run under the interpreter, so the CPU tests compile
-# it for sm_90 and the GPU tests check it against the twin.
+# registers and decoded there, which Triton's own layout choice does not (it stages the codes in shared
+# memory, and from 8-bit codes picks operand layouts that cost 140 register moves a K step). GPU only: Gluon
+# does not run under the interpreter, so the CPU tests compile it for sm_90 and the GPU tests check it
+# against the twin.
 #   - mma.sync m16n8k16 with the weight rows on the left (M) and the tile's token rows on the right (N, in
-#     steps of 8): tiles of 8 rows cost a quarter of a 16-row MMA tile's decode-free work at 4 rows an expert.
+#     steps of 8): at 4 rows an expert (64 decode tokens) an 8-row tile pads half its MMA work, a 16-row
+#     one three quarters.
 #   - k_width 8: a thread holds 8 consecutive K elements of a row, one NVFP4 block, so its codes are one
 #     8-byte load, its block scale one byte, and the decode feeds the MMA operand with no data movement.
 #   - SwiGLU: the tile's weight rows alternate 8 gate rows and their 8 up rows, so that gate and up of one
 #     output sit in the same thread's accumulator registers; the epilogue splits them in registers.
 #   - ExpertWeights' layout: a program's K steps read a few contiguous runs.
 # No shared memory and no software pipeline: programs a multiprocessor (registers allow 3-4) hide the load
-# latency. A cp.async pipeline of 3-6 stages and a one-step register prefetch were both slower (notes).
+# latency. A cp.async pipeline of 3-6 stages and a one-step register prefetch were both slower (README).
 if gluon is not None:
     @gluon.jit
     def _gluon_e2m1_pairs(packed):

@@ -393,6 +393,22 @@ def test_experts_take_the_gluon_kernel_on_sm89_and_hopper_only(monkeypatch):
     assert rac._gluon_experts(torch.device("cuda", 0)) is False
 
 
+def test_gluon_autotuner_keeps_the_bucket_and_steps_k_within_one_chunk_of_the_layout():
+    # a K step may not cross a chunk of ExpertWeights' layout: K = 192 is one chunk (not a multiple of 128),
+    # which 128-element steps do not divide, so they become 64; at K = 2048 (chunks of 128) they stay
+    if rac.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    configs = rac._grouped_gluon_kernel.configs
+    for chunk, expected in ((128, {128, 64}), (192, {64})):
+        for bucket, entries in rac.GLUON_CONFIGS.items():
+            kept = rac._gluon_prune(configs, {"M_BUCKET": bucket}, CHUNK=chunk)
+            assert [(c.kwargs["BLOCK_T"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept] == \
+                [(t, n, w) for t, n, _, w in entries]
+            assert all(c.kwargs["BUCKET"] == bucket for c in kept)
+            for c, (_, _, k, _) in zip(kept, entries):
+                assert c.kwargs["BLOCK_K"] == (k if chunk % k == 0 else 64) and c.kwargs["BLOCK_K"] in expected
+
+
 _COMPILE_GLUON_FOR_SM90 = _COMPILE_PREAMBLE + r"""
 from triton.experimental.gluon._runtime import GluonASTSource
 kernel = jit(rac._grouped_gluon_kernel)

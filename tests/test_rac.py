@@ -402,11 +402,12 @@ def test_gluon_autotuner_keeps_the_bucket_and_steps_k_within_one_chunk_of_the_la
     for chunk, expected in ((128, {128, 64}), (192, {64})):
         for bucket, entries in rac.GLUON_CONFIGS.items():
             kept = rac._gluon_prune(configs, {"M_BUCKET": bucket}, CHUNK=chunk)
-            assert [(c.kwargs["BLOCK_T"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept] == \
-                [(t, n, w) for t, n, _, w in entries]
+            shapes = [(c.kwargs["BLOCK_T"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept]
+            assert shapes == [(t, n, w) for t, n, _, w in entries]
             assert all(c.kwargs["BUCKET"] == bucket for c in kept)
             for c, (_, _, k, _) in zip(kept, entries):
-                assert c.kwargs["BLOCK_K"] == (k if chunk % k == 0 else 64) and c.kwargs["BLOCK_K"] in expected
+                step = c.kwargs["BLOCK_K"]
+                assert step == (k if chunk % k == 0 else 64) and step in expected
 
 
 _COMPILE_GLUON_FOR_SM90 = _COMPILE_PREAMBLE + r"""

@@ -471,13 +471,11 @@ class NVFP4Experts(nn.Module):
         self.n_experts, self.dim, self.expert_dim = n_experts, dim, expert_dim
         E, D, I = n_experts, dim, expert_dim
         for name, (N, K) in (("gate_up", (2 * I, D)), ("down", (D, I))):  # in ExpertWeights' layout
-            chunk, rows = expert_chunk(K), EXPERT_ROW_BLOCK
-            shape = (E, N // rows, K // chunk, rows)
-            self.register_buffer(f"{name}_data", torch.zeros(*shape, chunk // 2, dtype=torch.uint8,
-                                                             device=device))
-            self.register_buffer(f"{name}_block_scale", torch.zeros(*shape, chunk // BLOCK_SIZE,
-                                                                    dtype=torch.float8_e4m3fn, device=device))
-            self.register_buffer(f"{name}_global_scale", torch.ones(E, dtype=torch.float32, device=device))
+            empty = NVFP4Tensor(torch.zeros(E, N, K // 2, dtype=torch.uint8, device=device),
+                                torch.zeros(E, N, K // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
+                                torch.ones(E, dtype=torch.float32, device=device))
+            for part, buffer in zip(("data", "block_scale", "global_scale"), chunk_experts(empty)):
+                self.register_buffer(f"{name}_{part}", buffer)
         self.rac_gate_up = RACSelector(D // BLOCK_SIZE, rac_ratio, device=device)
         self.rac_down = RACSelector(I // BLOCK_SIZE, rac_ratio, device=device)
         self.gate_up_fp32, self.down_fp32 = DequantizedWeight(), DequantizedWeight()  # the twin path's
@@ -687,7 +685,8 @@ def _check_operands(x_q, w_q, residual, name, stacked=False):
     for label, q in (("x_q", x_q), ("w_q", w_q), ("residual", residual)):
         allowed = (NVFP4Tensor, ExpertWeights) if stacked and label == "w_q" else NVFP4Tensor
         if q is not None and not isinstance(q, allowed):
-            raise ValueError(f"{name}: {label} must be an NVFP4Tensor, got {type(q).__name__}")
+            kinds = " or ExpertWeights" if isinstance(allowed, tuple) else ""
+            raise ValueError(f"{name}: {label} must be an NVFP4Tensor{kinds}, got {type(q).__name__}")
     if len(x_q.shape) != 2 or len(w_q.shape) != (3 if stacked else 2):
         raise ValueError(f"{name}: expected x_q (M, K) and w_q {'(E, N, K)' if stacked else '(N, K)'}, "
                          f"got {x_q.shape} and {w_q.shape}")
@@ -864,22 +863,24 @@ if triton is not None:
         tl.store(partial_ptr + tl.program_id(0), amax)
 
 
-_PDL = {}  # device index -> launch with programmatic dependent launch
+_CAPABILITIES = {}  # device index -> compute capability, asked once (the launch paths ask every call)
 
 
 def _cuda_index(device):
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def _capability(device):
+    index = _cuda_index(device)
+    if index not in _CAPABILITIES:
+        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITIES[index]
+
+
 def _pdl(device):
     """Launch the quantizer and GEMM kernels with programmatic dependent launch? Yes on sm_90+ GPUs: a
     kernel's programs can then be set up while the kernel ahead of it finishes (the README has the gain)."""
-    if _INTERPRET or device.type != "cuda":
-        return False
-    index = _cuda_index(device)
-    if index not in _PDL:
-        _PDL[index] = torch.cuda.get_device_capability(index) >= (9, 0)
-    return _PDL[index]
+    return not _INTERPRET and device.type == "cuda" and _capability(device) >= (9, 0)
 
 
 def _launch_options(device, early=None):
@@ -1248,8 +1249,7 @@ if triton is not None:
         4096: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
     }
     _INTERPRETER_CONFIGS = {bucket: [(1 if bucket == 1 else 16, 32, 64, 4, 1, 2 if bucket <= 16 else 1,
-                                      bucket in (16, 256))]
-                            for bucket in DENSE_CONFIGS}
+                                      bucket in (16, 256))] for bucket in DENSE_CONFIGS}
 
     def _m_bucket(m, table):
         return next(b for b in table if m <= b or b == 4096)
@@ -1260,9 +1260,9 @@ if triton is not None:
             if bucket not in table:
                 continue
             for bm, bn, bk, warps, stages, split_k, *rest in entries:  # rest: X_FIRST, maxnreg
-                kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "BUCKET": bucket,
-                          "X_FIRST": bool(rest and rest[0])}
-                configs.append(triton.Config(kwargs, num_warps=warps, num_stages=stages,
+                configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k,
+                                              "BUCKET": bucket, "X_FIRST": bool(rest and rest[0])},
+                                             num_warps=warps, num_stages=stages,
                                              maxnreg=rest[1] if len(rest) > 1 else None))
         return configs
 
@@ -1772,7 +1772,7 @@ def _gluon_experts(device):
     (cvt.e4m3x2 needs 8.9; sm_100+ takes tl.dot_scaled), Gluon importable, not the interpreter."""
     if gluon is None or _INTERPRET or device.type != "cuda":
         return False
-    return (8, 9) <= torch.cuda.get_device_capability(_cuda_index(device)) < (10, 0)
+    return (8, 9) <= _capability(device) < (10, 0)
 
 
 def _grouped_gluon(act, w, counts, row_ids, row_weights, row_weight_ids, y, flags):
@@ -1783,15 +1783,13 @@ def _grouped_gluon(act, w, counts, row_ids, row_weights, row_weight_ids, y, flag
     def grid(meta):  # an upper bound on sum_e cdiv(counts[e], BLOCK_T): no host sync
         return triton.cdiv(n_rows, meta["BLOCK_T"]) + min(E, n_rows), triton.cdiv(n_out, meta["BLOCK_N"])
 
-    options = _launch_options(w.device)
+    # flags less OUT_BF16: the Gluon kernel stores in y's dtype (it never runs under the interpreter)
     _grouped_gluon_kernel[grid](
         operand, act.global_scale, row_ids, row_weights, row_weight_ids, w.data,
         w.block_scale.view(torch.uint8), w.global_scale, counts, y, N, K, E,
         _m_bucket(triton.cdiv(n_rows, E), GLUON_CONFIGS), operand.stride(0), operand.stride(1),
-        *w.data.stride()[:3], *w.block_scale.stride()[:3], y.stride(0),
-        GATHER=flags["GATHER"], ROW_WEIGHTS=flags["ROW_WEIGHTS"], WEIGHT_IDS=flags["WEIGHT_IDS"],
-        SWIGLU=flags["SWIGLU"], E_POW2=flags["E_POW2"], CHUNK=w.chunk, PDL=options["PDL"],
-        launch_pdl=options["launch_pdl"])
+        *w.data.stride()[:3], *w.block_scale.stride()[:3], y.stride(0), CHUNK=w.chunk,
+        **{k: v for k, v in flags.items() if k != "OUT_BF16"}, **_launch_options(w.device))
     return y
 
 

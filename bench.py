@@ -307,9 +307,7 @@ def bench_gemm(args):
         x_sorted = x[routing.token_ids]
         hit = int((routing.counts > 0).sum())
         layer = rac.NVFP4Experts(E, D, I, device="cuda")
-        for name, w in (("gate_up", gate_up_w), ("down", down_w)):
-            for part in ("data", "block_scale", "global_scale"):
-                getattr(layer, f"{name}_{part}").copy_(getattr(w, part))
+        layer.load_weights(gate_up, down)  # the codes of gate_up_w and down_w
         rac_layer = rac.NVFP4Experts(E, D, I, rac_ratio=0.5, device="cuda")
         rac_layer.load_state_dict(layer.state_dict(), strict=False)
         for selector in (rac_layer.rac_gate_up, rac_layer.rac_down):

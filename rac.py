@@ -1676,37 +1676,24 @@ if gluon is not None:
         4096: [(64, 64, 64, 4), (64, 128, 64, 8), (32, 128, 64, 4)],
     }
 
-    @triton.autotune(configs=[triton.Config({"BLOCK_T": t, "BLOCK_N": n, "BLOCK_K": k, "NUM_WARPS": w,
-                                             "BUCKET": bucket}, num_warps=w)
-                              for bucket, rows in GLUON_CONFIGS.items() for t, n, k, w in rows],
-                     key=["M_BUCKET", "N", "K"], prune_configs_by={"early_config_prune": _gluon_prune},
-                     do_bench=_bench_in_graph)
     @gluon.jit
-    def _grouped_gluon_kernel(
-        # pointers, as _grouped_kernel's; the weight in ExpertWeights' layout
-        x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, weight_ids_ptr, w_ptr, w_scale_ptr, w_global_ptr,
-        counts_ptr, y_ptr,
-        # sizes: N is the weight's rows (2I for SwiGLU, whose output has N/2 columns)
-        N, K, E, M_BUCKET, x_plane,
-        # strides: activation rows; weight (expert, row block, chunk) in bytes, scales in blocks; y rows
-        stride_x, stride_we, stride_wb, stride_wc, stride_se, stride_sb, stride_sc, stride_y,
-        # meta-parameters
-        GATHER: gl.constexpr, ROW_WEIGHTS: gl.constexpr, WEIGHT_IDS: gl.constexpr, SWIGLU: gl.constexpr,
-        E_POW2: gl.constexpr, CHUNK: gl.constexpr, PDL: gl.constexpr, BUCKET: gl.constexpr,
-        BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_WARPS: gl.constexpr,
-    ):
+    def _gluon_expert_rows(args, tile, GATHER: gl.constexpr, ROW_WEIGHTS: gl.constexpr,
+                           WEIGHT_IDS: gl.constexpr, SWIGLU: gl.constexpr, CHUNK: gl.constexpr,
+                           BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                           NUM_WARPS: gl.constexpr):
+        """tile = (expert, row0, end_row, pid_n): sorted rows row0 .. min(row0 + BLOCK_T, end_row) of `expert`
+        times its weight rows of output tile pid_n, into y. args: _grouped_gluon_kernel's pointers, sizes and
+        strides."""
+        (x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, weight_ids_ptr, w_ptr, w_scale_ptr, w_global_ptr,
+         y_ptr, N, K, x_plane, stride_x, stride_we, stride_wb, stride_wc, stride_se, stride_sb, stride_sc,
+         stride_y) = args
+        expert, row0, end_row, pid_n = tile
         W_ROWS: gl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
         KC: gl.constexpr = BLOCK_K // 2                                   # bytes of a row a K step
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
                                                       instr_shape=[16, 8])
         w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         x_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-        if PDL:
-            _gluon_wait_for_previous_kernel()
-        pid_m, pid_n = gl.program_id(0), gl.program_id(1)
-        expert, row0, end_row = _gluon_expert_tile(counts_ptr, E, pid_m, BLOCK_T, E_POW2, NUM_WARPS)
-        if expert >= E:  # the grid is an upper bound on the tile count: surplus programs exit
-            return
         n_out = N // 2 if SWIGLU else N
         # the right operand: the tile's activation rows, as (K, T) columns of the fp16 operand planes
         t_x = row0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, x_layout))
@@ -1765,6 +1752,48 @@ if gluon is not None:
         if ROW_WEIGHTS:
             out = out * router
         gl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)  # bf16: round to nearest even
+
+    @triton.autotune(configs=[triton.Config({"BLOCK_T": t, "BLOCK_N": n, "BLOCK_K": k, "NUM_WARPS": w,
+                                             "BUCKET": bucket}, num_warps=w)
+                              for bucket, rows in GLUON_CONFIGS.items() for t, n, k, w in rows],
+                     key=["M_BUCKET", "N", "K"], prune_configs_by={"early_config_prune": _gluon_prune},
+                     do_bench=_bench_in_graph)
+    @gluon.jit
+    def _grouped_gluon_kernel(
+        # pointers, as _grouped_kernel's; the weight in ExpertWeights' layout
+        x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, weight_ids_ptr, w_ptr, w_scale_ptr, w_global_ptr,
+        counts_ptr, y_ptr,
+        # sizes: N is the weight's rows (2I for SwiGLU, whose output has N/2 columns)
+        N, K, E, M_BUCKET, x_plane,
+        # strides: activation rows; weight (expert, row block, chunk) in bytes, scales in blocks; y rows
+        stride_x, stride_we, stride_wb, stride_wc, stride_se, stride_sb, stride_sc, stride_y,
+        # meta-parameters
+        GATHER: gl.constexpr, ROW_WEIGHTS: gl.constexpr, WEIGHT_IDS: gl.constexpr, SWIGLU: gl.constexpr,
+        E_POW2: gl.constexpr, CHUNK: gl.constexpr, PDL: gl.constexpr, BUCKET: gl.constexpr,
+        BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_WARPS: gl.constexpr,
+    ):
+        if PDL:
+            _gluon_wait_for_previous_kernel()
+        pid_m, pid_n = gl.program_id(0), gl.program_id(1)
+        expert, row0, end_row = _gluon_expert_tile(counts_ptr, E, pid_m, BLOCK_T, E_POW2, NUM_WARPS)
+        if expert >= E:  # the grid is an upper bound on the tile count: surplus programs exit
+            return
+        args = (x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, weight_ids_ptr, w_ptr, w_scale_ptr,
+                w_global_ptr, y_ptr, N, K, x_plane, stride_x, stride_we, stride_wb, stride_wc, stride_se,
+                stride_sb, stride_sc, stride_y)
+        tile = (expert, row0, end_row, pid_n)
+        # a tile of at most half its rows (most often an expert's last) runs as a tile of half the rows,
+        # without the padding rows' MMAs and loads: at 16 rows an expert, about half of the 32-row tiles
+        if BLOCK_T >= 16:
+            if end_row - row0 <= BLOCK_T // 2:
+                _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T // 2,
+                                   BLOCK_N, BLOCK_K, NUM_WARPS)
+            else:
+                _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T,
+                                   BLOCK_N, BLOCK_K, NUM_WARPS)
+        else:
+            _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T, BLOCK_N,
+                               BLOCK_K, NUM_WARPS)
 
 
 def _gluon_experts(device):

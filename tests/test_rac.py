@@ -221,7 +221,8 @@ def test_pdl_is_used_on_hopper_and_later_and_early_launch_only_where_asked(monke
                                                                         EARLY=False)
 
 
-def test_only_the_experts_small_quantizer_launches_let_the_next_kernel_launch_early(monkeypatch):
+def test_only_the_experts_small_quantizer_launches_let_the_next_kernel_launch_early(monkeypatch,
+                                                                                    kernel_device):
     launches = []
     original = rac._launch_options
     monkeypatch.setattr(rac, "_launch_options", lambda device, early=None: launches.append(early) or
@@ -229,15 +230,18 @@ def test_only_the_experts_small_quantizer_launches_let_the_next_kernel_launch_ea
     monkeypatch.setattr(rac, "EARLY_LAUNCH_PROGRAMS", 16)  # 32 rows of 256: 512 blocks, 16 programs of 32
     for rows, early_launch, expected in ((32, True, True), (33, True, False), (32, False, False)):
         launches.clear()
-        rac.quantize_activation_triton(torch.randn(rows, 256).bfloat16(), early_launch=early_launch)
+        x = torch.randn(rows, 256).bfloat16().to(kernel_device)
+        rac.quantize_activation_triton(x, early_launch=early_launch)
         assert launches == [True, expected], (rows, early_launch, launches)  # partial max, then quantizer
-    experts = rac.NVFP4Experts(4, 64, 32)
+    experts = rac.NVFP4Experts(4, 64, 32, device=kernel_device)
     monkeypatch.setattr(rac, "use_triton", lambda x: True)
     calls = []
     quantize = rac.quantize_activation_triton
     monkeypatch.setattr(rac, "quantize_activation_triton", lambda *args, **kwargs:
                         calls.append(kwargs.get("early_launch")) or quantize(*args, **kwargs))
-    experts(torch.randn(3, 64).bfloat16(), torch.tensor([[0, 1], [1, 2], [3, 0]]), torch.rand(3, 2))
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    x = torch.randn(3, 64).bfloat16().to(kernel_device)
+    experts(x, ids.to(kernel_device), torch.rand(3, 2).to(kernel_device))
     assert calls == [True, True]
 
 

@@ -437,7 +437,7 @@ for swiglu, tile, n, k in ((1, 8, 64, 128), (1, 32, 64, 64), (0, 8, 128, 128), (
         mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16", ptx))
         loads8 = len(re.findall(r"ld\.global(?:\.\w+)*\.v2\.b32", ptx))
         loads1 = len(re.findall(r"ld\.global(?:\.\w+)*\.[us]8", ptx))
-        print(int(swiglu), tile, int(pdl), mma, loads8, loads1, int("cp.async" in ptx), int(wait >= 0),
+        print(int(swiglu), tile, n, k, int(pdl), mma, loads8, loads1, int("cp.async" in ptx), int(wait >= 0),
               int(wait >= 0 and wait < first.start()))
 """
 
@@ -445,12 +445,15 @@ for swiglu, tile, n, k in ((1, 8, 64, 128), (1, 32, 64, 64), (0, 8, 128, 128), (
 def test_experts_gluon_kernel_loads_8_byte_code_runs_into_mma_sync_on_hopper():
     # compiled for sm_90 on the CPU (numerics: the GPU tests). Per K step a thread loads each of its weight
     # rows' 8 codes bytes (one NVFP4 block) as one 8-byte load and its block scale as one byte, with no shared
-    # memory staging; with PDL its first memory access waits for the kernel ahead of it.
+    # memory staging; with PDL its first memory access waits for the kernel ahead of it. A tile of 16 rows or
+    # more also holds the loop of a tile of half its rows (for tiles at most half full): its MMAs a K step are
+    # 1.5 times a full tile's, which are (weight rows / 16 a warp) x (tile rows / 8) x (BLOCK_K / 16).
     if rac.gluon is None:
         pytest.skip("this Triton has no Gluon")
     for line in _compiled_output(_COMPILE_GLUON_FOR_SM90):
-        swiglu, tile, pdl, mma, loads8, loads1, staged, wait, before = map(int, line.split())
-        assert mma > 0 and not staged, line
+        swiglu, tile, n, k, pdl, mma, loads8, loads1, staged, wait, before = map(int, line.split())
+        full = (n * (2 if swiglu else 1) // 16 // 4) * (tile // 8) * (k // 16)
+        assert mma == (full * 3 // 2 if tile >= 16 else full) and not staged, line
         assert loads8 > 0 and loads8 >= loads1, line  # codes in 8-byte runs, scales a byte each
         assert (wait, before) == ((1, 1) if pdl else (0, 0)), line
 

@@ -115,8 +115,25 @@ PREFILL_ROWS = 257                 # from this many rows on, the weight is decod
 EARLY_LAUNCH_PROGRAMS = 256        # an experts' quantizer launch this small lets the GEMM launch as it starts
 EXPERT_ROW_BLOCK = 16              # expert weights are stored in blocks of 16 rows ...
 EXPERT_K_CHUNK = 128               # ... by chunks of 128 elements of K (all of K when it is not a multiple)
+KERNEL_CAPABILITY = (8, 9)         # the kernels' E4M3 conversions (cvt.*.e4m3x2) need sm_89 or later
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-use_triton = nvfp4._use_triton  # the one test for the fast path: Triton on CUDA tensors, twins elsewhere
+_OLD_GPUS_WARNED = set()
+
+
+def use_triton(x):
+    """The one test for the fast path: Triton on CUDA tensors of a GPU the kernels compile for (compute
+    capability 8.9+), the torch twins elsewhere; on an older GPU (an A100: 8.0) with a warning, once."""
+    if not nvfp4._use_triton(x):
+        return False
+    capability = _capability(x.device)
+    if capability >= KERNEL_CAPABILITY:
+        return True
+    if _cuda_index(x.device) not in _OLD_GPUS_WARNED:
+        _OLD_GPUS_WARNED.add(_cuda_index(x.device))
+        need, have = ".".join(map(str, KERNEL_CAPABILITY)), ".".join(map(str, capability))
+        warnings.warn(f"rac: the W4A4 kernels need compute capability {need}+ (this GPU: {have}); the NVFP4 "
+                      "layers run their torch twins (correct, slow)", stacklevel=2)
+    return False
 
 
 # ======================================================================== the slow twins (plain PyTorch)

@@ -221,6 +221,28 @@ def test_pdl_is_used_on_hopper_and_later_and_early_launch_only_where_asked(monke
                                                                         EARLY=False)
 
 
+def test_layers_take_their_twins_with_one_warning_on_gpus_older_than_sm89(monkeypatch):
+    # an A100 (8.0) cannot compile the kernels' E4M3 conversions: the NVFP4 layers run the torch twins there,
+    # and say so once per GPU, instead of failing inside the kernel compiler
+    class CudaTensor:  # what use_triton reads of a tensor
+        is_cuda, device = True, torch.device("cuda", 0)
+
+    monkeypatch.setattr(nvfp4, "_use_triton", lambda x: x.is_cuda)
+    for capability, fast in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True),
+                             ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        monkeypatch.setattr(rac, "_CAPABILITIES", {})
+        monkeypatch.setattr(rac, "_OLD_GPUS_WARNED", set())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert [rac.use_triton(CudaTensor()) for _ in range(3)] == [fast] * 3, capability
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == (0 if fast else 1), (capability, messages)
+        if not fast:
+            assert "8.9+" in messages[0] and f"this GPU: {capability[0]}.{capability[1]}" in messages[0]
+    assert rac.use_triton(torch.zeros(1)) is False  # CPU tensors: the twins, silently
+
+
 def test_only_the_experts_small_quantizer_launches_let_the_next_kernel_launch_early(monkeypatch,
                                                                                     kernel_device):
     launches = []

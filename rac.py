@@ -21,8 +21,9 @@ scale goes stale between syncs, and anything above it saturates: exactly the out
 hurt NVFP4 most. The price is that a token's rounding depends on the largest value in its batch.
 
 How to read this file: the idea first, as the slow twins (plain PyTorch: quantize, dequantize, matmul in
-fp32), then block selection, the experts' weight layout, the layers (each runs the Triton path on CUDA
-and its twin elsewhere), conversion and sync. Then what the fast path needs: input checks, the twins of
+fp32), then block selection, the experts' weight layout, the layers (each runs the Triton path on a GPU of
+compute capability 8.9+, whose E4M3 conversions the kernels use, and its twin elsewhere), conversion and
+sync. Then what the fast path needs: input checks, the twins of
 the Hopper kernels' fp16 operands, and the kernels, one section per twin (quantizer, dense GEMM, experts'
 grouped GEMM in Triton and in Gluon, Blackwell), each ending with the function that launches them; last,
 the one place a hardware path is chosen.
@@ -58,8 +59,9 @@ are applied at the end.
     (16-row blocks by 128-element K chunks), so that a program streams a few contiguous runs. On sm_89
     and sm_90 the kernel is written in Gluon, Triton's layout-explicit dialect, to decode the codes
     straight into mma.sync's operand registers with the weight rows on the MMA's left, in tiles of 8 to
-    64 token rows (GPU only: the CPU tests compile it for sm_90). The Triton kernel (X_FIRST at decode)
-    runs under the interpreter and elsewhere.
+    64 token rows (a tile at most half full runs as a tile of half the rows; GPU only: the CPU tests
+    compile it for sm_90). The Triton kernel (X_FIRST at decode) runs under the interpreter, for K not a
+    multiple of 64, and where Triton has no Gluon.
   - Stacked weights: up to three weights (an attention's q/k/v_proj) in one GEMM, each weight's global
     scale applied to its own columns and its output stored as its own (M, N_i) tensor.
   - Launches (sm_90+): programmatic dependent launch. A kernel may be launched while the one ahead of it

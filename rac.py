@@ -1066,13 +1066,15 @@ if triton is not None:
     @triton.jit
     def _weight_tile(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GPU: tl.constexpr,
-                     BLOCKED: tl.constexpr = False):
+                     BLOCKED: tl.constexpr = False, CHUNK: tl.constexpr = 0, stride_chunk=0,
+                     stride_scale_chunk=0):
         """Columns k0..k0+BLOCK_K of NVFP4 rows as (ROWS, BLOCK_K/2) fp16 even and odd tiles holding
         value * block_scale * 2^-6 exactly; BLOCKED: as (ROWS, BLOCK_K/16, 8) tiles, one block per row of 8.
         Flat tiles load each row's BLOCK_K/2 bytes as one run (16-byte loads) for the tensor cores, whose
         operands go through shared memory anyway. Blocked tiles are the GEMV's: it loads its activation
         row in the same (ROWS, BLOCK_K/16, 8) shape, so Triton gives both one layout and the product
-        needs no shuffle of the decoded tile through shared memory (checked in the compiled IR)."""
+        needs no shuffle of the decoded tile through shared memory (checked in the compiled IR). CHUNK: the
+        rows are in ExpertWeights' layout of CHUNK-element chunks (flat tiles; a step within one chunk)."""
         GB: tl.constexpr = BLOCK_K // 16
         blocks = k0 // 16 + tl.arange(0, GB)                                            # (GB,)
         if BLOCKED:
@@ -1081,9 +1083,21 @@ if triton is not None:
             data_mask = row_mask[:, None, None] & (byte_cols < K // 2)
         else:
             byte_cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]                   # (1, BLOCK_K/2)
-            data_ptrs = data_ptr + rows[:, None] * stride_data + byte_cols
+            if CHUNK:  # ExpertWeights' layout: stride_data / _scale step a row block; the step in one chunk
+                block, row = rows // EXPERT_ROWS, rows % EXPERT_ROWS
+                chunk, within = k0 // CHUNK, k0 % CHUNK  # within: a multiple of BLOCK_K (wide loads)
+                step = tl.multiple_of(chunk * stride_chunk + within // 2, BLOCK_K // 2)
+                data_ptrs = (data_ptr + (block * stride_data + row * (CHUNK // 2))[:, None]
+                             + (step + tl.arange(0, BLOCK_K // 2))[None, :])
+            else:
+                data_ptrs = data_ptr + rows[:, None] * stride_data + byte_cols
             data_mask = row_mask[:, None] & (byte_cols < K // 2)
-        scale_ptrs = scale_ptr + rows[:, None] * stride_scale + blocks[None, :]
+        if CHUNK:
+            step = tl.multiple_of(chunk * stride_scale_chunk + within // 16, GB)
+            scale_ptrs = (scale_ptr + (block * stride_scale + row * (CHUNK // 16))[:, None]
+                          + (step + tl.arange(0, GB))[None, :])
+        else:
+            scale_ptrs = scale_ptr + rows[:, None] * stride_scale + blocks[None, :]
         if EVEN_K:  # masks constant along K: wide loads
             packed = tl.load(data_ptrs, mask=data_mask if not BLOCKED else row_mask[:, None, None], other=0)
             scale_byte = tl.load(scale_ptrs, mask=row_mask[:, None], other=0)           # (ROWS, GB)
@@ -1138,7 +1152,8 @@ if triton is not None:
                   col_mask, stride_w, stride_ws, w_plane, K, k_begin, k_end, FUSED: tl.constexpr,
                   HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, W_FP16: tl.constexpr, GPU: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                  x_rows, X_FIRST: tl.constexpr, x_elems_ptr=None):
+                  x_rows, X_FIRST: tl.constexpr, x_elems_ptr=None, CHUNK: tl.constexpr = 0, stride_wc=0,
+                  stride_sc=0):
         """-> (acc, x_global): acc (BLOCK_N, BLOCK_M) = W[cols] @ X[rows].T over columns k_begin..k_end,
         in fp32, without the global scales and 2^12; x_global as given, or, FUSED, reduced here from
         x_elems_ptr's M * K <= FUSED_ELEMENTS elements. X: quantized here (FUSED) or fp16 operand planes
@@ -1146,7 +1161,7 @@ if triton is not None:
         on fp32 FMAs. X_FIRST: X is the MMA's left operand (M side) and the weight its right one, whose
         staged codes Triton decodes straight into mma.sync's operand registers; fewer instructions per
         weight element than the weight on the left, whose wgmma register layout makes Triton read the
-        codes two bytes at a time (seen in the SASS)."""
+        codes two bytes at a time (seen in the SASS). CHUNK: W in ExpertWeights' layout (_weight_tile)."""
         GEMV: tl.constexpr = BLOCK_M == 1
         if FUSED:
             # one masked load (M * K <= _FUSED); not _abs_max's loop, which measured 3-4% slower at M = 1
@@ -1166,7 +1181,7 @@ if triton is not None:
                                               EVEN_K)
             else:
                 w_even, w_odd = _weight_tile(w_ptr, w_scale_ptr, cols, col_mask, k0, K, stride_w, stride_ws,
-                                             BLOCK_N, BLOCK_K, EVEN_K, GPU, GEMV)
+                                             BLOCK_N, BLOCK_K, EVEN_K, GPU, GEMV, CHUNK, stride_wc, stride_sc)
             if FUSED:
                 x_even, x_odd = _quantized_tile(x_ptr, rac_mask_ptr, x_global, row0, M, k0, K, HAS_RESIDUAL,
                                                 X_BF16, BLOCK_M, BLOCK_K, GEMV, GPU)
@@ -1540,9 +1555,18 @@ if triton is not None:
         cols = (tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         _store_tile(y_ptr, sorted_rows, row_mask, cols, cols < n_out, stride_y, out, OUT_BF16)
 
+    def _grouped_prune(configs, named_args, **kwargs):
+        """_prune; and where K spans several chunks of ExpertWeights' layout, BLOCK_K at most one chunk (a
+        power of two no larger than EXPERT_K_CHUNK divides it): a K step then lies in one chunk."""
+        chunk, kept = kwargs["CHUNK"], _prune(configs, named_args)
+        if chunk == named_args["K"]:
+            return kept
+        return [triton.Config({**c.kwargs, "BLOCK_K": min(c.kwargs["BLOCK_K"], chunk)}, num_warps=c.num_warps,
+                              num_stages=c.num_stages, maxnreg=c.maxnreg) for c in kept]
+
     # Twin: grouped_matmul_reference.
     @triton.autotune(configs=_configs(GROUPED_CONFIGS), key=["M_BUCKET", "N", "K"],
-                     prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
+                     prune_configs_by={"early_config_prune": _grouped_prune}, do_bench=_bench_in_graph)
     @triton.heuristics(_HEURISTICS)
     @triton.jit
     def _grouped_kernel(
@@ -1551,13 +1575,13 @@ if triton is not None:
         counts_ptr, y_ptr,
         # sizes: N is the weight's rows (2I for SwiGLU, whose output has N/2 columns)
         N, K, E, M_BUCKET, x_plane,
-        # strides
-        stride_x, stride_we, stride_w, stride_wse, stride_ws, stride_y,
-        # meta-parameters
+        # strides: activation rows; weight (expert, row block, chunk) in bytes, scales in blocks; y rows
+        stride_x, stride_we, stride_wb, stride_wc, stride_se, stride_sb, stride_sc, stride_y,
+        # meta-parameters (CHUNK: ExpertWeights' chunk)
         GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, WEIGHT_IDS: tl.constexpr, SWIGLU: tl.constexpr,
-        OUT_BF16: tl.constexpr, GPU: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr,
-        EVEN_K: tl.constexpr, X_FIRST: tl.constexpr, PDL: tl.constexpr,
+        OUT_BF16: tl.constexpr, GPU: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BUCKET: tl.constexpr, EVEN_K: tl.constexpr, X_FIRST: tl.constexpr, PDL: tl.constexpr,
     ):
         _after_previous_kernel(PDL)
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -1568,13 +1592,14 @@ if triton is not None:
                                                                 GATHER, WEIGHT_IDS, BLOCK_M)
         n_out = N // 2 if SWIGLU else N
         w_base = w_ptr + expert.to(tl.int64) * stride_we
-        ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
+        ws_base = w_scale_ptr + expert.to(tl.int64) * stride_se
         scale = _EPILOGUE * tl.load(x_global_ptr) * tl.load(w_global_ptr + expert)
         W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
         w_rows, w_mask = _expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
         acc, _ = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, w_rows,
-                           w_mask, stride_w, stride_ws, 0, K, 0, K, False, False, False, False, GPU,
-                           BLOCK_M, W_ROWS, BLOCK_K, EVEN_K, x_rows, X_FIRST)
+                           w_mask, stride_wb, stride_sb, 0, K, 0, K, False, False, False, False, GPU,
+                           BLOCK_M, W_ROWS, BLOCK_K, EVEN_K, x_rows, X_FIRST, None, CHUNK, stride_wc,
+                           stride_sc)
         _grouped_store(acc, scale, y_ptr, row_weights_ptr, weight_rows, sorted_rows, row_mask, pid_n,
                        n_out, stride_y, ROW_WEIGHTS, SWIGLU, OUT_BF16, BLOCK_M, BLOCK_N)
 
@@ -1607,19 +1632,16 @@ def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu
         return _grouped_native(act, w, counts, row_ids, row_weights, row_weight_ids, y, flags)
     if _gluon_experts(w.device) and K % 64 == 0:
         return _grouped_gluon(act, w, counts, row_ids, row_weights, row_weight_ids, y, flags)
-    w_q = unchunk_experts(w)  # the Triton kernel reads row-major codes: a copy unless K is one chunk
-    w_data, w_scale = w_q.data.contiguous(), w_q.block_scale.contiguous().view(torch.uint8)
-    operand = act.operand
+    operand, w_scale = act.operand, w.block_scale.view(torch.uint8)
 
     def grid(meta):  # an upper bound on sum_e cdiv(counts[e], BLOCK_M): no host sync
         return triton.cdiv(n_rows, meta["BLOCK_M"]) + min(E, n_rows), triton.cdiv(n_out, meta["BLOCK_N"])
 
-    _grouped_kernel[grid](operand, act.global_scale, row_ids, row_weights, row_weight_ids, w_data, w_scale,
-                          w_q.global_scale.contiguous(), counts, _as_int16(y), N, K, E,
+    _grouped_kernel[grid](operand, act.global_scale, row_ids, row_weights, row_weight_ids, w.data, w_scale,
+                          w.global_scale, counts, _as_int16(y), N, K, E,
                           _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS), operand.stride(0),
-                          operand.stride(1), w_data.stride(0), w_data.stride(1), w_scale.stride(0),
-                          w_scale.stride(1), y.stride(0), GPU=not _INTERPRET, **_launch_options(w_q.device),
-                          **flags)
+                          operand.stride(1), *w.data.stride()[:3], *w_scale.stride()[:3], y.stride(0),
+                          GPU=not _INTERPRET, CHUNK=w.chunk, **_launch_options(w.device), **flags)
     return y
 
 

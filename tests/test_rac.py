@@ -169,10 +169,10 @@ kernels = {
                       dict(dense, FUSED=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, X_FIRST=True,
                            GPU=True)),
     "grouped": (rac._grouped_kernel,
-                ["*fp16", "*fp32", "*i64", "*fp32", "*i64", "*u8", "*u8", "*fp32", "*i64", "*i16"] + [i] * 11,
+                ["*fp16", "*fp32", "*i64", "*fp32", "*i64", "*u8", "*u8", "*fp32", "*i64", "*i16"] + [i] * 13,
                 dict(GATHER=True, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=True, OUT_BF16=True, GPU=True,
-                     E_POW2=128, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, BUCKET=16, EVEN_K=True,
-                     X_FIRST=True)),
+                     E_POW2=128, CHUNK=128, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, BUCKET=16,
+                     EVEN_K=True, X_FIRST=True)),
 }
 memory = re.compile(r"\b(?:ld|st|atom|red)\.global\b|\bcp\.async\b")
 for name, (kernel, types, constants) in kernels.items():
@@ -436,6 +436,23 @@ def test_gluon_autotuner_keeps_the_bucket_and_steps_k_within_one_chunk_of_the_la
             for c, (_, _, k, _) in zip(kept, entries):
                 step = c.kwargs["BLOCK_K"]
                 assert step == (k if chunk % k == 0 else 64) and step in expected
+
+
+def test_triton_grouped_autotuner_steps_k_within_one_chunk_of_the_layout(monkeypatch):
+    # the Triton grouped kernel reads ExpertWeights directly: where K spans several 128-element chunks, its
+    # GPU configurations' 256-element steps become 128 (a step may not cross a chunk); K of one chunk
+    # (here 192) keeps every step; each bucket keeps its own configurations
+    monkeypatch.setattr(rac, "_INTERPRET", False)
+    configs = rac._configs(rac.GROUPED_CONFIGS)
+    assert any(c.kwargs["BLOCK_K"] == 256 for c in configs)
+    for bucket, entries in rac.GROUPED_CONFIGS.items():
+        for K, chunk in ((2048, 128), (192, 192)):
+            kept = rac._grouped_prune(configs, {"M_BUCKET": bucket, "K": K}, CHUNK=chunk)
+            assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept] == \
+                [(m, n, w, st) for m, n, _, w, st, *_ in entries]
+            for c, (_, _, k, *_) in zip(kept, entries):
+                assert c.kwargs["BLOCK_K"] == (min(k, chunk) if chunk < K else k), (bucket, K, c)
+                assert chunk == K or chunk % c.kwargs["BLOCK_K"] == 0
 
 
 _COMPILE_GLUON_FOR_SM90 = _COMPILE_PREAMBLE + r"""

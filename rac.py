@@ -23,10 +23,10 @@ hurt NVFP4 most. The price is that a token's rounding depends on the largest val
 How to read this file: the idea first, as the slow twins (plain PyTorch: quantize, dequantize, matmul in
 fp32), then block selection, the experts' weight layout, the layers (each runs the Triton path on a GPU of
 compute capability 8.9+, whose E4M3 conversions the kernels use, and its twin elsewhere), conversion and
-sync. Then what the fast path needs: input checks, the twins of
-the Hopper kernels' fp16 operands, and the kernels, one section per twin (quantizer, dense GEMM, experts'
-grouped GEMM in Triton and in Gluon, Blackwell), each ending with the function that launches them; last,
-the one place a hardware path is chosen.
+sync. Then what the fast path needs: input checks, the twins of the Hopper kernels' fp16 operands, and the
+kernels, one section per twin (quantizer, dense GEMM, experts' grouped GEMM in Triton and in Gluon,
+Blackwell), each ending with the function that launches them; last, the one place a hardware path is
+chosen.
 
 Hopper kernels (also run on the CPU under TRITON_INTERPRET=1). Hopper has no FP4 tensor cores and
 `tl.dot_scaled` does not compile for sm_90, so the weight is decoded in registers: an E2M1 code c put
@@ -127,11 +127,11 @@ def use_triton(x):
     capability 8.9+), the torch twins elsewhere; on an older GPU (an A100: 8.0) with a warning, once."""
     if not nvfp4._use_triton(x):
         return False
-    capability = _capability(x.device)
+    capability, index = _capability(x.device), _cuda_index(x.device)
     if capability >= KERNEL_CAPABILITY:
         return True
-    if _cuda_index(x.device) not in _OLD_GPUS_WARNED:
-        _OLD_GPUS_WARNED.add(_cuda_index(x.device))
+    if index not in _OLD_GPUS_WARNED:
+        _OLD_GPUS_WARNED.add(index)
         need, have = ".".join(map(str, KERNEL_CAPABILITY)), ".".join(map(str, capability))
         warnings.warn(f"rac: the W4A4 kernels need compute capability {need}+ (this GPU: {have}); the NVFP4 "
                       "layers run their torch twins (correct, slow)", stacklevel=2)
@@ -1075,6 +1075,7 @@ if triton is not None:
         row in the same (ROWS, BLOCK_K/16, 8) shape, so Triton gives both one layout and the product
         needs no shuffle of the decoded tile through shared memory (checked in the compiled IR). CHUNK: the
         rows are in ExpertWeights' layout of CHUNK-element chunks (flat tiles; a step within one chunk)."""
+        tl.static_assert(not (BLOCKED and CHUNK), "ExpertWeights' layout: flat tiles only")
         GB: tl.constexpr = BLOCK_K // 16
         blocks = k0 // 16 + tl.arange(0, GB)                                            # (GB,)
         if BLOCKED:
@@ -1844,7 +1845,7 @@ def _gluon_experts(device):
     (cvt.e4m3x2 needs 8.9; sm_100+ takes tl.dot_scaled), Gluon importable, not the interpreter."""
     if gluon is None or _INTERPRET or device.type != "cuda":
         return False
-    return (8, 9) <= _capability(device) < (10, 0)
+    return KERNEL_CAPABILITY <= _capability(device) < (10, 0)
 
 
 def _grouped_gluon(act, w, counts, row_ids, row_weights, row_weight_ids, y, flags):
@@ -1976,8 +1977,8 @@ def _grouped_native(act, w, counts, row_ids, row_weights, row_weight_ids, y, fla
     r = act.residual if act.residual is not None else act.x_q
     (rows, n_out), block_m, block_n, block_k = y.shape, 128, 128, EXPERT_K_CHUNK
     # a K step is one chunk, or (K one chunk) block_k / 2 bytes further along the row
-    steps = [t.stride(2) if w.chunk == block_k else block_k // per for t, per in ((w.data, 2), (w.block_scale,
-                                                                                          BLOCK_SIZE))]
+    pairs = ((w.data, 2), (w.block_scale, BLOCK_SIZE))
+    steps = [t.stride(2) if w.chunk == block_k else block_k // per for t, per in pairs]
     _grouped_native_kernel[(triton.cdiv(rows, block_m) + min(E, rows), triton.cdiv(n_out, block_n))](
         act.x_q.data, act.x_q.block_scale, r.data, r.block_scale, act.global_scale, row_ids, row_weights,
         row_weight_ids, w.data, w.block_scale, w.global_scale, counts, _as_int16(y), N, K, E,
@@ -2031,7 +2032,7 @@ def gemm_backend(device):
         return "portable"
     index = _cuda_index(device)
     if index not in _BACKENDS:
-        blackwell = torch.cuda.get_device_capability(index)[0] >= 10
+        blackwell = _capability(device) >= (10, 0)
         _BACKENDS[index] = ("native" if blackwell and _native_agrees(torch.device("cuda", index))
                             else "portable")
     return _BACKENDS[index]

@@ -334,10 +334,12 @@ def bench_gemm(args):
              "down": graph_us([lambda: rac.grouped_matmul_triton(act_h, down_w, routing.counts,
                                                                   row_weights=expert_weights,
                                                                   row_weight_ids=routing.order)])}
-        bucket = rac._m_bucket(-(-T * A // E), rac.GLUON_CONFIGS)
+        gluon = rac._gluon_experts(x.device)  # the kernel the layer runs here, and its table
+        kernel, table = ((rac._grouped_gluon_kernel, rac.GLUON_CONFIGS) if gluon
+                         else (rac._grouped_kernel, rac.GROUPED_CONFIGS))
         configs = "; ".join(
             f"{label}: {graph_us([lambda: layer._forward_triton(x, routing, expert_weights)]):.1f}"
-            for label in forced(rac._grouped_gluon_kernel, bucket))
+            for label in forced(kernel, rac._m_bucket(-(-T * A // E), table)))
         floor = {k: hit * n * (0.5 + 1 / 16) / copy_bw * 1e6
                  for k, n in (("gate_up", 2 * I * D), ("down", D * I))}
         total = floor["gate_up"] + floor["down"]
@@ -377,7 +379,7 @@ def _config_label(config, sep):
 
 def _print_autotuned(rac):
     """The configurations rac.py's autotuner chose in this process, per key (shape bucket, N, K, ...)."""
-    print("\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages):")
+    print("\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages; Gluon: BLOCK_T/N/K, warps):")
     gluon = (rac._grouped_gluon_kernel,) if rac.gluon is not None else ()
     for kernel in (rac._dense_kernel, rac._grouped_kernel, *gluon):
         for key, config in kernel.cache.items():

@@ -1721,12 +1721,60 @@ if gluon is not None:
     }
 
     @gluon.jit
+    def _gluon_token_rows(x_ptr, row_ids_ptr, stride_x, t0, end_row, GATHER: gl.constexpr, T: gl.constexpr,
+                          KC: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Sorted rows t0 .. t0 + T (those before end_row) as the MMA's right operand: pointers to their
+        (KC, T) columns of the fp16 operand planes at K = 0, and their mask."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                      instr_shape=[16, 8])
+        x_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        t_x = t0 + gl.arange(0, T, layout=gl.SliceLayout(0, x_layout))
+        if GATHER:
+            x_rows = gl.load(row_ids_ptr + t_x, mask=t_x < end_row, other=0)
+        else:
+            x_rows = t_x.to(gl.int64)
+        x_base = (x_ptr + x_rows.to(gl.int64)[None, :] * stride_x
+                  + gl.arange(0, KC, layout=gl.SliceLayout(1, x_layout))[:, None])
+        return x_base, (t_x < end_row)[None, :]
+
+    @gluon.jit
+    def _gluon_expert_store(acc, scale, t0, end_row, pid_n, n_out, y_ptr, stride_y, row_weights_ptr,
+                            weight_ids_ptr, ROW_WEIGHTS: gl.constexpr, WEIGHT_IDS: gl.constexpr,
+                            SWIGLU: gl.constexpr, T: gl.constexpr, BLOCK_N: gl.constexpr,
+                            NUM_WARPS: gl.constexpr):
+        """The epilogue of rows t0 .. t0 + T: both global scales and 2^12 (scale), SwiGLU, router weights."""
+        W_ROWS: gl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                      instr_shape=[16, 8])
+        out = acc * scale                                                                # (W_ROWS, T)
+        t_y = t0 + gl.arange(0, T, layout=gl.SliceLayout(0, mma))
+        r_y = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, mma))
+        col_y = pid_n * BLOCK_N + ((r_y // 16) * 8 + r_y % 8 if SWIGLU else r_y)
+        y_ptrs = y_ptr + t_y.to(gl.int64)[None, :] * stride_y + col_y[:, None]
+        y_mask = (t_y < end_row)[None, :] & (col_y < n_out)[:, None]
+        if ROW_WEIGHTS:
+            ids = gl.load(weight_ids_ptr + t_y, mask=t_y < end_row, other=0) if WEIGHT_IDS else t_y
+            router = gl.load(row_weights_ptr + ids, mask=t_y < end_row, other=0.0).to(gl.float32)
+            router = gl.zeros_like(out) + router[None, :]
+        if SWIGLU:
+            gate, up = _gluon_gate_up(out, W_ROWS, T)
+            out = gate / (1.0 + gl.exp(-gate)) * up                                      # (BLOCK_N, T)
+            y_ptrs, _ = _gluon_gate_up(y_ptrs, W_ROWS, T)
+            y_mask, _ = _gluon_gate_up(y_mask, W_ROWS, T)
+            if ROW_WEIGHTS:
+                router, _ = _gluon_gate_up(router, W_ROWS, T)
+        if ROW_WEIGHTS:
+            out = out * router
+        gl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)  # bf16: round to nearest even
+
+    @gluon.jit
     def _gluon_expert_rows(args, tile, GATHER: gl.constexpr, ROW_WEIGHTS: gl.constexpr,
                            WEIGHT_IDS: gl.constexpr, SWIGLU: gl.constexpr, CHUNK: gl.constexpr,
-                           BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                           NUM_WARPS: gl.constexpr):
-        """tile = (expert, row0, end_row, pid_n): sorted rows row0 .. min(row0 + BLOCK_T, end_row) of `expert`
-        times its weight rows of output tile pid_n, into y. args: _grouped_gluon_kernel's pointers, sizes and
+                           BLOCK_T: gl.constexpr, EXTRA: gl.constexpr, BLOCK_N: gl.constexpr,
+                           BLOCK_K: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """tile = (expert, row0, end_row, pid_n): sorted rows row0 .. min(row0 + BLOCK_T + EXTRA, end_row) of
+        `expert` times its weight rows of output tile pid_n, into y: BLOCK_T rows, and EXTRA (0 or 8) more in
+        a second accumulator on the same decoded weight. args: _grouped_gluon_kernel's pointers, sizes and
         strides."""
         (x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, weight_ids_ptr, w_ptr, w_scale_ptr, w_global_ptr,
          y_ptr, N, K, x_plane, stride_x, stride_we, stride_wb, stride_wc, stride_se, stride_sb, stride_sc,
@@ -1737,17 +1785,13 @@ if gluon is not None:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
                                                       instr_shape=[16, 8])
         w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-        x_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
         n_out = N // 2 if SWIGLU else N
         # the right operand: the tile's activation rows, as (K, T) columns of the fp16 operand planes
-        t_x = row0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, x_layout))
-        if GATHER:
-            x_rows = gl.load(row_ids_ptr + t_x, mask=t_x < end_row, other=0)
-        else:
-            x_rows = t_x.to(gl.int64)
-        x_base = (x_ptr + x_rows.to(gl.int64)[None, :] * stride_x
-                  + gl.arange(0, KC, layout=gl.SliceLayout(1, x_layout))[:, None])
-        x_mask = (t_x < end_row)[None, :]
+        x_base, x_mask = _gluon_token_rows(x_ptr, row_ids_ptr, stride_x, row0, end_row, GATHER, BLOCK_T, KC,
+                                           NUM_WARPS)
+        if EXTRA:
+            x2_base, x2_mask = _gluon_token_rows(x_ptr, row_ids_ptr, stride_x, row0 + BLOCK_T, end_row,
+                                                 GATHER, EXTRA, KC, NUM_WARPS)
         # the left operand: W_ROWS weight rows (SwiGLU: 8 gate rows, their 8 up rows, the next 8 gate rows...)
         r = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, w_layout))
         if SWIGLU:
@@ -1764,6 +1808,8 @@ if gluon is not None:
         s_base = (w_scale_ptr + expert.to(gl.int64) * stride_se
                   + (block * stride_sb + row * (CHUNK // 16))[:, None] + (k // 8)[None, :])
         acc = gl.zeros((W_ROWS, BLOCK_T), gl.float32, layout=mma)
+        if EXTRA:
+            acc2 = gl.zeros((W_ROWS, EXTRA), gl.float32, layout=mma)
         for k0 in range(0, K, BLOCK_K):
             chunk, within = k0 // CHUNK, k0 % CHUNK
             step = gl.multiple_of(chunk * stride_wc + within // 2, 16)
@@ -1773,29 +1819,21 @@ if gluon is not None:
             x_even = gl.load(x_base + k0 // 2, mask=x_mask, other=0.0)
             x_odd = gl.load(x_base + x_plane + k0 // 2, mask=x_mask, other=0.0)
             w_even, w_odd = _gluon_e2m1_pairs(codes)
-            acc = gl.nvidia.ampere.mma_v2(w_even * scale, x_even, acc)
-            acc = gl.nvidia.ampere.mma_v2(w_odd * scale, x_odd, acc)
-        # epilogue: both global scales and 2^12, SwiGLU, router weights
-        out = acc * (_EPILOGUE * gl.load(x_global_ptr) * gl.load(w_global_ptr + expert))   # (W_ROWS, T)
-        t_y = row0 + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, mma))
-        r_y = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, mma))
-        col_y = pid_n * BLOCK_N + ((r_y // 16) * 8 + r_y % 8 if SWIGLU else r_y)
-        y_ptrs = y_ptr + t_y.to(gl.int64)[None, :] * stride_y + col_y[:, None]
-        y_mask = (t_y < end_row)[None, :] & (col_y < n_out)[:, None]
-        if ROW_WEIGHTS:
-            ids = gl.load(weight_ids_ptr + t_y, mask=t_y < end_row, other=0) if WEIGHT_IDS else t_y
-            router = gl.load(row_weights_ptr + ids, mask=t_y < end_row, other=0.0).to(gl.float32)
-            router = gl.zeros_like(out) + router[None, :]
-        if SWIGLU:
-            gate, up = _gluon_gate_up(out, W_ROWS, BLOCK_T)
-            out = gate / (1.0 + gl.exp(-gate)) * up                                      # (BLOCK_N, T)
-            y_ptrs, _ = _gluon_gate_up(y_ptrs, W_ROWS, BLOCK_T)
-            y_mask, _ = _gluon_gate_up(y_mask, W_ROWS, BLOCK_T)
-            if ROW_WEIGHTS:
-                router, _ = _gluon_gate_up(router, W_ROWS, BLOCK_T)
-        if ROW_WEIGHTS:
-            out = out * router
-        gl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)  # bf16: round to nearest even
+            w_even, w_odd = w_even * scale, w_odd * scale
+            acc = gl.nvidia.ampere.mma_v2(w_even, x_even, acc)
+            acc = gl.nvidia.ampere.mma_v2(w_odd, x_odd, acc)
+            if EXTRA:
+                x2_even = gl.load(x2_base + k0 // 2, mask=x2_mask, other=0.0)
+                x2_odd = gl.load(x2_base + x_plane + k0 // 2, mask=x2_mask, other=0.0)
+                acc2 = gl.nvidia.ampere.mma_v2(w_even, x2_even, acc2)
+                acc2 = gl.nvidia.ampere.mma_v2(w_odd, x2_odd, acc2)
+        scale = _EPILOGUE * gl.load(x_global_ptr) * gl.load(w_global_ptr + expert)
+        _gluon_expert_store(acc, scale, row0, end_row, pid_n, n_out, y_ptr, stride_y, row_weights_ptr,
+                            weight_ids_ptr, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, BLOCK_T, BLOCK_N, NUM_WARPS)
+        if EXTRA:
+            _gluon_expert_store(acc2, scale, row0 + BLOCK_T, end_row, pid_n, n_out, y_ptr, stride_y,
+                                row_weights_ptr, weight_ids_ptr, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, EXTRA,
+                                BLOCK_N, NUM_WARPS)
 
     @triton.autotune(configs=[triton.Config({"BLOCK_T": t, "BLOCK_N": n, "BLOCK_K": k, "NUM_WARPS": w,
                                              "BUCKET": bucket}, num_warps=w)
@@ -1826,18 +1864,29 @@ if gluon is not None:
                 w_global_ptr, y_ptr, N, K, x_plane, stride_x, stride_we, stride_wb, stride_wc, stride_se,
                 stride_sb, stride_sc, stride_y)
         tile = (expert, row0, end_row, pid_n)
-        # a tile of at most half its rows (most often an expert's last) runs as a tile of half the rows,
-        # without the padding rows' MMAs and loads: at 16 rows an expert, about half of the 32-row tiles
-        if BLOCK_T >= 16:
+        # a tile holding at most half its rows (most often an expert's last) runs as a tile of half the rows,
+        # one of at most three quarters as that half plus a quarter: the padding rows' MMAs and loads skipped
+        # (at 16 rows an expert about half of the 32-row tiles run as 16 rows, and most others as 16 + 8)
+        if BLOCK_T >= 32:
             if end_row - row0 <= BLOCK_T // 2:
                 _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T // 2,
-                                   BLOCK_N, BLOCK_K, NUM_WARPS)
+                                   0, BLOCK_N, BLOCK_K, NUM_WARPS)
+            elif end_row - row0 <= BLOCK_T // 2 + BLOCK_T // 4:
+                _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T // 2,
+                                   BLOCK_T // 4, BLOCK_N, BLOCK_K, NUM_WARPS)
             else:
-                _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T,
+                _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T, 0,
+                                   BLOCK_N, BLOCK_K, NUM_WARPS)
+        elif BLOCK_T >= 16:
+            if end_row - row0 <= BLOCK_T // 2:
+                _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T // 2,
+                                   0, BLOCK_N, BLOCK_K, NUM_WARPS)
+            else:
+                _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T, 0,
                                    BLOCK_N, BLOCK_K, NUM_WARPS)
         else:
-            _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T, BLOCK_N,
-                               BLOCK_K, NUM_WARPS)
+            _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T, 0,
+                               BLOCK_N, BLOCK_K, NUM_WARPS)
 
 
 def _gluon_experts(device):

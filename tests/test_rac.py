@@ -485,14 +485,15 @@ def test_experts_gluon_kernel_loads_8_byte_code_runs_into_mma_sync_on_hopper():
     # compiled for sm_90 on the CPU (numerics: the GPU tests). Per K step a thread loads each of its weight
     # rows' 8 codes bytes (one NVFP4 block) as one 8-byte load and its block scale as one byte, with no shared
     # memory staging; with PDL its first memory access waits for the kernel ahead of it. A tile of 16 rows or
-    # more also holds the loop of a tile of half its rows (for tiles at most half full): its MMAs a K step are
-    # 1.5 times a full tile's, which are (weight rows / 16 a warp) x (tile rows / 8) x (BLOCK_K / 16).
+    # more also holds the loop of a tile of half its rows (for tiles at most half full), one of 32 or more
+    # that of half plus a quarter (at most three quarters full): its MMAs a K step are 1.5 and 2.25 times a
+    # full tile's, which are (weight rows / 16 a warp) x (tile rows / 8) x (BLOCK_K / 16).
     if rac.gluon is None:
         pytest.skip("this Triton has no Gluon")
     for line in _compiled_output(_COMPILE_GLUON_FOR_SM90):
         swiglu, tile, n, k, pdl, mma, loads8, loads1, staged, wait, before = map(int, line.split())
         full = (n * (2 if swiglu else 1) // 16 // 4) * (tile // 8) * (k // 16)
-        assert mma == (full * 3 // 2 if tile >= 16 else full) and not staged, line
+        assert mma == full * {8: 4, 16: 6, 32: 9, 64: 9}[tile] // 4 and not staged, line
         assert loads8 > 0 and loads8 >= loads1, line  # codes in 8-byte runs, scales a byte each
         assert (wait, before) == ((1, 1) if pdl else (0, 0)), line
 

@@ -1661,10 +1661,12 @@ def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu
 #   - SwiGLU: the tile's weight rows alternate 8 gate rows and their 8 up rows, so that gate and up of one
 #     output sit in the same thread's accumulator registers; the epilogue splits them in registers.
 #   - ExpertWeights' layout: a program's K steps read a few contiguous runs.
-#   - A tile holding at most half its rows runs as a tile of half the rows (the loop and epilogue are compiled
-#     for both sizes): at 16 rows an expert about half of the 32-row tiles skip their padding rows' MMAs.
+#   - A tile holding at most half its rows runs as a tile of half the rows, one of 32 rows or more at most
+#     three quarters full as that half plus a quarter (the loop and epilogue are compiled for each size): at
+#     16 rows an expert most 32-row tiles skip 8 or 16 padding rows' MMAs and activation loads.
 # No shared memory and no software pipeline: programs a multiprocessor (registers allow 3-4) hide the load
-# latency. A cp.async pipeline of 3-6 stages and a one-step register prefetch were both slower (README).
+# latency. A cp.async pipeline of 3-6 stages, a one-step register prefetch, and wgmma in place of mma.sync
+# (the activation tile in shared memory once per warpgroup) were all no faster (README).
 if gluon is not None:
     @gluon.jit
     def _gluon_e2m1_pairs(packed):

@@ -1775,9 +1775,9 @@ if gluon is not None:
                            BLOCK_T: gl.constexpr, EXTRA: gl.constexpr, BLOCK_N: gl.constexpr,
                            BLOCK_K: gl.constexpr, NUM_WARPS: gl.constexpr):
         """tile = (expert, row0, end_row, pid_n): sorted rows row0 .. min(row0 + BLOCK_T + EXTRA, end_row) of
-        `expert` times its weight rows of output tile pid_n, into y: BLOCK_T rows, and EXTRA (0 or 8) more in
-        a second accumulator on the same decoded weight. args: _grouped_gluon_kernel's pointers, sizes and
-        strides."""
+        `expert` times its weight rows of output tile pid_n, into y: BLOCK_T rows, and EXTRA more (0, or a
+        quarter of the autotuned tile) in a second accumulator on the same decoded weight. args:
+        _grouped_gluon_kernel's pointers, sizes and strides."""
         (x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, weight_ids_ptr, w_ptr, w_scale_ptr, w_global_ptr,
          y_ptr, N, K, x_plane, stride_x, stride_we, stride_wb, stride_wc, stride_se, stride_sb, stride_sc,
          stride_y) = args

@@ -59,9 +59,10 @@ are applied at the end.
     (16-row blocks by 128-element K chunks), so that a program streams a few contiguous runs. On sm_89
     and sm_90 the kernel is written in Gluon, Triton's layout-explicit dialect, to decode the codes
     straight into mma.sync's operand registers with the weight rows on the MMA's left, in tiles of 8 to
-    64 token rows (a tile at most half full runs as a tile of half the rows; GPU only: the CPU tests
-    compile it for sm_90). The Triton kernel (X_FIRST at decode) runs under the interpreter, for K not a
-    multiple of 64, and where Triton has no Gluon.
+    64 token rows (a tile at most half full runs as a tile of half the rows, one at most three quarters
+    full as half plus a quarter; GPU only: the CPU tests compile it for sm_90). The Triton kernel
+    (X_FIRST at decode) runs under the interpreter, for K not a multiple of 64, and where Triton has no
+    Gluon.
   - Stacked weights: up to three weights (an attention's q/k/v_proj) in one GEMM, each weight's global
     scale applied to its own columns and its output stored as its own (M, N_i) tensor.
   - Launches (sm_90+): programmatic dependent launch. A kernel may be launched while the one ahead of it

@@ -1715,9 +1715,12 @@ if gluon is not None:
 
     # (BLOCK_T rows, BLOCK_N output columns, BLOCK_K, warps) per bucket of rows an expert (mean). Timed on the
     # H200 at 64 and 256 decode tokens (4 and 16 rows an expert): 8-row tiles at 4, 32-row tiles at 16 (one
-    # decode of the weight where 16-row tiles decode it about 1.5 times). Larger buckets: prefill.
+    # decode of the weight where 16-row tiles decode it about 1.5 times). At 8 (128 tokens) 8-row tiles would
+    # decode the weight of an expert with 9 to 16 rows twice: 16-row tiles, whose half serves those with 8 or
+    # fewer, are candidates beside them. Larger buckets: prefill.
     GLUON_CONFIGS = {
-        8: [(8, 64, 128, 4), (8, 128, 128, 4), (8, 128, 64, 4)],
+        4: [(8, 64, 128, 4), (8, 128, 128, 4), (8, 128, 64, 4)],
+        8: [(16, 128, 128, 4), (16, 64, 128, 4), (16, 128, 64, 4), (8, 128, 128, 4), (8, 128, 64, 4)],
         16: [(32, 64, 64, 4), (32, 128, 64, 4), (16, 128, 128, 4)],
         64: [(32, 64, 64, 4), (32, 128, 64, 4), (64, 64, 64, 4)],
         4096: [(64, 64, 64, 4), (64, 128, 64, 8), (32, 128, 64, 4)],

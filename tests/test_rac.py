@@ -621,7 +621,7 @@ def test_every_gpu_config_is_deterministic_and_matches_the_twin(monkeypatch):
     gate_up_w, down_w = rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q)
     w_q = nvfp4.quantize_weight(torch.randn(512, D, device="cuda") * 0.05)
     calls = {}  # name -> (kernel, bucket, relabel, the Triton kernel for the experts?, call, reference)
-    for tokens in (64, 128, 512, T):  # 8, 16 and 64 rows an expert (the Gluon kernel's buckets), prefill
+    for tokens in (32, 64, 128, 512, T):  # 4, 8, 16, 64 rows an expert (the Gluon kernel's buckets), prefill
         routing = moe.route_tokens(torch.rand(tokens, E, device="cuda").topk(A, dim=-1).indices, E)
         x = rac.quantize_activation_triton(torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16),
                                            codes=True)

@@ -128,7 +128,7 @@ def bench_gemm(args):
        weight in the other formats.
     2. variants of the decode layer that drop or move one stage (quantizer as its own launch; the GEMM
        alone on a given operand; the quantizer alone), and each autotuning configuration forced in turn.
-    3. expert layer decode (64 and 256 tokens routed top-8 at random): quantize x, grouped gate/up
+    3. expert layer decode (64, 128 and 256 tokens routed top-8 at random): quantize x, grouped gate/up
        (SwiGLU in its epilogue), quantize h, grouped down with the router weights; FP8 =
        torch._scaled_grouped_mm; BF16 = torch._grouped_mm. Floor: bytes of the experts hit. Also each
        grouped configuration forced in turn, and each GEMM alone.
@@ -298,7 +298,7 @@ def bench_gemm(args):
     print("| tokens | experts hit | BF16 | FP8 | W4A4 | W4A4 RAC 0.5 | vs BF16 | vs FP8 | % floor | "
           "GEMMs alone: gate/up, down | floor: gate/up, down | grouped configurations forced (layer time) |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |")
-    for T in (64, 256):
+    for T in (64, 128, 256):
         x = torch.randn(T, D, device="cuda", dtype=bf16)
         expert_ids = torch.rand(T, E, device="cuda").topk(A, dim=-1).indices
         weights = torch.softmax(torch.randn(T, A, device="cuda"), dim=-1)

@@ -290,8 +290,6 @@ def bench_gemm(args):
     # ------------------------------------------------------------------ 3. experts
     gate_up = torch.randn(E, 2 * I, D, device="cuda", dtype=bf16) * 0.02
     down = torch.randn(E, D, I, device="cuda", dtype=bf16) * 0.02
-    gate_up_q, down_q = nvfp4.quantize_weight(gate_up), nvfp4.quantize_weight(down)
-    gate_up_w, down_w = rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q)  # the kernels' layout
     (gate_up8, gate_up_s), (down8, down_s) = fp8.quantize_weight(gate_up), fp8.quantize_weight(down)
     print("\n### Expert layer, decode (128 experts, top-8; gate/up 2048 -> 2x768, SwiGLU, "
           "down 768 -> 2048)\n")
@@ -307,7 +305,7 @@ def bench_gemm(args):
         x_sorted = x[routing.token_ids]
         hit = int((routing.counts > 0).sum())
         layer = rac.NVFP4Experts(E, D, I, device="cuda")
-        layer.load_weights(gate_up, down)  # the codes of gate_up_w and down_w
+        layer.load_weights(gate_up, down)  # its ExpertWeights also time the GEMMs alone
         rac_layer = rac.NVFP4Experts(E, D, I, rac_ratio=0.5, device="cuda")
         rac_layer.load_state_dict(layer.state_dict(), strict=False)
         for selector in (rac_layer.rac_gate_up, rac_layer.rac_down):
@@ -328,10 +326,10 @@ def bench_gemm(args):
         t = {"bf16": graph_us([bf16_layer]), "fp8": graph_us([fp8_layer]),
              "w4a4": graph_us([lambda: layer._forward_triton(x, routing, expert_weights)]),
              "rac": graph_us([lambda: rac_layer._forward_triton(x, routing, expert_weights)]),
-             "gate_up": graph_us([lambda: rac.grouped_matmul_triton(act_x, gate_up_w, routing.counts,
+             "gate_up": graph_us([lambda: rac.grouped_matmul_triton(act_x, layer.gate_up_w, routing.counts,
                                                                      row_ids=routing.token_ids,
                                                                      swiglu=True)]),
-             "down": graph_us([lambda: rac.grouped_matmul_triton(act_h, down_w, routing.counts,
+             "down": graph_us([lambda: rac.grouped_matmul_triton(act_h, layer.down_w, routing.counts,
                                                                   row_weights=expert_weights,
                                                                   row_weight_ids=routing.order)])}
         gluon = rac._gluon_experts(x.device)  # the kernel the layer runs here, and its table
@@ -347,7 +345,7 @@ def bench_gemm(args):
               f"{t['bf16'] / t['rac']:.2f}x | {t['fp8'] / t['rac']:.2f}x | {100 * total / t['rac']:.0f}% | "
               f"{t['gate_up']:.1f}, {t['down']:.1f} | {floor['gate_up']:.1f}, {floor['down']:.1f} | "
               f"{configs} |")
-    del gate_up, down, gate_up_q, down_q, gate_up_w, down_w, gate_up8, down8
+    del gate_up, down, gate_up8, down8
 
     # ------------------------------------------------------------------ 4. prefill
     print("\n### Dense projections, prefill (M = 4096; the W4A4 GEMM decodes the weight once, "

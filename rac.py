@@ -508,14 +508,6 @@ class NVFP4Experts(nn.Module):
     def down_w(self):
         return ExpertWeights(self.down_data, self.down_block_scale, self.down_global_scale)
 
-    @property
-    def gate_up_q(self):  # (E, 2I, D) as nvfp4.quantize_weight gives it: a copy
-        return unchunk_experts(self.gate_up_w)
-
-    @property
-    def down_q(self):
-        return unchunk_experts(self.down_w)
-
     @classmethod
     def from_float(cls, experts, rac_ratio=0.0):
         E, two_I, D = experts.gate_up_proj.shape

@@ -148,8 +148,9 @@ def test_trainer_weights_equal_rac_rollout_weights_after_sync():
             rollout_weight = getattr(theirs.attn, name).weight_q.dequantize(layer.weight.dtype)
             assert same_bits(layer.quantized_weight(), rollout_weight), name
         gate_up_q, down_q = ours.mlp.experts.quantized_weights()
-        assert same_bits(gate_up_q, theirs.mlp.experts.gate_up_q.dequantize(gate_up_q.dtype))
-        assert same_bits(down_q, theirs.mlp.experts.down_q.dequantize(down_q.dtype))
+        experts = theirs.mlp.experts
+        assert same_bits(gate_up_q, rac.unchunk_experts(experts.gate_up_w).dequantize(gate_up_q.dtype))
+        assert same_bits(down_q, rac.unchunk_experts(experts.down_w).dequantize(down_q.dtype))
 
 
 # ----------------------------------------------------------------------------------------------- gradients

@@ -969,8 +969,8 @@ def _assert_rollout_weights_are_the_qat_weights(rollout, trainer):
         if isinstance(module, rac.NVFP4Linear):
             pairs = [(module.weight_q, masters[f"{path}.weight"])]
         elif isinstance(module, rac.NVFP4Experts):
-            pairs = [(module.gate_up_q, masters[f"{path}.gate_up_proj"]),
-                     (module.down_q, masters[f"{path}.down_proj"])]
+            pairs = [(rac.unchunk_experts(module.gate_up_w), masters[f"{path}.gate_up_proj"]),
+                     (rac.unchunk_experts(module.down_w), masters[f"{path}.down_proj"])]
         else:
             continue
         for quantized, master in pairs:

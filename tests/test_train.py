@@ -676,8 +676,8 @@ def test_after_the_steps_the_rollout_holds_the_requantized_trainer_weights(trace
         if isinstance(module, rac.NVFP4Linear):
             pairs = [(module.weight_q, trainer[f"{path}.weight"])]
         elif isinstance(module, rac.NVFP4Experts):
-            pairs = [(module.gate_up_q, trainer[f"{path}.gate_up_proj"]),
-                     (module.down_q, trainer[f"{path}.down_proj"])]
+            pairs = [(rac.unchunk_experts(module.gate_up_w), trainer[f"{path}.gate_up_proj"]),
+                     (rac.unchunk_experts(module.down_w), trainer[f"{path}.down_proj"])]
         else:
             continue
         for packed, master in pairs:

@@ -119,15 +119,16 @@ def bench_gemm(args):
     shapes (D 2048, q 4096, k/v 512, 128 experts top-8, expert hidden 768), in one run:
 
     1. dense decode (M = 1, 16, 64, 256), the whole layer: W4A4 = rac.nvfp4_linear_triton (its activation
-       quantization included: inside the GEMM for M * K <= rac.FUSED_ELEMENTS, else one quantizer
-       launch); W4A4 RAC 0.5 = the same with half the blocks compensated; FP8 = fp8.linear (per-token
+       quantization included: one quantizer launch, then the GEMV at M = 1, else the tiled GEMM);
+       W4A4 RAC 0.5 = the same with half the blocks compensated; FP8 = fp8.linear (per-token
        quantization in torch + torch._scaled_mm); int4 = torch._weight_int4pack_mm (W4A16, group 128,
        gpt-fast's kernel); BF16 F.linear. "% floor": the NVFP4 weight bytes over the measured copy
        bandwidth, divided by the time. "q/k/v stacked": the rollout's attention input projections as
        one GEMM (each weight its own global scale, as rac.SharedInput runs them), against one stacked
        weight in the other formats.
-    2. variants of the decode layer that drop or move one stage (quantizer as its own launch; the GEMM
-       alone on a given operand; the quantizer alone), and each autotuning configuration forced in turn.
+    2. variants of the decode layer that drop or change one stage (at M = 1 the GEMV without loading
+       weights during the quantizer; the GEMM alone on a given operand; the quantizer alone), and each
+       autotuning configuration forced in turn.
     3. expert layer decode (64, 128 and 256 tokens routed top-8 at random): quantize x, grouped gate/up
        (SwiGLU in its epilogue), quantize h, grouped down with the router weights; FP8 =
        torch._scaled_grouped_mm; BF16 = torch._grouped_mm. Floor: bytes of the experts hit. Also each
@@ -250,15 +251,14 @@ def bench_gemm(args):
             }
             if variants:
                 act = rac.quantize_activation_triton(x, mask)
-                fused, rac.FUSED_ELEMENTS = rac.FUSED_ELEMENTS, 0
-                t["two launches"] = graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs])
-                rac.FUSED_ELEMENTS = fused
-                t["GEMM alone"] = graph_us([lambda w=w: rac._dense_portable(w, bf16, act=act, splits=splits)
-                                            for w in wqs])
+                t["no early launch"] = graph_us([  # the GEMV no longer loads weights while the quantizer runs
+                    lambda w=w: rac._dense_portable(w, bf16, rac.quantize_activation_triton(x, mask), splits)
+                    for w in wqs]) if M == 1 else float("nan")
+                t["GEMM alone"] = graph_us([lambda w=w: rac._dense_portable(w, bf16, act, splits) for w in wqs])
                 t["quantizer alone"] = graph_us([lambda: rac.quantize_activation_triton(x, mask)] * 20)
-                t["configs"] = {
+                t["configs"] = {  # the GEMV (M = 1) has one configuration
                     label: graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs])
-                    for label in forced(rac._dense_kernel, rac._m_bucket(M, rac.DENSE_CONFIGS))}
+                    for label in forced(rac._dense_kernel, rac._m_bucket(M, rac.DENSE_CONFIGS))} if M > 1 else {}
             rows.append((name, N, K, M, t, bytes_["w4a4"] / copy_bw * 1e6))
         return rows
 
@@ -279,12 +279,12 @@ def bench_gemm(args):
 
     # ------------------------------------------------------------------ 2. variants
     print("\n### Decode layer variants, RAC 0.5 (us): what each stage costs\n")
-    print("| layer | M | layer (autotuned) | quantizer as its own launch | GEMM alone | quantizer alone | "
+    print("| layer | M | layer (autotuned) | M = 1: no early launch | GEMM alone | quantizer alone | "
           "byte floor | configurations forced (BLOCK_M/N/K, split-K, warps, stages) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, N, K, M, t, floor in variant_rows:
         configs = "; ".join(f"{label}: {us:.1f}" for label, us in t["configs"].items())
-        print(f"| {name} | {M} | {t['rac0.5']:.1f} | {t['two launches']:.1f} | {t['GEMM alone']:.1f} | "
+        print(f"| {name} | {M} | {t['rac0.5']:.1f} | {t['no early launch']:.1f} | {t['GEMM alone']:.1f} | "
               f"{t['quantizer alone']:.1f} | {floor:.1f} | {configs} |")
 
     # ------------------------------------------------------------------ 3. experts

@@ -37,17 +37,15 @@ for each term; the sum rounds to fp16's 11 bits (bf16's 8 would lose much of wha
 back). A weight byte holds elements 2i and 2i+1, so K is consumed as an even and an odd half: two
 products per K step, no shuffles. Accumulation is fp32; 2^12 (EPILOGUE_SCALE) and both global scales
 are applied at the end.
-  - Decode, small inputs (M * K <= FUSED_ELEMENTS: one token at model sizes, a few rows at toy ones):
-    one launch per layer. Every program reads the whole x (a few KB, from L2), reduces its amax,
-    quantizes the K range it needs (codes, block scales, the residual of the selected blocks:
-    nvfp4.py's arithmetic, bit-identical to the twin) and, at M = 1, streams its weight rows as a GEMV
-    on fp32 FMAs (tl.dot needs 16 rows); a few rows take the tensor-core tiles of their M bucket.
-  - Decode, more rows: one quantizer launch writes the fp16 operand once; the GEMM decodes its weight
-    tile in registers and runs the fp16 tensor cores, as y.T = W @ x.T (the weight rows on the MMA's
-    wide side) or, X_FIRST, as y = x @ W.T. Which is faster depends on the shape; the autotuner picks
-    among both. Re-quantizing 16 rows in every program costs more than the extra launch (measured in
-    bench.py). Split-K gives the weight stream enough programs: each split stores a partial tile, and
-    the last to arrive (an atomic counter per tile) sums them in a fixed order: deterministic.
+  - Decode: one quantizer launch writes the fp16 operand once (codes, block scales, the residual of the
+    selected blocks: nvfp4.py's arithmetic, bit-identical to the twin). At one token the GEMM is a GEMV
+    on fp32 FMAs (tl.dot needs 16 rows): each program streams a few weight rows over all of K, and it
+    loads its first weight tile while the quantizer still runs. Quantizing x inside the GEMV measured
+    slower: every program repeats the whole of x's quantization chain. More rows: the GEMM decodes its
+    weight tile in registers and runs the fp16 tensor cores, as y.T = W @ x.T (the weight rows on the
+    MMA's wide side) or, X_FIRST, as y = x @ W.T. Which is faster depends on the shape; the autotuner
+    picks among both. Split-K gives the weight stream enough programs: each split stores a partial tile,
+    and the last to arrive (an atomic counter per tile) sums them in a fixed order: deterministic.
   - Prefill (M >= PREFILL_ROWS): one pass decodes the weight to fp16 (exactly), then both operands
     stream into shared memory; an in-register decode would repeat M / BLOCK_M times (slower from a
     few hundred rows on: bench.py).
@@ -113,7 +111,9 @@ except ImportError:  # Triton before 3.5: the experts run on the Triton kernel
 MODES = ("bf16", "fp8", "nvfp4")
 OPERAND_SHIFT = 2.0 ** -6          # the Hopper kernels' fp16 operands hold value * block_scale * 2^-6
 EPILOGUE_SCALE = OPERAND_SHIFT ** -2  # 2^12: undoes the two operands' 2^-6
-FUSED_ELEMENTS = 4096              # inputs up to this size (M * K) are quantized inside the GEMM
+FUSED_ELEMENTS = 4096              # inputs up to this size (M * K): the quantizer reduces the amax itself
+GEMV_ROWS, GEMV_WARPS = 4, 4       # the one-token GEMV's weight rows and warps a program
+GEMV_BLOCK_K = 4096                # ... and its K step: up to this, all of K is one load
 PREFILL_ROWS = 257                 # from this many rows on, the weight is decoded once per call
 EARLY_LAUNCH_PROGRAMS = 256        # an experts' quantizer launch this small lets the GEMM launch as it starts
 EXPERT_ROW_BLOCK = 16              # expert weights are stored in blocks of 16 rows ...
@@ -393,15 +393,15 @@ class NVFP4Linear(nn.Module):
             y = self.shared_input.output(self, x, x2)
         else:
             rac_mask = self.rac(x2)
-            y = self._matmul(x2, rac_mask, _quantized_input(x2, rac_mask))
+            y = self._matmul(x2, _quantized_input(x2, rac_mask))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def _matmul(self, x2, rac_mask, act):
+    def _matmul(self, x2, act):
         """x2 (M, K) @ DQ(W).T in x2's dtype, on act = _quantized_input(x2, rac_mask)."""
         if use_triton(x2):
-            return layer_matmul(x2, self.weight_q, rac_mask, act, x2.dtype)
+            return layer_matmul(act, self.weight_q, x2.dtype)
         x_q, residual = act                                                              # the twin's codes
         w_q = self.weight_q
         return matmul_reference(x_q, w_q, residual, torch.float32, self.weight_fp32(w_q)).to(x2.dtype)
@@ -469,12 +469,12 @@ class SharedInput:
         rac_mask = layer.rac(x2)
         act = _quantized_input(x2, rac_mask)
         if x.is_inference():
-            return layer._matmul(x2, rac_mask, act)
+            return layer._matmul(x2, act)
         stacked = self._stacked() if use_triton(x2) else None
         if stacked is not None:
-            outputs = layer_matmul(x2, stacked, rac_mask, act, x2.dtype, self.splits)
+            outputs = layer_matmul(act, stacked, x2.dtype, self.splits)
         else:
-            outputs = [other._matmul(x2, rac_mask, act) for other in self.layers]
+            outputs = [other._matmul(x2, act) for other in self.layers]
         self.input, self.version, self.outputs = x, x._version, outputs
         self.waiting = tuple(other for other in self.layers if other is not layer)
         return outputs[self.layers.index(layer)]
@@ -759,7 +759,6 @@ if triton is not None:
     _DIVISOR = tl.constexpr(nvfp4.GLOBAL_SCALE_DIVISOR)  # 2688: global_scale = amax / (6 * 448)
     _SHIFT = tl.constexpr(OPERAND_SHIFT)
     _EPILOGUE = tl.constexpr(EPILOGUE_SCALE)
-    _FUSED = tl.constexpr(FUSED_ELEMENTS)
     EXPERT_ROWS = tl.constexpr(EXPERT_ROW_BLOCK)
 
     @triton.jit
@@ -1123,49 +1122,18 @@ if triton is not None:
         return tl.load(ptrs, mask=mask, other=0.0), tl.load(ptrs + plane_size, mask=mask, other=0.0)
 
     @triton.jit
-    def _quantized_tile(x_words_ptr, rac_mask_ptr, global_scale, row0, M, k0, K, HAS_RESIDUAL: tl.constexpr,
-                        X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCKED: tl.constexpr, GPU: tl.constexpr):
-        """The fused path's activation tile: rows row0.. and columns k0..k0+BLOCK_K of x quantized here
-        (as the quantizer kernel does, bit for bit) -> (BLOCK_M, BLOCK_K/2) fp16 even and odd tiles, or
-        (BLOCK_M, BLOCK_K/16, 8) ones (BLOCKED). In the fused GEMV Triton still moves the decoded weight
-        tile to this tile's layout (a shared-memory round trip); bench.py's variants measure the cost."""
-        GB: tl.constexpr = BLOCK_K // 16
-        idx = tl.arange(0, BLOCK_M * GB)
-        row, block = row0 + idx // GB, k0 // 16 + idx % GB
-        in_range = (row < M) & (block < K // 16)
-        blocks = row.to(tl.int64) * (K // 16) + block
-        _, _, _, _, _, _, value_even, value_odd = _quantize_blocks(
-            x_words_ptr, rac_mask_ptr, blocks, in_range, K // 16, global_scale, HAS_RESIDUAL, X_BF16, GPU)
-        shape: tl.constexpr = (BLOCK_M, GB, 8) if BLOCKED else (BLOCK_M, BLOCK_K // 2)
-        return (tl.reshape((value_even * _SHIFT).to(tl.float16), shape),
-                tl.reshape((value_odd * _SHIFT).to(tl.float16), shape))
-
-    @triton.jit
-    def _mainloop(x_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols,
-                  col_mask, stride_w, stride_ws, w_plane, K, k_begin, k_end, FUSED: tl.constexpr,
-                  HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, W_FP16: tl.constexpr, GPU: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                  x_rows, X_FIRST: tl.constexpr, x_elems_ptr=None, CHUNK: tl.constexpr = 0, stride_wc=0,
-                  stride_sc=0):
-        """-> (acc, x_global): acc (BLOCK_N, BLOCK_M) = W[cols] @ X[rows].T over columns k_begin..k_end,
-        in fp32, without the global scales and 2^12; x_global as given, or, FUSED, reduced here from
-        x_elems_ptr's M * K <= FUSED_ELEMENTS elements. X: quantized here (FUSED) or fp16 operand planes
-        (rows x_rows, or row0..); W: NVFP4 codes, or fp16 operand planes (W_FP16). BLOCK_M == 1: a GEMV
-        on fp32 FMAs. X_FIRST: X is the MMA's left operand (M side) and the weight its right one, whose
-        staged codes Triton decodes straight into mma.sync's operand registers; fewer instructions per
-        weight element than the weight on the left, whose wgmma register layout makes Triton read the
-        codes two bytes at a time (seen in the SASS). CHUNK: W in ExpertWeights' layout (_weight_tile)."""
-        GEMV: tl.constexpr = BLOCK_M == 1
-        if FUSED:
-            # one masked load (M * K <= _FUSED); not _abs_max's loop, which measured 3-4% slower at M = 1
-            offs = tl.arange(0, _FUSED)
-            v = tl.abs(tl.load(x_elems_ptr + offs, mask=offs < M * K, other=0.0).to(tl.float32))
-            x_global = _scale_from_amax(tl.max(tl.where(v == v, v, float("inf")), axis=0))
+    def _mainloop(x_ptr, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols, col_mask, stride_w, stride_ws,
+                  w_plane, K, k_begin, k_end, W_FP16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, x_rows,
+                  X_FIRST: tl.constexpr, CHUNK: tl.constexpr = 0, stride_wc=0, stride_sc=0):
+        """acc (BLOCK_N, BLOCK_M) = W[cols] @ X[x_rows].T over columns k_begin..k_end, in fp32, without the
+        global scales and 2^12. X: fp16 operand planes; W: NVFP4 codes, or fp16 operand planes (W_FP16).
+        X_FIRST: X is the MMA's left operand (M side) and the weight its right one, whose staged codes
+        Triton decodes straight into mma.sync's operand registers; fewer instructions per weight element
+        than the weight on the left, whose wgmma register layout makes Triton read the codes two bytes at
+        a time (seen in the SASS). CHUNK: W in ExpertWeights' layout (_weight_tile)."""
         row_mask = (row0 + tl.arange(0, BLOCK_M)) < M
-        if BLOCK_M == 1:
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        elif X_FIRST:
+        if X_FIRST:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -1175,31 +1143,17 @@ if triton is not None:
                                               EVEN_K)
             else:
                 w_even, w_odd = _weight_tile(w_ptr, w_scale_ptr, cols, col_mask, k0, K, stride_w, stride_ws,
-                                             BLOCK_N, BLOCK_K, EVEN_K, GPU, GEMV, CHUNK, stride_wc, stride_sc)
-            if FUSED:
-                x_even, x_odd = _quantized_tile(x_ptr, rac_mask_ptr, x_global, row0, M, k0, K, HAS_RESIDUAL,
-                                                X_BF16, BLOCK_M, BLOCK_K, GEMV, GPU)
-            elif GEMV:  # the one row, loaded once per weight row (from L1) so that it has the weight's layout
-                x_even, x_odd = _operand_tile(x_ptr, x_rows + 0 * cols, row_mask | (cols < 0), k0, K,
-                                              stride_x, x_plane, BLOCK_K, EVEN_K, GEMV)
-            else:
-                x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K,
-                                              EVEN_K, GEMV)
-            if GEMV:  # (BLOCK_N, GB, 8) * (1, GB, 8): products of fp16 values are exact in fp32
-                products = (w_even.to(tl.float32) * x_even.to(tl.float32)
-                            + w_odd.to(tl.float32) * x_odd.to(tl.float32))
-                acc += tl.sum(tl.sum(products, axis=2), axis=1)
-            elif X_FIRST:
+                                             BLOCK_N, BLOCK_K, EVEN_K, GPU, False, CHUNK, stride_wc, stride_sc)
+            x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K, EVEN_K)
+            if X_FIRST:
                 acc = tl.dot(x_even, tl.trans(w_even), acc)
                 acc = tl.dot(x_odd, tl.trans(w_odd), acc)
             else:
                 acc = tl.dot(w_even, tl.trans(x_even), acc)
                 acc = tl.dot(w_odd, tl.trans(x_odd), acc)
-        if GEMV:
-            acc = acc[:, None]                                                           # (BLOCK_N, 1)
-        elif X_FIRST:
+        if X_FIRST:
             acc = tl.trans(acc)                                                          # (BLOCK_N, BLOCK_M)
-        return acc, x_global
+        return acc
 
     @triton.jit
     def _store_at(y_ptr, offs, mask, value, OUT_BF16: tl.constexpr):
@@ -1248,15 +1202,13 @@ if triton is not None:
         tl.store(out_ptr + plane_size + offs, odd, mask=mask)
 
     # ------------------------------------------------------------------ autotuning
-    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K[, X_FIRST[, maxnreg]]) per M bucket; BLOCK_M 1 is
-    # the GEMV. maxnreg caps the registers a thread (more programs an SM, at the price of spills).
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K[, X_FIRST[, maxnreg]]) per M bucket (M = 1 takes
+    # the GEMV). maxnreg caps the registers a thread (more programs an SM, at the price of spills).
     # Decode buckets stream the weight: small BLOCK_M, wide BLOCK_K (long contiguous byte runs per row),
     # and enough (N tile, K split) programs to keep every SM's loads in flight. Under the interpreter one
     # small configuration per bucket, splitting K in the decode buckets so tests run the split epilogue,
     # and X_FIRST in two buckets so tests run both operand orders.
     DENSE_CONFIGS = {
-        1: [(1, 16, 512, 4, 1, 4), (1, 16, 1024, 4, 1, 2), (1, 16, 2048, 4, 1, 1), (1, 8, 1024, 4, 1, 2),
-            (1, 16, 4096, 8, 1, 1)],
         16: [(16, 64, 256, 4, 3, 4), (16, 32, 256, 4, 3, 8), (16, 64, 256, 4, 3, 2), (16, 128, 256, 8, 3, 2)],
         64: [(32, 64, 256, 4, 3, 2), (64, 64, 256, 8, 3, 4), (32, 64, 256, 4, 3, 4), (32, 32, 256, 4, 3, 4)],
         256: [(64, 128, 128, 4, 3, 2, True), (64, 64, 256, 4, 3, 1, True), (128, 64, 128, 4, 3, 1, True),
@@ -1276,8 +1228,8 @@ if triton is not None:
         256: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
         4096: [(64, 128, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1)],
     }
-    _INTERPRETER_CONFIGS = {bucket: [(1 if bucket == 1 else 16, 32, 64, 4, 1, 2 if bucket <= 16 else 1,
-                                      bucket in (16, 256))] for bucket in DENSE_CONFIGS}
+    _INTERPRETER_CONFIGS = {bucket: [(16, 32, 64, 4, 1, 2 if bucket <= 64 else 1, bucket in (16, 256))]
+                            for bucket in DENSE_CONFIGS}
 
     def _m_bucket(m, table):
         return next(b for b in table if m <= b or b == 4096)
@@ -1306,24 +1258,22 @@ if triton is not None:
         return triton.testing.do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
 
     # ------------------------------------------------------------------ dense GEMM (Hopper)
-    # Twin: nvfp4_linear_reference (FUSED) / matmul_reference on the operand.
-    @triton.autotune(configs=_configs(DENSE_CONFIGS), key=["M_BUCKET", "N", "K", "FUSED", "W_FP16"],
+    # Twin: matmul_reference on the quantizer's operand.
+    @triton.autotune(configs=_configs(DENSE_CONFIGS), key=["M_BUCKET", "N", "K", "W_FP16"],
                      prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
     @triton.heuristics(_HEURISTICS)
     @triton.jit(do_not_specialize=["M"])
     def _dense_kernel(
-        # pointers. FUSED: x (elements, for the amax), its pair view and the RAC mask; otherwise the
-        # operand planes and their global scale. Split-K: partial tiles and per-tile arrival counters.
-        x_ptr, x_words_ptr, rac_mask_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, y_ptr,
-        workspace_ptr, counter_ptr,
+        # pointers: the operand planes and their global scale; split-K: partial tiles and per-tile arrival
+        # counters
+        x_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, y_ptr, workspace_ptr, counter_ptr,
         # sizes (M_BUCKET: the autotuning key; *_plane: elements in one operand plane; the columns from N1
         # on take the second weight global scale, from N2 on the third: stacked q/k/v weights)
         M, N, K, M_BUCKET, x_plane, w_plane, N1, N2,
         # strides (operand planes and y in elements, w in bytes, scales in blocks)
         stride_x, stride_w, stride_ws,
         # meta-parameters
-        FUSED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, W_FP16: tl.constexpr,
-        OUT_BF16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        W_FP16: tl.constexpr, OUT_BF16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr, EVEN_K: tl.constexpr,
         X_FIRST: tl.constexpr, PDL: tl.constexpr,
     ):
@@ -1338,14 +1288,12 @@ if triton is not None:
         k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
         k_begin = pid_k * k_per_split
         k_end = tl.minimum(K, k_begin + k_per_split)
-        x_global = 1.0 if FUSED else tl.load(x_global_ptr)  # (FUSED: reduced inside the main loop)
         rows = row0 + tl.arange(0, BLOCK_M)
-        acc, x_global = _mainloop(x_words_ptr, rac_mask_ptr, x_global, row0, M, stride_x, x_plane, w_ptr,
-                                  w_scale_ptr, cols, col_mask, stride_w, stride_ws, w_plane, K, k_begin,
-                                  k_end, FUSED, HAS_RESIDUAL, X_BF16, W_FP16, GPU, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  EVEN_K, rows, X_FIRST, x_ptr)
+        acc = _mainloop(x_ptr, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols, col_mask, stride_w,
+                        stride_ws, w_plane, K, k_begin, k_end, W_FP16, GPU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                        rows, X_FIRST)
         which, col_base, col_stride = _split_columns(cols, M, N, N1, N2)
-        scale = _EPILOGUE * x_global * tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[:, None]
+        scale = _EPILOGUE * tl.load(x_global_ptr) * tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[:, None]
         if SPLIT_K == 1:
             _store_split(y_ptr, rows, rows < M, col_base, col_stride, col_mask, acc * scale, OUT_BF16)
         else:
@@ -1365,6 +1313,39 @@ if triton is not None:
                 # ready for the next call
                 tl.atomic_xchg(counter_ptr + pid, 0)
                 _store_split(y_ptr, rows, rows < M, col_base, col_stride, col_mask, total * scale, OUT_BF16)
+
+    # ------------------------------------------------------------------ one-token GEMV (Hopper)
+    # Twin: matmul_reference on the quantizer's operand.
+    @triton.jit
+    def _gemv_kernel(x_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, y_ptr, N, K, x_plane, N1, N2,
+                     stride_w, stride_ws, OUT_BF16: tl.constexpr, GPU: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+        """M = 1: y = W @ x on fp32 FMAs. A program takes BLOCK_N weight rows over all of K, so there is no
+        split-K handoff; many small programs keep the weight bytes in flight. Tiles are blocked, (rows,
+        BLOCK_K/16, 8), and x is loaded once per weight row (from L1) in the same shape: both get one
+        layout, with no shuffle through shared memory.
+        The first K step's weight tile is loaded before the PDL wait, while the quantizer ahead of this
+        kernel still runs (it lets this one launch early). Safe because that kernel never writes weights
+        and itself waits for every kernel before it before it lets this one start, so weights written by
+        an earlier kernel (a sync) are complete. x, its scale and y wait."""
+        cols = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        col_mask = cols < N
+        w_even, w_odd = _weight_tile(w_ptr, w_scale_ptr, cols, col_mask, 0, K, stride_w, stride_ws, BLOCK_N,
+                                     BLOCK_K, EVEN_K, GPU, True)
+        _after_previous_kernel(PDL)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x_even, x_odd = _operand_tile(x_ptr, 0 * cols, col_mask, k0, K, 0, x_plane, BLOCK_K, EVEN_K, True)
+            products = (w_even.to(tl.float32) * x_even.to(tl.float32)   # products of fp16 values: exact
+                        + w_odd.to(tl.float32) * x_odd.to(tl.float32))
+            acc += tl.sum(tl.sum(products, axis=2), axis=1)
+            if k0 + BLOCK_K < K:
+                w_even, w_odd = _weight_tile(w_ptr, w_scale_ptr, cols, col_mask, k0 + BLOCK_K, K, stride_w,
+                                             stride_ws, BLOCK_N, BLOCK_K, EVEN_K, GPU, True)
+        which, col_base, col_stride = _split_columns(cols, 1, N, N1, N2)
+        scale = _EPILOGUE * tl.load(x_global_ptr) * tl.load(w_global_ptr + which, mask=col_mask, other=0.0)
+        rows = tl.arange(0, 1)
+        _store_split(y_ptr, rows, rows < 1, col_base, col_stride, col_mask, (acc * scale)[:, None], OUT_BF16)
 
 
 _SPLIT_COUNTERS = {}
@@ -1401,17 +1382,22 @@ def _column_splits(w_q, splits):
     return ends[0], ends[1]
 
 
-def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None, splits=None):
-    """The Hopper dense kernel: on x itself (quantized inside the GEMM) or on a quantized `act`."""
-    fused = act is None
-    if fused and x.numel() > FUSED_ELEMENTS:  # the fused amax reads at most that many elements
-        raise ValueError(f"_dense_portable: x {tuple(x.shape)} is too large to be quantized inside the GEMM "
-                         f"(at most FUSED_ELEMENTS = {FUSED_ELEMENTS} elements; pass act= the quantizer's)")
-    M = x.shape[0] if fused else act.operand.shape[1]
+def _dense_portable(w_q, out_dtype, act, splits=None):
+    """The Hopper dense kernels on a quantized `act`: the GEMV at one row, else the tiled GEMM."""
+    M = act.operand.shape[1]
     N, K = w_q.shape
     device = w_q.device
     y = torch.empty(M * N, dtype=out_dtype, device=device)  # splits: each weight's (M, n) after another
     w_data, w_scale = w_q.data.contiguous(), w_q.block_scale.contiguous().view(torch.uint8)
+    out_bf16, gpu = out_dtype == torch.bfloat16, not _INTERPRET
+    if M == 1:
+        block_k = min(triton.next_power_of_2(K), GEMV_BLOCK_K)
+        _gemv_kernel[(triton.cdiv(N, GEMV_ROWS),)](
+            act.operand, act.global_scale, w_data, w_scale, w_q.global_scale.contiguous(), _as_int16(y), N, K,
+            act.operand.stride(0), *_column_splits(w_q, splits), w_data.stride(0), w_scale.stride(0),
+            OUT_BF16=out_bf16, GPU=gpu, BLOCK_N=GEMV_ROWS, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
+            num_warps=GEMV_WARPS, **_launch_options(device))
+        return _split_output(y, M, N, splits)
     w_fp16 = M >= PREFILL_ROWS
     w_ptr, stride_w, w_plane = w_data, w_data.stride(0), 0
     if w_fp16:
@@ -1419,50 +1405,39 @@ def _dense_portable(w_q, out_dtype, x=None, rac_mask=None, act=None, splits=None
         rows, block_k = 64, 256
         _weight_operand_kernel[(triton.cdiv(N, rows), triton.cdiv(K, block_k))](
             w_data, w_scale, w_operand, N, K, w_data.stride(0), w_scale.stride(0), w_operand.stride(0),
-            GPU=not _INTERPRET, ROWS=rows, BLOCK_K=block_k)
+            GPU=gpu, ROWS=rows, BLOCK_K=block_k)
         w_ptr, stride_w, w_plane = w_operand, K // 2, w_operand.stride(0)
-    if fused:
-        x = nvfp4._contiguous_pairs(x)
-        mask = rac_mask.view(torch.uint8) if rac_mask is not None else w_data
-        x_args = (x, nvfp4._pair_view(x), mask, w_q.global_scale)                     # (x_global_ptr unused)
-        x_plane, stride_x, x_bf16 = 0, K, x.dtype == torch.bfloat16
-    else:
-        x_args = (act.operand, act.operand, w_data, act.global_scale)
-        x_plane, stride_x, x_bf16 = act.operand.stride(0), act.operand.stride(1), False
     bucket = _m_bucket(M, DENSE_CONFIGS)
     workspace, counters = _split_k_buffers(M, N, bucket, device)
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
-    _dense_kernel[grid](*x_args, w_ptr, w_scale, w_q.global_scale.contiguous(), _as_int16(y), workspace,
-                        counters, M, N, K, bucket, x_plane, w_plane, *_column_splits(w_q, splits),
-                        stride_x, stride_w, w_scale.stride(0), FUSED=fused,
-                        HAS_RESIDUAL=fused and rac_mask is not None, X_BF16=x_bf16, W_FP16=w_fp16,
-                        OUT_BF16=out_dtype == torch.bfloat16, GPU=not _INTERPRET, **_launch_options(device))
+    _dense_kernel[grid](act.operand, act.global_scale, w_ptr, w_scale, w_q.global_scale.contiguous(),
+                        _as_int16(y), workspace, counters, M, N, K, bucket, act.operand.stride(0), w_plane,
+                        *_column_splits(w_q, splits), act.operand.stride(1), stride_w, w_scale.stride(0),
+                        W_FP16=w_fp16, OUT_BF16=out_bf16, GPU=gpu, **_launch_options(device))
     return _split_output(y, M, N, splits)
 
 
 def layer_input(x, rac_mask):
-    """What the Triton GEMM takes of x (M, K): on Blackwell the codes; at one token on Hopper None (the
-    GEMM quantizes x itself); else the fp16 operand."""
+    """What the Triton GEMM takes of x (M, K): on Blackwell the codes, else the fp16 operand. One row:
+    the quantizer lets the GEMV launch early, which then loads its first weight tile meanwhile."""
     if gemm_backend(x.device) == "native":
         return quantize_activation_triton(x, rac_mask, codes=True, operand=False)
-    return None if x.numel() <= FUSED_ELEMENTS else quantize_activation_triton(x, rac_mask)
+    return quantize_activation_triton(x, rac_mask, early_launch=x.shape[0] == 1)
 
 
-def layer_matmul(x, w_q, rac_mask, act, out_dtype, splits=None):
+def layer_matmul(act, w_q, out_dtype, splits=None):
     """The layer's GEMM on layer_input's `act` (Triton, CUDA)."""
-    if act is None:
-        return _dense_portable(w_q, out_dtype, x=x, rac_mask=rac_mask, splits=splits)
     if act.operand is None:
         return _dense_native(act.x_q, act.residual, w_q, out_dtype, splits)
-    return _dense_portable(w_q, out_dtype, act=act, splits=splits)
+    return _dense_portable(w_q, out_dtype, act, splits)
 
 
 def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=None):
-    """The NVFP4 layer's fast path, x (M, K) -> (M, N): a decode-sized x is quantized inside the GEMM
-    (one launch); larger inputs take one quantizer launch and one GEMM; Blackwell the native kernel.
+    """The NVFP4 layer's fast path, x (M, K) -> (M, N): one quantizer launch, then the GEMV (one row),
+    the tiled GEMM, or on Blackwell the native kernel.
     splits: w_q stacks up to three weights along N (their row counts), global_scale one per weight:
     q/k/v_proj as one GEMM, equal to three (up to fp32 accumulation order)."""
     _require_triton()
@@ -1479,7 +1454,7 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=
     if w_q.global_scale.numel() != n_scales:
         raise ValueError(f"nvfp4_linear: the weight has {w_q.global_scale.numel()} global scales; "
                          f"expected {n_scales} (one per stacked weight)")
-    return layer_matmul(x, w_q, rac_mask, layer_input(x, rac_mask), out_dtype, splits)
+    return layer_matmul(layer_input(x, rac_mask), w_q, out_dtype, splits)
 
 
 # ======================================================================== Triton: the experts' grouped GEMM
@@ -1590,10 +1565,9 @@ if triton is not None:
         scale = _EPILOGUE * tl.load(x_global_ptr) * tl.load(w_global_ptr + expert)
         W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
         w_rows, w_mask = _expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
-        acc, _ = _mainloop(x_ptr, x_ptr, 1.0, row0, end_row, stride_x, x_plane, w_base, ws_base, w_rows,
-                           w_mask, stride_wb, stride_sb, 0, K, 0, K, False, False, False, False, GPU,
-                           BLOCK_M, W_ROWS, BLOCK_K, EVEN_K, x_rows, X_FIRST, None, CHUNK, stride_wc,
-                           stride_sc)
+        acc = _mainloop(x_ptr, row0, end_row, stride_x, x_plane, w_base, ws_base, w_rows, w_mask, stride_wb,
+                        stride_sb, 0, K, 0, K, False, GPU, BLOCK_M, W_ROWS, BLOCK_K, EVEN_K, x_rows, X_FIRST,
+                        CHUNK, stride_wc, stride_sc)
         _grouped_store(acc, scale, y_ptr, row_weights_ptr, weight_rows, sorted_rows, row_mask, pid_n,
                        n_out, stride_y, ROW_WEIGHTS, SWIGLU, OUT_BF16, BLOCK_M, BLOCK_N)
 

@@ -1,4 +1,4 @@
-"""rac.py: the activation quantizer (bit for bit), the dense (fused decode, GEMV, split-K, prefill) and
+"""rac.py: the activation quantizer (bit for bit), the dense (GEMV, split-K, prefill) and
 grouped W4A4 kernels against their dequantize-then-matmul twins (CPU under TRITON_INTERPRET=1, GPU
 natively), every autotuning configuration on the GPU, the Blackwell kernels' guard and sm_100
 compilation, residual activation compensation (block selection, calibration, the error it removes),
@@ -134,12 +134,6 @@ kernels = {
                   ["*bf16", "*i32", "*u8", "*fp32", "*fp32", "*u8", "*u8", "*u8", "*u8", "*fp16"] + [i] * 5,
                   dict(AMAX_HERE=True, HAS_RESIDUAL=True, X_BF16=True, WRITE_CODES=True, WRITE_OPERAND=True,
                        BLOCKS=32, CHUNK=4096, PARTIALS=1, PDL=False, EARLY=False)),
-    "fused GEMV": (rac._dense_kernel,
-                   ["*bf16", "*i32", "*u8", "*fp32", "*u8", "*u8", "*fp32", "*i16", "*fp32", "*i32"]
-                   + [i] * 11,
-                   dict(FUSED=True, HAS_RESIDUAL=True, X_BF16=True, W_FP16=False, OUT_BF16=True, BLOCK_M=1,
-                        BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, BUCKET=1, EVEN_K=True, X_FIRST=False,
-                        PDL=False)),
 }
 for name, (kernel, types, constants) in kernels.items():
     kernel = jit(kernel)
@@ -154,20 +148,18 @@ for name, (kernel, types, constants) in kernels.items():
 
 
 _COMPILE_PDL_FOR_SM90 = _COMPILE_PREAMBLE + r"""
-dense_types = ["*bf16", "*i32", "*u8", "*fp32", "*u8", "*u8", "*fp32", "*i16", "*fp32", "*i32"] + [i] * 11
-dense = dict(HAS_RESIDUAL=False, X_BF16=False, W_FP16=False, OUT_BF16=True, BUCKET=16, EVEN_K=True)
+dense_types = ["*fp16", "*fp32", "*u8", "*u8", "*fp32", "*i16", "*fp32", "*i32"] + [i] * 11
 kernels = {
     "partial_max": (rac._partial_amax_kernel, ["*bf16", "*fp32", i], dict(SLICE=4096, CHUNK=4096)),
     "quantizer": (rac._quantize_activation_kernel,
                   ["*bf16", "*i32", "*u8", "*fp32", "*fp32", "*u8", "*u8", "*u8", "*u8", "*fp16"] + [i] * 5,
                   dict(AMAX_HERE=False, HAS_RESIDUAL=True, X_BF16=True, WRITE_CODES=True, WRITE_OPERAND=True,
                        BLOCKS=32, CHUNK=4096, PARTIALS=256, GPU=True)),
-    "fused_GEMV": (rac._dense_kernel, dense_types,
-                   dict(dense, FUSED=True, HAS_RESIDUAL=True, X_BF16=True, BLOCK_M=1, BLOCK_N=16,
-                        BLOCK_K=1024, SPLIT_K=1, X_FIRST=False, GPU=True)),
-    "dense_split_k": (rac._dense_kernel, ["*fp16", "*fp16"] + dense_types[2:],
-                      dict(dense, FUSED=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, X_FIRST=True,
-                           GPU=True)),
+    "dense_split_k": (rac._dense_kernel, dense_types,
+                      dict(W_FP16=False, OUT_BF16=True, BUCKET=16, EVEN_K=True, BLOCK_M=16, BLOCK_N=64,
+                           BLOCK_K=256, SPLIT_K=4, X_FIRST=True, GPU=True)),
+    "GEMV": (rac._gemv_kernel, ["*fp16", "*fp32", "*u8", "*u8", "*fp32", "*i16"] + [i] * 7,
+             dict(OUT_BF16=True, GPU=True, BLOCK_N=4, BLOCK_K=2048, EVEN_K=True)),
     "grouped": (rac._grouped_kernel,
                 ["*fp16", "*fp32", "*i64", "*fp32", "*i64", "*u8", "*u8", "*fp32", "*i64", "*i16"] + [i] * 13,
                 dict(GATHER=True, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=True, OUT_BF16=True, GPU=True,
@@ -175,6 +167,31 @@ kernels = {
                      EVEN_K=True, X_FIRST=True)),
 }
 memory = re.compile(r"\b(?:ld|st|atom|red)\.global\b|\bcp\.async\b")
+
+
+def _after_weights(ptx, wait):
+    # Where the GEMV's memory accesses other than its weight loads may begin: it loads its first weight
+    # tile (params 2 and 3: codes, block scales) before the wait, and nothing else. Each access before
+    # the wait must be a load whose address derives from those two pointers alone (register taint through
+    # the PTX), else the position of the offending access is returned.
+    tainted = {}  # register -> the params it derives from
+    head = ptx[:wait] if wait >= 0 else ptx
+    for line in head.splitlines():
+        param = re.search(r"ld\.param\.(\w+)\s+(%\w+),\s*\[\w+_param_(\d+)\]", line)
+        if param:  # pointers are the 64-bit params (sizes and strides are 32-bit)
+            tainted[param.group(2)] = {int(param.group(3))} if param.group(1) in ("b64", "u64") else set()
+            continue
+        regs = re.findall(r"%\w+", line)
+        if not regs:
+            continue
+        sources = set().union(*(tainted.get(r, set()) for r in regs[1:]))
+        access = memory.search(line)
+        if access and (not line.strip().lstrip("@%p0123456789 !").startswith("ld.global")
+                       or not sources or not sources <= {2, 3}):
+            return ptx.find(line)
+        if not access and sources:
+            tainted[regs[0]] = tainted.get(regs[0], set()) | sources
+    return wait if wait >= 0 else 0
 for name, (kernel, types, constants) in kernels.items():
     kernel = jit(kernel)
     small = "EARLY" in kernel.arg_names
@@ -185,7 +202,8 @@ for name, (kernel, types, constants) in kernels.items():
         signature = dict(zip([n for n in kernel.arg_names if n not in c], types))
         signature.update({n: "constexpr" for n in c})
         ptx = compile(ASTSource(kernel, signature, c), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-        wait, first = ptx.find("griddepcontrol.wait"), memory.search(ptx)
+        wait = ptx.find("griddepcontrol.wait")
+        first = memory.search(ptx, 0 if name != "GEMV" else _after_weights(ptx, wait))
         print(name, int(extra["PDL"]), int(extra.get("EARLY", False)), int(wait >= 0),
               int(wait >= 0 and first is not None and wait < first.start()),
               int("griddepcontrol.launch_dependents" in ptx))
@@ -198,7 +216,7 @@ def test_kernels_launched_after_the_previous_one_wait_for_it_before_any_memory_a
     # now and then); with PDL off (pre-Hopper GPUs) the instructions must be absent (sm_80 lacks them).
     rows = [line.split() for line in _compiled_output(_COMPILE_PDL_FOR_SM90)]
     seen = {(name, pdl, early): (wait, before, trigger) for name, pdl, early, wait, before, trigger in rows}
-    names = {"partial_max", "quantizer", "fused_GEMV", "dense_split_k", "grouped"}
+    names = {"partial_max", "quantizer", "GEMV", "dense_split_k", "grouped"}
     assert {name for name, *_ in seen} == names, seen
     for name in names:
         assert seen[name, "0", "0"] == ("0", "0", "0"), (name, seen[name, "0", "0"])
@@ -270,13 +288,12 @@ def test_only_the_experts_small_quantizer_launches_let_the_next_kernel_launch_ea
 def test_compiled_kernels_round_the_residuals_product_on_its_own():
     # What the interpreter cannot show: compiled for the GPU, x - DQ(x_q) would become one FMA, skipping
     # the product's fp32 rounding the twin makes (seen on the H200 as residual codes unlike the twin's).
-    # The quantizer and the fused decode GEMV must hold the never-fused mul.rn.f32 (not in their
-    # interpreter build, GPU=False: the count is of the residual's products, not of something else).
+    # The quantizer must hold the never-fused mul.rn.f32 (not in its interpreter build, GPU=False: the
+    # count is of the residual's products, not of something else).
     lines = _compiled_output(_COMPILE_FOR_SM90)
     counts = {(name, gpu): int(n) for name, gpu, n in (line.split() for line in lines)}
-    assert set(counts) == {(name, gpu) for name in ("quantizer", "fused_GEMV") for gpu in ("True", "False")}
-    for name in ("quantizer", "fused_GEMV"):
-        assert counts[name, "True"] > 0 and counts[name, "False"] == 0, counts
+    assert set(counts) == {("quantizer", "True"), ("quantizer", "False")}
+    assert counts["quantizer", "True"] > 0 and counts["quantizer", "False"] == 0, counts
 
 
 # ============================================================================ dense layer path
@@ -291,8 +308,8 @@ def _dense_case(rows, cols, out_features, device, seed):
 @pytest.mark.parametrize("cols,out_features", [(16, 24), (48, 40), (96, 33), (256, 72)])
 @pytest.mark.parametrize("compensate", [False, True])
 def test_dense_kernel_matches_the_layer_twin(kernel_device, rows, cols, out_features, compensate):
-    # M = 1 is the GEMV, 3 and 17 the tensor-core tiles with and without split-K; inputs up to
-    # FUSED_ELEMENTS are quantized inside the GEMM, (64, 768) below takes the quantizer launch
+    # M = 1 is the GEMV (all of K in one step, odd K masked), 3 and 17 the tensor-core tiles with and
+    # without split-K
     x, w_q = _dense_case(rows, cols, out_features, kernel_device, rows + cols + out_features)
     mask = torch.arange(cols // 16, device=kernel_device) % 2 == 0 if compensate else None
     y = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
@@ -306,16 +323,27 @@ def test_dense_kernel_matches_the_layer_twin(kernel_device, rows, cols, out_feat
 
 
 @pytest.mark.parametrize("fused_elements,prefill_rows", [(0, 10 ** 9), (0, 1)])
-def test_quantizer_launch_and_prefill_paths_match_the_fused_path(kernel_device, monkeypatch, fused_elements,
-                                                                   prefill_rows):
-    # the same layer with the quantizer as its own launch, and with the prefill weight pass
+def test_partial_max_and_prefill_paths_match_the_decode_path(kernel_device, monkeypatch, fused_elements,
+                                                              prefill_rows):
+    # the same layer with the amax from the partial-max launch, and with the prefill weight pass
     x, w_q = _dense_case(5, 96, 40, kernel_device, 0)
     mask = torch.arange(6, device=kernel_device) < 4
-    fused = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
+    decode = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
     monkeypatch.setattr(rac, "FUSED_ELEMENTS", fused_elements)
     monkeypatch.setattr(rac, "PREFILL_ROWS", prefill_rows)
     y = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
-    assert report_diff(y, fused, "unfused vs fused")[0] <= 1e-5 * fused.abs().max().item()
+    assert report_diff(y, decode, "partial max / prefill vs decode")[0] <= 1e-5 * decode.abs().max().item()
+
+
+@pytest.mark.parametrize("cols", [96, 80, 16])
+def test_gemv_steps_over_k_beyond_its_block_and_matches_the_twin(kernel_device, monkeypatch, cols):
+    # K = 96 / 80 in K steps of 32 (the last one of 80 masked), K = 16 in one short step; one row each
+    monkeypatch.setattr(rac, "GEMV_BLOCK_K", 32)
+    x, w_q = _dense_case(1, cols, 9, kernel_device, cols)
+    mask = torch.arange(cols // 16, device=kernel_device) % 2 == 1
+    y = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
+    reference = rac.nvfp4_linear_reference(x, w_q, mask)
+    assert report_diff(y, reference)[0] <= 2e-3 * reference.abs().max().item()  # x + r in fp16
 
 
 def test_prefill_weight_pass_matches_its_twin(kernel_device):
@@ -328,11 +356,47 @@ def test_prefill_weight_pass_matches_its_twin(kernel_device):
 
 
 def test_split_k_counters_are_reset_so_repeated_calls_agree(kernel_device):
-    x, w_q = _dense_case(1, 256, 72, kernel_device, 3)  # the interpreter's decode bucket splits K in two
+    x, w_q = _dense_case(3, 256, 72, kernel_device, 3)  # the interpreter's decode bucket splits K in two
     first = rac.nvfp4_linear_triton(x, w_q, out_dtype=torch.float32)
     counters = rac._SPLIT_COUNTERS[w_q.device]
     assert (counters == 0).all()
     assert torch.equal(rac.nvfp4_linear_triton(x, w_q, out_dtype=torch.float32), first)
+
+
+@pytest.mark.cuda
+def test_gemv_on_qwen3_shapes_matches_the_twin_and_reads_the_weight_copied_just_before_it():
+    # The GEMV loads its first weight tile before its PDL wait, while the quantizer runs: a weight copied
+    # in right before the layer (as sync_weights does) must be the one it reads. Two weights take turns
+    # in one buffer; every call must give that weight's own output, bit for bit, and that output its twin.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    for N, K, splits in ((4096, 2048, None), (512, 2048, None), (2048, 4096, None),
+                         (5120, 2048, (4096, 512, 512))):
+        pairs = []
+        for scale in (0.02, 3.0):
+            w = torch.randn(N, K, device="cuda") * scale
+            parts = [nvfp4.quantize_weight(p) for p in w.split(splits)] if splits else [nvfp4.quantize_weight(w)]
+            pairs.append((rac.stack_weights(parts) if splits else parts[0], parts))
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        mask = torch.arange(K // 16, device="cuda") % 2 == 0
+        fields = ("data", "block_scale", "global_scale")
+        live = nvfp4.NVFP4Tensor(*(getattr(pairs[0][0], f).clone() for f in fields))
+        expected = []
+        for w_q, parts in pairs:
+            y = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32, splits=splits)
+            ys = y if splits else (y,)
+            for part_y, part in zip(ys, parts):
+                reference = rac.nvfp4_linear_reference(x, part, mask)
+                assert relative_error(part_y, reference) < 2e-3, (N, K, scale)
+            expected.append(torch.cat([t.reshape(-1) for t in ys]))
+        for i in range(20):
+            w_q = pairs[i % 2][0]
+            for f in fields:
+                getattr(live, f).copy_(getattr(w_q, f))
+            y = rac.nvfp4_linear_triton(x, live, mask, out_dtype=torch.float32, splits=splits)
+            got = torch.cat([t.reshape(-1) for t in (y if splits else (y,))])
+            assert torch.equal(got, expected[i % 2]), (N, K, i)
 
 
 def _stacked(weights):
@@ -345,7 +409,7 @@ def _stacked(weights):
 @pytest.mark.parametrize("compensate", [False, True])
 def test_stacked_weights_give_each_weight_its_own_global_scale_and_output(kernel_device, rows, compensate):
     # 40 / 24 / 8 rows: tiles straddle the weights (the interpreter's BLOCK_N is 32); the three global
-    # scales differ by 2^10; (64, 96) takes the quantizer launch, smaller inputs the fused decode
+    # scales differ by 2^10; one row takes the GEMV, more the tiled GEMM
     generator = torch.Generator().manual_seed(rows)
     weights = [torch.randn(n, 96, generator=generator).to(kernel_device) * scale
                for n, scale in ((40, 1.0), (24, 2.0 ** 10), (8, 2.0 ** -10))]
@@ -612,7 +676,7 @@ def test_every_gpu_config_is_deterministic_and_matches_the_twin(monkeypatch):
     # Autotuning may pick any configuration, so each one is forced and repeated (a miscompiled one showed
     # as run-to-run differences): the experts on the Gluon kernel at each of its buckets (the last a prefill
     # of 512 evaluation prompts, 26k tokens, the small preset's shapes) and on the Triton one at that prefill,
-    # the dense kernel at each decode bucket (GEMV, split-K; RAC) and at prefill size.
+    # the dense kernel at each decode bucket (split-K; RAC) and at prefill size.
     import triton
     torch.manual_seed(0)
     E, D, I, A, T, repeats = 32, 512, 256, 4, 26112, 10
@@ -653,21 +717,18 @@ def test_every_gpu_config_is_deterministic_and_matches_the_twin(monkeypatch):
                               lambda: rac._dense_portable(w_q, torch.float32, act=x),
                               rac.matmul_reference(x.x_q, w_q, out_dtype=torch.float32))
     mask = torch.arange(D // 16, device="cuda") % 2 == 0
-    for rows in (1, 8, 16, 64):  # each decode bucket, activation quantized inside the GEMM and before it
+    for rows in (2, 16, 64, 256):  # each decode bucket
         x_small = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16)
         act = rac.quantize_activation_triton(x_small, mask)
-        reference = rac.nvfp4_linear_reference(x_small, w_q, mask)
-        fused = [("fused", dict(x=x_small, rac_mask=mask))] * (x_small.numel() <= rac.FUSED_ELEMENTS)
-        for label, kwargs in fused + [("quantizer launch", dict(act=act))]:
-            calls[f"dense decode M={rows} {label}"] = (
-                rac._dense_kernel, rac._m_bucket(rows, rac.DENSE_CONFIGS), False, False,
-                lambda kwargs=kwargs: rac._dense_portable(w_q, torch.float32, **kwargs), reference)
+        calls[f"dense decode M={rows}"] = (
+            rac._dense_kernel, rac._m_bucket(rows, rac.DENSE_CONFIGS), False, False,
+            lambda act=act: rac._dense_portable(w_q, torch.float32, act),
+            rac.nvfp4_linear_reference(x_small, w_q, mask))
     failures = []
     for name, (kernel, bucket, relabel, triton_experts, call, reference) in calls.items():
-        # split-K scratch is sized for the call's own bucket, and the GEMV (BLOCK_M 1) is the M = 1 bucket's
-        # own (it never meets prefill's fp16 weight planes): only other dense configurations move to prefill
+        # split-K scratch is sized for the call's own bucket: only configurations without it move to prefill
         def movable(config):
-            return relabel and config.kwargs.get("SPLIT_K", 1) == 1 and config.kwargs.get("BLOCK_M", 2) > 1
+            return relabel and config.kwargs.get("SPLIT_K", 1) == 1
         with monkeypatch.context() as patch:
             if triton_experts:
                 patch.setattr(rac, "_gluon_experts", lambda device: False)
@@ -930,7 +991,7 @@ def test_q_k_v_share_the_triton_quantization_and_gemm_on_gpu(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     attention, layers = _shared_attention("cuda")
-    for rows in (1, 96):  # the fused decode, and the quantizer launch (above FUSED_ELEMENTS)
+    for rows in (1, 96):  # the GEMV, and the tiled GEMM
         _check_one_stacked_gemm(monkeypatch, layers, torch.randn(rows, layers[0].in_features, device="cuda",
                                                                  dtype=torch.bfloat16), 1)
 
@@ -1087,9 +1148,6 @@ BAD_CALLS = [  # (id, call, what the message names, the problem it states)
      "row_weight_ids", "one id per row (4,), got (3,) and row_weights (6,)"),
     ("router weights", lambda: rac.grouped_matmul_triton(*_grouped_call(), row_weights=torch.ones(5)),
      "row_weights", "one weight per row (4,), got (5,)"),
-    ("fused GEMM input", lambda: rac._dense_portable(nvfp4.quantize(torch.randn(4, 512)), torch.float32,
-                                                     x=torch.randn(9, 512)),
-     "x (9, 512) is too large", "at most FUSED_ELEMENTS = 4096 elements"),
     ("experts layout", lambda: rac.grouped_matmul_triton(_grouped_call()[0], rac.unchunk_experts(
         _grouped_call()[1]), _grouped_call()[2]), "w must be ExpertWeights", "got NVFP4Tensor"),
     ("experts rows", lambda: rac.chunk_experts(nvfp4.quantize_weight(torch.randn(2, 8, 32))), "N=8 rows",

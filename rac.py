@@ -1066,7 +1066,17 @@ if triton is not None:
         operands go through shared memory anyway. Blocked tiles are the GEMV's: it loads its activation
         row in the same (ROWS, BLOCK_K/16, 8) shape, so Triton gives both one layout and the product
         needs no shuffle of the decoded tile through shared memory (checked in the compiled IR). CHUNK: the
-        rows are in ExpertWeights' layout of CHUNK-element chunks (flat tiles; a step within one chunk)."""
+        rows are in ExpertWeights' layout of CHUNK-element chunks (flat tiles; a step within one chunk).
+        (_weight_bytes loads, _decoded_tile decodes.)"""
+        packed, scale_byte = _weight_bytes(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
+                                           ROWS, BLOCK_K, EVEN_K, BLOCKED, CHUNK, stride_chunk, stride_scale_chunk)
+        return _decoded_tile(packed, scale_byte, ROWS, BLOCK_K, BLOCKED, GPU)
+
+    @triton.jit
+    def _weight_bytes(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale, ROWS: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCKED: tl.constexpr, CHUNK: tl.constexpr,
+                      stride_chunk, stride_scale_chunk):
+        """_weight_tile's codes and E4M3 scale bytes, as loaded."""
         tl.static_assert(not (BLOCKED and CHUNK), "ExpertWeights' layout: flat tiles only")
         GB: tl.constexpr = BLOCK_K // 16
         blocks = k0 // 16 + tl.arange(0, GB)                                            # (GB,)
@@ -1097,6 +1107,13 @@ if triton is not None:
         else:
             packed = tl.load(data_ptrs, mask=data_mask, other=0)
             scale_byte = tl.load(scale_ptrs, mask=row_mask[:, None] & (blocks < K // 16)[None, :], other=0)
+        return packed, scale_byte
+
+    @triton.jit
+    def _decoded_tile(packed, scale_byte, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKED: tl.constexpr,
+                      GPU: tl.constexpr):
+        """_weight_tile's RAW bytes -> its even and odd fp16 tiles."""
+        GB: tl.constexpr = BLOCK_K // 16
         block_scale = _e4m3_to_fp16(scale_byte, GPU)[:, :, None]                        # (ROWS, GB, 1)
         even, odd = _e2m1_pairs_to_fp16(packed, GPU)
         if BLOCKED:
@@ -1319,7 +1336,7 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, y_ptr, N, K, x_plane, N1, N2,
                      stride_w, stride_ws, OUT_BF16: tl.constexpr, GPU: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_K: tl.constexpr, STEPS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
         """M = 1: y = W @ x on fp32 FMAs. A program takes BLOCK_N weight rows over all of K, so there is no
         split-K handoff; many small programs keep the weight bytes in flight. Tiles are blocked, (rows,
         BLOCK_K/16, 8), and x is loaded once per weight row (from L1) in the same shape: both get one
@@ -1330,18 +1347,20 @@ if triton is not None:
         an earlier kernel (a sync) are complete. x, its scale and y wait."""
         cols = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         col_mask = cols < N
-        w_even, w_odd = _weight_tile(w_ptr, w_scale_ptr, cols, col_mask, 0, K, stride_w, stride_ws, BLOCK_N,
-                                     BLOCK_K, EVEN_K, GPU, True)
+        packed, scale_byte = _weight_bytes(w_ptr, w_scale_ptr, cols, col_mask, 0, K, stride_w, stride_ws, BLOCK_N,
+                                           BLOCK_K, EVEN_K, True, 0, 0, 0)
         _after_previous_kernel(PDL)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x_even, x_odd = _operand_tile(x_ptr, 0 * cols, col_mask, k0, K, 0, x_plane, BLOCK_K, EVEN_K, True)
+        for step in tl.static_range(STEPS):  # unrolled: the next step's bytes load during this one's FMAs
+            w_even, w_odd = _decoded_tile(packed, scale_byte, BLOCK_N, BLOCK_K, True, GPU)
+            if step + 1 < STEPS:
+                packed, scale_byte = _weight_bytes(w_ptr, w_scale_ptr, cols, col_mask, (step + 1) * BLOCK_K, K,
+                                                   stride_w, stride_ws, BLOCK_N, BLOCK_K, EVEN_K, True, 0, 0, 0)
+            x_even, x_odd = _operand_tile(x_ptr, 0 * cols, col_mask, step * BLOCK_K, K, 0, x_plane, BLOCK_K,
+                                          EVEN_K, True)
             products = (w_even.to(tl.float32) * x_even.to(tl.float32)   # products of fp16 values: exact
                         + w_odd.to(tl.float32) * x_odd.to(tl.float32))
             acc += tl.sum(tl.sum(products, axis=2), axis=1)
-            if k0 + BLOCK_K < K:
-                w_even, w_odd = _weight_tile(w_ptr, w_scale_ptr, cols, col_mask, k0 + BLOCK_K, K, stride_w,
-                                             stride_ws, BLOCK_N, BLOCK_K, EVEN_K, GPU, True)
         which, col_base, col_stride = _split_columns(cols, 1, N, N1, N2)
         scale = _EPILOGUE * tl.load(x_global_ptr) * tl.load(w_global_ptr + which, mask=col_mask, other=0.0)
         rows = tl.arange(0, 1)
@@ -1395,7 +1414,8 @@ def _dense_portable(w_q, out_dtype, act, splits=None):
         _gemv_kernel[(triton.cdiv(N, GEMV_ROWS),)](
             act.operand, act.global_scale, w_data, w_scale, w_q.global_scale.contiguous(), _as_int16(y), N, K,
             act.operand.stride(0), *_column_splits(w_q, splits), w_data.stride(0), w_scale.stride(0),
-            OUT_BF16=out_bf16, GPU=gpu, BLOCK_N=GEMV_ROWS, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
+            OUT_BF16=out_bf16, GPU=gpu, BLOCK_N=GEMV_ROWS, BLOCK_K=block_k, STEPS=triton.cdiv(K, block_k),
+            EVEN_K=K % block_k == 0,
             num_warps=GEMV_WARPS, **_launch_options(device))
         return _split_output(y, M, N, splits)
     w_fp16 = M >= PREFILL_ROWS

@@ -159,7 +159,7 @@ kernels = {
                       dict(W_FP16=False, OUT_BF16=True, BUCKET=16, EVEN_K=True, BLOCK_M=16, BLOCK_N=64,
                            BLOCK_K=256, SPLIT_K=4, X_FIRST=True, GPU=True)),
     "GEMV": (rac._gemv_kernel, ["*fp16", "*fp32", "*u8", "*u8", "*fp32", "*i16"] + [i] * 7,
-             dict(OUT_BF16=True, GPU=True, BLOCK_N=4, BLOCK_K=2048, EVEN_K=True)),
+             dict(OUT_BF16=True, GPU=True, BLOCK_N=4, BLOCK_K=2048, STEPS=2, EVEN_K=True)),
     "grouped": (rac._grouped_kernel,
                 ["*fp16", "*fp32", "*i64", "*fp32", "*i64", "*u8", "*u8", "*fp32", "*i64", "*i16"] + [i] * 13,
                 dict(GATHER=True, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=True, OUT_BF16=True, GPU=True,

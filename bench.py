@@ -254,11 +254,13 @@ def bench_gemm(args):
                 t["no early launch"] = graph_us([  # the GEMV no longer loads weights while the quantizer runs
                     lambda w=w: rac._dense_portable(w, bf16, rac.quantize_activation_triton(x, mask), splits)
                     for w in wqs]) if M == 1 else float("nan")
-                t["GEMM alone"] = graph_us([lambda w=w: rac._dense_portable(w, bf16, act, splits) for w in wqs])
+                t["GEMM alone"] = graph_us([lambda w=w: rac._dense_portable(w, bf16, act, splits)
+                                            for w in wqs])
                 t["quantizer alone"] = graph_us([lambda: rac.quantize_activation_triton(x, mask)] * 20)
                 t["configs"] = {  # the GEMV (M = 1) has one configuration
                     label: graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs])
-                    for label in forced(rac._dense_kernel, rac._m_bucket(M, rac.DENSE_CONFIGS))} if M > 1 else {}
+                    for label in forced(rac._dense_kernel, rac._m_bucket(M, rac.DENSE_CONFIGS))
+                } if M > 1 else {}
             rows.append((name, N, K, M, t, bytes_["w4a4"] / copy_bw * 1e6))
         return rows
 

@@ -1068,14 +1068,15 @@ if triton is not None:
         needs no shuffle of the decoded tile through shared memory (checked in the compiled IR). CHUNK: the
         rows are in ExpertWeights' layout of CHUNK-element chunks (flat tiles; a step within one chunk).
         (_weight_bytes loads, _decoded_tile decodes.)"""
-        packed, scale_byte = _weight_bytes(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
-                                           ROWS, BLOCK_K, EVEN_K, BLOCKED, CHUNK, stride_chunk, stride_scale_chunk)
+        packed, scale_byte = _weight_bytes(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data,
+                                           stride_scale, ROWS, BLOCK_K, EVEN_K, BLOCKED, CHUNK, stride_chunk,
+                                           stride_scale_chunk)
         return _decoded_tile(packed, scale_byte, ROWS, BLOCK_K, BLOCKED, GPU)
 
     @triton.jit
-    def _weight_bytes(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale, ROWS: tl.constexpr,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCKED: tl.constexpr, CHUNK: tl.constexpr,
-                      stride_chunk, stride_scale_chunk):
+    def _weight_bytes(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
+                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCKED: tl.constexpr,
+                      CHUNK: tl.constexpr, stride_chunk, stride_scale_chunk):
         """_weight_tile's codes and E4M3 scale bytes, as loaded."""
         tl.static_assert(not (BLOCKED and CHUNK), "ExpertWeights' layout: flat tiles only")
         GB: tl.constexpr = BLOCK_K // 16
@@ -1160,7 +1161,8 @@ if triton is not None:
                                               EVEN_K)
             else:
                 w_even, w_odd = _weight_tile(w_ptr, w_scale_ptr, cols, col_mask, k0, K, stride_w, stride_ws,
-                                             BLOCK_N, BLOCK_K, EVEN_K, GPU, False, CHUNK, stride_wc, stride_sc)
+                                             BLOCK_N, BLOCK_K, EVEN_K, GPU, False, CHUNK, stride_wc,
+                                             stride_sc)
             x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K, EVEN_K)
             if X_FIRST:
                 acc = tl.dot(x_even, tl.trans(w_even), acc)
@@ -1290,7 +1292,8 @@ if triton is not None:
         # strides (operand planes and y in elements, w in bytes, scales in blocks)
         stride_x, stride_w, stride_ws,
         # meta-parameters
-        W_FP16: tl.constexpr, OUT_BF16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        W_FP16: tl.constexpr, OUT_BF16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr, EVEN_K: tl.constexpr,
         X_FIRST: tl.constexpr, PDL: tl.constexpr,
     ):
@@ -1310,7 +1313,8 @@ if triton is not None:
                         stride_ws, w_plane, K, k_begin, k_end, W_FP16, GPU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
                         rows, X_FIRST)
         which, col_base, col_stride = _split_columns(cols, M, N, N1, N2)
-        scale = _EPILOGUE * tl.load(x_global_ptr) * tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[:, None]
+        w_global = tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[:, None]
+        scale = _EPILOGUE * tl.load(x_global_ptr) * w_global
         if SPLIT_K == 1:
             _store_split(y_ptr, rows, rows < M, col_base, col_stride, col_mask, acc * scale, OUT_BF16)
         else:
@@ -1347,15 +1351,16 @@ if triton is not None:
         an earlier kernel (a sync) are complete. x, its scale and y wait."""
         cols = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         col_mask = cols < N
-        packed, scale_byte = _weight_bytes(w_ptr, w_scale_ptr, cols, col_mask, 0, K, stride_w, stride_ws, BLOCK_N,
-                                           BLOCK_K, EVEN_K, True, 0, 0, 0)
+        packed, scale_byte = _weight_bytes(w_ptr, w_scale_ptr, cols, col_mask, 0, K, stride_w, stride_ws,
+                                           BLOCK_N, BLOCK_K, EVEN_K, True, 0, 0, 0)
         _after_previous_kernel(PDL)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for step in tl.static_range(STEPS):  # unrolled: the next step's bytes load during this one's FMAs
             w_even, w_odd = _decoded_tile(packed, scale_byte, BLOCK_N, BLOCK_K, True, GPU)
             if step + 1 < STEPS:
-                packed, scale_byte = _weight_bytes(w_ptr, w_scale_ptr, cols, col_mask, (step + 1) * BLOCK_K, K,
-                                                   stride_w, stride_ws, BLOCK_N, BLOCK_K, EVEN_K, True, 0, 0, 0)
+                packed, scale_byte = _weight_bytes(w_ptr, w_scale_ptr, cols, col_mask, (step + 1) * BLOCK_K,
+                                                   K, stride_w, stride_ws, BLOCK_N, BLOCK_K, EVEN_K, True, 0,
+                                                   0, 0)
             x_even, x_odd = _operand_tile(x_ptr, 0 * cols, col_mask, step * BLOCK_K, K, 0, x_plane, BLOCK_K,
                                           EVEN_K, True)
             products = (w_even.to(tl.float32) * x_even.to(tl.float32)   # products of fp16 values: exact

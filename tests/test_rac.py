@@ -376,7 +376,7 @@ def test_gemv_on_qwen3_shapes_matches_the_twin_and_reads_the_weight_copied_just_
         pairs = []
         for scale in (0.02, 3.0):
             w = torch.randn(N, K, device="cuda") * scale
-            parts = [nvfp4.quantize_weight(p) for p in w.split(splits)] if splits else [nvfp4.quantize_weight(w)]
+            parts = [nvfp4.quantize_weight(p) for p in (w.split(splits) if splits else (w,))]
             pairs.append((rac.stack_weights(parts) if splits else parts[0], parts))
         x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
         mask = torch.arange(K // 16, device="cuda") % 2 == 0

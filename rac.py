@@ -111,7 +111,7 @@ except ImportError:  # Triton before 3.5: the experts run on the Triton kernel
 MODES = ("bf16", "fp8", "nvfp4")
 OPERAND_SHIFT = 2.0 ** -6          # the Hopper kernels' fp16 operands hold value * block_scale * 2^-6
 EPILOGUE_SCALE = OPERAND_SHIFT ** -2  # 2^12: undoes the two operands' 2^-6
-FUSED_ELEMENTS = 4096              # inputs up to this size (M * K): the quantizer reduces the amax itself
+AMAX_IN_LAUNCH = 4096             # inputs up to this size (M * K): the quantizer reduces the amax itself
 GEMV_ROWS, GEMV_WARPS = 4, 4       # the one-token GEMV's weight rows and warps a program
 GEMV_BLOCK_K = 4096                # ... and its K step: up to this, all of K is one load
 PREFILL_ROWS = 257                 # from this many rows on, the weight is decoded once per call
@@ -935,7 +935,7 @@ class Activation(NamedTuple):
     global_scale: torch.Tensor    # () fp32
 
 
-_AMAX_CHUNK = FUSED_ELEMENTS  # elements per load in the amax loops: small inputs in one load
+_AMAX_CHUNK = AMAX_IN_LAUNCH  # elements per load in the amax loops: small inputs in one load
 _AMAX_SLICES = 256       # at most this many partial maxima: every quantizer program reads all of them
 
 
@@ -960,7 +960,7 @@ def _partial_amax(x):
 def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True, early_launch=False):
     """The quantizer: x (M, K) -> Activation with the fp16 operand (operand=True) and/or the NVFP4
     codes of x and of its RAC residual (codes=True). Dynamic global scale amax(|x|) / 2688: reduced
-    inside the launch for inputs up to FUSED_ELEMENTS, by one partial-max launch before it otherwise.
+    inside the launch for inputs up to AMAX_IN_LAUNCH, by one partial-max launch before it otherwise.
     early_launch: the next kernel (the experts' GEMM) may launch while this one runs (sm_90+), if the
     launch has at most EARLY_LAUNCH_PROGRAMS programs (more, 768 at batch 256, measured slower)."""
     _require_triton()
@@ -979,7 +979,7 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True, earl
     if operand:
         out_operand = _empty_planes(M, K // 2, device)
     global_scale = torch.empty((), dtype=torch.float32, device=device)
-    amax_here = x.numel() <= FUSED_ELEMENTS
+    amax_here = x.numel() <= AMAX_IN_LAUNCH
     partials = dummy if amax_here else _partial_amax(x)
 
     def ptr(t, view=None):
@@ -1113,7 +1113,7 @@ if triton is not None:
     @triton.jit
     def _decoded_tile(packed, scale_byte, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKED: tl.constexpr,
                       GPU: tl.constexpr):
-        """_weight_tile's RAW bytes -> its even and odd fp16 tiles."""
+        """_weight_bytes' codes and scale bytes -> _weight_tile's even and odd fp16 tiles."""
         GB: tl.constexpr = BLOCK_K // 16
         block_scale = _e4m3_to_fp16(scale_byte, GPU)[:, :, None]                        # (ROWS, GB, 1)
         even, odd = _e2m1_pairs_to_fp16(packed, GPU)

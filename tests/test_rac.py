@@ -39,7 +39,7 @@ def _outlier_activations(rows, cols, seed, device="cpu", dtype=torch.bfloat16):
 @pytest.mark.parametrize("rows,cols", [(1, 16), (3, 48), (17, 80), (64, 768)])
 @pytest.mark.parametrize("compensate", [False, True])
 def test_quantizer_matches_its_twin_bit_for_bit(kernel_device, rows, cols, compensate):
-    # (64, 768) has 49152 elements: above FUSED_ELEMENTS, so its amax comes from the partial-max launch
+    # (64, 768) has 49152 elements: above AMAX_IN_LAUNCH, so its amax comes from the partial-max launch
     torch.manual_seed(rows * cols)
     x = (torch.randn(rows, cols) * torch.exp(torch.randn(cols))).to(kernel_device, torch.bfloat16)
     x[0, :5] = -1e-30  # negative values that round to zero
@@ -261,8 +261,8 @@ def test_layers_take_their_twins_with_one_warning_on_gpus_older_than_sm89(monkey
     assert rac.use_triton(torch.zeros(1)) is False  # CPU tensors: the twins, silently
 
 
-def test_only_the_experts_small_quantizer_launches_let_the_next_kernel_launch_early(monkeypatch,
-                                                                                    kernel_device):
+def test_only_small_quantizer_launches_before_the_experts_or_a_one_row_gemv_let_the_next_one_launch_early(
+        monkeypatch, kernel_device):
     launches = []
     original = rac._launch_options
     monkeypatch.setattr(rac, "_launch_options", lambda device, early=None: launches.append(early) or
@@ -283,6 +283,11 @@ def test_only_the_experts_small_quantizer_launches_let_the_next_kernel_launch_ea
     x = torch.randn(3, 64).bfloat16().to(kernel_device)
     experts(x, ids.to(kernel_device), torch.rand(3, 2).to(kernel_device))
     assert calls == [True, True]
+    calls.clear()  # the dense layer: one row (the GEMV loads its weights meanwhile), then two rows
+    w_q = nvfp4.quantize_weight(torch.randn(8, 64, device=kernel_device))
+    for rows in (1, 2):
+        rac.nvfp4_linear_triton(torch.randn(rows, 64).bfloat16().to(kernel_device), w_q)
+    assert calls == [True, False]
 
 
 def test_compiled_kernels_round_the_residuals_product_on_its_own():
@@ -322,14 +327,14 @@ def test_dense_kernel_matches_the_layer_twin(kernel_device, rows, cols, out_feat
     torch.testing.assert_close(y_bf16.float(), reference, rtol=1e-2, atol=1e-2 * reference.abs().max().item())
 
 
-@pytest.mark.parametrize("fused_elements,prefill_rows", [(0, 10 ** 9), (0, 1)])
-def test_partial_max_and_prefill_paths_match_the_decode_path(kernel_device, monkeypatch, fused_elements,
+@pytest.mark.parametrize("amax_in_launch,prefill_rows", [(0, 10 ** 9), (0, 1)])
+def test_partial_max_and_prefill_paths_match_the_decode_path(kernel_device, monkeypatch, amax_in_launch,
                                                               prefill_rows):
     # the same layer with the amax from the partial-max launch, and with the prefill weight pass
     x, w_q = _dense_case(5, 96, 40, kernel_device, 0)
     mask = torch.arange(6, device=kernel_device) < 4
     decode = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
-    monkeypatch.setattr(rac, "FUSED_ELEMENTS", fused_elements)
+    monkeypatch.setattr(rac, "AMAX_IN_LAUNCH", amax_in_launch)
     monkeypatch.setattr(rac, "PREFILL_ROWS", prefill_rows)
     y = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
     assert report_diff(y, decode, "partial max / prefill vs decode")[0] <= 1e-5 * decode.abs().max().item()

@@ -1454,7 +1454,9 @@ def layer_input(x, rac_mask):
 
 
 def layer_matmul(act, w_q, out_dtype, splits=None):
-    """The layer's GEMM on layer_input's `act` (Triton, CUDA)."""
+    """The layer's GEMM on layer_input's `act` (Triton, CUDA). At one row the GEMV reads its weight before it
+    waits for the kernel ahead of it (_gemv_kernel says why that is safe): launch it right after layer_input
+    or another layer_matmul, as the layers do, never right after a kernel that writes w_q."""
     if act.operand is None:
         return _dense_native(act.x_q, act.residual, w_q, out_dtype, splits)
     return _dense_portable(w_q, out_dtype, act, splits)

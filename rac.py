@@ -66,7 +66,9 @@ are applied at the end.
   - Launches (sm_90+): programmatic dependent launch. A kernel may be launched while the one ahead of it
     still runs, and its programs wait for that kernel's end before any load or store. The partial max
     and the experts' quantizers let the next kernel launch as soon as they have started: it runs many
-    waves of programs. Before a dense GEMM of about one wave that cost more than it saved.
+    waves of programs. Before a dense GEMM of about one wave that cost more than it saved. The one-token
+    quantizer lets the GEMV launch early too, which loads its first weight tile before it waits (the
+    one load allowed before the wait).
 Blackwell (sm_100+): `tl.dot_scaled(..., "e2m1", ...)` reads the packed codes and E4M3 scales as they
 are (dense and grouped). Chosen in one place (`gemm_backend`), checked against the Hopper kernels on
 first use and dropped with a one-line warning if they disagree. Its numerics are UNTESTED (no such GPU

@@ -1077,8 +1077,9 @@ if triton is not None:
 
     @triton.jit
     def _weight_bytes(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
-                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCKED: tl.constexpr,
-                      CHUNK: tl.constexpr, stride_chunk, stride_scale_chunk):
+                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      BLOCKED: tl.constexpr = False, CHUNK: tl.constexpr = 0, stride_chunk=0,
+                      stride_scale_chunk=0):
         """_weight_tile's codes and E4M3 scale bytes, as loaded."""
         tl.static_assert(not (BLOCKED and CHUNK), "ExpertWeights' layout: flat tiles only")
         GB: tl.constexpr = BLOCK_K // 16
@@ -1354,15 +1355,14 @@ if triton is not None:
         cols = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         col_mask = cols < N
         packed, scale_byte = _weight_bytes(w_ptr, w_scale_ptr, cols, col_mask, 0, K, stride_w, stride_ws,
-                                           BLOCK_N, BLOCK_K, EVEN_K, True, 0, 0, 0)
+                                           BLOCK_N, BLOCK_K, EVEN_K, True)
         _after_previous_kernel(PDL)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for step in tl.static_range(STEPS):  # unrolled: the next step's bytes load during this one's FMAs
             w_even, w_odd = _decoded_tile(packed, scale_byte, BLOCK_N, BLOCK_K, True, GPU)
             if step + 1 < STEPS:
                 packed, scale_byte = _weight_bytes(w_ptr, w_scale_ptr, cols, col_mask, (step + 1) * BLOCK_K,
-                                                   K, stride_w, stride_ws, BLOCK_N, BLOCK_K, EVEN_K, True, 0,
-                                                   0, 0)
+                                                   K, stride_w, stride_ws, BLOCK_N, BLOCK_K, EVEN_K, True)
             x_even, x_odd = _operand_tile(x_ptr, 0 * cols, col_mask, step * BLOCK_K, K, 0, x_plane, BLOCK_K,
                                           EVEN_K, True)
             products = (w_even.to(tl.float32) * x_even.to(tl.float32)   # products of fp16 values: exact

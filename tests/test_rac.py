@@ -381,8 +381,8 @@ def test_gemv_on_qwen3_shapes_matches_the_twin_and_reads_the_weight_copied_just_
         pairs = []
         for scale in (0.02, 3.0):
             w = torch.randn(N, K, device="cuda") * scale
-            parts = [nvfp4.quantize_weight(p) for p in (w.split(splits) if splits else (w,))]
-            pairs.append((rac.stack_weights(parts) if splits else parts[0], parts))
+            parts, w_q = _stacked(w.split(splits)) if splits else ([nvfp4.quantize_weight(w)], None)
+            pairs.append((w_q if splits else parts[0], parts))
         x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
         mask = torch.arange(K // 16, device="cuda") % 2 == 0
         fields = ("data", "block_scale", "global_scale")

@@ -116,7 +116,8 @@ def bench_model(args):
 # ---------------------------------------------------------------------------- gemm (rac.py)
 def bench_gemm(args):
     """rac.py's W4A4 kernels against FP8 row-wise, BF16 and torch's int4 weight-only GEMM on Qwen3-30B-A3B
-    shapes (D 2048, q 4096, k/v 512, 128 experts top-8, expert hidden 768), in one run:
+    shapes (D 2048, q 4096, k/v 512, 128 experts top-8, expert hidden 768; a dense MLP of hidden 6144, the
+    config's intermediate_size, for the gate/up and down shapes), in one run:
 
     1. dense decode (M = 1, 16, 64, 256), the whole layer: W4A4 = rac.nvfp4_linear_triton (its activation
        quantization included: one quantizer launch, then the GEMV at M = 1, else the tiled GEMM);
@@ -153,6 +154,7 @@ def bench_gemm(args):
           "CUDA-graph replays, weights rotated through HBM\n")
     bf16 = torch.bfloat16
     D, H_Q, H_KV, E, A, I = 2048, 4096, 512, 128, 8, 768
+    I_DENSE = 6144  # the config's intermediate_size: a dense MLP's hidden width (gate/up stacked as one weight)
     rotate_bytes = 180e6
 
     def graph_us(calls):
@@ -214,7 +216,8 @@ def bench_gemm(args):
     dense = []
     qkv_splits = (H_Q, H_KV, H_KV)
     for name, N, K in (("q_proj", H_Q, D), ("k/v_proj", H_KV, D), ("o_proj", D, H_Q),
-                       ("q/k/v stacked", sum(qkv_splits), D)):
+                       ("q/k/v stacked", sum(qkv_splits), D), ("dense gate/up", 2 * I_DENSE, D),
+                       ("dense down", D, I_DENSE)):
         w = torch.randn(N, K, device="cuda", dtype=bf16) * 0.02
         splits = qkv_splits if name == "q/k/v stacked" else None
         w_q = stacked_weight(w, splits) if splits else nvfp4.quantize_weight(w)

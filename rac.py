@@ -1665,6 +1665,11 @@ def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu
 # latency. A cp.async pipeline of 3-6 stages, a one-step register prefetch, and wgmma in place of mma.sync
 # (the activation tile in shared memory once per warpgroup) were all no faster (README).
 if gluon is not None:
+    @gluon.constexpr_function
+    def _gluon_mma_layout(num_warps):
+        """mma.sync m16n8k16's accumulator layout, the warps stacked along the weight rows (the MMA's M)."""
+        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+
     @gluon.jit
     def _gluon_e2m1_pairs(packed):
         return gl.inline_asm_elementwise(_E2M1_PAIRS_PTX, "=r,=r,=r,=r,r", [packed],
@@ -1727,8 +1732,7 @@ if gluon is not None:
                           KC: gl.constexpr, NUM_WARPS: gl.constexpr):
         """Sorted rows t0 .. t0 + T (those before end_row) as the MMA's right operand: pointers to their
         (KC, T) columns of the fp16 operand planes at K = 0, and their mask."""
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                      instr_shape=[16, 8])
+        mma: gl.constexpr = _gluon_mma_layout(NUM_WARPS)
         x_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
         t_x = t0 + gl.arange(0, T, layout=gl.SliceLayout(0, x_layout))
         if GATHER:
@@ -1746,8 +1750,7 @@ if gluon is not None:
                             NUM_WARPS: gl.constexpr):
         """The epilogue of rows t0 .. t0 + T: both global scales and 2^12 (scale), SwiGLU, router weights."""
         W_ROWS: gl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                      instr_shape=[16, 8])
+        mma: gl.constexpr = _gluon_mma_layout(NUM_WARPS)
         out = acc * scale                                                                # (W_ROWS, T)
         t_y = t0 + gl.arange(0, T, layout=gl.SliceLayout(0, mma))
         r_y = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, mma))
@@ -1784,8 +1787,7 @@ if gluon is not None:
         expert, row0, end_row, pid_n = tile
         W_ROWS: gl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
         KC: gl.constexpr = BLOCK_K // 2                                   # bytes of a row a K step
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                      instr_shape=[16, 8])
+        mma: gl.constexpr = _gluon_mma_layout(NUM_WARPS)
         w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         n_out = N // 2 if SWIGLU else N
         # the right operand: the tile's activation rows, as (K, T) columns of the fp16 operand planes
@@ -1869,23 +1871,13 @@ if gluon is not None:
         # a tile holding at most half its rows (most often an expert's last) runs as a tile of half the rows,
         # one of at most three quarters as that half plus a quarter: the padding rows' MMAs and loads skipped
         # (at 16 rows an expert about half of the 32-row tiles run as 16 rows, and most others as 16 + 8)
-        if BLOCK_T >= 32:
-            if end_row - row0 <= BLOCK_T // 2:
-                _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T // 2,
-                                   0, BLOCK_N, BLOCK_K, NUM_WARPS)
-            elif end_row - row0 <= BLOCK_T // 2 + BLOCK_T // 4:
-                _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T // 2,
-                                   BLOCK_T // 4, BLOCK_N, BLOCK_K, NUM_WARPS)
-            else:
-                _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T, 0,
-                                   BLOCK_N, BLOCK_K, NUM_WARPS)
-        elif BLOCK_T >= 16:
-            if end_row - row0 <= BLOCK_T // 2:
-                _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T // 2,
-                                   0, BLOCK_N, BLOCK_K, NUM_WARPS)
-            else:
-                _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T, 0,
-                                   BLOCK_N, BLOCK_K, NUM_WARPS)
+        rows = end_row - row0
+        if BLOCK_T >= 16 and rows <= BLOCK_T // 2:
+            _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T // 2, 0,
+                               BLOCK_N, BLOCK_K, NUM_WARPS)
+        elif BLOCK_T >= 32 and rows <= BLOCK_T // 2 + BLOCK_T // 4:
+            _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T // 2,
+                               BLOCK_T // 4, BLOCK_N, BLOCK_K, NUM_WARPS)
         else:
             _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T, 0,
                                BLOCK_N, BLOCK_K, NUM_WARPS)

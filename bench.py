@@ -116,8 +116,8 @@ def bench_model(args):
 # ---------------------------------------------------------------------------- gemm (rac.py)
 def bench_gemm(args):
     """rac.py's W4A4 kernels against FP8 row-wise, BF16 and torch's int4 weight-only GEMM on Qwen3-30B-A3B
-    shapes (D 2048, q 4096, k/v 512, 128 experts top-8, expert hidden 768; a dense MLP of hidden 6144, the
-    config's intermediate_size, for the gate/up and down shapes), in one run:
+    shapes (D 2048, q 4096, k/v 512, 128 experts top-8, expert hidden 768; for the dense gate/up and down
+    shapes, the config's dense intermediate_size 6144), in one run:
 
     1. dense decode (M = 1, 16, 64, 256), the whole layer: W4A4 = rac.nvfp4_linear_triton (its activation
        quantization included: one quantizer launch, then the GEMV at M = 1, else the tiled GEMM);

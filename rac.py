@@ -1707,7 +1707,8 @@ if gluon is not None:
 
     def _gluon_prune(configs, named_args, **kwargs):
         """The call's M bucket; BLOCK_K at most one chunk of the weight's layout and a divisor of it: 64 or
-        128 (an operand of k_width 8 needs 32 K elements an MMA, 64 of the even and odd halves)."""
+        128 (an operand of k_width 8 needs 32 K elements an MMA, 64 of the even and odd halves). A divisor,
+        where _grouped_prune only caps the step: this kernel has no K masks, so no step may run past K."""
         chunk = kwargs["CHUNK"]
         def step(c):
             return max(b for b in (64, 128) if b <= c.kwargs["BLOCK_K"] and chunk % b == 0)

@@ -154,7 +154,7 @@ def bench_gemm(args):
           "CUDA-graph replays, weights rotated through HBM\n")
     bf16 = torch.bfloat16
     D, H_Q, H_KV, E, A, I = 2048, 4096, 512, 128, 8, 768
-    I_DENSE = 6144  # the config's intermediate_size: a dense MLP's hidden width (gate/up stacked as one weight)
+    I_DENSE = 6144  # the config's intermediate_size: a dense MLP's hidden width (gate/up as one weight)
     rotate_bytes = 180e6
 
     def graph_us(calls):

@@ -1297,9 +1297,8 @@ if triton is not None:
         stride_x, stride_w, stride_ws,
         # meta-parameters
         W_FP16: tl.constexpr, OUT_BF16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr, EVEN_K: tl.constexpr,
-        X_FIRST: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr,
+        EVEN_K: tl.constexpr, X_FIRST: tl.constexpr, PDL: tl.constexpr,
     ):
         _after_previous_kernel(PDL)
         # N tiles vary fastest: programs running together share the activation rows and stream
@@ -1423,8 +1422,7 @@ def _dense_portable(w_q, out_dtype, act, splits=None):
             act.operand, act.global_scale, w_data, w_scale, w_q.global_scale.contiguous(), _as_int16(y), N, K,
             act.operand.stride(0), *_column_splits(w_q, splits), w_data.stride(0), w_scale.stride(0),
             OUT_BF16=out_bf16, GPU=gpu, BLOCK_N=GEMV_ROWS, BLOCK_K=block_k, STEPS=triton.cdiv(K, block_k),
-            EVEN_K=K % block_k == 0,
-            num_warps=GEMV_WARPS, **_launch_options(device))
+            EVEN_K=K % block_k == 0, num_warps=GEMV_WARPS, **_launch_options(device))
         return _split_output(y, M, N, splits)
     w_fp16 = M >= PREFILL_ROWS
     w_ptr, stride_w, w_plane = w_data, w_data.stride(0), 0

@@ -192,6 +192,8 @@ def _after_weights(ptx, wait):
         if not access and sources:
             tainted[regs[0]] = tainted.get(regs[0], set()) | sources
     return wait if wait >= 0 else 0
+
+
 for name, (kernel, types, constants) in kernels.items():
     kernel = jit(kernel)
     small = "EARLY" in kernel.arg_names

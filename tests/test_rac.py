@@ -643,6 +643,44 @@ def test_grouped_kernel_matches_the_twin_on_qwen3_expert_shapes(tokens):
     assert report_diff(y, reference, f"gpu grouped down T={tokens}")[0] <= 1e-4 * reference.abs().max().item()
 
 
+@pytest.mark.cuda
+def test_gluon_experts_kernel_matches_the_twin_on_short_tiles_in_every_config():
+    # the Qwen3 shapes fill every N tile, and the every-config test's too: here each configuration of the
+    # Gluon kernel meets short row tiles (14 to 24 rows an expert, three empty experts) and a short last N tile
+    # (gate/up 80 columns, down 208), whose masked rows must neither be stored nor spoil the stored ones
+    if not rac._gluon_experts(torch.device("cuda")):
+        pytest.skip("the Gluon experts kernel runs on sm_89 and sm_90 only")
+    torch.manual_seed(0)
+    E, D, I, N_DOWN, tokens, A = 8, 256, 80, 208, 48, 2
+    _, routing = _routing_with_empty_experts(E, tokens, A, "cuda")
+    x = rac.quantize_activation_triton(torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16),
+                                       torch.arange(D // 16, device="cuda") % 2 == 0, codes=True)
+    h = rac.quantize_activation_triton(torch.randn(tokens * A, 128, device="cuda", dtype=torch.bfloat16),
+                                       codes=True)
+    gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device="cuda"))
+    down_q = nvfp4.quantize_weight(torch.randn(E, N_DOWN, 128, device="cuda"))
+    gate_up_w, down_w = rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q)
+    row_weights = torch.rand(tokens * A, device="cuda")
+    references = (
+        rac.grouped_matmul_reference(x.x_q, gate_up_q, routing.counts, x.residual, row_ids=routing.token_ids,
+                                     swiglu=True, out_dtype=torch.float32),
+        rac.grouped_matmul_reference(h.x_q, down_q, routing.counts, row_weights=row_weights,
+                                     out_dtype=torch.float32))
+    bucket = rac._m_bucket(-(-tokens * A // E), rac.GLUON_CONFIGS)
+    failures = []
+    for config in _forced_configs(rac._grouped_gluon_kernel, bucket, relabel=lambda config: True):
+        outputs = (
+            rac.grouped_matmul_triton(x, gate_up_w, routing.counts, row_ids=routing.token_ids, swiglu=True,
+                                      out_dtype=torch.float32),
+            rac.grouped_matmul_triton(h, down_w, routing.counts, row_weights=row_weights,
+                                      out_dtype=torch.float32))
+        for name, y, reference in zip(("gate/up", "down"), outputs, references):
+            error = ((y - reference).abs().max() / reference.abs().max()).item()
+            if not error <= 2e-3:  # NaN fails too
+                failures.append(f"{name} {config}: relative error {error:.2e}")
+    assert not failures, "\n".join(failures)
+
+
 def test_configuration_tables_reach_triton_with_their_operand_order_and_register_cap(monkeypatch):
     # the tables' optional 7th and 8th fields (X_FIRST, maxnreg) must reach the autotuner's configurations: a
     # dropped cap compiles another kernel than the one measured

@@ -646,8 +646,8 @@ def test_grouped_kernel_matches_the_twin_on_qwen3_expert_shapes(tokens):
 @pytest.mark.cuda
 def test_gluon_experts_kernel_matches_the_twin_on_short_tiles_in_every_config():
     # the Qwen3 shapes fill every N tile, and the every-config test's too: here each configuration of the
-    # Gluon kernel meets short row tiles (14 to 24 rows an expert, three empty experts) and a short last N tile
-    # (gate/up 80 columns, down 208), whose masked rows must neither be stored nor spoil the stored ones
+    # Gluon kernel meets short row tiles (14 to 24 rows an expert, three empty experts) and a short last N
+    # tile (gate/up 80 columns, down 208), whose masked rows must neither be stored nor spoil the stored ones
     if not rac._gluon_experts(torch.device("cuda")):
         pytest.skip("the Gluon experts kernel runs on sm_89 and sm_90 only")
     torch.manual_seed(0)

@@ -1061,20 +1061,16 @@ if triton is not None:
     @triton.jit
     def _weight_tile(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GPU: tl.constexpr,
-                     BLOCKED: tl.constexpr = False, CHUNK: tl.constexpr = 0, stride_chunk=0,
-                     stride_scale_chunk=0):
+                     CHUNK: tl.constexpr = 0, stride_chunk=0, stride_scale_chunk=0):
         """Columns k0..k0+BLOCK_K of NVFP4 rows as (ROWS, BLOCK_K/2) fp16 even and odd tiles holding
-        value * block_scale * 2^-6 exactly; BLOCKED: as (ROWS, BLOCK_K/16, 8) tiles, one block per row of 8.
-        Flat tiles load each row's BLOCK_K/2 bytes as one run (16-byte loads) for the tensor cores, whose
-        operands go through shared memory anyway. Blocked tiles are the GEMV's: it loads its activation
-        row in the same (ROWS, BLOCK_K/16, 8) shape, so Triton gives both one layout and the product
-        needs no shuffle of the decoded tile through shared memory (checked in the compiled IR). CHUNK: the
-        rows are in ExpertWeights' layout of CHUNK-element chunks (flat tiles; a step within one chunk).
-        (_weight_bytes loads, _decoded_tile decodes.)"""
+        value * block_scale * 2^-6 exactly, for the tensor cores: each row's BLOCK_K/2 bytes load as one
+        run (16-byte loads). CHUNK: the rows are in ExpertWeights' layout of CHUNK-element chunks (a step
+        within one chunk). _weight_bytes loads, _decoded_tile decodes; the GEMV calls them itself, for
+        blocked tiles."""
         packed, scale_byte = _weight_bytes(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data,
-                                           stride_scale, ROWS, BLOCK_K, EVEN_K, BLOCKED, CHUNK, stride_chunk,
+                                           stride_scale, ROWS, BLOCK_K, EVEN_K, False, CHUNK, stride_chunk,
                                            stride_scale_chunk)
-        return _decoded_tile(packed, scale_byte, ROWS, BLOCK_K, BLOCKED, GPU)
+        return _decoded_tile(packed, scale_byte, ROWS, BLOCK_K, False, GPU)
 
     @triton.jit
     def _weight_bytes(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
@@ -1165,8 +1161,7 @@ if triton is not None:
                                               EVEN_K)
             else:
                 w_even, w_odd = _weight_tile(w_ptr, w_scale_ptr, cols, col_mask, k0, K, stride_w, stride_ws,
-                                             BLOCK_N, BLOCK_K, EVEN_K, GPU, False, CHUNK, stride_wc,
-                                             stride_sc)
+                                             BLOCK_N, BLOCK_K, EVEN_K, GPU, CHUNK, stride_wc, stride_sc)
             x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K, EVEN_K)
             if X_FIRST:
                 acc = tl.dot(x_even, tl.trans(w_even), acc)

@@ -314,6 +314,32 @@ def fake_quantize_weight(w):
     return fake_quantize(w, weight_global_scale(w).detach())
 
 
+# ----------------------------------------------------------------------------- the activation rule
+def quantize_activation(x, rac_mask=None):
+    """The activation rule both sides of RL share: x (M, K) -> (x_q, residual_q).
+
+    x_q = quantize(x) with the dynamic global scale amax(|x|) / 2688. With rac_mask (G,) bool, the
+    residual r = x - DQ(x_q) (exact in fp32) is kept on the selected blocks, zeroed elsewhere, and
+    quantized with x_q's global scale: residual_q. Without a mask residual_q is None (naive NVFP4).
+    """
+    x_q = quantize(x)
+    if rac_mask is None:
+        return x_q, None
+    M, K = x.shape
+    residual = x.float() - dequantize(x_q, torch.float32)                              # (M, K), exact
+    residual = torch.where(rac_mask[None, :, None], residual.view(M, -1, BLOCK_SIZE), 0.0).view(M, K)
+    return x_q, quantize(residual, x_q.global_scale)
+
+
+def fake_quantize_activation(x, rac_mask=None):
+    """DQ(x_q) + DQ(residual_q) of quantize_activation(x, rac_mask), in fp32, no gradient: the values
+    a W4A4 GEMM multiplies (the residual term only where rac_mask selects)."""
+    with torch.no_grad():
+        x_q, residual_q = quantize_activation(x, rac_mask)
+        values = dequantize(x_q, torch.float32)
+        return values if residual_q is None else values + dequantize(residual_q, torch.float32)
+
+
 # ----------------------------------------------------------------------------- Triton kernels
 # One program quantizes BLOCKS consecutive 16-element blocks of the flattened (M*G, 16) input: a
 # contiguous, coalesced tile. Per block: amax -> E4M3 scale (rounded by integer arithmetic on the

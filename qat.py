@@ -151,21 +151,6 @@ def _forget_weights(model, args, output):
         layer.weights_q = layer.input_memo = None  # the backward holds what it needs
 
 
-# ----------------------------------------------------------------------------- moeresq: the rollout's RAC
-@torch.no_grad()
-def compensated_values(x, rac_mask=None):
-    """x (M, K) -> DQ(Q(x)) + DQ(Q(S * r)) in fp32, r = x - DQ(Q(x)), S = rac_mask (G,) over blocks, both
-    quantized with x's dynamic global scale: rac.py's quantize_activation_reference, dequantized."""
-    x = x.float()  # quantizing x or its exact fp32 copy gives the same codes; fp32 keeps DQ exact
-    global_scale = nvfp4.compute_global_scale(x)
-    values = nvfp4.fake_quantize(x, global_scale)                                      # (M, K), exact
-    if rac_mask is not None:
-        M, K = x.shape
-        residual = torch.where(rac_mask[:, None], (x - values).view(M, -1, nvfp4.BLOCK_SIZE), 0.0)
-        values = values + nvfp4.fake_quantize(residual.view(M, K), global_scale)
-    return values
-
-
 # ----------------------------------------------------------------------------- trace: rollout-guided rounding
 @dataclass
 class RolloutCodes:
@@ -240,7 +225,7 @@ def quantize_input(x, mode, rac_mask=None, codes=None, row_keys=None):
     with torch.no_grad():
         source = x.detach().to(dtype)
         if mode == "moeresq":
-            values = compensated_values(source, rac_mask).to(dtype)
+            values = nvfp4.fake_quantize_activation(source, rac_mask).to(dtype)
         else:
             values = nvfp4.fake_quantize(source)
             if mode == "trace":

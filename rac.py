@@ -148,13 +148,7 @@ def quantize_activation_reference(x, rac_mask=None):
     residual is None without a mask."""
     _check_matrix(x, "quantize_activation_reference")
     _check_rac_mask(rac_mask, x)
-    x_q = nvfp4.quantize_reference(x)  # the dynamic global scale amax(|x|) / 2688
-    if rac_mask is None:
-        return x_q, None
-    M, K = x.shape
-    residual = x.float() - nvfp4.dequantize_reference(x_q, torch.float32)               # (M, K), exact
-    residual = torch.where(rac_mask[None, :, None], residual.view(M, -1, BLOCK_SIZE), 0.0).view(M, K)
-    return x_q, nvfp4.quantize_reference(residual, x_q.global_scale)
+    return nvfp4.quantize_activation(x, rac_mask)
 
 
 def _compensated(x_q, residual):

@@ -253,9 +253,9 @@ def bench_gemm(args):
                 "rac0.5": graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs]),
             }
             if variants:
-                act = rac.layer_input(x, mask)
+                act = rac.quantize_activation_triton(x, mask)
                 t["GEMM alone"] = graph_us([lambda w=w: rac.layer_matmul(act, w, bf16, splits) for w in wqs])
-                t["quantizer alone"] = graph_us([lambda: rac.layer_input(x, mask)] * 20)
+                t["quantizer alone"] = graph_us([lambda: rac.quantize_activation_triton(x, mask)] * 20)
                 bucket = w4a4_dense._m_bucket(M, w4a4_dense.DENSE_CONFIGS)
                 t["configs"] = {label: graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs])
                                 for label in forced(w4a4_dense._dense_kernel, bucket)}

@@ -14,26 +14,21 @@ Compensating whole blocks keeps the weight's codes and block scales valid for th
 GEMM applies both activation terms to the weight tile it already holds, so RAC never re-reads weights.
 rac_ratio 0 is naive NVFP4; 1 compensates every block (QUADS uses about 0.5). The residual shares x's
 global scale: a residual block is 6-16x smaller than its x block, so its E4M3 block scale still fits.
-(nvfp4.quantize_activation is these lines in code, shared with the trainer's fake quantization.)
+nvfp4.quantize_activation is these lines in code, shared with the trainer's fake quantization.
 
 Why a dynamic global scale: in RL the weights change every step, so a calibrated static activation
 scale goes stale between syncs, and anything above it saturates: exactly the outlier channels that
 hurt NVFP4 most. The price is that a token's rounding depends on the largest value in its batch.
 
-How to read this file: the references (plain PyTorch: quantize, dequantize, matmul in fp32), block
-selection, the experts' weight layout, the layers, conversion and sync; then the fast path: the
-wrappers around the kernels and `backend`, the one place a path is chosen per device.
+Reading order: the references (plain PyTorch, fp32), block selection, the experts' weight layout, the
+layers (an attention's q/k/v_proj share one selection, quantization and stacked GEMM: SharedInput),
+conversion and sync; then the fast path and `backend`, the one place a path is chosen per device.
 
-Fast path (kernels/w4a4_*.py, each naming the reference here that it equals): one quantizer launch
-writes the codes, or the fp16 operand (DQ(x_q) + DQ(r_q)) / g * 2^-6 that Hopper's tensor cores take
-(activation_operand); the dense GEMM decodes the FP4 weight in registers (or once, for prefill) and
-runs fp16 MMAs; the experts run as one grouped GEMM over all experts (Gluon on sm_89/sm_90, else
-Triton), with SwiGLU and the router weights in its epilogues. On Blackwell `tl.dot_scaled` takes the
-codes as they are; its numerics are UNTESTED (no such GPU here): it is checked against the Hopper
-kernels on first use and dropped with a one-line warning if they disagree.
-
-An attention's q/k/v_proj read one input: they share one block selection, one quantization and one
-GEMM over their stacked weights, each weight's global scale on its own columns (SharedInput).
+The fast path lives in kernels/w4a4_*.py, each file naming the reference here that it equals: one
+quantizer launch, then on Hopper (sm_89/sm_90) fp16 MMAs on the FP4 weight decoded in registers (or
+once, for prefill), the experts as one grouped GEMM over all experts with SwiGLU and the router weights
+in its epilogues; on Blackwell `tl.dot_scaled` on the codes as they are, numerics UNTESTED (no such GPU
+here): checked against the Hopper kernels on first use, dropped with a one-line warning if they differ.
 
 Shape letters: M rows (tokens or token-expert assignments), K reduction dim, N output features,
 G = K / 16 blocks, T tokens, A active experts per token, R = T * A assignments, E experts,
@@ -69,10 +64,10 @@ if gluon is not None:
     from kernels import w4a4_experts_gluon
 
 MODES = ("bf16", "fp8", "nvfp4")
-OPERAND_SHIFT = 2.0 ** -6          # the Hopper kernels' fp16 operands hold value * block_scale * 2^-6
 EXPERT_ROW_BLOCK = 16              # expert weights are stored in blocks of 16 rows ...
 EXPERT_K_CHUNK = 128               # ... by chunks of 128 elements of K (all of K when it is not a multiple)
 KERNEL_CAPABILITY = (8, 9)         # the kernels' E4M3 conversions (cvt.*.e4m3x2) need sm_89 or later
+_PARTS = ("data", "block_scale", "global_scale")  # an NVFP4 weight's three buffers
 
 
 # ======================================================================== the references (plain PyTorch)
@@ -135,34 +130,6 @@ def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_
     return y.to(out_dtype)
 
 
-# ------------------------------------------------------------------------ the Hopper kernels' fp16 operands
-def _values_without_global_scale(q):
-    """code_value * block_scale in fp32 (exact), (..., K)."""
-    values = nvfp4.decode_e2m1(nvfp4.unpack_codes(q.data))                              # (..., K)
-    values = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE) * q.block_scale.float().unsqueeze(-1)
-    return values.reshape(q.shape)
-
-
-def _planes(values):
-    """(M, K) -> (2, M, K/2) fp16: even columns, then odd ones (the order a packed byte holds them)."""
-    return torch.stack((values[:, 0::2], values[:, 1::2])).to(torch.float16).contiguous()
-
-
-def activation_operand(x_q, residual=None):
-    """Twin of the Hopper kernels' activation operand: (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
-    as fp16 planes (2, M, K/2). Each term is exact in fp32; the fp16 rounding of their sum is the one
-    step the kernels add to matmul_reference."""
-    values = _values_without_global_scale(x_q)
-    if residual is not None:
-        values = values + _values_without_global_scale(residual)
-    return _planes(values * OPERAND_SHIFT)
-
-
-def weight_operand_reference(w_q):
-    """Twin of the prefill weight pass: DQ(w_q) / global_scale * 2^-6 as fp16 planes (2, N, K/2), exact."""
-    return _planes(_values_without_global_scale(w_q) * OPERAND_SHIFT)
-
-
 # ======================================================================== RAC block selection
 def block_residual_error(x):
     """Mean |x - DQ(Q(x))| per 16-channel block of x (M, K), with x's dynamic global scale -> (G,) fp32."""
@@ -218,12 +185,9 @@ class RACSelector(nn.Module):
 # ======================================================================== the experts' weight layout
 class ExpertWeights(NamedTuple):
     """Stacked expert weights (E, N, K) in the order the grouped kernels stream them: each expert's rows in
-    blocks of EXPERT_ROW_BLOCK, each block's K in chunks of `chunk` elements, one (block, chunk) stored as
-    one run of 16 rows x chunk/2 bytes. A program's weight tile for a K step is then a few such runs, and
-    its whole stream a few contiguous regions, where row-major codes give it 64-byte pieces 1 KB apart:
-    the Gluon kernel's gate/up GEMM at 64 decode tokens took 84 us on it against 102 us on row-major codes
-    (H200, README). The codes and scales are nvfp4.quantize_weight's, moved (chunk_experts,
-    unchunk_experts)."""
+    blocks of 16, each block's K in chunks of `chunk` elements stored as one run of 16 rows x chunk/2 bytes
+    (row-major codes would give a program 64-byte pieces 1 KB apart: the gate/up GEMM at 64 decode tokens
+    took 102 us on those, 84 us on this, on the H200). nvfp4.quantize_weight's codes and scales, moved."""
     data: torch.Tensor          # uint8 (E, N / 16, K / chunk, 16, chunk / 2)
     block_scale: torch.Tensor   # float8_e4m3fn (E, N / 16, K / chunk, 16, chunk / 16)
     global_scale: torch.Tensor  # float32 (E,)
@@ -267,11 +231,10 @@ def unchunk_experts(w):
 
 # ======================================================================== rollout layers
 class DequantizedWeight:
-    """DQ(W) in fp32 for a layer's twin path (the CPU's), kept while the weight's three buffers are the same
-    tensors, unmodified since (their version counters): load_weight and sync_weights write into them, so
-    the next call dequantizes again. Without it the twin dequantizes every fixed rollout weight at every
-    decode step (a sixth of `python train.py`'s time on a CPU). Costs an fp32 copy of the weights; the
-    Triton path never uses it. Inference tensors keep no version counter: those are never kept."""
+    """DQ(W) in fp32 for a layer's reference path, kept while the weight's three buffers are the same
+    tensors, unmodified since (version counters; load_weight writes into them). Without it every decode step
+    dequantizes every weight again (a sixth of `python train.py`'s time on a CPU). Inference tensors have no
+    version counter: never kept."""
 
     def __init__(self):
         self.tensors, self.versions, self.value = (), (), None
@@ -295,9 +258,9 @@ def _dequantized(q):
 
 
 def _quantized_input(x2, rac_mask):
-    """What a layer's GEMM takes of x2 (M, K): layer_input on the Triton path, else the twin's codes."""
+    """What a layer's GEMM takes of x2 (M, K): the quantizer's Activation on the kernels, else the codes."""
     if use_triton(x2):
-        return layer_input(x2, rac_mask)
+        return quantize_activation_triton(x2, rac_mask)
     return quantize_activation_reference(x2, rac_mask)
 
 
@@ -309,11 +272,11 @@ class NVFP4Linear(nn.Module):
         super().__init__()
         _check_features(in_features, "NVFP4Linear")
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight_data", torch.zeros(out_features, in_features // 2, dtype=torch.uint8,
-                                                        device=device))
-        self.register_buffer("weight_block_scale", torch.zeros(out_features, in_features // BLOCK_SIZE,
-                                                               dtype=torch.float8_e4m3fn, device=device))
-        self.register_buffer("weight_global_scale", torch.ones((), dtype=torch.float32, device=device))
+        for part, buffer in zip(_PARTS, (
+                torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device),
+                torch.zeros(out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
+                torch.ones((), dtype=torch.float32, device=device))):
+            self.register_buffer(f"weight_{part}", buffer)
         self.bias = (nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
                      if bias else None)
         self.rac = RACSelector(in_features // BLOCK_SIZE, rac_ratio, device=device)
@@ -338,9 +301,8 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"NVFP4Linear: weight shape {tuple(weight.shape)} != "
                              f"{(self.out_features, self.in_features)}")
         q = nvfp4.quantize_weight(weight.detach())
-        self.weight_data.copy_(q.data)
-        self.weight_block_scale.copy_(q.block_scale)
-        self.weight_global_scale.copy_(q.global_scale)
+        for part in _PARTS:
+            getattr(self, f"weight_{part}").copy_(getattr(q, part))
         if bias is not None and self.bias is not None:
             self.bias.copy_(bias)
 
@@ -376,15 +338,12 @@ def stack_weights(weights):
 
 
 class SharedInput:
-    """One input read by several NVFP4Linear layers (an attention's q_proj, k_proj and v_proj, which share
-    one RACSelector). The first layer to read an input computes every layer's output and keeps the
-    others' until each has read it once or another input arrives. On the Triton path that is one GEMM:
-    the layers' weight buffers are views of one stacked NVFP4 weight (N_q + N_k + N_v rows), each
-    weight's global scale applied to its own columns; equal to three GEMMs up to fp32 accumulation order.
-    The twin path quantizes x once and runs each layer's own matmul: bit for bit unshared layers.
-    Reuse needs the very tensor object, unmodified since (its version counter), so it is always of the
-    values the layer would see itself. Inference tensors keep no version counter: each layer then runs
-    alone."""
+    """One input read by several NVFP4Linear layers (an attention's q/k/v_proj, sharing one RACSelector).
+    The first layer to read an input computes every layer's output and keeps the others' until each has
+    read it once. On the kernels that is one GEMM over one stacked weight whose views are the layers'
+    buffers, each weight's global scale on its own columns (three GEMMs up to fp32 accumulation order);
+    the reference quantizes x once and runs each layer's own matmul (bit for bit unshared layers). Reuse
+    needs the very tensor, unmodified since (its version counter); inference tensors: each layer alone."""
 
     def __init__(self, layers):
         self.layers = list(layers)
@@ -452,7 +411,7 @@ class NVFP4Experts(nn.Module):
             empty = NVFP4Tensor(torch.zeros(E, N, K // 2, dtype=torch.uint8, device=device),
                                 torch.zeros(E, N, K // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
                                 torch.ones(E, dtype=torch.float32, device=device))
-            for part, buffer in zip(("data", "block_scale", "global_scale"), chunk_experts(empty)):
+            for part, buffer in zip(_PARTS, chunk_experts(empty)):
                 self.register_buffer(f"{name}_{part}", buffer)
         self.rac_gate_up = RACSelector(D // BLOCK_SIZE, rac_ratio, device=device)
         self.rac_down = RACSelector(I // BLOCK_SIZE, rac_ratio, device=device)
@@ -482,9 +441,8 @@ class NVFP4Experts(nn.Module):
                 raise ValueError(f"NVFP4Experts: {name} weight shape {tuple(w.shape)} does not match "
                                  f"{expected}")
             q = chunk_experts(nvfp4.quantize_weight(w.detach()))
-            getattr(self, f"{name}_data").copy_(q.data)
-            getattr(self, f"{name}_block_scale").copy_(q.block_scale)
-            getattr(self, f"{name}_global_scale").copy_(q.global_scale)
+            for part in _PARTS:
+                getattr(self, f"{name}_{part}").copy_(getattr(q, part))
 
     def forward(self, x, expert_ids, expert_weights):
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) -> (T, D) in x.dtype, as moe.Experts."""
@@ -497,13 +455,10 @@ class NVFP4Experts(nn.Module):
 
     def _forward_triton(self, x, routing, expert_weights):
         """x (T, D), routing, expert_weights (T * A,) -> (R, D): each sorted row times its router weight."""
-        native = backend(x.device) == "native"  # codes for tl.dot_scaled, else the fp16 operand
-        act = quantize_activation_triton(x, self.rac_gate_up(x), codes=native, operand=not native,
-                                         early_launch=True)
+        act = quantize_activation_triton(x, self.rac_gate_up(x), early_launch=True)
         hidden = grouped_matmul_triton(act, self.gate_up_w, routing.counts, row_ids=routing.token_ids,
                                        swiglu=True, out_dtype=x.dtype)                   # (R, I)
-        act = quantize_activation_triton(hidden, self.rac_down(hidden), codes=native, operand=not native,
-                                         early_launch=True)
+        act = quantize_activation_triton(hidden, self.rac_down(hidden), early_launch=True)
         return grouped_matmul_triton(act, self.down_w, routing.counts, row_weights=expert_weights,
                                      row_weight_ids=routing.order, out_dtype=x.dtype)    # (R, D)
 
@@ -530,11 +485,8 @@ def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quant
 
     mode "bf16": unchanged. "fp8": W8A8 (fp8.FP8Linear, fp8.FP8Experts). "nvfp4": W4A4 (NVFP4Linear,
     NVFP4Experts) with residual compensation on round(rac_ratio * G) blocks of each layer input.
-    Converted: every moe.Attention's nn.Linear projections and every moe.Experts (a qat.py model's
-    layers subclass those, so it converts too); with the flags also the routers and the LM head. An
-    attention's q/k/v_proj read one input: in nvfp4 mode they share its selection, its quantization and
-    one GEMM (SharedInput).
-    Embeddings and norms stay in full precision. The weights are quantized from the model's own.
+    Converted: every moe.Attention's projections and moe.Experts (qat.py's layers subclass those), with
+    the flags the routers and the LM head; q/k/v_proj share one SharedInput. Embeddings and norms stay.
     """
     if mode not in MODES:
         raise ValueError(f"unknown rollout mode {mode!r}; choose one of {list(MODES)}")
@@ -564,14 +516,10 @@ _QUANTIZED_LAYERS = (NVFP4Linear, NVFP4Experts, fp8.FP8Linear, fp8.FP8Experts)
 
 @torch.no_grad()
 def sync_weights(rollout_model, trainer_model):
-    """Reload every rollout weight in place from the trainer's master weights.
-
-    Quantized layers re-quantize the trainer's `weight` / `gate_up_proj` / `down_proj` (NVFP4 through
-    nvfp4.quantize_weight, the function qat.py's fake quantization uses, so the rollout's codes are
-    the trainer's QAT weights bit for bit; FP8 through its per-channel rule). Everything else in full
-    precision (embeddings, norms, routers, LM head, bf16-mode layers) is copied by parameter name.
-    The RAC block selection is left alone: call calibrate_rac when it should be refreshed.
-    """
+    """Reload every rollout weight in place from the trainer's master weights: quantized layers
+    re-quantize them (NVFP4 through nvfp4.quantize_weight, as qat.py's fake quantization, so the codes are
+    the trainer's QAT weights bit for bit; FP8 through its rule), everything else is copied by name. The
+    RAC block selection is left alone: call calibrate_rac when it should be refreshed."""
     params = dict(trainer_model.named_parameters(remove_duplicate=False))
 
     def master(path, name):
@@ -598,13 +546,9 @@ def sync_weights(rollout_model, trainer_model):
 
 @torch.no_grad()
 def calibrate_rac(rollout_model, tokens):
-    """Choose each NVFP4 layer input's compensated blocks from one forward pass on `tokens` (B, T).
-
-    Each selector sees the activations its layer actually receives (upstream layers already run with
-    their fresh selection) and keeps the blocks with the largest mean |x - DQ(Q(x))|. Call it after
-    sync_weights, or every N steps: the caller decides. A selector's ratio is its own (RACSelector.set_ratio
-    changes it). Returns the model.
-    """
+    """Choose each NVFP4 layer input's compensated blocks from one forward pass on `tokens` (B, T): each
+    selector sees what its layer receives (upstream layers already on their fresh selection). Call it
+    after sync_weights, or every N steps: the caller decides. Returns the model."""
     selectors = [m for m in rollout_model.modules() if isinstance(m, RACSelector)]
     for selector in selectors:
         selector.start_calibration()
@@ -625,25 +569,21 @@ class Activation(NamedTuple):
     global_scale: torch.Tensor    # () fp32
 
 
-def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True, early_launch=False):
-    """The quantizer kernel: x (M, K) -> Activation with the fp16 operand (operand=True) and/or the codes
-    of x and of its RAC residual (codes=True), bit for bit quantize_activation_reference and
-    activation_operand. early_launch: the next kernel may launch while this one runs (sm_90+, small
-    launches: the experts' GEMM)."""
+def quantize_activation_triton(x, rac_mask=None, codes=None, operand=None, early_launch=False):
+    """The quantizer kernel: x (M, K) -> Activation with the codes of x and of its RAC residual (codes=True:
+    bit for bit quantize_activation_reference) and/or the fp16 operand of the Hopper GEMMs (operand=True);
+    None: what this device's GEMMs take (codes on Blackwell, else the operand). early_launch: the next
+    kernel may launch while this one runs (sm_90+, small launches: before the experts' GEMMs)."""
     _require_triton()
     _check_matrix(x, "quantize_activation_triton")
     _check_rac_mask(rac_mask, x)
+    native = backend(x.device) == "native"
+    codes, operand = native if codes is None else codes, (not native) if operand is None else operand
     data, scale, r_data, r_scale, planes, global_scale = w4a4_quantize.quantize_activation(
         x, rac_mask, codes, operand, early_launch)
     return Activation(NVFP4Tensor(data, scale, global_scale) if codes else None,
                       NVFP4Tensor(r_data, r_scale, global_scale) if r_data is not None else None,
                       planes, global_scale)
-
-
-def layer_input(x, rac_mask):
-    """What the dense GEMM takes of x (M, K): on Blackwell the codes, else the fp16 operand."""
-    native = backend(x.device) == "native"
-    return quantize_activation_triton(x, rac_mask, codes=native, operand=not native)
 
 
 def _codes(act):
@@ -653,7 +593,7 @@ def _codes(act):
 
 
 def layer_matmul(act, w_q, out_dtype, splits=None):
-    """The dense GEMM on layer_input's `act` (Triton, CUDA): (M, N), or one (M, n) per stacked weight."""
+    """The dense GEMM on a quantized activation: (M, N), or one (M, n) per stacked weight (splits)."""
     w = (w_q.data, w_q.block_scale, w_q.global_scale)
     if act.operand is None:
         return w4a4_blackwell.dense_matmul(*_codes(act), act.global_scale, *w, out_dtype, splits)
@@ -678,7 +618,7 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=
     if w_q.global_scale.numel() != n_scales:
         raise ValueError(f"nvfp4_linear: the weight has {w_q.global_scale.numel()} global scales; "
                          f"expected {n_scales} (one per stacked weight)")
-    return layer_matmul(layer_input(x, rac_mask), w_q, out_dtype, splits)
+    return layer_matmul(quantize_activation_triton(x, rac_mask), w_q, out_dtype, splits)
 
 
 def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu=False,
@@ -716,58 +656,32 @@ def backend(device):
       'gluon'      sm_89 / sm_90 with Gluon: the quantizer, the tiled dense GEMM, the Gluon experts
       'triton'     the same with the Triton experts: Triton without Gluon, the interpreter on CUDA
                    tensors, or Blackwell whose native kernels failed their check
-      'native'     sm_100+: tl.dot_scaled, once it has agreed with the Hopper kernels on a check problem."""
+      'native'     sm_100+: tl.dot_scaled, once it has agreed with the Hopper kernels on a check problem
+                   (w4a4_blackwell.disagreement; else one warning and 'triton')."""
     if device.type != "cuda" or triton is None:
         return "reference"
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _BACKENDS:
-        capability = torch.cuda.get_device_capability(index)
-        _BACKENDS[index] = "triton"  # what the native check compares with (it calls these functions)
+        capability, path = torch.cuda.get_device_capability(index), "triton"
         if capability < KERNEL_CAPABILITY:
             need, have = ".".join(map(str, KERNEL_CAPABILITY)), ".".join(map(str, capability))
             warnings.warn(f"rac: the W4A4 kernels need compute capability {need}+ (this GPU: {have}); the "
                           "NVFP4 layers run their references (correct, slow)", stacklevel=2)
-            _BACKENDS[index] = "reference"
+            path = "reference"
         elif capability >= (10, 0):
-            _BACKENDS[index] = "native" if _native_agrees(torch.device("cuda", index)) else "triton"
+            problem = w4a4_blackwell.disagreement(torch.device("cuda", index))  # None: they agree
+            if problem:
+                warnings.warn(f"rac: {problem}; using the Hopper kernels", stacklevel=2)
+            path = "triton" if problem else "native"
         elif gluon is not None and not w4a4_quantize.INTERPRET:
-            _BACKENDS[index] = "gluon"
+            path = "gluon"
+        _BACKENDS[index] = path
     return _BACKENDS[index]
 
 
 def use_triton(x):
     """Do the layers run the kernels on x (a CUDA tensor of a GPU the kernels compile for)?"""
     return backend(x.device) != "reference"
-
-
-def _native_agrees(device):
-    """Run the native kernels once on a check problem and compare them with the Hopper kernels.
-    Any disagreement or error: warn once, in one line, and return False (use the Hopper kernels)."""
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(48, 256, generator=generator).to(device, torch.bfloat16)
-    w_q = nvfp4.quantize_weight(torch.randn(80, 256, generator=generator).to(device, torch.bfloat16))
-    stacked = torch.randn(3, 80, 256, generator=generator).to(device, torch.bfloat16)
-    stacked = chunk_experts(nvfp4.quantize_weight(stacked))
-    counts = torch.tensor([20, 0, 28], device=device)
-    act = quantize_activation_triton(x, torch.arange(16, device=device) % 2 == 0, codes=True, operand=True)
-    codes = act._replace(operand=None)  # what the native kernels take
-    checks = (("dense", lambda: layer_matmul(codes, w_q, torch.float32), lambda: layer_matmul(act, w_q, torch.float32)),
-              ("grouped", lambda: grouped_matmul_triton(codes, stacked, counts, out_dtype=torch.float32),
-               lambda: grouped_matmul_triton(act, stacked, counts, out_dtype=torch.float32)))
-    for name, native, hopper in checks:
-        reference = hopper()
-        try:
-            result = native()
-        except Exception as error:  # a compiler or launch failure: report it and keep the Hopper kernels
-            warnings.warn(f"rac.py: the native FP4 {name} GEMM failed on {device} ({type(error).__name__}: "
-                          f"{str(error).splitlines()[0] if str(error) else ''}); using the Hopper kernels")
-            return False
-        error = ((result - reference).norm() / reference.norm()).item()
-        if not error < 1e-3:
-            warnings.warn(f"rac.py: the native FP4 {name} GEMM disagrees with the Hopper kernels on "
-                          f"{device} (relative error {error:.2e}); using the Hopper kernels")
-            return False
-    return True
 
 
 def _require_triton():

@@ -6,7 +6,8 @@ the grouped one rac.grouped_matmul_reference, up to fp32 accumulation order:
 
 where each product is a dot_scaled over all of K with the block scales, and the global scales come in
 the epilogue. Numerics UNTESTED (no Blackwell GPU here; the interpreter reads E4M3 scales as E8M0): a CPU
-test compiles both kernels for sm_100, and rac.py checks them against the Hopper kernels on first use.
+test compiles both kernels for sm_100, and rac.py checks them against the Hopper kernels on first use
+(`disagreement`, at the end).
 
 One tl.dot_scaled per loop body: with two (x and its residual, or gate and up) Triton 3.6's automatic warp
 specialization fails to compile for sm_100. So the residual is a second pass over K (the weight tiles read
@@ -17,10 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import w4a4_dense, w4a4_experts
 from kernels.w4a4_dense import EXPERT_ROWS, _split_columns, _store_split, _store_tile, as_int16, \
     column_splits, split_output
 from kernels.w4a4_experts import _expert_tile, _expert_weight_rows, _swiglu, _tile_rows, expert_shape, \
     grouped_output
+from kernels.w4a4_quantize import quantize_activation
 
 
 @triton.jit
@@ -153,3 +156,36 @@ def grouped_matmul(x_data, x_block_scale, r_data, r_block_scale, x_global_scale,
         HAS_RESIDUAL=has_residual, OUT_BF16=out_dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=4, **flags)
     return y
+
+
+def disagreement(device):
+    """Run both kernels once on a small check problem beside the Hopper kernels (w4a4_dense, w4a4_experts)
+    -> None where they agree (relative error < 1e-3), else one line saying which failed and how."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 256, generator=generator).to(device, torch.bfloat16)
+    w = torch.randn(3 * 80, 256, generator=generator).to(device, torch.bfloat16)
+    mask = torch.arange(16, device=device) % 2 == 0
+    x_data, x_scale, r_data, r_scale, operand, x_global = quantize_activation(x, mask, codes=True)
+    w_data, w_scale, _, _, _, w_global = quantize_activation(w, codes=True, operand=False)
+    w_global = w_global.reshape(1)
+    # three experts of 80 rows in their blocked layout: 16-row blocks by 128-element chunks of K
+    experts = [t.reshape(3, 5, 16, 2, -1).transpose(2, 3).contiguous() for t in (w_data, w_scale)]
+    experts, counts = (*experts, w_global.expand(3).contiguous()), torch.tensor([20, 0, 28], device=device)
+    dense = (w_data[:80], w_scale[:80], w_global, torch.float32)
+    checks = (("dense", lambda: dense_matmul(x_data, x_scale, r_data, r_scale, x_global, *dense),
+               lambda: w4a4_dense.dense_matmul(operand, x_global, *dense)),
+              ("grouped", lambda: grouped_matmul(x_data, x_scale, r_data, r_scale, x_global, *experts, counts,
+                                                 torch.float32),
+               lambda: w4a4_experts.grouped_matmul(operand, x_global, *experts, counts, torch.float32)))
+    for name, native, hopper in checks:
+        expected = hopper()
+        try:
+            result = native()
+        except Exception as error:  # a compiler or launch failure: say so, the caller keeps the Hopper kernels
+            first_line = str(error).splitlines()[0] if str(error) else ""
+            return f"the native FP4 {name} GEMM failed on {device} ({type(error).__name__}: {first_line})"
+        error = ((result - expected).norm() / expected.norm()).item()
+        if not error < 1e-3:
+            return (f"the native FP4 {name} GEMM disagrees with the Hopper kernels on {device} (relative "
+                    f"error {error:.2e})")
+    return None

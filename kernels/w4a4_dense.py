@@ -1,7 +1,7 @@
 """The W4A4 dense GEMM for Hopper (and sm_89): y = x @ W.T with NVFP4 weights and the quantizer's fp16
 activation operand (kernels/w4a4_quantize.py). It equals rac.matmul_reference up to fp32 accumulation order
 (and, with a RAC residual, the fp16 rounding of x + r the operand makes); the prefill weight pass equals
-rac.weight_operand_reference bit for bit.
+the definition of that fp16 operand (value * block scale * 2^-6) bit for bit.
 
 Hopper has no FP4 tensor cores and `tl.dot_scaled` does not compile for sm_90, so the weight is decoded in
 registers. An E2M1 code c put in an E4M3 byte as (c & 7) << 2 | (c & 8) << 4 *is* c's value times 2^-6, and
@@ -211,7 +211,7 @@ def _store_split(y_ptr, rows, row_mask, col_base, col_stride, col_mask, value, O
 @triton.jit
 def _weight_operand_kernel(data_ptr, scale_ptr, out_ptr, N, K, stride_data, stride_scale, plane_size,
                            GPU: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Prefill: NVFP4 (N, K) -> fp16 planes (2, N, K/2), once per call. Twin: rac.weight_operand_reference."""
+    """Prefill: NVFP4 (N, K) -> fp16 planes (2, N, K/2), once per call. Exact: each value fits fp16."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     k0 = tl.program_id(1) * BLOCK_K
     row_mask = rows < N

@@ -1,6 +1,6 @@
 """The W4A4 activation quantizer: x (M, K) -> NVFP4 codes of x and of its RAC residual, and the fp16 operand
-the Hopper GEMMs multiply. It equals rac.quantize_activation_reference (the codes, bit for bit: the same
-arithmetic as nvfp4.quantize_reference) and rac.activation_operand (the operand).
+the Hopper GEMMs multiply. The codes equal rac.quantize_activation_reference bit for bit (the arithmetic of
+nvfp4.quantize_reference); the operand is their values, (DQ(x_q) + DQ(r_q)) / g * 2^-6 rounded once to fp16.
 
 Per 16-element block b of x, with the dynamic global scale g = amax(|x|) / (6 * 448):
 
@@ -168,7 +168,7 @@ def _after_previous_kernel(PDL: tl.constexpr, EARLY: tl.constexpr = False):
             tl.extra.cuda.gdc_launch_dependents()
 
 
-# Reference: rac.quantize_activation_reference (codes), rac.activation_operand (operand). A program
+# Reference: rac.quantize_activation_reference (codes; the operand is their values). A program
 # quantizes BLOCKS 16-element blocks of the flattened (M * G, 16) input as two (BLOCKS, 8) tiles of
 # even and odd elements (nvfp4.py's pair layout: a bf16 pair is one 32-bit load, and a packed byte
 # is code(even) | code(odd) << 4) with nvfp4.py's own arithmetic: bit for bit the twin.

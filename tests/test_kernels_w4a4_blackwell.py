@@ -1,8 +1,11 @@
 """kernels/w4a4_blackwell.py: the native FP4 kernels compile for sm_100 to Blackwell's block-scaled FP4
-tensor-core instruction. Their numerics stay untested without a Blackwell GPU (rac.py checks them against
-the Hopper kernels on first use: tests/test_rac.py covers that guard)."""
+tensor-core instruction, and their first-use check against the Hopper kernels names what fails. Their
+numerics stay untested without a Blackwell GPU."""
 import pytest
+import torch
 from test_kernels_w4a4_quantize import compiled_output
+
+import nvfp4
 
 pytest.importorskip("kernels.w4a4_blackwell")
 
@@ -13,7 +16,8 @@ from triton.compiler import ASTSource, compile
 from kernels import w4a4_blackwell
 p8, pf, p32, i = "*u8", "*fp32", "*i32", "i32"
 common = dict(OUT_BF16=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)
-grouped_types = [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, "*i64", p8, "*fp8e4nv", pf, "*i64", "*i16"] + [i] * 14
+grouped_types = [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, "*i64", p8, "*fp8e4nv", pf, "*i64", "*i16"]
+grouped_types += [i] * 14
 kernels = {
     "dense": (w4a4_blackwell._dense_native_kernel,
               [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, p8, "*fp8e4nv", pf, "*i16"] + [i] * 9,
@@ -39,3 +43,42 @@ def test_native_kernels_compile_to_blackwell_fp4_tensor_core_instructions():
     counts = dict(line.split() for line in compiled_output(_COMPILE_FOR_SM100))
     assert set(counts) == {"dense", "grouped", "grouped_down"}, counts
     assert all(int(n) > 0 for n in counts.values()), counts
+
+
+def test_disagreement_names_the_kernel_that_fails_or_differs(kernel_device, monkeypatch):
+    # stand-ins for the native launches (no Blackwell GPU here): right, wrong and failing; the Hopper side is
+    # the real kernels (on the CPU under the interpreter)
+    import rac
+    w4a4_blackwell = rac.w4a4_blackwell
+
+    def codes(x_data, x_scale, r_data, r_scale, global_scale):
+        residual = None if r_data is None else nvfp4.NVFP4Tensor(r_data, r_scale, global_scale)
+        return nvfp4.NVFP4Tensor(x_data, x_scale, global_scale), residual
+
+    def dense_reference(x_data, x_scale, r_data, r_scale, x_global, w_data, w_scale, w_global, out_dtype):
+        x_q, residual = codes(x_data, x_scale, r_data, r_scale, x_global)
+        return rac.matmul_reference(x_q, nvfp4.NVFP4Tensor(w_data, w_scale, w_global), residual, out_dtype)
+
+    def grouped_reference(x_data, x_scale, r_data, r_scale, x_global, w_data, w_scale, w_global, counts,
+                          out_dtype):
+        x_q, residual = codes(x_data, x_scale, r_data, r_scale, x_global)
+        return rac.grouped_matmul_reference(x_q, rac.ExpertWeights(w_data, w_scale, w_global), counts, residual,
+                                            out_dtype=out_dtype)
+
+    def wrong(reference):
+        return lambda *args: reference(*args) * 1.01
+
+    def broken(*args):
+        raise RuntimeError("no FP4 tensor cores here")
+
+    device = torch.device(kernel_device)
+    for dense, grouped, expected in (
+            (dense_reference, grouped_reference, None),
+            (wrong(dense_reference), grouped_reference, "the native FP4 dense GEMM disagrees with the Hopper"),
+            (dense_reference, wrong(grouped_reference), "the native FP4 grouped GEMM disagrees"),
+            (broken, grouped_reference, "the native FP4 dense GEMM failed on"),
+            (dense_reference, broken, "the native FP4 grouped GEMM failed on")):
+        monkeypatch.setattr(w4a4_blackwell, "dense_matmul", dense)
+        monkeypatch.setattr(w4a4_blackwell, "grouped_matmul", grouped)
+        problem = w4a4_blackwell.disagreement(device)
+        assert (problem is None) if expected is None else (expected in problem and "\n" not in problem), problem

@@ -1,10 +1,11 @@
 """kernels/w4a4_dense.py: the dense W4A4 GEMM (split-K, X_FIRST, the prefill weight pass, stacked q/k/v
-weights) against rac.nvfp4_linear_reference / rac.matmul_reference and the prefill pass against
-rac.weight_operand_reference (CPU under TRITON_INTERPRET=1, GPU natively); its autotuning table; every
+weights) against rac.nvfp4_linear_reference / rac.matmul_reference and the prefill pass against the fp16 operand's
+definition (CPU under TRITON_INTERPRET=1, GPU natively); its autotuning table; every
 GPU configuration forced in turn."""
 import pytest
 import torch
 from conftest import relative_error, report_diff, same_bits
+from test_kernels_w4a4_quantize import operand_oracle
 
 import nvfp4
 import rac
@@ -61,7 +62,7 @@ def test_prefill_and_partial_max_paths_match_the_decode_path(kernel_device, monk
 def test_prefill_weight_pass_matches_its_reference(kernel_device):
     torch.manual_seed(0)
     w_q = nvfp4.quantize_weight(torch.randn(40, 96, device=kernel_device))
-    assert same_bits(w4a4_dense.weight_operand(w_q.data, w_q.block_scale), rac.weight_operand_reference(w_q))
+    assert same_bits(w4a4_dense.weight_operand(w_q.data, w_q.block_scale), operand_oracle(w_q))
 
 
 def test_split_k_counters_are_reset_so_repeated_calls_agree(kernel_device):

@@ -1,5 +1,5 @@
-"""kernels/w4a4_quantize.py: the activation quantizer against rac.quantize_activation_reference and
-rac.activation_operand, bit for bit (CPU under TRITON_INTERPRET=1, GPU natively); the partial max; the
+"""kernels/w4a4_quantize.py: the activation quantizer against rac.quantize_activation_reference (codes) and
+the definition of the Hopper GEMMs' fp16 operand, bit for bit (CPU under TRITON_INTERPRET=1, GPU natively); the partial max; the
 residual's product rounded on its own when compiled; programmatic dependent launch (PDL) in every W4A4
 kernel, compiled for sm_90 on the CPU."""
 import os
@@ -14,6 +14,18 @@ import nvfp4
 import rac
 
 w4a4_quantize = pytest.importorskip("kernels.w4a4_quantize")
+
+
+def operand_oracle(x_q, residual=None):
+    """The Hopper GEMMs' fp16 operand, by its definition: (code value * block scale of x, plus the residual's)
+    * 2^-6 in float64, rounded once to fp16, as planes (2, M, K/2) of the even and the odd columns."""
+    def values(q):
+        codes = nvfp4.unpack_codes(q.data.cpu())
+        magnitude = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float64)[(codes & 7).long()]
+        signed = torch.where(codes >= 8, -magnitude, magnitude)
+        return (signed.view(*codes.shape[:-1], -1, 16) * q.block_scale.cpu().double()[..., None]).flatten(-2)
+    exact = values(x_q) if residual is None else values(x_q) + values(residual)  # (-0.0 stays -0.0)
+    return (torch.stack((exact[:, 0::2], exact[:, 1::2])) * 2.0 ** -6).half()
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 16), (3, 48), (17, 80), (64, 768)])
@@ -36,16 +48,7 @@ def test_quantizer_matches_its_reference_bit_for_bit(kernel_device, rows, cols, 
         assert (scales[:, ~mask.cpu()] == 0).all() and (scales[:, mask.cpu()] > 0).any()
     else:
         assert act.residual is None
-    assert same_bits(act.operand, rac.activation_operand(x_q, residual))
-    # the operand reference is the definition: (code value * block scale, x's and r's summed) * 2^-6 in fp16
-    def values(q):
-        codes = nvfp4.unpack_codes(q.data.cpu())
-        magnitude = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float64)[(codes & 7).long()]
-        signed = torch.where(codes >= 8, -magnitude, magnitude).view(rows, -1, 16)
-        return (signed * q.block_scale.cpu().double()[..., None]).view(rows, cols)
-    exact = values(x_q) + (values(residual) if residual is not None else 0.0)
-    planes = torch.stack((exact[:, 0::2], exact[:, 1::2])) * 2.0 ** -6
-    assert torch.equal(rac.activation_operand(x_q, residual).double(), planes.half().double())
+    assert same_bits(act.operand, operand_oracle(x_q, residual))
 
 
 def test_quantizer_zeros_and_nan(kernel_device):
@@ -58,7 +61,7 @@ def test_quantizer_zeros_and_nan(kernel_device):
     act = rac.quantize_activation_triton(x, torch.ones(2, dtype=torch.bool, device=kernel_device))
     x_q, residual = rac.quantize_activation_reference(x.cpu(), torch.ones(2, dtype=torch.bool))
     assert act.global_scale.isnan().item() and x_q.global_scale.isnan().item()
-    assert same_bits(act.operand, rac.activation_operand(x_q, residual))
+    assert same_bits(act.operand, operand_oracle(x_q, residual))
     assert act.operand[:, 1, 8:].isnan().all()  # the NaN block (columns 16..31) stays NaN
 
 

@@ -206,14 +206,10 @@ class ExpertWeights(NamedTuple):
         return self.data.device
 
 
-def expert_chunk(K):
-    return EXPERT_K_CHUNK if K % EXPERT_K_CHUNK == 0 else K
-
-
 def chunk_experts(w_q):
     """NVFP4Tensor (E, N, K) -> ExpertWeights (N a multiple of 16)."""
     E, N, K = w_q.shape
-    chunk, rows = expert_chunk(K), EXPERT_ROW_BLOCK
+    chunk, rows = EXPERT_K_CHUNK if K % EXPERT_K_CHUNK == 0 else K, EXPERT_ROW_BLOCK
     if N % rows:
         raise ValueError(f"chunk_experts: N={N} rows is not a multiple of {rows}")
 

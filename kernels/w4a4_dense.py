@@ -96,6 +96,16 @@ def _weight_tile(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride
     value * block_scale * 2^-6 exactly, for the tensor cores: each row's BLOCK_K/2 bytes load as one
     run (16-byte loads). CHUNK: the rows are in the experts' layout of CHUNK-element chunks (a step
     within one chunk; stride_data / _scale step a block of EXPERT_ROWS rows)."""
+    packed, scale_byte = _weight_bytes(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data,
+                                       stride_scale, BLOCK_K, EVEN_K, CHUNK, stride_chunk, stride_scale_chunk)
+    return _decoded_tile(packed, scale_byte, ROWS, BLOCK_K, GPU)
+
+
+@triton.jit
+def _weight_bytes(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, CHUNK: tl.constexpr, stride_chunk,
+                  stride_scale_chunk):
+    """_weight_tile's codes (ROWS, BLOCK_K/2) and E4M3 scale bytes (ROWS, BLOCK_K/16), as loaded."""
     GB: tl.constexpr = BLOCK_K // 16
     blocks = k0 // 16 + tl.arange(0, GB)                                            # (GB,)
     byte_cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]                   # (1, BLOCK_K/2)
@@ -120,6 +130,13 @@ def _weight_tile(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride
     else:
         packed = tl.load(data_ptrs, mask=data_mask, other=0)
         scale_byte = tl.load(scale_ptrs, mask=row_mask[:, None] & (blocks < K // 16)[None, :], other=0)
+    return packed, scale_byte
+
+
+@triton.jit
+def _decoded_tile(packed, scale_byte, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, GPU: tl.constexpr):
+    """_weight_bytes' codes and scale bytes -> _weight_tile's even and odd fp16 tiles."""
+    GB: tl.constexpr = BLOCK_K // 16
     block_scale = _e4m3_to_fp16(scale_byte, GPU)[:, :, None]                        # (ROWS, GB, 1)
     even, odd = _e2m1_pairs_to_fp16(packed, GPU)
     even = tl.reshape(tl.reshape(even, (ROWS, GB, 8)) * block_scale, (ROWS, BLOCK_K // 2))
@@ -274,7 +291,7 @@ def _bench_in_graph(kernel_call, quantiles):
 
 
 # ------------------------------------------------------------------ the dense GEMM
-# Twin: rac.matmul_reference on the quantizer's operand.
+# Reference: rac.matmul_reference (on the quantizer's operand).
 @triton.autotune(configs=_configs(DENSE_CONFIGS), key=["M_BUCKET", "N", "K", "W_FP16"],
                  prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
 @triton.heuristics(_HEURISTICS)

@@ -120,7 +120,7 @@ def _grouped_prune(configs, named_args, **kwargs):
                           num_stages=c.num_stages, maxnreg=c.maxnreg) for c in kept]
 
 
-# Twin: rac.grouped_matmul_reference.
+# Reference: rac.grouped_matmul_reference.
 @triton.autotune(configs=_configs(GROUPED_CONFIGS), key=["M_BUCKET", "N", "K"],
                  prune_configs_by={"early_config_prune": _grouped_prune}, do_bench=_bench_in_graph)
 @triton.heuristics(_HEURISTICS)

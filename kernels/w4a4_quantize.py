@@ -171,7 +171,7 @@ def _after_previous_kernel(PDL: tl.constexpr, EARLY: tl.constexpr = False):
 # Reference: rac.quantize_activation_reference (codes; the operand is their values). A program
 # quantizes BLOCKS 16-element blocks of the flattened (M * G, 16) input as two (BLOCKS, 8) tiles of
 # even and odd elements (nvfp4.py's pair layout: a bf16 pair is one 32-bit load, and a packed byte
-# is code(even) | code(odd) << 4) with nvfp4.py's own arithmetic: bit for bit the twin.
+# is code(even) | code(odd) << 4) with nvfp4.py's own arithmetic: bit for bit the reference.
 @triton.jit
 def _scale_from_amax(amax):
     """nvfp4.compute_global_scale: amax / 2688, 1.0 for an all-zero input, NaN if not finite."""
@@ -193,8 +193,8 @@ def _abs_max(x_ptr, start, stop, CHUNK: tl.constexpr):
 @triton.jit
 def _mul_rn(a, b, GPU: tl.constexpr):
     """a * b rounded to fp32 as a step of its own. A plain product followed by an addition is fused
-    into one FMA by the GPU compiler, which skips that rounding (the twin makes it): mul.rn is never
-    fused. Seen on the H200: RAC residual codes that differed from the twin's."""
+    into one FMA by the GPU compiler, which skips that rounding (the reference makes it): mul.rn is never
+    fused. Seen on the H200: RAC residual codes that differed from the reference's."""
     if GPU:
         return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
                                          is_pure=True, pack=1)

@@ -1,7 +1,7 @@
 """kernels/w4a4_quantize.py: the activation quantizer against rac.quantize_activation_reference (codes) and
-the definition of the Hopper GEMMs' fp16 operand, bit for bit (CPU under TRITON_INTERPRET=1, GPU natively); the partial max; the
-residual's product rounded on its own when compiled; programmatic dependent launch (PDL) in every W4A4
-kernel, compiled for sm_90 on the CPU."""
+the definition of the Hopper GEMMs' fp16 operand, bit for bit (CPU under TRITON_INTERPRET=1, GPU natively);
+the partial max; the residual's product rounded on its own when compiled; programmatic dependent launch
+(PDL) in every W4A4 Triton kernel, compiled for sm_90 on the CPU."""
 import os
 import subprocess
 import sys

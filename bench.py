@@ -120,15 +120,14 @@ def bench_gemm(args):
     shapes, the config's dense intermediate_size 6144), in one run:
 
     1. dense decode (M = 1, 16, 64, 256), the whole layer: W4A4 = rac.nvfp4_linear_triton (its activation
-       quantization included: one quantizer launch, then the GEMV at M = 1, else the tiled GEMM);
+       quantization included: one quantizer launch, then the tiled GEMM, kernels/w4a4_dense.py);
        W4A4 RAC 0.5 = the same with half the blocks compensated; FP8 = fp8.linear (per-token
        quantization in torch + torch._scaled_mm); int4 = torch._weight_int4pack_mm (W4A16, group 128,
        gpt-fast's kernel); BF16 F.linear. "% floor": the NVFP4 weight bytes over the measured copy
        bandwidth, divided by the time. "q/k/v stacked": the rollout's attention input projections as
        one GEMM (each weight its own global scale, as rac.SharedInput runs them), against one stacked
        weight in the other formats.
-    2. variants of the decode layer that drop or change one stage (at M = 1 the GEMV without loading
-       weights during the quantizer; the GEMM alone on a given operand; the quantizer alone), and each
+    2. the decode layer's stages (the GEMM alone on a given operand; the quantizer alone), and each
        autotuning configuration forced in turn.
     3. expert layer decode (64, 128 and 256 tokens routed top-8 at random): quantize x, grouped gate/up
        (SwiGLU in its epilogue), quantize h, grouped down with the router weights; FP8 =
@@ -147,6 +146,7 @@ def bench_gemm(args):
     import moe
     import nvfp4
     import rac
+    from kernels import w4a4_dense, w4a4_experts
 
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -254,16 +254,11 @@ def bench_gemm(args):
             }
             if variants:
                 act = rac.quantize_activation_triton(x, mask)
-                t["no early launch"] = graph_us([  # the GEMV no longer loads weights while the quantizer runs
-                    lambda w=w: rac._dense_portable(w, bf16, rac.quantize_activation_triton(x, mask), splits)
-                    for w in wqs]) if M == 1 else float("nan")
-                t["GEMM alone"] = graph_us([lambda w=w: rac._dense_portable(w, bf16, act, splits)
-                                            for w in wqs])
+                t["GEMM alone"] = graph_us([lambda w=w: rac.layer_matmul(act, w, bf16, splits) for w in wqs])
                 t["quantizer alone"] = graph_us([lambda: rac.quantize_activation_triton(x, mask)] * 20)
-                t["configs"] = {  # the GEMV (M = 1) has one configuration
-                    label: graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs])
-                    for label in forced(rac._dense_kernel, rac._m_bucket(M, rac.DENSE_CONFIGS))
-                } if M > 1 else {}
+                bucket = w4a4_dense._m_bucket(M, w4a4_dense.DENSE_CONFIGS)
+                t["configs"] = {label: graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs])
+                                for label in forced(w4a4_dense._dense_kernel, bucket)}
             rows.append((name, N, K, M, t, bytes_["w4a4"] / copy_bw * 1e6))
         return rows
 
@@ -284,13 +279,13 @@ def bench_gemm(args):
 
     # ------------------------------------------------------------------ 2. variants
     print("\n### Decode layer variants, RAC 0.5 (us): what each stage costs\n")
-    print("| layer | M | layer (autotuned) | M = 1: no early launch | GEMM alone | quantizer alone | "
-          "byte floor | configurations forced (BLOCK_M/N/K, split-K, warps, stages) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| layer | M | layer (autotuned) | GEMM alone | quantizer alone | byte floor | "
+          "configurations forced (BLOCK_M/N/K, split-K, warps, stages) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, N, K, M, t, floor in variant_rows:
         configs = "; ".join(f"{label}: {us:.1f}" for label, us in t["configs"].items())
-        print(f"| {name} | {M} | {t['rac0.5']:.1f} | {t['no early launch']:.1f} | {t['GEMM alone']:.1f} | "
-              f"{t['quantizer alone']:.1f} | {floor:.1f} | {configs} |")
+        print(f"| {name} | {M} | {t['rac0.5']:.1f} | {t['GEMM alone']:.1f} | {t['quantizer alone']:.1f} | "
+              f"{floor:.1f} | {configs} |")
 
     # ------------------------------------------------------------------ 3. experts
     gate_up = torch.randn(E, 2 * I, D, device="cuda", dtype=bf16) * 0.02
@@ -337,12 +332,13 @@ def bench_gemm(args):
              "down": graph_us([lambda: rac.grouped_matmul_triton(act_h, layer.down_w, routing.counts,
                                                                   row_weights=expert_weights,
                                                                   row_weight_ids=routing.order)])}
-        gluon = rac._gluon_experts(x.device)  # the kernel the layer runs here, and its table
-        kernel, table = ((rac._grouped_gluon_kernel, rac.GLUON_CONFIGS) if gluon
-                         else (rac._grouped_kernel, rac.GROUPED_CONFIGS))
+        if rac.backend(x.device) == "gluon":  # the kernel the layer runs here, and its table
+            kernel, table = rac.w4a4_experts_gluon._grouped_gluon_kernel, rac.w4a4_experts_gluon.GLUON_CONFIGS
+        else:
+            kernel, table = w4a4_experts._grouped_kernel, w4a4_experts.GROUPED_CONFIGS
         configs = "; ".join(
             f"{label}: {graph_us([lambda: layer._forward_triton(x, routing, expert_weights)]):.1f}"
-            for label in forced(kernel, rac._m_bucket(-(-T * A // E), table)))
+            for label in forced(kernel, w4a4_dense._m_bucket(-(-T * A // E), table)))
         floor = {k: hit * n * (0.5 + 1 / 16) / copy_bw * 1e6
                  for k, n in (("gate_up", 2 * I * D), ("down", D * I))}
         total = floor["gate_up"] + floor["down"]
@@ -366,7 +362,7 @@ def bench_gemm(args):
               f"{t['rac0.5']:.1f} | {t['w4a4'] / t['bf16']:.2f}x | {flops / t['w4a4'] / 1e6:.0f} | "
               f"{flops / t['bf16'] / 1e6:.0f} |")
 
-    _print_autotuned(rac)
+    _print_autotuned()
 
 
 def _config_label(config, sep):
@@ -380,11 +376,16 @@ def _config_label(config, sep):
     return sep.join(parts)
 
 
-def _print_autotuned(rac):
-    """The configurations rac.py's autotuner chose in this process, per key (shape bucket, N, K, ...)."""
+def _print_autotuned():
+    """The configurations the W4A4 kernels' autotuner chose in this process, per key (shape bucket, N, K, ...)."""
+    from kernels import w4a4_dense, w4a4_experts
+    try:
+        from kernels.w4a4_experts_gluon import _grouped_gluon_kernel
+        gluon = (_grouped_gluon_kernel,)
+    except ImportError:  # Triton without Gluon
+        gluon = ()
     print("\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages; Gluon: BLOCK_T/N/K, warps):")
-    gluon = (rac._grouped_gluon_kernel,) if rac.gluon is not None else ()
-    for kernel in (rac._dense_kernel, rac._grouped_kernel, *gluon):
+    for kernel in (w4a4_dense._dense_kernel, w4a4_experts._grouped_kernel, *gluon):
         for key, config in kernel.cache.items():
             print(f"  {kernel.fn.fn.__name__} {key[:5]} -> {_config_label(config, ', ')}")
 
@@ -704,7 +705,7 @@ def bench_decode(args):
     key tunes it)."""
     import rac
     _bench_decode_per_precision(rac)
-    _print_autotuned(rac)
+    _print_autotuned()
 
 
 COMMANDS = {

@@ -1,0 +1,200 @@
+"""kernels/w4a4_dense.py: the dense W4A4 GEMM (split-K, X_FIRST, the prefill weight pass, stacked q/k/v
+weights) against rac.nvfp4_linear_reference / rac.matmul_reference and the prefill pass against the fp16 operand's
+definition (CPU under TRITON_INTERPRET=1, GPU natively); its autotuning table; every
+GPU configuration forced in turn."""
+import pytest
+import torch
+from conftest import relative_error, report_diff, same_bits
+from test_kernels_w4a4_quantize import operand_oracle
+
+import nvfp4
+import rac
+
+w4a4_dense = pytest.importorskip("kernels.w4a4_dense")
+
+
+def _dense_case(rows, cols, out_features, device, seed):
+    torch.manual_seed(seed)
+    x = torch.randn(rows, cols, device=device, dtype=torch.bfloat16) * 4
+    w_q = nvfp4.quantize_weight(torch.randn(out_features, cols, device=device))
+    return x, w_q
+
+
+def _dense(act, w_q, out_dtype=torch.float32, splits=None, **variant):
+    return w4a4_dense.dense_matmul(act.operand, act.global_scale, w_q.data, w_q.block_scale, w_q.global_scale,
+                                   out_dtype, splits, **variant)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("cols,out_features", [(16, 24), (48, 40), (96, 33), (256, 72)])
+@pytest.mark.parametrize("compensate", [False, True])
+def test_dense_kernel_matches_the_layer_reference(kernel_device, rows, cols, out_features, compensate):
+    # 1, 3 and 17 rows: the interpreter's decode buckets (split-K, X_FIRST at 16 and below); 64 without
+    # X_FIRST; odd K masked
+    x, w_q = _dense_case(rows, cols, out_features, kernel_device, rows + cols + out_features)
+    mask = torch.arange(cols // 16, device=kernel_device) % 2 == 0 if compensate else None
+    y = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
+    reference = rac.nvfp4_linear_reference(x, w_q, mask)
+    max_diff, _ = report_diff(y, reference, f"dense M={rows} K={cols} N={out_features} rac={compensate}")
+    # fp32 accumulation order only; with a residual also the fp16 rounding of x + r (2^-12 relative)
+    assert max_diff <= (2e-3 if compensate else 1e-5) * reference.abs().max().item() + 1e-6
+    y_bf16 = rac.nvfp4_linear_triton(x, w_q, mask)
+    assert y_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(y_bf16.float(), reference, rtol=1e-2, atol=1e-2 * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_prefill_and_partial_max_paths_match_the_decode_path(kernel_device, monkeypatch, rows):
+    # the weight decoded once (prefill) or in registers, whatever the row count, with the amax from the
+    # partial-max launch; the same layer's decode result is the oracle, and both equal the reference
+    x, w_q = _dense_case(rows, 96, 40, kernel_device, rows)
+    mask = torch.arange(6, device=kernel_device) < 4
+    act = rac.quantize_activation_triton(x, mask)
+    in_registers, prefill = _dense(act, w_q, prefill=False), _dense(act, w_q, prefill=True)
+    assert report_diff(prefill, in_registers, "prefill vs decode")[0] <= 1e-5 * in_registers.abs().max().item()
+    monkeypatch.setattr(rac.w4a4_quantize, "AMAX_IN_LAUNCH", 0)
+    y = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)  # PREFILL_ROWS decides
+    assert report_diff(y, in_registers, "partial max vs in launch")[0] <= 1e-5 * in_registers.abs().max().item()
+    reference = rac.nvfp4_linear_reference(x, w_q, mask)
+    assert report_diff(prefill, reference)[0] <= 2e-3 * reference.abs().max().item()
+
+
+def test_prefill_weight_pass_matches_its_reference(kernel_device):
+    torch.manual_seed(0)
+    w_q = nvfp4.quantize_weight(torch.randn(40, 96, device=kernel_device))
+    assert same_bits(w4a4_dense.weight_operand(w_q.data, w_q.block_scale), operand_oracle(w_q))
+
+
+def test_split_k_counters_are_reset_so_repeated_calls_agree(kernel_device):
+    x, w_q = _dense_case(3, 256, 72, kernel_device, 3)  # the interpreter's decode bucket splits K in two
+    first = rac.nvfp4_linear_triton(x, w_q, out_dtype=torch.float32)
+    counters = w4a4_dense._SPLIT_COUNTERS[w_q.device]
+    assert (counters == 0).all()
+    assert torch.equal(rac.nvfp4_linear_triton(x, w_q, out_dtype=torch.float32), first)
+
+
+def _stacked(weights):
+    """Three weights quantized one by one (their own global scales), stacked along N as q/k/v are."""
+    qs = [nvfp4.quantize_weight(w) for w in weights]
+    return qs, rac.stack_weights(qs)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("compensate", [False, True])
+def test_stacked_weights_give_each_weight_its_own_global_scale_and_output(kernel_device, rows, compensate):
+    # 40 / 24 / 8 rows: tiles straddle the weights (the interpreter's BLOCK_N is 32); the three global
+    # scales differ by 2^10
+    generator = torch.Generator().manual_seed(rows)
+    weights = [torch.randn(n, 96, generator=generator).to(kernel_device) * scale
+               for n, scale in ((40, 1.0), (24, 2.0 ** 10), (8, 2.0 ** -10))]
+    qs, stacked = _stacked(weights)
+    x = torch.randn(rows, 96, generator=generator).to(kernel_device, torch.bfloat16)
+    mask = torch.arange(6, device=kernel_device) % 2 == 0 if compensate else None
+    outputs = rac.nvfp4_linear_triton(x, stacked, mask, out_dtype=torch.float32, splits=(40, 24, 8))
+    assert [tuple(y.shape) for y in outputs] == [(rows, 40), (rows, 24), (rows, 8)]
+    for y, q in zip(outputs, qs):  # each against its own layer's reference, and contiguous (q/k norms read rows)
+        reference = rac.nvfp4_linear_reference(x, q, mask)
+        assert y.is_contiguous()
+        assert report_diff(y, reference)[0] <= (2e-3 if compensate else 1e-5) * reference.abs().max() + 1e-30
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 16, 64, 300, 1500])
+@pytest.mark.parametrize("out_features,cols", [(4096, 2048), (512, 2048), (2048, 4096), (200, 96)])
+def test_dense_kernel_matches_the_reference_on_gpu_shapes(rows, out_features, cols):
+    torch.manual_seed(0)
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    w_q = nvfp4.quantize_weight(torch.randn(out_features, cols, device="cuda", dtype=torch.bfloat16) * 0.02)
+    for mask in (None, torch.arange(cols // 16, device="cuda") % 2 == 0):
+        y = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
+        reference = rac.nvfp4_linear_reference(x, w_q, mask)
+        max_diff, _ = report_diff(y, reference,
+                                  f"gpu dense M={rows} N={out_features} K={cols} rac={mask is not None}")
+        assert max_diff <= (2e-3 if mask is not None else 1e-4) * reference.abs().max().item()
+
+
+@pytest.mark.cuda
+def test_a_weight_copied_in_just_before_the_layer_is_the_one_it_reads():
+    # a weight copied into the layer's buffers right before it runs (as sync_weights does) must be the one
+    # the GEMM reads, also with PDL: two weights take turns in one buffer, each call gives that weight's output
+    torch.manual_seed(0)
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    pair = [nvfp4.quantize_weight(torch.randn(4096, 2048, device="cuda") * scale) for scale in (0.02, 3.0)]
+    expected = [rac.nvfp4_linear_triton(x, w_q, out_dtype=torch.float32) for w_q in pair]
+    assert relative_error(expected[0], rac.nvfp4_linear_reference(x, pair[0])) < 1e-3
+    live = nvfp4.NVFP4Tensor(*(t.clone() for t in (pair[0].data, pair[0].block_scale, pair[0].global_scale)))
+    for i in range(20):
+        for field in ("data", "block_scale", "global_scale"):
+            getattr(live, field).copy_(getattr(pair[i % 2], field))
+        assert torch.equal(rac.nvfp4_linear_triton(x, live, out_dtype=torch.float32), expected[i % 2]), i
+
+
+def test_configuration_table_reaches_triton_with_its_operand_order_and_register_cap(monkeypatch):
+    # the table's optional 7th and 8th fields (X_FIRST, maxnreg) must reach the autotuner's configurations: a
+    # dropped cap compiles another kernel than the one measured
+    monkeypatch.setattr(w4a4_dense, "INTERPRET", False)
+    table = {**w4a4_dense.DENSE_CONFIGS, 16: [(16, 64, 256, 4, 2, 1, True, 128)]}  # and a register cap
+    entries = [(bucket, entry) for bucket, rows in table.items() for entry in rows]
+    configs = w4a4_dense._configs(table)
+    assert len(configs) == len(entries)
+    for config, (bucket, entry) in zip(configs, entries):
+        kw = config.kwargs
+        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], config.num_warps, config.num_stages,
+                kw["SPLIT_K"], kw["BUCKET"]) == (*entry[:6], bucket)
+        assert kw["X_FIRST"] == (len(entry) > 6 and entry[6])
+        assert config.maxnreg == (entry[7] if len(entry) > 7 else None)
+
+
+def forced_configs(kernel, bucket, relabel=lambda config: True):
+    """Each of the kernel's autotuning configurations in turn: the bucket's own, and those of other
+    buckets that `relabel` accepts, relabelled for `bucket` so the pruner keeps them."""
+    import triton
+    configs = list(kernel.configs)
+    try:
+        for config in configs:
+            if config.kwargs["BUCKET"] != bucket and not relabel(config):
+                continue
+            kernel.configs = [triton.Config({**config.kwargs, "BUCKET": bucket}, num_warps=config.num_warps,
+                                            num_stages=config.num_stages, maxnreg=config.maxnreg)]
+            kernel.cache.clear()
+            yield config
+    finally:
+        kernel.configs = configs
+        kernel.cache.clear()
+
+
+def deterministic_and_close(calls, repeats=10):
+    """calls: name -> (kernel, bucket, relabel, call, reference). Every configuration forced in turn must
+    repeat its result bit for bit and stay within 2e-3 of the reference (relative to its max) -> failures."""
+    failures = []
+    for name, (kernel, bucket, relabel, call, reference) in calls.items():
+        for config in forced_configs(kernel, bucket, relabel=relabel):
+            first = call()
+            differing = sum(not torch.equal(call(), first) for _ in range(repeats))
+            error = ((first - reference).abs().max() / reference.abs().max()).item()
+            if differing or not error <= 2e-3:  # NaN fails too
+                failures.append(f"{name} {config}: {differing}/{repeats} repeats differ, "
+                                f"relative error {error:.2e}")
+    return failures
+
+
+@pytest.mark.cuda
+def test_every_gpu_config_is_deterministic_and_matches_the_reference():
+    # Autotuning may pick any configuration, so each one is forced and repeated (a miscompiled one showed
+    # as run-to-run differences): at each decode bucket (split-K; RAC) and at prefill size, where the
+    # configurations without split-K of every bucket are tried too (split-K scratch is sized per bucket).
+    torch.manual_seed(0)
+    D, T = 512, 26112
+    w_q = nvfp4.quantize_weight(torch.randn(512, D, device="cuda") * 0.05)
+    x = rac.quantize_activation_triton(torch.randn(T, D, device="cuda", dtype=torch.bfloat16), codes=True)
+    calls = {"dense prefill": (w4a4_dense._dense_kernel, 4096, lambda c: c.kwargs["SPLIT_K"] == 1,
+                               lambda: _dense(x, w_q), rac.matmul_reference(x.x_q, w_q, out_dtype=torch.float32))}
+    mask = torch.arange(D // 16, device="cuda") % 2 == 0
+    for rows in (2, 16, 64, 256):  # each decode bucket
+        x_small = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16)
+        act = rac.quantize_activation_triton(x_small, mask)
+        calls[f"dense decode M={rows}"] = (
+            w4a4_dense._dense_kernel, w4a4_dense._m_bucket(rows, w4a4_dense.DENSE_CONFIGS), lambda c: False,
+            lambda act=act: _dense(act, w_q), rac.nvfp4_linear_reference(x_small, w_q, mask))
+    failures = deterministic_and_close(calls)
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,153 @@
+"""kernels/w4a4_experts_gluon.py: the experts' grouped GEMM in Gluon (sm_89 / sm_90). Its autotuner's K
+steps; compiled for sm_90 on the CPU (8-byte code loads into mma.sync, PDL); on the GPU against
+rac.grouped_matmul_reference on short tiles and at every bucket, every configuration forced in turn."""
+import pytest
+import torch
+from test_kernels_w4a4_dense import deterministic_and_close, forced_configs
+from test_kernels_w4a4_experts import routing_with_empty_experts
+from test_kernels_w4a4_quantize import COMPILE_PREAMBLE, compiled_output
+
+import moe
+import nvfp4
+import rac
+
+pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+w4a4_experts_gluon = pytest.importorskip("kernels.w4a4_experts_gluon")
+
+
+def _gluon_here():
+    return torch.cuda.is_available() and rac.backend(torch.device("cuda")) == "gluon"
+
+
+def grouped(act, w, counts, **kwargs):
+    return w4a4_experts_gluon.grouped_matmul(act.operand, act.global_scale, w.data, w.block_scale,
+                                             w.global_scale, counts, torch.float32, **kwargs)
+
+
+def test_gluon_autotuner_keeps_the_bucket_and_steps_k_within_one_chunk_of_the_layout():
+    # a K step may not cross a chunk of ExpertWeights' layout: K = 192 is one chunk (not a multiple of 128),
+    # which 128-element steps do not divide, so they become 64; at K = 2048 (chunks of 128) they stay
+    configs = w4a4_experts_gluon._grouped_gluon_kernel.configs
+    for chunk, expected in ((128, {128, 64}), (192, {64})):
+        for bucket, entries in w4a4_experts_gluon.GLUON_CONFIGS.items():
+            kept = w4a4_experts_gluon._gluon_prune(configs, {"M_BUCKET": bucket}, CHUNK=chunk)
+            shapes = [(c.kwargs["BLOCK_T"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept]
+            assert shapes == [(t, n, w) for t, n, _, w in entries]
+            assert all(c.kwargs["BUCKET"] == bucket for c in kept)
+            for c, (_, _, k, _) in zip(kept, entries):
+                step = c.kwargs["BLOCK_K"]
+                assert step == (k if chunk % k == 0 else 64) and step in expected
+
+
+_COMPILE_GLUON_FOR_SM90 = COMPILE_PREAMBLE + r"""
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels import w4a4_experts_gluon
+kernel = jit(w4a4_experts_gluon._grouped_gluon_kernel)
+types = ["*fp16", "*fp32", "*i64", "*fp32", "*i64", "*u8", "*u8", "*fp32", "*i64", "*bf16"] + [i] * 13
+memory = re.compile(r"\b(?:ld|st|atom|red)\.global\b")
+for swiglu, tile, n, k in ((1, 8, 64, 128), (1, 32, 64, 64), (0, 8, 128, 128), (0, 64, 64, 64)):
+    for pdl in (False, True):
+        swiglu = bool(swiglu)
+        c = dict(GATHER=swiglu, ROW_WEIGHTS=not swiglu, WEIGHT_IDS=not swiglu, SWIGLU=swiglu, E_POW2=128,
+                 CHUNK=128, PDL=pdl, BUCKET=8, BLOCK_T=tile, BLOCK_N=n, BLOCK_K=k, NUM_WARPS=4)
+        signature = dict(zip([a for a in kernel.arg_names if a not in c], types))
+        signature.update({a: "constexpr" for a in c})
+        aligned = [a for a in kernel.arg_names if a not in c  # 16-divisible, as the launches see them
+                   and (signature[a].startswith("*") or a.startswith(("stride", "N", "K", "x_plane")))]
+        attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+        ptx = compile(GluonASTSource(kernel, signature, c, attrs), target=GPUTarget("cuda", 90, 32),
+                      options=dict(num_warps=4)).asm["ptx"]
+        wait, first = ptx.find("griddepcontrol.wait"), memory.search(ptx)
+        mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16", ptx))
+        loads8 = len(re.findall(r"ld\.global(?:\.\w+)*\.v2\.b32", ptx))
+        loads1 = len(re.findall(r"ld\.global(?:\.\w+)*\.[us]8", ptx))
+        print(int(swiglu), tile, n, k, int(pdl), mma, loads8, loads1, int("cp.async" in ptx), int(wait >= 0),
+              int(wait >= 0 and wait < first.start()))
+"""
+
+
+def test_gluon_kernel_loads_8_byte_code_runs_into_mma_sync_on_hopper():
+    # compiled for sm_90 on the CPU (numerics: the GPU tests). Per K step a thread loads each of its weight
+    # rows' 8 codes bytes (one NVFP4 block) as one 8-byte load and its block scale as one byte, with no shared
+    # memory staging; with PDL its first memory access waits for the kernel ahead of it. A tile of 16 rows or
+    # more also holds the loop of a tile of half its rows (for tiles at most half full), one of 32 or more
+    # that of half plus a quarter (at most three quarters full): its MMAs a K step are 1.5 and 2.25 times a
+    # full tile's, which are (weight rows / 16 a warp) x (tile rows / 8) x (BLOCK_K / 16).
+    for line in compiled_output(_COMPILE_GLUON_FOR_SM90):
+        swiglu, tile, n, k, pdl, mma, loads8, loads1, staged, wait, before = map(int, line.split())
+        full = (n * (2 if swiglu else 1) // 16 // 4) * (tile // 8) * (k // 16)
+        assert mma == full * {8: 4, 16: 6, 32: 9, 64: 9}[tile] // 4 and not staged, line
+        assert loads8 > 0 and loads8 >= loads1, line  # codes in 8-byte runs, scales a byte each
+        assert (wait, before) == ((1, 1) if pdl else (0, 0)), line
+
+
+@pytest.mark.cuda
+def test_gluon_kernel_matches_the_reference_on_short_tiles_in_every_config():
+    # each configuration of the Gluon kernel meets short row tiles (14 to 24 rows an expert, three empty
+    # experts) and a short last N tile (gate/up 80 columns, down 208), whose masked rows must neither be
+    # stored nor spoil the stored ones
+    if not _gluon_here():
+        pytest.skip("the Gluon experts kernel runs on sm_89 and sm_90 only")
+    torch.manual_seed(0)
+    E, D, I, N_DOWN, tokens, A = 8, 256, 80, 208, 48, 2
+    _, routing = routing_with_empty_experts(E, tokens, A, "cuda")
+    x = rac.quantize_activation_triton(torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16),
+                                       torch.arange(D // 16, device="cuda") % 2 == 0, codes=True)
+    h = rac.quantize_activation_triton(torch.randn(tokens * A, 128, device="cuda", dtype=torch.bfloat16),
+                                       codes=True)
+    gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device="cuda"))
+    down_q = nvfp4.quantize_weight(torch.randn(E, N_DOWN, 128, device="cuda"))
+    gate_up_w, down_w = rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q)
+    row_weights = torch.rand(tokens * A, device="cuda")
+    references = (
+        rac.grouped_matmul_reference(x.x_q, gate_up_q, routing.counts, x.residual, row_ids=routing.token_ids,
+                                     swiglu=True, out_dtype=torch.float32),
+        rac.grouped_matmul_reference(h.x_q, down_q, routing.counts, row_weights=row_weights,
+                                     out_dtype=torch.float32))
+    bucket = w4a4_experts_gluon._m_bucket(-(-tokens * A // E), w4a4_experts_gluon.GLUON_CONFIGS)
+    failures = []
+    for config in forced_configs(w4a4_experts_gluon._grouped_gluon_kernel, bucket):
+        outputs = (grouped(x, gate_up_w, routing.counts, row_ids=routing.token_ids, swiglu=True),
+                   grouped(h, down_w, routing.counts, row_weights=row_weights))
+        for name, y, reference in zip(("gate/up", "down"), outputs, references):
+            error = ((y - reference).abs().max() / reference.abs().max()).item()
+            if not error <= 2e-3:  # NaN fails too
+                failures.append(f"{name} {config}: relative error {error:.2e}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.cuda
+def test_every_gpu_config_is_deterministic_and_matches_the_reference():
+    # each configuration forced and repeated at each of the kernel's buckets (4, 8, 16, 64 rows an expert)
+    # and at a prefill of 512 evaluation prompts, 26k tokens, on the small preset's shapes
+    import triton
+    if not _gluon_here():
+        pytest.skip("the Gluon experts kernel runs on sm_89 and sm_90 only")
+    torch.manual_seed(0)
+    E, D, I, A = 32, 512, 256, 4
+    gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device="cuda") * 0.05)
+    down_q = nvfp4.quantize_weight(torch.randn(E, D, I, device="cuda") * 0.05)
+    gate_up_w, down_w = rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q)
+    kernel, calls = w4a4_experts_gluon._grouped_gluon_kernel, {}
+    for tokens in (32, 64, 128, 512, 26112):
+        routing = moe.route_tokens(torch.rand(tokens, E, device="cuda").topk(A, dim=-1).indices, E)
+        x = rac.quantize_activation_triton(torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16),
+                                           codes=True)
+        h = rac.quantize_activation_triton(torch.randn(tokens * A, I, device="cuda", dtype=torch.bfloat16),
+                                           codes=True)
+        row_weights = torch.rand(tokens * A, device="cuda")
+        bucket = w4a4_experts_gluon._m_bucket(triton.cdiv(tokens * A, E), w4a4_experts_gluon.GLUON_CONFIGS)
+        calls[f"gate/up T={tokens}"] = (
+            kernel, bucket, lambda c: False,
+            lambda x=x, routing=routing: grouped(x, gate_up_w, routing.counts, row_ids=routing.token_ids,
+                                                 swiglu=True),
+            rac.grouped_matmul_reference(x.x_q, gate_up_q, routing.counts, row_ids=routing.token_ids,
+                                         swiglu=True, out_dtype=torch.float32))
+        calls[f"down T={tokens}"] = (
+            kernel, bucket, lambda c: False,
+            lambda h=h, routing=routing, row_weights=row_weights: grouped(h, down_w, routing.counts,
+                                                                          row_weights=row_weights),
+            rac.grouped_matmul_reference(h.x_q, down_q, routing.counts, row_weights=row_weights,
+                                         out_dtype=torch.float32))
+    failures = deterministic_and_close(calls)
+    assert not failures, "\n".join(failures)

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import random
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # also as a plain script
@@ -47,8 +46,11 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
                                 "checkpoint.pt or a checkpoint file")
     ckpt = train.load_checkpoint(ckpt_path, "cpu", "give another run directory or checkpoint")
     out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), f"audit_step{ckpt['step']}")
-    if os.path.exists(out_dir) and not overwrite:
-        raise train.ConfigError(f"{out_dir} holds an audit: add --overwrite to replace it, or give --out DIR")
+    earlier = sorted(name for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else [])
+                     if name in ("audit.md", "audit.json") or name.startswith("batch_") and name.endswith(".pt"))
+    if earlier and not overwrite:
+        raise train.ConfigError(f"{out_dir} holds an audit ({', '.join(earlier)}): add --overwrite to replace it, "
+                                "or give --out DIR")
     known = {f.name for f in dataclasses.fields(train.TrainConfig)}
     cfg = train.TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in known and k not in SKIPPED},
                             device=device)
@@ -57,9 +59,9 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
     model.load_state_dict(ckpt["trainer"])  # QAT layers keep moe.py's parameter names
     problems = task.sample(cfg.prompts_per_step, "train", random.Random(cfg.seed + 4242))
     calib_tokens = train.calibration_tokens(cfg, task, tokenizer)  # the run's RAC calibration batch
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.makedirs(out_dir)
+    for name in earlier:  # --overwrite: the earlier audit's files, nothing else of the directory
+        os.remove(os.path.join(out_dir, name))
+    os.makedirs(out_dir, exist_ok=True)
 
     results = {}
     for recipe in recipes:

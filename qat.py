@@ -1,52 +1,46 @@
 """Trainer side: quantization-aware training with NVFP4 weights and a straight-through gradient, and the
 symmetric recipes that quantize the trainer's activations too.
 
-The rollout runs NVFP4 W4A4. If the trainer runs plain BF16, the two compute different functions and
-their log-probs of the same tokens drift apart. The asymmetric recipe (QUADS) removes the weight half of
-that difference: the trainer's forward uses the weights *as the rollout will see them*,
+The rollout runs NVFP4 W4A4. A plain BF16 trainer computes another function, and the log-probs of the same
+tokens drift apart. The asymmetric recipe (QUADS) removes the weight half of that difference: the
+trainer's forward uses the weights *as the rollout will see them*, activations staying BF16,
 
     Wq = nvfp4.fake_quantize_weight(W) = dequantize(quantize_weight(W))    bit for bit what rac.py loads
-
-while activations stay BF16 (W4A16 in training, W4A4 in rollout). The gradient is straight-through:
-
     forward   y      = x_eff @ Wq.T              x_eff = x (qat), or x's fake-quantized form (below)
     backward  grad_x = grad_y @ Wq               the quantized weight, as the forward used
-              grad_W = grad_y.T @ x_eff          applied to the master W (dWq/dW taken as the identity)
+              grad_W = grad_y.T @ x_eff          to the master W (straight-through: dWq/dW = identity)
 
-Each layer fake-quantizes its own weight at every forward (one forward per optimizer step: nothing a cache
-could reuse). Modes (`convert_for_training(model, mode)`), for the attention projections and the experts:
+Each layer fake-quantizes its own weight at every forward (one forward per optimizer step: nothing for a
+cache to reuse). Modes (`convert_for_training(model, mode)`), for the attention projections and experts:
 - `bf16`: no change.   `qat`: the asymmetric recipe above.
 - `w4a4`: every layer input is fake-quantized as the rollout quantizes it (nvfp4.fake_quantize: a dynamic
   per-tensor global scale), straight-through to x. QUADS reports a *larger* mismatch than `qat`.
 - `moeresq` (MoEResQ): `w4a4` plus the rollout's residual compensation, nvfp4's one activation rule,
       x_eff = DQ(Q(x)) + DQ(Q(S * (x - DQ(Q(x)))))          S = the rollout's own block mask
 - `trace` (TRACE): `w4a4`, except where the rollout recorded what it used for a row (RolloutCodes): with
-  s = x / (block_scale_r * global_scale_r) and lo, hi the E2M1 grid points around s, an element takes
-  the rollout's value when that value is lo or hi (the two sides sit on either side of a midpoint), else
-  its own rounding. Choices TRACE's text leaves open: the rollout's block scales are used where its code
-  is taken, the grid test is in fp32, and zero blocks (scale 0) keep the trainer's rounding.
+  s = x / (block_scale_r * global_scale_r) and lo, hi the E2M1 grid points around s, an element takes the
+  rollout's value when that value is lo or hi, else its own rounding. Choices TRACE's text leaves open:
+  the rollout's block scales are used where its code is taken, the grid test is in fp32, and zero blocks
+  (scale 0) keep the trainer's rounding.
 The router, embeddings, norms and LM head stay in full precision (`quantize_router`, `quantize_lm_head`).
 
-What the trainer takes from the rollout is an argument of its forward: `with sharing(model, state):` where
-state = SharedState(masks, codes) maps each layer path to moeresq's masks or trace's codes, for that call
-only (as torch.func.functional_call passes tensors for one call). RolloutRecorder turns what the rollout's
-quantizers saw at each decode step (nvfp4.quantize: the same codes) into codes keyed by the trainer's
-(row, column), and for the experts' down input by (position, expert). Memory per completion token and
-layer input of width K: K/2 + K/16 + 12 bytes (the down input has A rows per token): 1.5 KB per token and
-layer on the small preset; the whole rollout's steps are held until the completion tokens are picked out.
+What the trainer takes from the rollout is an argument of its forward: `with sharing(model, state):`,
+state = SharedState(masks, codes) mapping each layer path to moeresq's masks or trace's codes, for that
+call only (as torch.func.functional_call passes tensors for one call). RolloutRecorder turns what the
+rollout's quantizers saw at each decode step (nvfp4.quantize: the same codes) into codes keyed by the
+trainer's (row, column), and for the experts' down input by (position, expert): K/2 + K/16 + 12 bytes per
+completion token and layer input of width K (1.5 KB per token and layer on the small preset).
 
 The quantized modules subclass the ones they replace and keep the *same* Parameter objects under the same
 names: state dicts, an optimizer built before conversion and rac.sync_weights keep working.
 `bf16_forward(model)` switches every QAT layer back to full precision for a while. Under autocast an input
 is cast to the autocast dtype before it is quantized, as the BF16 rollout quantizes BF16 values.
 
-Shape letters: T tokens, K in-features, N out-features, G = K / 16 blocks, E experts, A active experts per
-token, D model dim, I expert hidden dim, R = T*A (token, expert) rows, M rows of a layer input, S decode
-steps, B trainer rows (sequences), W trainer columns.
-
+Shape letters: T tokens, K in-features, N out-features, G = K / 16 blocks, E experts, A active experts,
+D model dim, I expert hidden dim, R = T*A (token, expert) rows, M rows of a layer input, W trainer columns.
 Left out: quantized gradients (the backward GEMMs run in the activation dtype, as in QUADS' W4A16
-training), learned or per-channel scales, recording the prompt tokens for `trace`, and a trainer-side
-block selection for moeresq (it uses the rollout's).
+training), learned or per-channel scales, recording prompt tokens for `trace`, a trainer-side selection
+for moeresq (it uses the rollout's).
 """
 import contextlib
 from dataclasses import dataclass
@@ -180,19 +174,18 @@ def _check_settings(mode, layer=False):
 
 def _check_masks(layer, masks, inputs):
     if layer.mode == "moeresq" and masks is None:
-        raise ValueError(f"{type(layer).__name__} in mode 'moeresq' has no RAC selection: call the model within "
-                         f"qat.sharing(model, SharedState(masks=...)) with the rollout layer's RAC masks, one "
-                         f"per input: {inputs}")
+        raise ValueError(f"{type(layer).__name__} in mode 'moeresq' has no RAC selection: call the model "
+                         f"within qat.sharing(model, SharedState(masks=...)) with the rollout layer's RAC "
+                         f"masks, one per input: {inputs}")
 
 
 # ----------------------------------------------------------------------------- dense layers
 class QATLinear(nn.Linear):
     """nn.Linear whose forward uses the NVFP4 fake-quantized weight (straight-through to `weight`).
 
-    mode "qat": y = x @ fq(W).T; the symmetric modes: y = x_eff @ fq(W).T with x_eff from
-    quantize_input. `rac_masks` = (mask,) for moeresq, `rollout_codes` = (RolloutCodes or None,) for
-    trace, for one call of the model within `sharing`. `fake_quant=False` (see bf16_forward) makes it a plain nn.Linear again.
-    The bias, if any, stays in full precision.
+    mode "qat": y = x @ fq(W).T; the symmetric modes: y = x_eff @ fq(W).T with x_eff from quantize_input.
+    Within `sharing`: `rac_masks` = (mask,) for moeresq, `rollout_codes` = (RolloutCodes or None,) for
+    trace. `fake_quant=False` (bf16_forward) makes it a plain nn.Linear again; the bias stays full precision.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, mode="qat"):
@@ -204,9 +197,6 @@ class QATLinear(nn.Linear):
     def configure(self, mode):
         _check_settings(mode, layer=True)
         self.mode = mode
-
-    def master_weights(self):
-        return (self.weight,)
 
     @classmethod
     def from_float(cls, linear, mode="qat"):
@@ -284,9 +274,6 @@ class QATExperts(moe.Experts):
         qat.rac_masks = qat.rollout_codes = None  # only within qat.sharing(...)
         return qat.train(experts.training)
 
-    def master_weights(self):
-        return (self.gate_up_proj, self.down_proj)
-
     @torch.no_grad()
     def quantized_weights(self):
         """(fq(gate_up_proj) (E, 2I, D), fq(down_proj) (E, D, I)), without autograd."""
@@ -297,7 +284,8 @@ class QATExperts(moe.Experts):
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) fp32 -> (T, D), as moe.Experts."""
         if not self.fake_quant:
             return super().forward(x, expert_ids, expert_weights)
-        gate_up, down = (nvfp4.fake_quantize_weight(w) for w in self.master_weights())  # (E, 2I, D), (E, D, I)
+        gate_up = nvfp4.fake_quantize_weight(self.gate_up_proj)                       # (E, 2I, D)
+        down = nvfp4.fake_quantize_weight(self.down_proj)                              # (E, D, I)
         routing = moe.route_tokens(expert_ids, self.n_experts)
         if self.mode == "qat":  # moe.py's own path, only the weights swapped
             x_sorted, gate_up, down = moe.expert_operands(x[routing.token_ids], gate_up, down)  # (R, D)
@@ -328,10 +316,6 @@ class QATExperts(moe.Experts):
 
 
 # ----------------------------------------------------------------------------- conversion
-def _qat_layers(model):
-    return [m for m in model.modules() if isinstance(m, (QATLinear, QATExperts))]
-
-
 def convert_for_training(model, mode, quantize_router=False, quantize_lm_head=False):
     """Swap moe.py's layers for QAT layers in place and return the model.
 
@@ -358,7 +342,7 @@ def convert_for_training(model, mode, quantize_router=False, quantize_lm_head=Fa
 def bf16_forward(model):
     """Within the block every QAT layer of `model` computes in plain full precision (its master
     weights, unquantized activations): the exact outputs of the unconverted model. Restored on exit."""
-    layers = _qat_layers(model)
+    layers = [m for m in model.modules() if isinstance(m, (QATLinear, QATExperts))]
     previous = [layer.fake_quant for layer in layers]
     for layer in layers:
         layer.fake_quant = False
@@ -373,18 +357,15 @@ def bf16_forward(model):
 class RolloutRecorder:
     """Collects what the rollout's quantizers used at each decode step, for `trace` (module docstring).
 
-    The caller (train.py) feeds it from hooks on the rollout model: `begin_forward(decoding)` at every
-    model forward, `route(path, expert_ids, n_experts)` at every experts layer, `record(path, index, x)`
-    at every quantized layer input (x (M, K) exactly as the quantizer sees it; index 0 for a linear layer
-    and an experts layer's gate/up input, 1 for the experts' down input, whose rows come sorted by expert
-    as moe.route_tokens sorts them). Nothing is kept outside `start()` ... `stop()`, nor during prefills.
-    `codes(...)` then gives each layer path its tuple of RolloutCodes, as the trainer's layers take them.
-    """
+    Fed from the rollout model (train.py): `begin_forward(decoding)` at every model forward, `route(path,
+    expert_ids, n_experts)` at every experts layer, `record(path, index, x)` at every quantized input (x as
+    the quantizer sees it; index 0 for a linear layer and the experts' gate/up input, 1 for their down
+    input, rows sorted by expert as moe.route_tokens sorts them); only between `start()` and `stop()`, and
+    never during prefills. `codes(...)` then gives each layer path its tuple of RolloutCodes."""
 
     def __init__(self):
-        self.active = self.decoding = False
         self.start()
-        self.active = False
+        self.stop()
 
     def start(self):
         self.steps, self.experts, self.order, self.n_experts, self._memo = {}, {}, {}, {}, {}
@@ -484,7 +465,7 @@ class SharedState:
             if c is not None and id(c) not in selected:
                 selected[id(c)] = c.select_rows(rows, width)
             return None if c is None else selected[id(c)]
-        return SharedState(self.masks, {path: tuple(select(c) for c in codes) for path, codes in self.codes.items()})
+        return SharedState(self.masks, {path: tuple(map(select, c)) for path, c in self.codes.items()})
 
 
 @contextlib.contextmanager

@@ -1,11 +1,11 @@
 """GRPO with NVFP4 rollouts and BF16 training, and the two-sided fix that keeps them aligned.
 
-    python train.py                                   # the default experiment (quads recipe)
+    python train.py                                   # the default experiment (quads recipe), ~1 min on a CPU
     python train.py --recipe nvfp4 --steps 300        # the naive recipe
     python train.py --model path/to/qwen3-moe --task gsm8k --recipe quads
     torchrun --nproc_per_node=8 train.py --recipe quads [--fsdp]          # every GPU of one node
 
-One RL step (`rl_step` below reads in this order):
+One RL step, as `rl_step` reads:
 
     problems  = task.sample(P, "train")                              # tasks.py
     rollout   = generate(rollout_model, prompts, G)                  # rollout.py, rollout precision
@@ -19,31 +19,23 @@ One RL step (`rl_step` below reads in this order):
     (--mipu: keep the update only if the synced rollout policy improved)
     log the step to metrics.jsonl; every eval_every steps pass@1; every checkpoint_every a checkpoint
 
-Recipes (RECIPES): the trainer's forward (qat.py's mode) and the rollout's linear layers (rac.py's mode).
-bf16, fp8 and nvfp4 train in BF16 against a BF16, FP8 or NVFP4 W4A4 rollout; qat fake-quantizes the
-trainer's weights, rac adds RAC to the NVFP4 rollout, quads does both; w4a4, moeresq and trace quantize
-the trainer's activations too. What both sides of a recipe share goes to the trainer as an argument of its
-forward (qat.SharedState): moeresq takes the rollout's current RAC block masks, trace the codes its
-rollout recorded for the completion tokens (recorded by hooks, hence an eager decode).
+A recipe (RECIPES) sets the trainer's forward (qat.py's mode) and the rollout's linear layers (rac.py's
+mode): bf16, fp8 and nvfp4 train in BF16; qat fake-quantizes the trainer's weights, rac adds RAC to the
+NVFP4 rollout, quads does both; w4a4, moeresq and trace quantize the trainer's activations too. What the
+trainer takes from the rollout is an argument of its forward (qat.SharedState): moeresq the rollout's RAC
+block masks, trace the codes its rollout recorded (by hooks on the rollout, hence an eager decode).
 
-By default one update per rollout batch (fully on-policy): `old_logp` is the forward that carries the
-gradient, detached, so the PPO ratio is 1; what differs from the rollout engine is exactly the mismatch
-being studied, which `--tis C` corrects per token. `--minibatches N` makes N optimizer steps on shuffled
-rows (old: one extra forward without gradient), so clip-higher acts. `--mipu` takes the ratio against the
-rollout's own log-probs and keeps an update only if the synced rollout raises the batch's
-advantage-weighted likelihood (grpo.mipu_proxy); otherwise weights and optimizer state are restored.
+By default one update per rollout batch: `old_logp` is the forward that carries the gradient, detached, so
+the PPO ratio is 1 and what differs from the rollout engine is exactly the mismatch studied (`--tis C`
+corrects it per token). `--minibatches N` makes N optimizer steps on shuffled rows, so clip-higher acts.
+`--mipu` takes the ratio against the rollout's log-probs and keeps an update only if the synced rollout
+raises the batch's advantage-weighted likelihood (grpo.mipu_proxy), else restores weights and optimizer.
 
-Warm-start: a short supervised run on the task's (deliberately imperfect) demonstrations, cached under
-out_dir/warmstart/ by everything that determines it. Checkpoints are written atomically every
-`checkpoint_every` steps and on Ctrl-C (held until the step being updated is logged); `--resume`
-continues with the same data order and sampling seeds, and a NaN/Inf loss stops the run, keeping the
-last good checkpoint. Runs are never destroyed unasked: a directory holding a run is refused unless
-`--resume` continues it (same config; --steps may grow) or `--overwrite` starts it over. What cannot run
-ends with one line naming the flag and the fix (exit status 2). Under torchrun: distributed.py.
-
-Not here (tools/): the recipe comparison and its figures (tools/compare.py, tools/plot.py) and the 3-way
-log-prob audit (tools/audit.py). Device defaults: on a CPU the tiny preset and a short run; on a GPU the
-small preset and the full experiment. Every field of TrainConfig is a command-line flag (see --help).
+The warm-start is a short supervised run on the task's (deliberately imperfect) demonstrations, cached
+under out_dir/warmstart/ by everything that determines it. A run's directory, checkpoints, --resume and
+Ctrl-C: runs.py; torchrun: distributed.py; the comparison of recipes, figures and the log-prob audit:
+tools/. On a CPU the defaults are the tiny preset and a short run; on a GPU the small preset and the full
+experiment. Every field of TrainConfig is a command-line flag (see --help).
 """
 import argparse
 import copy
@@ -53,11 +45,9 @@ import inspect
 import json
 import math
 import os
-import pickle
 import random
 import re
 import shutil
-import signal
 import sys
 import time
 import typing
@@ -72,8 +62,11 @@ import moe
 import qat
 import rac
 import rollout
+import runs
 import tasks
 from distributed import SINGLE
+from runs import (ConfigError, HeldInterrupt, atomic_save, check_run_dir, load_checkpoint, read_metrics,
+                  write_text)
 
 # recipe -> (trainer mode for qat.convert_for_training, rollout mode for rac.convert_for_rollout, RAC on)
 RECIPES = {"bf16": ("bf16", "bf16", False), "fp8": ("bf16", "fp8", False), "nvfp4": ("bf16", "nvfp4", False),
@@ -83,33 +76,24 @@ RECIPES = {"bf16": ("bf16", "bf16", False), "fp8": ("bf16", "fp8", False), "nvfp
 CHOICES = {"recipe": RECIPES, "preset": moe.PRESETS, "task": tasks.TASKS}  # checked, and listed in --help
 
 
-class ConfigError(ValueError):
-    """A run that cannot start as asked: one line for the user (the CLI prints it and exits 2)."""
-
-
 @dataclass
 class TrainConfig:
     # run
     out_dir: str = "runs"          # one directory per run, and the shared warm-start cache (warmstart/)
-    run_name: str = ""             # the run's directory under out_dir ("" = the recipe and its switches,
-                                   # e.g. nvfp4+tis2)
+    run_name: str = ""             # the run's directory under out_dir ("" = recipe and switches: nvfp4+tis2)
     resume: bool = False           # continue the run from its checkpoint (same config; --steps may grow)
     overwrite: bool = False        # start over where a run is (deletes the run's directory)
     seed: int = 0                  # model init, warm-start, data order and sampling all derive from it
     device: str = ""               # cpu, cuda or cuda:N ("" = cuda if available, else cpu)
-    threads: int | None = None     # torch's CPU threads (default 1 on the tiny preset: its matmuls gain
-                                   # nothing from a second thread, which stalls when the other core is busy)
+    threads: int | None = None     # torch's CPU threads (default 1 on the tiny preset, see set_threads)
     checkpoint_every: int = 25     # steps between checkpoints (also written at the end and on Ctrl-C)
     cuda_graph: bool = True        # decode steps as a captured CUDA graph (GPU only)
-    fsdp: bool = False             # under torchrun: shard the trainer with FSDP2 per transformer block
-                                   # instead of a whole copy per GPU (DDP)
+    fsdp: bool = False             # under torchrun: shard the trainer per block (FSDP2) instead of DDP
     # model and task
     preset: str | None = None      # model size (default tiny on CPU, small on GPU; none with --model)
-    model: str = ""                # a Hugging Face Qwen3-MoE directory or hub id instead of a preset
-                                   # (needs --task gsm8k)
+    model: str = ""                # a Hugging Face Qwen3-MoE directory or hub id (needs --task gsm8k)
     task: str = "arith"            # arith: built in, with its own tokenizer; gsm8k: needs --model
-    task_source: str = ""          # gsm8k: a local .jsonl/.json/.parquet file or a hub dataset
-                                   # ("" = openai/gsm8k)
+    task_source: str = ""          # gsm8k: a .jsonl/.json/.parquet file or a hub dataset (openai/gsm8k)
     difficulty: int | None = None  # arith: digits per operand (default 2 on CPU, 3 on GPU)
     demo_error_rate: float = 0.5   # share of warm-start demonstrations with one mistake (room for RL)
     # RL
@@ -123,15 +107,11 @@ class TrainConfig:
     clip_high: float = 0.28        # PPO ratio clip above 1 + clip_high (clip-higher, as in DAPO)
     grad_clip: float = 1.0         # max global gradient norm
     minibatches: int = 1           # optimizer steps per rollout batch, each on a shuffled 1/N of its rows
-    mipu: bool = False             # MIPU: ratios against the rollout's log-probs; keep an update only if the
-                                   # rollout policy's proxy improves (else restore weights and optimizer)
-    warmstart_steps: int | None = None  # supervised steps on demonstrations before RL
-                                        # (default 300 on CPU, 1500 on GPU)
+    mipu: bool = False             # MIPU: ratios against the rollout; keep an update only if it improves
+    warmstart_steps: int | None = None  # supervised steps before RL (default 300 on CPU, 1500 on GPU)
     warmstart_batch: int = 64      # demonstrations per warm-start step
-    warmstart_lr: float | None = None  # warm-start peak learning rate (default 3e-3 on the tiny preset,
-                                       # 1e-3 otherwise)
-    eval_every: int | None = None  # steps between pass@1 evaluations (default steps // 5; also at step 0
-                                   # and at the end)
+    warmstart_lr: float | None = None  # warm-start peak learning rate (default 3e-3 on tiny, else 1e-3)
+    eval_every: int | None = None  # steps between pass@1 evaluations (default steps // 5; also 0 and last)
     eval_prompts: int | None = None  # held-out prompts for pass@1 (default 128 on CPU, 512 on GPU)
     # recipe switches
     recipe: str = "quads"          # the trainer's and the rollout's precision (RECIPES)
@@ -148,7 +128,8 @@ class TrainConfig:
             self.preset = "small" if gpu else "tiny"
         tiny = self.preset == "tiny"
         defaults = dict(difficulty=(3 if gpu else 2) if self.task == "arith" else None,
-                        steps=200 if gpu else 60, prompts_per_step=32 if gpu else 16, lr=1e-4 if tiny else 2e-5,
+                        steps=200 if gpu else 60, prompts_per_step=32 if gpu else 16,
+                        lr=1e-4 if tiny else 2e-5,
                         warmstart_steps=1500 if gpu else 300, warmstart_lr=3e-3 if tiny else 1e-3,
                         eval_prompts=512 if gpu else 128)
         for name, default in defaults.items():
@@ -158,7 +139,7 @@ class TrainConfig:
             self.eval_every = max(1, self.steps // 5)
         require(self.minibatches <= self.prompts_per_step * self.group_size, "minibatches", self.minibatches,
                 f"must be at most prompts x group size = {self.prompts_per_step * self.group_size}")
-        world = int(os.environ.get("WORLD_SIZE", 1))  # under torchrun: every rank needs rows for each mini-batch
+        world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun: each rank needs rows for every mini-batch
         require(self.prompts_per_step // world * self.group_size >= self.minibatches, "prompts-per-step",
                 self.prompts_per_step, f"must give each of the {world} ranks at least --minibatches "
                 f"{self.minibatches} rows ({self.group_size} per prompt)")
@@ -174,9 +155,9 @@ def variant_name(cfg, ratio_given=False):
 
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # "org/name"; anything else must be a local directory
-AT_LEAST = dict(steps=1, prompts_per_step=1, max_new_tokens=1, warmstart_batch=1, eval_every=1, eval_prompts=1,
-                checkpoint_every=1, rac_refresh=1, threads=1, difficulty=1, minibatches=1, group_size=2,
-                seed=0, warmstart_steps=0)
+AT_LEAST = dict(steps=1, prompts_per_step=1, max_new_tokens=1, warmstart_batch=1, eval_every=1,
+                eval_prompts=1, checkpoint_every=1, rac_refresh=1, threads=1, difficulty=1, minibatches=1,
+                group_size=2, seed=0, warmstart_steps=0)
 BOUNDED = dict(rac_ratio=(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
                demo_error_rate=(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
                clip_low=(lambda v: 0 <= v < 1, "must be in [0, 1)"),
@@ -189,8 +170,9 @@ BOUNDED = dict(rac_ratio=(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
 def validate(cfg):
     """Every value as given, before the defaults fill in the rest: a ConfigError naming the flag."""
     for name, low in AT_LEAST.items():
-        value, why = getattr(cfg, name), " (GRPO compares the samples of one prompt)" if name == "group_size" else ""
-        require(value is None or is_int(value) and value >= low, name, value, f"must be an integer >= {low}{why}")
+        value, why = getattr(cfg, name), " (GRPO compares the samples of one prompt)" * (name == "group_size")
+        require(value is None or is_int(value) and value >= low, name, value,
+                f"must be an integer >= {low}{why}")
     for name, (ok, allowed) in BOUNDED.items():
         value = getattr(cfg, name)
         require(value is None and name in ("lr", "warmstart_lr") or is_real(value) and ok(value), name, value,
@@ -199,14 +181,15 @@ def validate(cfg):
         value = getattr(cfg, name)
         require(value is None or value in choices, name, value, f"choose from {', '.join(choices)}")
     kind, _, index = (cfg.device or "cpu").partition(":")
-    require(kind in ("cpu", "cuda") and (not index or kind == "cuda" and index.isdigit()), "device", cfg.device,
-             "choose from cpu, cuda, cuda:N")
+    require(kind in ("cpu", "cuda") and (not index or kind == "cuda" and index.isdigit()), "device",
+            cfg.device, "choose from cpu, cuda, cuda:N")
     refuse(kind == "cuda" and not torch.cuda.is_available(), "device", f"{cfg.device!r} but torch "
             f"{torch.__version__} sees no CUDA GPU (built with CUDA {torch.version.cuda}); use --device cpu")
     refuse(index and int(index) >= torch.cuda.device_count(), "device",
             f"{cfg.device!r} but there are {torch.cuda.device_count()} GPUs")
     refuse(cfg.preset and cfg.model, "preset", "not allowed with argument --model (it has its size)")
-    refuse(cfg.model and cfg.task == "arith", "model", "a real checkpoint brings its own tokenizer: add --task gsm8k")
+    refuse(cfg.model and cfg.task == "arith", "model",
+           "a real checkpoint brings its own tokenizer: add --task gsm8k")
     refuse(not cfg.model and cfg.task != "arith", "task", f"{cfg.task} needs a real model and its tokenizer: "
             "add --model DIR")
     refuse(cfg.task_source and cfg.task == "arith", "task-source", "applies to --task gsm8k only")
@@ -220,8 +203,8 @@ def validate(cfg):
     refuse(cfg.resume and cfg.overwrite, "overwrite", "not allowed with argument --resume")
     refuse(cfg.fsdp and "RANK" not in os.environ, "fsdp", "shards the trainer across torchrun ranks: run it "
            "as torchrun --nproc_per_node=N train.py --fsdp ...")
-    refuse(cfg.mipu and cfg.fsdp, "mipu", "not allowed with argument --fsdp (a rejected update restores whole "
-           "state dicts)")
+    refuse(cfg.mipu and cfg.fsdp, "mipu", "not allowed with argument --fsdp (a rejected update restores "
+           "whole state dicts)")
     refuse(cfg.mipu and cfg.tis, "mipu", "not allowed with argument --tis (MIPU takes its ratios against the "
             "rollout's own log-probs, so there is no engine mismatch left for TIS to correct)")
 
@@ -257,53 +240,33 @@ def build_task(cfg):
     except FileNotFoundError as error:
         raise ConfigError(f"argument --task-source: {error}") from None
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as error:
-        cause = f"; {_one_line(error.__cause__)}" if error.__cause__ else ""
+        cause = f"; {runs.one_line(error.__cause__)}" if error.__cause__ else ""
         raise ConfigError(f"argument --task-source: cannot load the {cfg.task} dataset {source!r} "
-                          f"({_one_line(error)}{cause}); offline, give a local file: --task-source "
+                          f"({runs.one_line(error)}{cause}); offline, give a local file: --task-source "
                           "FILE.jsonl (one JSON object per line with 'question' and 'answer')") from None
-
-
-def _one_line(error):
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
-
-
-class HFTokenizer:
-    """What train.py asks of a tokenizer, on a Hugging Face one: text in without special tokens, text out
-    up to the first EOS, and the EOS and padding ids (EOS pads when there is no pad)."""
-
-    def __init__(self, tokenizer):
-        if tokenizer.eos_token_id is None:
-            raise ConfigError("argument --model: the checkpoint's tokenizer has no EOS token, so completions "
-                              "could never end")
-        self.tokenizer, self.eos_id, self.vocab_size = tokenizer, tokenizer.eos_token_id, len(tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    def encode(self, text):
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids):
-        ids = list(ids)
-        ids = ids[:ids.index(self.eos_id)] if self.eos_id in ids else ids
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def build_model(cfg, task):
     """The BF16 policy before warm-start: a preset with the task's vocabulary, or a real checkpoint."""
     torch.manual_seed(cfg.seed)
     if not cfg.model:
-        model = moe.MoETransformer(moe.MoEConfig.from_preset(cfg.preset, vocab_size=task.tokenizer.vocab_size))
+        config = moe.MoEConfig.from_preset(cfg.preset, vocab_size=task.tokenizer.vocab_size)
+        model = moe.MoETransformer(config)
         model.init_weights()
         return model.to(cfg.device), task.tokenizer
     try:
         model, hf_tokenizer = moe.load_hf(cfg.model)
     except (OSError, ValueError) as error:  # no config.json, weights that do not fit, an unreachable hub
         where = "the directory" if os.path.isdir(cfg.model) else "no such directory, and the hub id"
-        raise ConfigError(f"argument --model: cannot load {cfg.model} ({where}): {_one_line(error)}") from None
+        raise ConfigError(f"argument --model: cannot load {cfg.model} ({where}): "
+                          f"{runs.one_line(error)}") from None
     if hf_tokenizer is None:
         raise ConfigError(f"argument --model: {cfg.model} has no tokenizer files (tokenizer.json, "
                           "tokenizer_config.json or vocab.json); RL needs one")
-    return model.to(cfg.device), HFTokenizer(hf_tokenizer)
+    try:
+        return model.to(cfg.device), tasks.HFTokenizer(hf_tokenizer)
+    except ValueError as error:
+        raise ConfigError(f"argument --model: {error}") from None
 
 
 def autocast(cfg):
@@ -325,37 +288,6 @@ def max_new_tokens(cfg, task):
     return cfg.max_new_tokens or getattr(task, "max_completion_chars", 256) + 1
 
 
-def load_checkpoint(path, device, fix, what="checkpoint"):
-    """torch.load, with a file that cannot be read (truncated, not torch's format, not a train.py
-    checkpoint) as one ConfigError."""
-    try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as error:
-        raise ConfigError(f"cannot read the {what} {path} ({_one_line(error)}): {fix}") from None
-    if what == "checkpoint" and not (isinstance(ckpt, dict) and {"step", "trainer", "optimizer", "config"} <= set(ckpt)):
-        raise ConfigError(f"cannot read the checkpoint {path}: not a train.py checkpoint; {fix}")
-    return ckpt
-
-
-def atomic_save(obj, path, write=torch.save):
-    """Write to a temporary file, then rename: a crash never leaves a half-written file."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    write(obj, tmp)
-    os.replace(tmp, path)
-
-
-def write_text(text, path):
-    with open(path, "w") as f:
-        f.write(text)
-
-
-def read_metrics(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 # ----------------------------------------------------------------------------- warm-start
 def warmstart_path(cfg):
     """The cache file of the warm-start, keyed by everything that determines it (not by the recipe)."""
@@ -369,17 +301,20 @@ def warmstart(cfg, model, task, tokenizer):
     """Supervised fine-tuning on demonstrations (loss on completion + EOS tokens), cached on disk."""
     path = warmstart_path(cfg)
     if os.path.exists(path):
-        model.load_state_dict(load_checkpoint(path, cfg.device, "delete it to recompute it", "warm-start cache"))
+        model.load_state_dict(load_checkpoint(path, cfg.device, "delete it to recompute it",
+                                              "warm-start cache"))
         print(f"warm-start: loaded {path}")
         return model
     os.makedirs(os.path.dirname(path), exist_ok=True)
     rng = random.Random(cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr, weight_decay=0.0, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr, weight_decay=0.0,
+                                  betas=(0.9, 0.95))
     bar = tqdm(range(cfg.warmstart_steps), desc="warm-start", dynamic_ncols=True)
     for step in bar:
         warmup = min(1.0, (step + 1) / 50)
+        lr = cfg.warmstart_lr * warmup * 0.5 * (1 + math.cos(math.pi * step / cfg.warmstart_steps))
         for group in optimizer.param_groups:
-            group["lr"] = cfg.warmstart_lr * warmup * 0.5 * (1 + math.cos(math.pi * step / cfg.warmstart_steps))
+            group["lr"] = lr
         rows, loss_starts = [], []
         for p in task.sample(cfg.warmstart_batch, "train", rng):
             prompt = tokenizer.encode(p.prompt)
@@ -415,9 +350,10 @@ def evaluate(cfg, model, task, tokenizer, problems, ranks=SINGLE):
     start, stop = distributed.shard(len(problems), ranks)
     total = 0.0
     if stop > start:
-        out = rollout.generate(model, encode_prompts(tokenizer, problems[start:stop]), 1, max_new_tokens(cfg, task),
-                               temperature=cfg.temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                               seed=cfg.seed + 12345, cuda_graph=cfg.cuda_graph, row_offset=start)
+        out = rollout.generate(model, encode_prompts(tokenizer, problems[start:stop]), 1,
+                               max_new_tokens(cfg, task), temperature=cfg.temperature,
+                               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=cfg.seed + 12345,
+                               cuda_graph=cfg.cuda_graph, row_offset=start)
         total = score(task, tokenizer, problems[start:stop], out, 1).sum().item()
     return (distributed.all_sum([total], ranks)[0] / len(problems)).item()
 
@@ -452,7 +388,8 @@ def trace_recorder(rollout_model):
         elif isinstance(module, rac.NVFP4Experts):
             module.register_forward_pre_hook(lambda m, args, p=path: recorder.route(p, args[1], m.n_experts))
             for index, selector in enumerate((module.rac_gate_up, module.rac_down)):  # gate/up, down inputs
-                selector.register_forward_pre_hook(lambda m, args, p=path, i=index: recorder.record(p, i, args[0]))
+                selector.register_forward_pre_hook(
+                    lambda m, args, p=path, i=index: recorder.record(p, i, args[0]))
     return recorder
 
 
@@ -466,10 +403,12 @@ def recorded_codes(recorder, out):
 def shared_state(rollout_model, train_mode, codes=None):
     """What the trainer's forward takes from the rollout (qat.SharedState): moeresq's current RAC block
     masks, read off the rollout's layers (one selection for both sides), and trace's recorded codes."""
-    masks = None
-    if train_mode == "moeresq":
-        masks = {path: (m.rac.mask,) if isinstance(m, rac.NVFP4Linear) else (m.rac_gate_up.mask, m.rac_down.mask)
-                 for path, m in rollout_model.named_modules() if isinstance(m, (rac.NVFP4Linear, rac.NVFP4Experts))}
+    masks = {} if train_mode == "moeresq" else None
+    for path, m in rollout_model.named_modules() if train_mode == "moeresq" else ():
+        if isinstance(m, rac.NVFP4Linear):
+            masks[path] = (m.rac.mask,)
+        elif isinstance(m, rac.NVFP4Experts):
+            masks[path] = (m.rac_gate_up.mask, m.rac_down.mask)
     return qat.SharedState(masks, codes)
 
 
@@ -477,7 +416,7 @@ def shared_state(rollout_model, train_mode, codes=None):
 def trainer_logprobs(cfg, trainer, seq, shared=qat.SharedState(), rows=slice(None)):
     """The trainer's log-probs of the sampled tokens of `rows`, tempered as the rollout sampled them:
     (n, W-1) fp32, aligned with seq.logprobs[:, 1:]; and the experts it chose, (L, n, W, A). With --r3 the
-    trainer replays the rollout's expert routes; `shared` (qat.SharedState) is what it takes from the rollout."""
+    trainer replays the rollout's routes; `shared` (qat.SharedState): what it takes from the rollout."""
     tokens = seq.tokens[rows]
     shared = shared if isinstance(rows, slice) else shared.select_rows(rows, seq.tokens.shape[1])
     with autocast(cfg), qat.sharing(getattr(trainer, "module", trainer), shared):  # DDP wraps the trainer
@@ -486,7 +425,8 @@ def trainer_logprobs(cfg, trainer, seq, shared=qat.SharedState(), rows=slice(Non
     return grpo.token_logprobs(logits[:, :-1].float() / max(cfg.temperature, 1e-6), tokens[:, 1:]), routes
 
 
-def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed, shared=qat.SharedState(), ranks=SINGLE):
+def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed, shared=qat.SharedState(),
+                  ranks=SINGLE):
     """GRPO on one rollout batch: cfg.minibatches optimizer steps, each on a shuffled 1/N of its rows.
 
     Three log-probs per token (grpo.py): `rollout` (the engine's), `old` (the trainer under the weights that
@@ -511,7 +451,8 @@ def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed, shared
             old_logp, old_routes = new_logp.detach(), routes
         reference = rollout_logp if cfg.mipu else old_logp
         loss, stats = grpo.policy_loss(new_logp, reference[rows], advantages[rows], mask[rows], cfg.clip_low,
-                                       cfg.clip_high, rollout_logprobs=rollout_logp[rows], tis_cap=cfg.tis or None)
+                                       cfg.clip_high, rollout_logprobs=rollout_logp[rows],
+                                       tis_cap=cfg.tis or None)
         if distributed.all_sum([0.0 if torch.isfinite(loss) else 1.0], ranks)[0] > 0:  # any rank: all stop
             raise FloatingPointError(f"non-finite loss ({loss.item()})")
         share, stats = distributed.loss_share(loss, stats, mask[rows], ranks)
@@ -558,51 +499,14 @@ class Setup:
     rac_ratio: float                # 0 when the recipe has no RAC
     calib_tokens: torch.Tensor      # (16, W) prompts + demonstrations that choose RAC's compensated blocks
     eval_problems: list             # held-out problems for pass@1
-    run_dir: str
+    run_dir: str                    # out_dir/run_name: config.json, metrics.jsonl, checkpoint.pt (runs.py)
     start_step: int                 # 0, or the checkpoint's step under --resume
     recorder: object = None         # trace: the qat.RolloutRecorder of the rollout's codes
     ranks: distributed.Distributed = SINGLE  # this process's rank and the world size (1 without torchrun)
 
-    @property
-    def ckpt_path(self):
-        return os.path.join(self.run_dir, "checkpoint.pt")
-
-    @property
-    def metrics_path(self):
-        return os.path.join(self.run_dir, "metrics.jsonl")
-
-
-RUN_FILES = ("metrics.jsonl", "checkpoint.pt")  # what makes a directory hold a run
-# what a resumed run may change: when it stops and what it writes, not what it computes
-RESUMABLE_FIELDS = {"steps", "eval_every", "checkpoint_every", "resume", "overwrite", "out_dir", "run_name",
-                    "threads", "cuda_graph", "fsdp"}
-
-
-def check_run_dir(cfg, rename="choose another --run-name"):
-    """Refuse, before anything is written, to start where a run would be destroyed; under --resume read
-    the checkpoint and check that it continues this run. -> the checkpoint to resume from, or None."""
-    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
-    if not cfg.resume:
-        found = [name for name in RUN_FILES if os.path.exists(os.path.join(run_dir, name))]
-        if found and not cfg.overwrite:
-            raise ConfigError(f"{run_dir} holds a run ({', '.join(found)}): add --resume to continue it, "
-                              f"--overwrite to start it over, or {rename}")
-        return None
-    if not os.path.exists(ckpt_path):
-        raise ConfigError(f"argument --resume: no checkpoint {ckpt_path} to resume (drop --resume to start "
-                          "the run, or give the --out-dir and --run-name of the run to continue)")
-    ckpt = load_checkpoint(ckpt_path, cfg.device, "restore it, or start the run over with --overwrite")
-    changes = [f"--{f.name.replace('_', '-')} {ckpt['config'].get(f.name, f.default)} -> {getattr(cfg, f.name)}"
-               for f in dataclasses.fields(cfg) if f.name not in RESUMABLE_FIELDS
-               and ckpt["config"].get(f.name, f.default) != getattr(cfg, f.name)]
-    if changes:
-        raise ConfigError(f"cannot resume {run_dir}: this command changes {', '.join(changes)}; a resumed "
-                          "run keeps its config (--steps may grow): give the run's values, or a new --run-name")
-    if cfg.steps < ckpt["step"]:
-        raise ConfigError(f"argument --steps: {cfg.steps}, but the run in {run_dir} is at step {ckpt['step']}; "
-                          f"a run cannot be shortened (give --steps >= {ckpt['step']})")
-    return ckpt
+    def __post_init__(self):
+        self.ckpt_path = os.path.join(self.run_dir, "checkpoint.pt")
+        self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
 
 
 def calibration_tokens(cfg, task, tokenizer):
@@ -638,9 +542,9 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
     rollout_model, trainer, recorder = build_recipe(cfg, model, cfg.recipe, rac_ratio)
     train_forward = distributed.distribute_trainer(trainer, cfg, ranks)  # before the optimizer: FSDP2 swaps
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
+    eval_problems = task.sample(cfg.eval_prompts, "test", random.Random(cfg.seed + 999))
     s = Setup(cfg, task, tokenizer, trainer, train_forward, rollout_model, eval_model, optimizer, rac_ratio,
-              calibration_tokens(cfg, task, tokenizer),
-              task.sample(cfg.eval_prompts, "test", random.Random(cfg.seed + 999)), run_dir, 0, recorder, ranks)
+              calibration_tokens(cfg, task, tokenizer), eval_problems, run_dir, 0, recorder, ranks)
     if ckpt is not None:
         distributed.load_trainer_state(trainer, optimizer, ckpt["trainer"], ckpt["optimizer"])
         s.start_step = ckpt["step"]
@@ -671,8 +575,8 @@ def save(s, step):
 def evaluate_both(s):
     """pass@1 on the held-out problems of the rollout model and of the trainer's weights in BF16."""
     distributed.sync_from_trainer(s.eval_model, s.trainer)
-    return {"pass@1": evaluate(s.cfg, s.rollout_model, s.task, s.tokenizer, s.eval_problems, s.ranks),
-            "pass@1_bf16_trainer": evaluate(s.cfg, s.eval_model, s.task, s.tokenizer, s.eval_problems, s.ranks)}
+    return {name: evaluate(s.cfg, model, s.task, s.tokenizer, s.eval_problems, s.ranks)
+            for name, model in (("pass@1", s.rollout_model), ("pass@1_bf16_trainer", s.eval_model))}
 
 
 def run(cfg, base_state=None, ranks=SINGLE):
@@ -683,7 +587,7 @@ def run(cfg, base_state=None, ranks=SINGLE):
         run_dir = os.path.join(cfg.out_dir, cfg.run_name)
         if ranks.main:
             print(f"run {run_dir} is complete at step {cfg.steps}: nothing to do (--steps N > {cfg.steps} "
-                  f"extends it)\n{report(cfg, run_dir)}")
+                  f"extends it)\n{runs.report(cfg, run_dir, warmstart_path(cfg))}")
         return run_dir
     s = setup(cfg, base_state, ckpt, ranks)
     if s.start_step == 0 and (baseline := evaluate_both(s)) and ranks.main:  # the curves' common start
@@ -698,8 +602,9 @@ def run(cfg, base_state=None, ranks=SINGLE):
         try:
             for step in bar:
                 record = rl_step(s, step, interrupt, accepted)
-                last_eval = {k: record[k] for k in ("pass@1", "pass@1_bf16_trainer") if k in record} or last_eval
-                bar.set_postfix(reward=f"{record['reward']:.2f}", pass1=f"{last_eval.get('pass@1', math.nan):.2f}",
+                last_eval = record if "pass@1" in record else last_eval
+                bar.set_postfix(reward=f"{record['reward']:.2f}",
+                                pass1=f"{last_eval.get('pass@1', math.nan):.2f}",
                                 dlogp=f"{record['mismatch/abs_diff_mean']:.1e}",
                                 max=f"{record['mismatch/abs_diff_max']:.2f}")
                 stop = interrupt.requested
@@ -714,13 +619,14 @@ def run(cfg, base_state=None, ranks=SINGLE):
         except KeyboardInterrupt:
             if interrupt.holding:  # a second Ctrl-C inside a step's update: its weights are half-updated
                 interrupt.stop(f"\ninterrupted during step {interrupt.step + 1}'s update: not saved; "
-                               f"{s.ckpt_path} keeps the last checkpoint written; continue with --resume", ranks)
+                               f"{s.ckpt_path} keeps the last checkpoint written; continue with --resume",
+                               ranks)
             if interrupt.step > s.start_step:  # before this step's update: `step` finished steps
                 save(s, interrupt.step)
             interrupt.stop(f"\ninterrupted: checkpoint at step {interrupt.step} in {s.ckpt_path}; continue "
                            "with --resume", ranks)
     if ranks.main:
-        print(report(cfg, s.run_dir, s.start_step))
+        print(runs.report(cfg, s.run_dir, warmstart_path(cfg), s.start_step))
     return s.run_dir
 
 
@@ -749,8 +655,10 @@ def rl_step(s, step, interrupt, accepted):
                                                           cfg.seed * 1_000_003 + step, shared, ranks)
     except FloatingPointError as error:
         raise FloatingPointError(f"{error} at step {step}: stopping. The last good checkpoint is kept at "
-                                 f"{s.ckpt_path} (resume with --resume after changing what diverged).") from None
-    record = {"step": step + 1, **step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_rollout)}
+                                 f"{s.ckpt_path} (resume with --resume after changing what diverged).") \
+            from None
+    record = {"step": step + 1,
+              **step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_rollout)}
     # 6. sync the rollout's weights through nvfp4; MIPU keeps them only if the rollout policy improved
     sync(s, step + 1)
     if cfg.mipu:
@@ -774,7 +682,8 @@ def sample(s, problems, first, step):
     out = rollout.generate(s.rollout_model, encode_prompts(tokenizer, problems), cfg.group_size,
                            max_new_tokens(cfg, s.task), temperature=cfg.temperature, eos_id=tokenizer.eos_id,
                            pad_id=tokenizer.pad_id, seed=cfg.seed * 1_000_003 + step,
-                           row_offset=first * cfg.group_size, cuda_graph=cfg.cuda_graph and s.recorder is None)
+                           row_offset=first * cfg.group_size,
+                           cuda_graph=cfg.cuda_graph and s.recorder is None)
     codes = recorded_codes(s.recorder, out) if s.recorder is not None else None
     if cfg.device.startswith("cuda"):
         torch.cuda.synchronize()  # the rollout's time, not its launch's
@@ -810,10 +719,11 @@ def mipu_decide(s, step, seq, advantages, old_logp, shared, before, accepted):
     """MIPU, after the sync: keep the candidate if the synced rollout policy's proxy improved, else restore
     the weights and optimizer state (and sync again). Every rank decides on the whole batch's proxy."""
     cfg, mask, (state, inference_logp) = s.cfg, seq.loss_mask[:, 1:], before
-    proxy = grpo.mipu_proxy(rollout.score(s.rollout_model, seq.tokens, cfg.temperature)[:, 1:], inference_logp,
-                            advantages, mask)
+    proxy = grpo.mipu_proxy(rollout.score(s.rollout_model, seq.tokens, cfg.temperature)[:, 1:],
+                            inference_logp, advantages, mask)
     with torch.no_grad():  # the same estimate for the trainer's policy: what the update believes
-        trainer_proxy = grpo.mipu_proxy(trainer_logprobs(cfg, s.trainer, seq, shared)[0], old_logp, advantages, mask)
+        trainer_logp = trainer_logprobs(cfg, s.trainer, seq, shared)[0]
+    trainer_proxy = grpo.mipu_proxy(trainer_logp, old_logp, advantages, mask)
     if s.ranks.enabled:
         tokens = mask.sum().item()
         proxy, trainer_proxy, total = distributed.all_sum([proxy * tokens, trainer_proxy * tokens, tokens],
@@ -826,69 +736,6 @@ def mipu_decide(s, step, seq, advantages, old_logp, shared, before, accepted):
     accepted.append(proxy > 0)
     return {"mipu/proxy": proxy, "mipu/trainer_proxy": trainer_proxy, "mipu/accepted": float(proxy > 0),
             "mipu/accept_rate": sum(accepted) / len(accepted)}
-
-
-class HeldInterrupt:
-    """Ctrl-C while a step changes the trainer's weights (from its first optimizer step to its metrics line
-    and checkpoint) is held until that step ends, so that what is saved is always a finished, logged step;
-    elsewhere, and on a second Ctrl-C, it acts at once. Only in the main thread (signals live there)."""
-
-    def __init__(self, step):
-        self.step = step  # the RL loop's step: finished steps, or the one whose update is running
-        self.holding = self.requested = False
-        self.previous = None
-
-    def __enter__(self):
-        try:
-            self.previous = signal.signal(signal.SIGINT, self._handler)
-        except ValueError:  # not the main thread: Ctrl-C keeps its default meaning
-            self.previous = None
-        return self
-
-    def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
-
-    def _handler(self, signum, frame):
-        if self.holding and not self.requested:
-            self.requested = True
-            print("\nCtrl-C: finishing this step's update, then saving (Ctrl-C again: stop now, unsaved)",
-                  file=sys.stderr, flush=True)
-            return
-        raise KeyboardInterrupt
-
-    @staticmethod
-    def stop(message, ranks):
-        if ranks.main:
-            print(message, file=sys.stderr)
-        sys.exit(130)
-
-
-def report(cfg, run_dir, start_step=None):
-    """The end-of-run summary: the RL steps' own time (this command's steps: not the warm-start, not what
-    ran before a resume), final pass@1, mismatch over the run, and where everything is."""
-    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    steps, evals = [r for r in records if r["step"] > 0], [r for r in records if "pass@1" in r]
-    lines = [f"{cfg.run_name}: {steps[-1]['step'] if steps else 0} steps"]
-    ran = [r for r in steps if start_step is not None and r["step"] > start_step]
-    if ran:
-        resumed = f" (resumed at step {start_step})" if start_step else ""
-        lines[0] += (f"; RL steps {ran[0]['step']}-{ran[-1]['step']} took {sum(r['step_s'] for r in ran):.0f} s"
-                     + resumed)
-    if evals:
-        first, last = evals[0], evals[-1]
-        lines.append(f"  pass@1        rollout {last['pass@1']:.3f}, BF16 trainer {last['pass@1_bf16_trainer']:.3f} "
-                     f"at step {last['step']} (step {first['step']}: {first['pass@1']:.3f}, "
-                     f"{first['pass@1_bf16_trainer']:.3f})")
-    if steps:
-        mean = sum(r["mismatch/abs_diff_mean"] for r in steps) / len(steps)
-        worst = max(r["mismatch/abs_diff_max"] for r in steps)
-        lines.append(f"  |delta logp|  mean {mean:.2e}, max {worst:.3f} over steps 1-{steps[-1]['step']}")
-    lines += [f"  {'metrics':<13} {os.path.join(run_dir, 'metrics.jsonl')}",
-              f"  {'checkpoint':<13} {os.path.join(run_dir, 'checkpoint.pt')}",
-              f"  {'warm-start':<13} {warmstart_path(cfg)}",
-              f"  {'figure':<13} python -m tools.plot {run_dir}"]
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -916,7 +763,8 @@ def option_docs():
     return docs
 
 
-def build_parser(prog="train.py", usage="python train.py [--recipe R] [options] (see --help)", description=__doc__):
+def build_parser(prog="train.py", usage="python train.py [--recipe R] [options] (see --help)",
+                 description=__doc__):
     """The CLI, built from TrainConfig: one option per field, grouped and documented as the fields are."""
     parser = Parser(prog=prog, description=description, usage=usage,
                     formatter_class=argparse.RawDescriptionHelpFormatter)

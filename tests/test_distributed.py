@@ -28,7 +28,8 @@ def _reduce_stats_on_rank(rank, init_file, results):
     try:
         stats = {"loss": torch.tensor(1.0 + rank), "ratio/min": torch.tensor(0.5 + rank),
                  "ratio/max": torch.tensor(2.0 - rank), "grad_norm": torch.tensor(4.0 * rank)}
-        out = distributed.reduce_stats(stats, 0.25 if rank == 0 else 0.75, distributed.Distributed(rank, 2, True))
+        ranks = distributed.Distributed(rank, 2, True)
+        out = distributed.reduce_stats(stats, 0.25 if rank == 0 else 0.75, ranks)
         results[rank] = {key: value.item() for key, value in out.items()}
     finally:
         dist.destroy_process_group()

@@ -203,7 +203,8 @@ def test_the_forward_uses_the_weights_of_the_latest_optimizer_step(make_optimize
 def test_a_models_forward_fake_quantizes_each_weight_once_and_keeps_nothing(monkeypatch):
     model = qat.convert_for_training(tiny_model(std=0.1), "qat")
     qat.convert_for_training(model, "qat")  # converting again wraps nothing twice
-    before = {name: value for name, value in vars(model.layers[0].attn.q_proj).items() if not name.startswith("_")}
+    layer = model.layers[0].attn.q_proj
+    before = {name: value for name, value in vars(layer).items() if not name.startswith("_")}
     calls = []
     monkeypatch.setattr(nvfp4, "fake_quantize_weight", lambda w, original=nvfp4.fake_quantize_weight: (
         calls.append(tuple(w.shape)), original(w))[1])
@@ -211,7 +212,7 @@ def test_a_models_forward_fake_quantizes_each_weight_once_and_keeps_nothing(monk
     y = model(batch)
     assert len(calls) == 4 * 2 + 2 * 2  # the 12 weights, each once
     assert not model._forward_pre_hooks and not model._forward_hooks  # no hooks
-    after = {name: value for name, value in vars(model.layers[0].attn.q_proj).items() if not name.startswith("_")}
+    after = {name: value for name, value in vars(layer).items() if not name.startswith("_")}
     assert after.keys() == before.keys()  # nothing left on a layer by the forward
     with qat.bf16_forward(model):
         model(batch)

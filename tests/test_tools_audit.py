@@ -50,13 +50,14 @@ def test_audit_scores_one_batch_three_ways_per_recipe(quads_run, capsys):
 
     # a second audit never replaces the first unasked: refused, or written where --out says
     before = tree_digest(folder)
-    code, _, err, _ = main_exit([os.path.join(quads_run, "checkpoint.pt"), "--recipes", "nvfp4", "--device", "cpu"],
-                                capsys)
-    assert code == 2 and err.count("\n") == 1 and f"{folder} holds an audit (audit.json, audit.md, batch_bf16.pt" in err
+    checkpoint = os.path.join(quads_run, "checkpoint.pt")
+    code, _, err, _ = main_exit([checkpoint, "--recipes", "nvfp4", "--device", "cpu"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert f"{folder} holds an audit (audit.json, audit.md, batch_bf16.pt" in err
     assert tree_digest(folder) == before
     other = os.path.join(quads_run, "another")
-    main_exit([os.path.join(quads_run, "checkpoint.pt"), "--recipes", "nvfp4", "--device", "cpu", "--out", other],
-              capsys)  # a checkpoint file works as well as its run directory, and gives the same batch
+    # a checkpoint file works as well as its run directory, and gives the same batch
+    main_exit([checkpoint, "--recipes", "nvfp4", "--device", "cpu", "--out", other], capsys)
     assert torch.equal(torch.load(os.path.join(other, "batch_nvfp4.pt"), weights_only=True)["tokens"],
                        batch["tokens"])
     assert tree_digest(folder) == before
@@ -72,7 +73,8 @@ def test_audit_builds_the_symmetric_recipes_as_training_does(quads_run, tmp_path
     def gaps(recipe):
         batch = torch.load(tmp_path / f"batch_{recipe}.pt", weights_only=True)
         mask = batch["loss_mask"][:, 1:]
-        return {pair: (batch[pair[0]] - batch[pair[1]])[mask].abs().mean().item() for pair in ("AB", "BC", "AC")}
+        return {pair: (batch[pair[0]] - batch[pair[1]])[mask].abs().mean().item()
+                for pair in ("AB", "BC", "AC")}
     moeresq, trace = gaps("moeresq"), gaps("trace")
     assert moeresq["AB"] > 1e-3 and moeresq["BC"] < 1e-5
     assert trace["AB"] > 1e-3 and trace["AC"] < 0.2 * trace["AB"]

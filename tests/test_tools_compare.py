@@ -92,8 +92,9 @@ def test_jobs_run_variants_in_processes_and_match_the_sequential_runs(compared):
     assert [os.path.basename(d) for d in run_dirs] == ["bf16", "nvfp4"]
     for run_dir, sequential in zip(run_dirs, sequential_dirs):
         parallel, sequential = read_metrics(run_dir, True), read_metrics(sequential, True)
-        assert len(parallel) == TINY["steps"] and [r["reward"] for r in parallel] == [r["reward"] for r in sequential]
-        assert [r["mismatch/abs_diff_max"] for r in parallel] == [r["mismatch/abs_diff_max"] for r in sequential]
+        assert len(parallel) == TINY["steps"]
+        for key in ("reward", "mismatch/abs_diff_max"):
+            assert [r[key] for r in parallel] == [r[key] for r in sequential], key
     with open(os.path.join(parallel_dir, "compare_bf16_nvfp4.md")) as f:
         assert [line.split("|")[1].strip() for line in f.read().splitlines()[2:]] == ["bf16", "nvfp4"]
     assert os.path.exists(os.path.join(parallel_dir, "compare_bf16_nvfp4.png"))

@@ -11,9 +11,9 @@ def write_run(path, mean_gaps):
     """A run directory whose metrics.jsonl has step 0's pass@1 and one record per mean |delta logp|."""
     os.makedirs(path)
     records = [{"step": 0, "pass@1": 0.25, "pass@1_bf16_trainer": 0.5}]
-    records += [{"step": i + 1, "reward": 0.5, "mismatch/abs_diff_mean": gap, "mismatch/abs_diff_max": 10 * gap,
-                 "mismatch/kl_k3": gap / 2, "routing_disagreement": 0.01 * (i + 1), "rollout_tokens_per_s": 1000.0,
-                 "step_s": 2.0} for i, gap in enumerate(mean_gaps)]
+    records += [{"step": i + 1, "reward": 0.5, "mismatch/abs_diff_mean": gap, "mismatch/abs_diff_max": 10*gap,
+                 "mismatch/kl_k3": gap / 2, "routing_disagreement": 0.01 * (i + 1),
+                 "rollout_tokens_per_s": 1000.0, "step_s": 2.0} for i, gap in enumerate(mean_gaps)]
     records[-1].update({"pass@1": 0.75, "pass@1_bf16_trainer": 0.625})
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in records))

@@ -187,7 +187,8 @@ def test_ctrl_c_during_the_warm_start_is_one_line_and_a_clean_exit(tmp_path, cap
     monkeypatch.setattr(train.torch.nn.utils, "clip_grad_norm_", interrupted)  # inside the warm-start loop
     code, out, err = main_exit(cli(tmp_path, recipe="bf16"), capsys)
     assert code == 130 and "Traceback" not in err  # (above the line: the warm-start's progress bar)
-    assert err.strip().splitlines()[-1].startswith("interrupted before the first RL step: no checkpoint written")
+    last_line = err.strip().splitlines()[-1]
+    assert last_line.startswith("interrupted before the first RL step: no checkpoint written")
     assert not os.path.exists(train.warmstart_path(tiny_config(tmp_path)))  # nothing half-written
 
 
@@ -268,7 +269,7 @@ def test_a_hugging_face_checkpoint_trains_on_a_local_gsm8k_file(tmp_path):
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records[1:]:  # rewards are counts over the P*G completions, each at most max_new_tokens long
         assert (r["reward"] * 2 * 2).is_integer() and 1 <= r["completion_len"] <= 8
-    tokenizer = train.HFTokenizer(hf_tokenizer)
+    tokenizer = train.tasks.HFTokenizer(hf_tokenizer)
     assert (tokenizer.decode(tokenizer.encode("#### 42") + [tokenizer.eos_id] + tokenizer.encode("x"))
             == "#### 42")
 

@@ -38,19 +38,21 @@ STATS = [("signed mean", "diff_mean"), ("MAE", "abs_diff_mean"), ("p95", "abs_di
 SKIPPED = ("device", "run_name", "resume", "overwrite", "threads", "mipu", "tis")  # not the audit's business
 
 
-def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", overwrite=False, cuda_graph=True):
+def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", overwrite=False,
+          cuda_graph=True):
     """Audit the checkpoint at `path` (a run directory or a checkpoint file) -> the path of audit.md."""
     ckpt_path = path if os.path.isfile(path) else os.path.join(path, "checkpoint.pt")
     if not os.path.isfile(ckpt_path):
         raise train.ConfigError(f"argument RUN: no checkpoint at {path!r}; give a run directory holding "
                                 "checkpoint.pt or a checkpoint file")
     ckpt = train.load_checkpoint(ckpt_path, "cpu", "give another run directory or checkpoint")
-    out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), f"audit_step{ckpt['step']}")
-    earlier = sorted(name for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else [])
-                     if name in ("audit.md", "audit.json") or name.startswith("batch_") and name.endswith(".pt"))
+    run_dir = os.path.dirname(os.path.abspath(ckpt_path))
+    out_dir = out_dir or os.path.join(run_dir, f"audit_step{ckpt['step']}")
+    earlier = sorted(name for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else []) if name in
+                     ("audit.md", "audit.json") or name.startswith("batch_") and name.endswith(".pt"))
     if earlier and not overwrite:
-        raise train.ConfigError(f"{out_dir} holds an audit ({', '.join(earlier)}): add --overwrite to replace it, "
-                                "or give --out DIR")
+        raise train.ConfigError(f"{out_dir} holds an audit ({', '.join(earlier)}): add --overwrite to "
+                                "replace it, or give --out DIR")
     known = {f.name for f in dataclasses.fields(train.TrainConfig)}
     cfg = train.TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in known and k not in SKIPPED},
                             device=device)
@@ -80,7 +82,8 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
         seq = out.sequences()
         mask = seq.loss_mask[:, 1:]
         recorded = seq.logprobs[:, 1:]                                                    # A
-        rescored, replayed = (rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:] for _ in range(2))
+        rescored, replayed = (rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:]
+                              for _ in range(2))                                         # B, B'
         with torch.no_grad():
             trainer_logp, _ = train.trainer_logprobs(cfg, trainer, seq, shared)            # C
         results[recipe] = {"tokens": int(mask.sum()), "A-B": grpo.mismatch_metrics(recorded, rescored, mask),
@@ -95,18 +98,19 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
               f"{cfg.group_size} samples per recipe, preset {cfg.preset or cfg.model}, temperature "
               f"{cfg.temperature:g}, {device}, torch {torch.__version__}. d in nats over completion tokens; "
               "A recorded at decode, B one-prefill re-score, C trainer forward.")
-    columns = (["recipe", "tokens"] + [f"A-B {name}" for name, _ in STATS] + [f"B-C {name}" for name, _ in STATS]
+    columns = (["recipe", "tokens"] + [f"{pair} {name}" for pair in ("A-B", "B-C") for name, _ in STATS]
                + ["B replay max"])
     lines = [header, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for recipe, r in results.items():
-        cells = [recipe, str(r["tokens"])] + [f"{r[pair][key]:.2e}" for pair in ("A-B", "B-C") for _, key in STATS]
+        cells = [recipe, str(r["tokens"])] + [f"{r[pair][key]:.2e}" for pair in ("A-B", "B-C")
+                                              for _, key in STATS]
         lines.append("| " + " | ".join(cells + [f"{r['B-B replay max']:.1e}"]) + " |")
     table = "\n".join(lines) + "\n"
     md_path = os.path.join(out_dir, "audit.md")
     train.atomic_save(table, md_path, train.write_text)
-    train.atomic_save(json.dumps({"checkpoint": ckpt_path, "step": ckpt["step"], "device": device,
-                                  "torch": torch.__version__, "config": dataclasses.asdict(cfg), "recipes": results},
-                                 indent=2), os.path.join(out_dir, "audit.json"), train.write_text)
+    record = {"checkpoint": ckpt_path, "step": ckpt["step"], "device": device, "torch": torch.__version__,
+              "config": dataclasses.asdict(cfg), "recipes": results}
+    train.atomic_save(json.dumps(record, indent=2), os.path.join(out_dir, "audit.json"), train.write_text)
     print(table)
     return md_path
 
@@ -126,7 +130,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         for recipe in args.recipes.split(","):  # (an empty name, as in "bf16,", is refused too)
-            train.require(recipe in train.RECIPES, "recipes", recipe, f"choose from {', '.join(train.RECIPES)}")
+            train.require(recipe in train.RECIPES, "recipes", recipe,
+                          f"choose from {', '.join(train.RECIPES)}")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         train.TrainConfig(device=device)  # checks the device as train.py does
         return audit(args.run, args.recipes.split(","), device, args.out, args.overwrite, args.cuda_graph)

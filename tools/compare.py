@@ -10,7 +10,6 @@ Each variant is a train.py run in out_dir/<variant>/ (named as written: `rac@0.5
 figure and table go to out_dir/compare_<variants>.png and .md. Nothing is replaced unasked: runs and
 outputs that exist are refused unless --resume continues them or --overwrite starts them over.
 """
-import argparse
 import copy
 import dataclasses
 import hashlib
@@ -35,8 +34,8 @@ def parse_variant(spec):
     head, *flags = spec.split("+")
     recipe, at, ratio = head.partition("@")
     if recipe not in train.RECIPES:
-        raise train.ConfigError(f"argument variants: unknown recipe {recipe!r} in variant {spec!r}; choose from "
-                                f"{', '.join(train.RECIPES)}" if recipe else
+        raise train.ConfigError(f"argument variants: unknown recipe {recipe!r} in variant {spec!r}; choose "
+                                f"from {', '.join(train.RECIPES)}" if recipe else
                                 f"argument variants: variant {spec!r} names no recipe; {FORM}")
     fields = {"recipe": recipe}
     try:
@@ -52,17 +51,19 @@ def parse_variant(spec):
     except ValueError:
         raise train.ConfigError(f"argument variants: cannot read variant {spec!r}; {FORM}") from None
     if at and not train.RECIPES[recipe][2]:
-        raise train.ConfigError(f"argument variants: variant {spec!r}: recipe {recipe} has no RAC, so no @ratio; "
-                                f"RAC recipes: {', '.join(r for r in train.RECIPES if train.RECIPES[r][2])}")
+        rac_recipes = ", ".join(r for r in train.RECIPES if train.RECIPES[r][2])
+        raise train.ConfigError(f"argument variants: variant {spec!r}: recipe {recipe} has no RAC, so no "
+                                f"@ratio; RAC recipes: {rac_recipes}")
     if not 0 <= fields.get("rac_ratio", 0) <= 1:
-        raise train.ConfigError(f"argument variants: variant {spec!r}: the RAC ratio after '@' must be in [0, 1]")
+        raise train.ConfigError(f"argument variants: variant {spec!r}: the RAC ratio after '@' must be in "
+                                "[0, 1]")
     if not 0 <= fields.get("tis", 0) < math.inf:
         raise train.ConfigError(f"argument variants: variant {spec!r}: the TIS cap after 'tis' must be >= 0")
     return fields
 
 
 def variant_configs(cfg, variants):
-    """"v1,v2,..." -> one TrainConfig per variant, each named as written (a given @ratio stays in the name)."""
+    """"v1,v2,..." -> one TrainConfig per variant, named as written (a given @ratio stays in the name)."""
     specs = variants.split(",")
     if not all(specs):
         raise train.ConfigError(f"argument variants: empty variant in {variants!r}; give comma-separated "
@@ -77,10 +78,11 @@ def variant_configs(cfg, variants):
         same = next((c for c in configs[:i] if dataclasses.replace(c, run_name="") ==
                      dataclasses.replace(config, run_name="")), None)
         if same is not None and same.run_name == config.run_name:
-            raise train.ConfigError(f"argument variants: {variants!r} names the run {config.run_name!r} twice")
+            raise train.ConfigError(f"argument variants: {variants!r} names the run {config.run_name!r} "
+                                    "twice")
         if same is not None:
-            raise train.ConfigError(f"argument variants: {same.run_name!r} and {config.run_name!r} are the same "
-                                    "run; give it once")
+            raise train.ConfigError(f"argument variants: {same.run_name!r} and {config.run_name!r} are the "
+                                    "same run; give it once")
     return configs
 
 
@@ -88,7 +90,8 @@ def compare_paths(cfg, run_names):
     """The figure and table, named by the variants (so that another comparison keeps its own)."""
     stem = "compare_" + "_".join(run_names)
     if len(stem) > 100:  # file names have a length limit
-        stem = f"compare_{len(run_names)}variants_{hashlib.sha1(','.join(run_names).encode()).hexdigest()[:10]}"
+        digest = hashlib.sha1(",".join(run_names).encode()).hexdigest()[:10]
+        stem = f"compare_{len(run_names)}variants_{digest}"
     return os.path.join(cfg.out_dir, stem + ".png"), os.path.join(cfg.out_dir, stem + ".md")
 
 
@@ -100,8 +103,8 @@ def study(cfg, variants, jobs=1):
         train.check_run_dir(config, rename="choose another --out-dir")
     existing = [path for path in outputs if os.path.exists(path)]
     if existing and not (cfg.resume or cfg.overwrite):
-        raise train.ConfigError(f"{existing[0]} exists: add --overwrite to replace it (or --resume to continue "
-                                "the runs)")
+        raise train.ConfigError(f"{existing[0]} exists: add --overwrite to replace it (or --resume to "
+                                "continue the runs)")
     task = train.build_task(configs[0])
     model, tokenizer = train.build_model(configs[0], task)
     base_state = copy.deepcopy(train.warmstart(configs[0], model, task, tokenizer).state_dict())

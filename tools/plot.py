@@ -32,7 +32,8 @@ def plot(run_dirs, path, window=10):
     import matplotlib.pyplot as plt
     panels = [("reward", "reward (train batch)"), ("pass@1", "pass@1 (rollout model, held-out)"),
               ("mismatch/abs_diff_mean", "mean |delta logp|"), ("mismatch/abs_diff_max", "max |delta logp|"),
-              ("mismatch/kl_k3", "K3 KL(rollout || trainer)"), ("routing_disagreement", "routing disagreement")]
+              ("mismatch/kl_k3", "K3 KL(rollout || trainer)"),
+              ("routing_disagreement", "routing disagreement")]
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
     for run_dir in run_dirs:
         records = train.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
@@ -71,7 +72,8 @@ def summarize(run_dirs, checkpoints=(50, 100)):
             continue
         marks = [c for c in checkpoints if c < steps[-1]["step"]] + [steps[-1]["step"]]
         header = ["run", "pass@1 rollout / bf16 trainer"] + [
-            f"{name} @ {', '.join(map(str, marks))}" for name in ("mean abs dlogp", "max abs dlogp", "routing disagr.")]
+            f"{name} @ {', '.join(map(str, marks))}"
+            for name in ("mean abs dlogp", "max abs dlogp", "routing disagr.")]
         header += ["rollout tok/s", "step s"]
 
         def window(key, end):
@@ -93,7 +95,8 @@ def summarize(run_dirs, checkpoints=(50, 100)):
 def main(argv=None):
     parser = train.Parser(prog="python -m tools.plot", description=__doc__,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl)")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                        help="run directories (each with metrics.jsonl)")
     parser.add_argument("--out", default="", help="the figure (default: RUN_DIR/curves.png for one run)")
     parser.add_argument("--window", type=int, default=10, help="steps of the trailing mean (default: 10)")
     parser.add_argument("--table", action="store_true", help="also print a markdown table of the runs")

@@ -8,14 +8,19 @@ warm-started policy's pass@1) and checkpoint.pt (step, trainer and optimizer sta
 - every file is written atomically (atomic_save): a crash never leaves half a checkpoint;
 - Ctrl-C while a step changes the weights is held until that step is logged and saved (HeldInterrupt), so
   a checkpoint is always of a whole step, and a resumed run repeats the same data order and seeds;
-- what cannot run is one line (ConfigError: the CLI prints it and exits 2), never a traceback.
+- what cannot run is one line (ConfigError: the CLI prints it and exits 2), never a traceback;
+- the command line is built from the config dataclass (build_parser): a field's comment is its --help.
 """
+import argparse
 import dataclasses
+import inspect
 import json
 import os
 import pickle
+import re
 import signal
 import sys
+import typing
 
 import torch
 
@@ -159,3 +164,50 @@ def report(cfg, run_dir, warmstart, start_step=None):
               f"  {'warm-start':<13} {warmstart}",
               f"  {'figure':<13} python -m tools.plot {run_dir}"]
     return "\n".join(lines)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's "prog: error: ..." and exit 2, without the 40-option usage
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def option_docs(config_class):
+    """A config dataclass's source -> {field: (group, help)}: a field's trailing comment is its help, a
+    comment line of its own opens a group. The dataclass stays the one place where an option is documented."""
+    docs, group = {}, "options"
+    for line in inspect.getsource(config_class).splitlines()[1:]:
+        if line.startswith("    def "):
+            break
+        title, more = re.fullmatch(r"    # (.+)", line), re.fullmatch(r"     +# (.+)", line)
+        field = re.fullmatch(r"    (\w+): [^#]*?(?:#\s*(.*))?", line)
+        if title:
+            group = title.group(1)
+        elif field:
+            name = field.group(1)
+            docs[name] = (group, field.group(2) or "")
+        elif more:  # a help text continued on the next line
+            docs[name] = (group, f"{docs[name][1]} {more.group(1)}")
+    return docs
+
+
+def build_parser(config_class, choices, prog, usage, description):
+    """The command line of a config dataclass: one option per field, grouped and documented as the fields
+    are (option_docs), with its type, default and, for the fields in `choices`, the values it takes."""
+    parser = Parser(prog=prog, description=description, usage=usage,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    docs, groups, hints = option_docs(config_class), {}, typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):
+        group_name, text = docs.get(field.name, ("options", ""))
+        group = groups.setdefault(group_name, parser.add_argument_group(group_name)) \
+            if group_name not in groups else groups[group_name]
+        text += f" {{{', '.join(choices[field.name])}}}" if field.name in choices else ""
+        text += f" (default: {field.default})" if field.default not in (None, "") else ""
+        kind = hints[field.name]
+        kind = next((t for t in typing.get_args(kind) if t is not type(None)), kind)  # int | None -> int
+        flag, text = "--" + field.name.replace("_", "-"), text.replace("%", "%%")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=text)
+        else:
+            group.add_argument(flag, type=kind, default=field.default, help=text,
+                               metavar={int: "N", float: "X"}.get(kind, "STR"))
+    return parser

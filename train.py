@@ -37,11 +37,9 @@ Ctrl-C: runs.py; torchrun: distributed.py; the comparison of recipes, figures an
 tools/. On a CPU the defaults are the tiny preset and a short run; on a GPU the small preset and the full
 experiment. Every field of TrainConfig is a command-line flag (see --help).
 """
-import argparse
 import copy
 import dataclasses
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -50,7 +48,6 @@ import re
 import shutil
 import sys
 import time
-import typing
 from dataclasses import dataclass
 
 import torch
@@ -739,51 +736,10 @@ def mipu_decide(s, step, seq, advantages, old_logp, shared, before, accepted):
 
 
 # ----------------------------------------------------------------------------- CLI
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's "prog: error: ..." and exit 2, without the 40-option usage
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def option_docs():
-    """TrainConfig's source -> {field: (group, help)}: a field's trailing comment is its help, a comment
-    line of its own opens a group. The dataclass stays the one place where an option is documented."""
-    docs, group = {}, "options"
-    for line in inspect.getsource(TrainConfig).splitlines()[1:]:
-        if line.startswith("    def "):
-            break
-        title, more = re.fullmatch(r"    # (.+)", line), re.fullmatch(r"     +# (.+)", line)
-        field = re.fullmatch(r"    (\w+): [^#]*?(?:#\s*(.*))?", line)
-        if title:
-            group = title.group(1)
-        elif field:
-            name = field.group(1)
-            docs[name] = (group, field.group(2) or "")
-        elif more:  # a help text continued on the next line
-            docs[name] = (group, f"{docs[name][1]} {more.group(1)}")
-    return docs
-
-
 def build_parser(prog="train.py", usage="python train.py [--recipe R] [options] (see --help)",
                  description=__doc__):
-    """The CLI, built from TrainConfig: one option per field, grouped and documented as the fields are."""
-    parser = Parser(prog=prog, description=description, usage=usage,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    docs, groups, hints = option_docs(), {}, typing.get_type_hints(TrainConfig)
-    for field in dataclasses.fields(TrainConfig):
-        group_name, text = docs.get(field.name, ("options", ""))
-        group = groups.setdefault(group_name, parser.add_argument_group(group_name)) \
-            if group_name not in groups else groups[group_name]
-        text += f" {{{', '.join(CHOICES[field.name])}}}" if field.name in CHOICES else ""
-        text += f" (default: {field.default})" if field.default not in (None, "") else ""
-        kind = hints[field.name]
-        kind = next((t for t in typing.get_args(kind) if t is not type(None)), kind)  # int | None -> int
-        flag, text = "--" + field.name.replace("_", "-"), text.replace("%", "%%")
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=text)
-        else:
-            group.add_argument(flag, type=kind, default=field.default, help=text,
-                               metavar={int: "N", float: "X"}.get(kind, "STR"))
-    return parser
+    """The CLI, built from TrainConfig by runs.build_parser: one option per field, its comment the help."""
+    return runs.build_parser(TrainConfig, CHOICES, prog, usage, description)
 
 
 def parse_args(argv=None):

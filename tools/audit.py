@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 import grpo  # noqa: E402
 import rollout  # noqa: E402
+import runs  # noqa: E402
 import train  # noqa: E402
 
 STATS = [("signed mean", "diff_mean"), ("MAE", "abs_diff_mean"), ("p95", "abs_diff_p95"),
@@ -117,7 +118,7 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
 
 def main(argv=None):
     """The command line. A ConfigError exits 2 with its one line."""
-    parser = train.Parser(prog="python -m tools.audit", description=__doc__,
+    parser = runs.Parser(prog="python -m tools.audit", description=__doc__,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", metavar="RUN", help="a run directory (its checkpoint.pt) or a checkpoint file")
     parser.add_argument("--recipes", default="bf16,nvfp4,quads", help="the recipes whose rollout and trainer "

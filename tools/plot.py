@@ -12,6 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # also as a plain script
 
+import runs  # noqa: E402
 import train  # noqa: E402
 
 
@@ -93,7 +94,7 @@ def summarize(run_dirs, checkpoints=(50, 100)):
 
 
 def main(argv=None):
-    parser = train.Parser(prog="python -m tools.plot", description=__doc__,
+    parser = runs.Parser(prog="python -m tools.plot", description=__doc__,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
                         help="run directories (each with metrics.jsonl)")

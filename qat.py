@@ -26,10 +26,9 @@ The router, embeddings, norms and LM head stay in full precision (`quantize_rout
 
 What the trainer takes from the rollout is an argument of its forward: `with sharing(model, state):`,
 state = SharedState(masks, codes) mapping each layer path to moeresq's masks or trace's codes, for that
-call only (as torch.func.functional_call passes tensors for one call). RolloutRecorder turns what the
-rollout's quantizers saw at each decode step (nvfp4.quantize: the same codes) into codes keyed by the
-trainer's (row, column), and for the experts' down input by (position, expert): K/2 + K/16 + 12 bytes per
-completion token and layer input of width K (1.5 KB per token and layer on the small preset).
+call only (as torch.func.functional_call passes tensors for one call). trace's codes are recorded on the
+rollout side (trace_rollout.py), keyed by the trainer's (row, column), and for the experts' down input
+by (position, expert).
 
 The quantized modules subclass the ones they replace and keep the *same* Parameter objects under the same
 names: state dicts, an optimizer built before conversion and rac.sync_weights keep working.
@@ -353,107 +352,13 @@ def bf16_forward(model):
             layer.fake_quant = fake_quant
 
 
-# ----------------------------------------------------------------------------- trace: recording the rollout
-class RolloutRecorder:
-    """Collects what the rollout's quantizers used at each decode step, for `trace` (module docstring).
-
-    Fed from the rollout model (train.py): `begin_forward(decoding)` at every model forward, `route(path,
-    expert_ids, n_experts)` at every experts layer, `record(path, index, x)` at every quantized input (x as
-    the quantizer sees it; index 0 for a linear layer and the experts' gate/up input, 1 for their down
-    input, rows sorted by expert as moe.route_tokens sorts them); only between `start()` and `stop()`, and
-    never during prefills. `codes(...)` then gives each layer path its tuple of RolloutCodes."""
-
-    def __init__(self):
-        self.start()
-        self.stop()
-
-    def start(self):
-        self.steps, self.experts, self.order, self.n_experts, self._memo = {}, {}, {}, {}, {}
-        self.active = True
-
-    def stop(self):
-        self.active = self.decoding = False
-        self._memo = {}
-
-    def begin_forward(self, decoding):
-        self.decoding = bool(decoding)
-        self._memo = {}
-
-    @torch.no_grad()
-    def route(self, path, expert_ids, n_experts):
-        """An experts layer's routes (T, A) at this step, which fix the order of its down input's rows."""
-        if self.active and self.decoding:
-            self.order[path] = moe.route_tokens(expert_ids, n_experts).order
-            self.experts.setdefault(path, []).append(expert_ids)
-            self.n_experts[path] = n_experts
-
-    @torch.no_grad()
-    def record(self, path, index, x):
-        """x (M, K): input `index` of the layer at `path`, at this decode step."""
-        if not (self.active and self.decoding):
-            return
-        # q, k and v quantize one tensor: record it once. The memo holds x, so that no other tensor can
-        # take its address before the next forward.
-        memo_key = (x.data_ptr(), tuple(x.shape), x.dtype, index)
-        if memo_key not in self._memo:
-            q = nvfp4.quantize(x)
-            data, block_scale = q.data, q.block_scale.view(torch.uint8)
-            if index == 1:  # rows sorted by expert -> assignment order t * A + a
-                order = self.order[path]
-                data = data.index_copy(0, order, data)
-                block_scale = block_scale.index_copy(0, order, block_scale)
-            self._memo[memo_key] = (x, (data, block_scale, q.global_scale.reshape(()).float()))
-        self.steps.setdefault((path, index), []).append(self._memo[memo_key][1])
-
-    @torch.no_grad()
-    def codes(self, completion_mask, prompt_lengths, width):
-        """{layer path: (RolloutCodes, ...)} for the completion tokens only, keyed by trainer position
-        b * W + w, where completion token t of row b sits at column prompt_lengths[b] + t (right-padded
-        rows of width W); the experts' down inputs by (b * W + w) * E + expert. completion_mask (B, T)."""
-        B, T = completion_mask.shape
-        b, t = completion_mask.nonzero(as_tuple=True)                                   # (n,) each, ascending
-        position = b * width + prompt_lengths[b] + t                                    # (n,) trainer rows
-        stacked, by_path = {}, {}
-
-        def stack(records, i):  # T steps of (B[*A], ...) -> (B[*A], T, ...), once per recorded tensor
-            key = (id(records[0][i]), i)
-            if key not in stacked:
-                stacked[key] = torch.stack([r[i] for r in records[:T]], dim=1)
-            return stacked[key]
-
-        shared = {}  # sites that recorded one tensor (q, k, v) get one RolloutCodes object
-        for (path, index), records in self.steps.items():
-            if (id(records[0]), index) in shared:
-                by_path.setdefault(path, {})[index] = shared[(id(records[0]), index)]
-                continue
-            if len(records) < T:
-                raise ValueError(f"RolloutRecorder: {path!r} saw {len(records)} decode steps, "
-                                 f"the rollout has {T} tokens")
-            data, block_scale = stack(records, 0), stack(records, 1)
-            global_scale = torch.stack([r[2] for r in records[:T]])                     # (T,)
-            if index == 1:
-                experts = torch.stack(self.experts[path][:T], dim=1)                   # (B, T, A)
-                A = experts.shape[-1]
-                data = data.view(B, A, T, -1).transpose(1, 2)[b, t].flatten(0, 1)      # (n * A, K/2)
-                block_scale = block_scale.view(B, A, T, -1).transpose(1, 2)[b, t].flatten(0, 1)
-                keys = (position[:, None] * self.n_experts[path] + experts[b, t]).flatten()  # (n * A,)
-                order = keys.argsort()
-                codes = RolloutCodes(keys[order], data[order], block_scale[order].view(torch.float8_e4m3fn),
-                                     global_scale[t].repeat_interleave(A)[order], self.n_experts[path])
-            else:
-                codes = RolloutCodes(position, data[b, t], block_scale[b, t].view(torch.float8_e4m3fn),
-                                     global_scale[t])
-            by_path.setdefault(path, {})[index] = shared[(id(records[0]), index)] = codes
-        return {path: tuple(sites.get(i) for i in range(max(sites) + 1)) for path, sites in by_path.items()}
-
-
 @dataclass
 class SharedState:
     """What a symmetric trainer's forward takes from its rollout, per layer path (the two models share one
     module tree, so a path names a layer's twin): moeresq's RAC block masks, one per quantized input (the
     rollout's own RACSelector masks: one selection for both sides), and trace's recorded RolloutCodes."""
     masks: dict | None = None   # {path: (mask (G,) bool, ...)}: (mask,) for a linear, (gate_up, down) experts
-    codes: dict | None = None   # {path: (RolloutCodes or None, ...)}, as RolloutRecorder.codes gives them
+    codes: dict | None = None   # {path: (RolloutCodes or None, ...)}, as trace_rollout records them
 
     def select_rows(self, rows, width):
         """The state of a forward on tokens[rows] (a mini-batch of the rollout's sequences, width W)."""

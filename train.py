@@ -23,7 +23,7 @@ A recipe (RECIPES) sets the trainer's forward (qat.py's mode) and the rollout's 
 mode): bf16, fp8 and nvfp4 train in BF16; qat fake-quantizes the trainer's weights, rac adds RAC to the
 NVFP4 rollout, quads does both; w4a4, moeresq and trace quantize the trainer's activations too. What the
 trainer takes from the rollout is an argument of its forward (qat.SharedState): moeresq the rollout's RAC
-block masks, trace the codes its rollout recorded (by hooks on the rollout, hence an eager decode).
+block masks, trace the codes its rollout recorded (trace_rollout.py; an eager decode).
 
 By default one update per rollout batch: `old_logp` is the forward that carries the gradient, detached, so
 the PPO ratio is 1 and what differs from the rollout engine is exactly the mismatch studied (`--tis C`
@@ -61,6 +61,7 @@ import rac
 import rollout
 import runs
 import tasks
+import trace_rollout
 from distributed import SINGLE
 from runs import (ConfigError, HeldInterrupt, atomic_save, check_run_dir, load_checkpoint, read_metrics,
                   write_text)
@@ -369,32 +370,7 @@ def build_recipe(cfg, model, recipe, rac_ratio):
     rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype(cfg)), rollout_mode,
                                             rac_ratio=rac_ratio)
     trainer = qat.convert_for_training(model, train_mode)
-    return rollout_model, trainer, trace_recorder(rollout_model) if train_mode == "trace" else None
-
-
-def trace_recorder(rollout_model):
-    """A qat.RolloutRecorder fed by hooks on the rollout's quantizers (their RACSelectors see each input
-    exactly as it is quantized); it keeps nothing outside recorder.start() ... recorder.stop()."""
-    recorder = qat.RolloutRecorder()
-    # a decode step is a forward with a KV cache that is not prefilling (rollout.KVCache)
-    rollout_model.register_forward_pre_hook(lambda m, args, kwargs: recorder.begin_forward(
-        getattr(kwargs.get("kv_cache"), "prefill_rows", 0) is None), with_kwargs=True)
-    for path, module in rollout_model.named_modules():
-        if isinstance(module, rac.NVFP4Linear):
-            module.rac.register_forward_pre_hook(lambda m, args, p=path: recorder.record(p, 0, args[0]))
-        elif isinstance(module, rac.NVFP4Experts):
-            module.register_forward_pre_hook(lambda m, args, p=path: recorder.route(p, args[1], m.n_experts))
-            for index, selector in enumerate((module.rac_gate_up, module.rac_down)):  # gate/up, down inputs
-                selector.register_forward_pre_hook(
-                    lambda m, args, p=path, i=index: recorder.record(p, i, args[0]))
-    return recorder
-
-
-def recorded_codes(recorder, out):
-    """After a trace rollout: its recorded codes, keyed by the trainer's (row, column)."""
-    recorder.stop()
-    width = int((out.prompt_lengths + out.completion_lengths).max())  # = out.sequences().tokens.shape[1]
-    return recorder.codes(out.completion_mask, out.prompt_lengths, width)
+    return rollout_model, trainer, trace_rollout.attach(rollout_model) if train_mode == "trace" else None
 
 
 def shared_state(rollout_model, train_mode, codes=None):
@@ -498,7 +474,7 @@ class Setup:
     eval_problems: list             # held-out problems for pass@1
     run_dir: str                    # out_dir/run_name: config.json, metrics.jsonl, checkpoint.pt (runs.py)
     start_step: int                 # 0, or the checkpoint's step under --resume
-    recorder: object = None         # trace: the qat.RolloutRecorder of the rollout's codes
+    recorder: object = None         # trace: the trace_rollout.RolloutRecorder of the rollout
     ranks: distributed.Distributed = SINGLE  # this process's rank and the world size (1 without torchrun)
 
     def __post_init__(self):
@@ -681,7 +657,7 @@ def sample(s, problems, first, step):
                            pad_id=tokenizer.pad_id, seed=cfg.seed * 1_000_003 + step,
                            row_offset=first * cfg.group_size,
                            cuda_graph=cfg.cuda_graph and s.recorder is None)
-    codes = recorded_codes(s.recorder, out) if s.recorder is not None else None
+    codes = trace_rollout.codes(s.recorder, out) if s.recorder is not None else None
     if cfg.device.startswith("cuda"):
         torch.cuda.synchronize()  # the rollout's time, not its launch's
     return out, codes

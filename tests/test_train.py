@@ -300,7 +300,7 @@ def test_moeresq_and_trace_run_end_to_end_with_a_smaller_first_step_gap_than_qat
     assert gap["moeresq"] < gap["qat"] and gap["trace"] < gap["qat"]
 
 
-def test_moeresq_shares_one_rac_selection_and_trace_records_only_when_asked():
+def test_moeresq_takes_the_rollouts_own_rac_selection():
     torch.manual_seed(0)
     model = moe.MoETransformer(moe.MoEConfig.from_preset("tiny"))
     model.init_weights(std=0.2)
@@ -314,20 +314,6 @@ def test_moeresq_shares_one_rac_selection_and_trace_records_only_when_asked():
         assert int(q_rollout.rac.mask.sum()) == 2  # half of the 4 blocks
     assert train.shared_state(rollout_model, "qat").masks is None
 
-    trace_trainer = qat.convert_for_training(copy.deepcopy(model), "trace")
-    trace_rollout = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")
-    recorder = train.trace_recorder(trace_rollout)
-    generate = dict(num_samples=2, max_new_tokens=4, eos_id=None, pad_id=0, seed=0)
-    rollout.generate(trace_rollout, [[1, 2, 3]], **generate)  # an evaluation: not recorded
-    assert recorder.steps == {}
-    recorder.start()
-    out = rollout.generate(trace_rollout, [[1, 2, 3]], **generate)
-    shared = train.shared_state(trace_rollout, "trace", train.recorded_codes(recorder, out))
-    assert shared.codes["layers.0.attn.o_proj"][0].keys.numel() == 2 * 4  # 2 samples x 4 decode steps
-    assert shared.codes["layers.1.mlp.experts"][1].keys.numel() == 2 * 4 * 2           # A = 2
-    with qat.sharing(trace_trainer, shared):  # the codes reach the layers for this call only
-        assert trace_trainer.layers[0].attn.o_proj.rollout_codes is shared.codes["layers.0.attn.o_proj"]
-    assert all(m.rollout_codes is None for m in trace_trainer.modules() if isinstance(m, qat.QATLinear))
 
 
 @pytest.mark.slow

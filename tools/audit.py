@@ -32,6 +32,7 @@ import torch  # noqa: E402
 import grpo  # noqa: E402
 import rollout  # noqa: E402
 import runs  # noqa: E402
+import trace_rollout  # noqa: E402
 import train  # noqa: E402
 
 STATS = [("signed mean", "diff_mean"), ("MAE", "abs_diff_mean"), ("p95", "abs_diff_p95"),
@@ -78,7 +79,7 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
                                train.max_new_tokens(cfg, task), temperature=cfg.temperature,
                                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=cfg.seed + 4242,
                                cuda_graph=cuda_graph and recorder is None)
-        codes = train.recorded_codes(recorder, out) if recorder is not None else None
+        codes = trace_rollout.codes(recorder, out) if recorder is not None else None
         shared = train.shared_state(rollout_model, train.RECIPES[recipe][0], codes)
         seq = out.sequences()
         mask = seq.loss_mask[:, 1:]

@@ -25,21 +25,19 @@ NVFP4 rollout, quads does both; w4a4, moeresq and trace quantize the trainer's a
 trainer takes from the rollout is an argument of its forward (qat.SharedState): moeresq the rollout's RAC
 block masks, trace the codes its rollout recorded (trace_rollout.py; an eager decode).
 
-By default one update per rollout batch: `old_logp` is the forward that carries the gradient, detached, so
-the PPO ratio is 1 and what differs from the rollout engine is exactly the mismatch studied (`--tis C`
-corrects it per token). `--minibatches N` makes N optimizer steps on shuffled rows, so clip-higher acts.
-`--mipu` takes the ratio against the rollout's log-probs and keeps an update only if the synced rollout
-raises the batch's advantage-weighted likelihood (grpo.mipu_proxy), else restores weights and optimizer.
+By default one update per rollout batch: `old_logp` is the forward that carries the gradient, detached,
+so the PPO ratio is 1 and what differs from the rollout engine is exactly the mismatch studied (`--tis C`
+corrects it per token). `--minibatches N`: N optimizer steps on shuffled rows, so clip-higher acts.
+`--mipu`: ratios against the rollout's log-probs; an update is kept only if the synced rollout raises the
+batch's advantage-weighted likelihood (grpo.mipu_proxy), else weights and optimizer are restored.
 
-The warm-start is a short supervised run on the task's (deliberately imperfect) demonstrations, cached
-under out_dir/warmstart/ by everything that determines it. A run's directory, checkpoints, --resume and
-Ctrl-C: runs.py; torchrun: distributed.py; the comparison of recipes, figures and the log-prob audit:
-tools/. On a CPU the defaults are the tiny preset and a short run; on a GPU the small preset and the full
-experiment. Every field of TrainConfig is a command-line flag (see --help).
+Around the loop: the starting policy (task, model, supervised warm-start): policy.py; a run's directory,
+checkpoints, --resume, Ctrl-C: runs.py; torchrun: distributed.py; the recipe comparison, figures and the
+log-prob audit: tools/. Defaults: on a CPU the tiny preset and a short run, on a GPU the small preset and
+the full experiment. Every field of TrainConfig is a command-line flag (see --help).
 """
 import copy
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -63,8 +61,8 @@ import runs
 import tasks
 import trace_rollout
 from distributed import SINGLE
-from runs import (ConfigError, HeldInterrupt, atomic_save, check_run_dir, load_checkpoint, read_metrics,
-                  write_text)
+from policy import autocast, build_model, build_task, warmstart, warmstart_path
+from runs import ConfigError, HeldInterrupt, atomic_save, check_run_dir, read_metrics, write_text
 
 # recipe -> (trainer mode for qat.convert_for_training, rollout mode for rac.convert_for_rollout, RAC on)
 RECIPES = {"bf16": ("bf16", "bf16", False), "fp8": ("bf16", "fp8", False), "nvfp4": ("bf16", "nvfp4", False),
@@ -226,54 +224,6 @@ def refuse(bad, name, why):
 
 
 # ----------------------------------------------------------------------------- building blocks
-def build_task(cfg):
-    """The task, loaded; a dataset that cannot be loaded is a ConfigError naming the source and the fix."""
-    if cfg.task == "arith":
-        return tasks.make_task("arith", difficulty=cfg.difficulty, demo_error_rate=cfg.demo_error_rate,
-                               seed=cfg.seed)
-    import datasets
-    source = cfg.task_source or "openai/gsm8k"
-    try:
-        return tasks.make_task(cfg.task, source=source, seed=cfg.seed)
-    except FileNotFoundError as error:
-        raise ConfigError(f"argument --task-source: {error}") from None
-    except (OSError, ValueError, datasets.exceptions.DatasetsError) as error:
-        cause = f"; {runs.one_line(error.__cause__)}" if error.__cause__ else ""
-        raise ConfigError(f"argument --task-source: cannot load the {cfg.task} dataset {source!r} "
-                          f"({runs.one_line(error)}{cause}); offline, give a local file: --task-source "
-                          "FILE.jsonl (one JSON object per line with 'question' and 'answer')") from None
-
-
-def build_model(cfg, task):
-    """The BF16 policy before warm-start: a preset with the task's vocabulary, or a real checkpoint."""
-    torch.manual_seed(cfg.seed)
-    if not cfg.model:
-        config = moe.MoEConfig.from_preset(cfg.preset, vocab_size=task.tokenizer.vocab_size)
-        model = moe.MoETransformer(config)
-        model.init_weights()
-        return model.to(cfg.device), task.tokenizer
-    try:
-        model, hf_tokenizer = moe.load_hf(cfg.model)
-    except (OSError, ValueError) as error:  # no config.json, weights that do not fit, an unreachable hub
-        where = "the directory" if os.path.isdir(cfg.model) else "no such directory, and the hub id"
-        raise ConfigError(f"argument --model: cannot load {cfg.model} ({where}): "
-                          f"{runs.one_line(error)}") from None
-    if hf_tokenizer is None:
-        raise ConfigError(f"argument --model: {cfg.model} has no tokenizer files (tokenizer.json, "
-                          "tokenizer_config.json or vocab.json); RL needs one")
-    try:
-        return model.to(cfg.device), tasks.HFTokenizer(hf_tokenizer)
-    except ValueError as error:
-        raise ConfigError(f"argument --model: {error}") from None
-
-
-def autocast(cfg):
-    """BF16 compute with FP32 master weights on the GPU; plain FP32 on the CPU (exact, for tests)."""
-    if cfg.device.startswith("cuda"):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
-
-
 def rollout_dtype(cfg):
     return torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
 
@@ -284,60 +234,6 @@ def encode_prompts(tokenizer, problems):
 
 def max_new_tokens(cfg, task):
     return cfg.max_new_tokens or getattr(task, "max_completion_chars", 256) + 1
-
-
-# ----------------------------------------------------------------------------- warm-start
-def warmstart_path(cfg):
-    """The cache file of the warm-start, keyed by everything that determines it (not by the recipe)."""
-    key = json.dumps({k: getattr(cfg, k) for k in ("preset", "model", "task", "task_source", "difficulty",
-                                                   "demo_error_rate", "warmstart_steps", "warmstart_batch",
-                                                   "warmstart_lr", "seed", "device")}, sort_keys=True)
-    return os.path.join(cfg.out_dir, "warmstart", hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt")
-
-
-def warmstart(cfg, model, task, tokenizer):
-    """Supervised fine-tuning on demonstrations (loss on completion + EOS tokens), cached on disk."""
-    path = warmstart_path(cfg)
-    if os.path.exists(path):
-        model.load_state_dict(load_checkpoint(path, cfg.device, "delete it to recompute it",
-                                              "warm-start cache"))
-        print(f"warm-start: loaded {path}")
-        return model
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    rng = random.Random(cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr, weight_decay=0.0,
-                                  betas=(0.9, 0.95))
-    bar = tqdm(range(cfg.warmstart_steps), desc="warm-start", dynamic_ncols=True)
-    for step in bar:
-        warmup = min(1.0, (step + 1) / 50)
-        lr = cfg.warmstart_lr * warmup * 0.5 * (1 + math.cos(math.pi * step / cfg.warmstart_steps))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        rows, loss_starts = [], []
-        for p in task.sample(cfg.warmstart_batch, "train", rng):
-            prompt = tokenizer.encode(p.prompt)
-            rows.append(prompt + tokenizer.encode(task.demonstration(p, rng)) + [tokenizer.eos_id])
-            loss_starts.append(len(prompt))
-        width = max(map(len, rows))
-        tokens = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
-        target_mask = torch.zeros(len(rows), width, dtype=torch.bool)
-        for i, (row, start) in enumerate(zip(rows, loss_starts)):
-            tokens[i, :len(row)] = torch.tensor(row)
-            target_mask[i, start:len(row)] = True
-        tokens, target_mask = tokens.to(cfg.device), target_mask.to(cfg.device)
-        with autocast(cfg):
-            logits = model(tokens[:, :-1])
-        logp = grpo.token_logprobs(logits.float(), tokens[:, 1:])                # (N, W-1)
-        mask = target_mask[:, 1:]
-        loss = -(logp * mask).sum() / mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if step % 20 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    atomic_save(model.state_dict(), path)
-    return model
 
 
 # ----------------------------------------------------------------------------- evaluation and reward
@@ -403,12 +299,11 @@ def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed, shared
     """GRPO on one rollout batch: cfg.minibatches optimizer steps, each on a shuffled 1/N of its rows.
 
     Three log-probs per token (grpo.py): `rollout` (the engine's), `old` (the trainer under the weights that
-    sampled: one forward without gradient before the first step) and `new` (each mini-batch's forward,
-    carrying the gradient). With one mini-batch, old is that one forward, detached: exactly the on-policy
-    update. The PPO ratio is new / old, or new / rollout with --mipu. Each mini-batch's loss is normalized by
-    its own valid tokens (DAPO). Under torchrun a rank's loss is weighted by its share of the mini-batch's
-    tokens (distributed.py). Returns old (N, W-1), the trainer's routes under the sampling weights
-    (L, N, W, A) and one dict of float statistics per mini-batch (loss, grad_norm and grpo.policy_loss's)."""
+    sampled: one forward without gradient first) and `new` (each mini-batch's forward, with the gradient).
+    With one mini-batch, old is that forward, detached: the on-policy update. The ratio is new / old (new /
+    rollout with --mipu); a mini-batch's loss is normalized by its valid tokens (DAPO), a rank's weighted by
+    its share of them (distributed.py). Returns old (N, W-1), the trainer's routes under the sampling
+    weights (L, N, W, A) and per mini-batch a dict of floats (loss, grad_norm, grpo.policy_loss's)."""
     mask, rollout_logp = seq.loss_mask[:, 1:], seq.logprobs[:, 1:]
     minibatches = [slice(None)]
     if cfg.minibatches > 1:
@@ -442,9 +337,8 @@ def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed, shared
 
 def update_metrics(cfg, minibatch_stats):
     """What the log keeps of one policy update: loss and gradient norm (means over mini-batches), and, when
-    they can differ from their on-policy values, the PPO ratio's mean, min and max, the clipped fractions
-    (TRL's names) and the K3 KL(old || new). With one mini-batch and ratios against old, ratio = 1 and no
-    token is clipped by construction, so none of those is logged."""
+    they can differ from their on-policy values (not with one mini-batch against old: ratio = 1), the PPO
+    ratio's mean, min and max, the clipped fractions (TRL's names) and the K3 KL(old || new)."""
     def mean(key):
         return sum(s[key] for s in minibatch_stats) / len(minibatch_stats)
 
@@ -491,10 +385,9 @@ def calibration_tokens(cfg, task, tokenizer):
 
 
 def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
-    """Build a run: task, warm-started policy (or base_state), trainer, rollout and evaluation models,
-    optimizer, calibration and evaluation data; restore the checkpoint under --resume. -> Setup
-    Nothing is written before the run directory is checked (check_run_dir, unless its checkpoint is given
-    as ckpt) and the task and model are loaded: a run that cannot start leaves the disk as it was."""
+    """Build a run (-> Setup): task, warm-started policy (or base_state), trainer, rollout and evaluation
+    models, optimizer, data; the checkpoint under --resume. Nothing is written before the run directory is
+    checked and the task and model are loaded: a run that cannot start leaves the disk as it was."""
     ckpt = ckpt if ckpt is not None else check_run_dir(cfg)
     task = build_task(cfg)
     model, tokenizer = build_model(cfg, task)
@@ -530,8 +423,8 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
 
 
 def sync(s, step):
-    """Trainer -> rollout weights through nvfp4 (bit-identical to what a QAT trainer used); every
-    rac_refresh syncs, RAC re-chooses its compensated blocks on the calibration batch."""
+    """Trainer -> rollout weights through nvfp4 (bit-identical to a QAT trainer's); every rac_refresh
+    syncs, RAC re-chooses its compensated blocks on the calibration batch."""
     distributed.sync_from_trainer(s.rollout_model, s.trainer)
     if s.rac_ratio > 0 and step % s.cfg.rac_refresh == 0:
         rac.calibrate_rac(s.rollout_model, s.calib_tokens)
@@ -724,9 +617,8 @@ def parse_args(argv=None):
 
 
 def set_threads(cfg):
-    """CPU: torch's threads (--threads, or 1 on the tiny preset). The tiny model's matmuls are too small to
-    gain from a second thread, and two threads that synchronize at every op stall whenever another process
-    holds one of the cores: on a shared 2-core machine the default run is several times slower."""
+    """CPU: torch's threads (--threads, or 1 on the tiny preset, whose matmuls gain nothing from a second
+    thread, which stalls whenever another process holds a core: several times slower on 2 shared cores)."""
     threads = cfg.threads or (1 if cfg.preset == "tiny" else None)
     if cfg.device == "cpu" and threads:
         torch.set_num_threads(threads)

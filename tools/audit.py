@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import grpo  # noqa: E402
+import policy  # noqa: E402
 import rollout  # noqa: E402
 import runs  # noqa: E402
 import trace_rollout  # noqa: E402
@@ -45,21 +46,21 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
     """Audit the checkpoint at `path` (a run directory or a checkpoint file) -> the path of audit.md."""
     ckpt_path = path if os.path.isfile(path) else os.path.join(path, "checkpoint.pt")
     if not os.path.isfile(ckpt_path):
-        raise train.ConfigError(f"argument RUN: no checkpoint at {path!r}; give a run directory holding "
+        raise runs.ConfigError(f"argument RUN: no checkpoint at {path!r}; give a run directory holding "
                                 "checkpoint.pt or a checkpoint file")
-    ckpt = train.load_checkpoint(ckpt_path, "cpu", "give another run directory or checkpoint")
+    ckpt = runs.load_checkpoint(ckpt_path, "cpu", "give another run directory or checkpoint")
     run_dir = os.path.dirname(os.path.abspath(ckpt_path))
     out_dir = out_dir or os.path.join(run_dir, f"audit_step{ckpt['step']}")
     earlier = sorted(name for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else []) if name in
                      ("audit.md", "audit.json") or name.startswith("batch_") and name.endswith(".pt"))
     if earlier and not overwrite:
-        raise train.ConfigError(f"{out_dir} holds an audit ({', '.join(earlier)}): add --overwrite to "
+        raise runs.ConfigError(f"{out_dir} holds an audit ({', '.join(earlier)}): add --overwrite to "
                                 "replace it, or give --out DIR")
     known = {f.name for f in dataclasses.fields(train.TrainConfig)}
     cfg = train.TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in known and k not in SKIPPED},
                             device=device)
-    task = train.build_task(cfg)
-    model, tokenizer = train.build_model(cfg, task)
+    task = policy.build_task(cfg)
+    model, tokenizer = policy.build_model(cfg, task)
     model.load_state_dict(ckpt["trainer"])  # QAT layers keep moe.py's parameter names
     problems = task.sample(cfg.prompts_per_step, "train", random.Random(cfg.seed + 4242))
     calib_tokens = train.calibration_tokens(cfg, task, tokenizer)  # the run's RAC calibration batch
@@ -91,7 +92,7 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
         results[recipe] = {"tokens": int(mask.sum()), "A-B": grpo.mismatch_metrics(recorded, rescored, mask),
                            "B-C": grpo.mismatch_metrics(rescored, trainer_logp, mask),
                            "B-B replay max": (rescored - replayed)[mask].abs().max().item()}
-        train.atomic_save({"tokens": seq.tokens.cpu(), "loss_mask": seq.loss_mask.cpu(), "A": recorded.cpu(),
+        runs.atomic_save({"tokens": seq.tokens.cpu(), "loss_mask": seq.loss_mask.cpu(), "A": recorded.cpu(),
                            "B": rescored.cpu(), "C": trainer_logp.cpu()},
                           os.path.join(out_dir, f"batch_{recipe}.pt"))
         del rollout_model, trainer
@@ -109,10 +110,10 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
         lines.append("| " + " | ".join(cells + [f"{r['B-B replay max']:.1e}"]) + " |")
     table = "\n".join(lines) + "\n"
     md_path = os.path.join(out_dir, "audit.md")
-    train.atomic_save(table, md_path, train.write_text)
+    runs.atomic_save(table, md_path, runs.write_text)
     record = {"checkpoint": ckpt_path, "step": ckpt["step"], "device": device, "torch": torch.__version__,
               "config": dataclasses.asdict(cfg), "recipes": results}
-    train.atomic_save(json.dumps(record, indent=2), os.path.join(out_dir, "audit.json"), train.write_text)
+    runs.atomic_save(json.dumps(record, indent=2), os.path.join(out_dir, "audit.json"), runs.write_text)
     print(table)
     return md_path
 
@@ -137,7 +138,7 @@ def main(argv=None):
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         train.TrainConfig(device=device)  # checks the device as train.py does
         return audit(args.run, args.recipes.split(","), device, args.out, args.overwrite, args.cuda_graph)
-    except train.ConfigError as error:
+    except runs.ConfigError as error:
         parser.error(str(error))
 
 

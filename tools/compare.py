@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
+import policy  # noqa: E402
+import runs  # noqa: E402
 import train  # noqa: E402
 from tools.plot import plot, summarize  # noqa: E402
 
@@ -34,7 +36,7 @@ def parse_variant(spec):
     head, *flags = spec.split("+")
     recipe, at, ratio = head.partition("@")
     if recipe not in train.RECIPES:
-        raise train.ConfigError(f"argument variants: unknown recipe {recipe!r} in variant {spec!r}; choose "
+        raise runs.ConfigError(f"argument variants: unknown recipe {recipe!r} in variant {spec!r}; choose "
                                 f"from {', '.join(train.RECIPES)}" if recipe else
                                 f"argument variants: variant {spec!r} names no recipe; {FORM}")
     fields = {"recipe": recipe}
@@ -49,16 +51,16 @@ def parse_variant(spec):
             else:
                 raise ValueError(flag)
     except ValueError:
-        raise train.ConfigError(f"argument variants: cannot read variant {spec!r}; {FORM}") from None
+        raise runs.ConfigError(f"argument variants: cannot read variant {spec!r}; {FORM}") from None
     if at and not train.RECIPES[recipe][2]:
         rac_recipes = ", ".join(r for r in train.RECIPES if train.RECIPES[r][2])
-        raise train.ConfigError(f"argument variants: variant {spec!r}: recipe {recipe} has no RAC, so no "
+        raise runs.ConfigError(f"argument variants: variant {spec!r}: recipe {recipe} has no RAC, so no "
                                 f"@ratio; RAC recipes: {rac_recipes}")
     if not 0 <= fields.get("rac_ratio", 0) <= 1:
-        raise train.ConfigError(f"argument variants: variant {spec!r}: the RAC ratio after '@' must be in "
+        raise runs.ConfigError(f"argument variants: variant {spec!r}: the RAC ratio after '@' must be in "
                                 "[0, 1]")
     if not 0 <= fields.get("tis", 0) < math.inf:
-        raise train.ConfigError(f"argument variants: variant {spec!r}: the TIS cap after 'tis' must be >= 0")
+        raise runs.ConfigError(f"argument variants: variant {spec!r}: the TIS cap after 'tis' must be >= 0")
     return fields
 
 
@@ -66,7 +68,7 @@ def variant_configs(cfg, variants):
     """"v1,v2,..." -> one TrainConfig per variant, named as written (a given @ratio stays in the name)."""
     specs = variants.split(",")
     if not all(specs):
-        raise train.ConfigError(f"argument variants: empty variant in {variants!r}; give comma-separated "
+        raise runs.ConfigError(f"argument variants: empty variant in {variants!r}; give comma-separated "
                                 "variants, e.g. bf16,nvfp4,quads")
     configs = []
     for spec in specs:
@@ -78,10 +80,10 @@ def variant_configs(cfg, variants):
         same = next((c for c in configs[:i] if dataclasses.replace(c, run_name="") ==
                      dataclasses.replace(config, run_name="")), None)
         if same is not None and same.run_name == config.run_name:
-            raise train.ConfigError(f"argument variants: {variants!r} names the run {config.run_name!r} "
+            raise runs.ConfigError(f"argument variants: {variants!r} names the run {config.run_name!r} "
                                     "twice")
         if same is not None:
-            raise train.ConfigError(f"argument variants: {same.run_name!r} and {config.run_name!r} are the "
+            raise runs.ConfigError(f"argument variants: {same.run_name!r} and {config.run_name!r} are the "
                                     "same run; give it once")
     return configs
 
@@ -100,14 +102,14 @@ def study(cfg, variants, jobs=1):
     configs = variant_configs(cfg, variants)
     outputs = compare_paths(cfg, [c.run_name for c in configs])
     for config in configs:  # refuse before the warm-start writes anything
-        train.check_run_dir(config, rename="choose another --out-dir")
+        runs.check_run_dir(config, rename="choose another --out-dir")
     existing = [path for path in outputs if os.path.exists(path)]
     if existing and not (cfg.resume or cfg.overwrite):
-        raise train.ConfigError(f"{existing[0]} exists: add --overwrite to replace it (or --resume to "
+        raise runs.ConfigError(f"{existing[0]} exists: add --overwrite to replace it (or --resume to "
                                 "continue the runs)")
-    task = train.build_task(configs[0])
-    model, tokenizer = train.build_model(configs[0], task)
-    base_state = copy.deepcopy(train.warmstart(configs[0], model, task, tokenizer).state_dict())
+    task = policy.build_task(configs[0])
+    model, tokenizer = policy.build_model(configs[0], task)
+    base_state = copy.deepcopy(policy.warmstart(configs[0], model, task, tokenizer).state_dict())
     if jobs == 1:
         run_dirs = [train.run(config, base_state) for config in configs]
     else:
@@ -120,7 +122,7 @@ def study(cfg, variants, jobs=1):
     figure, table_path = outputs
     plot(run_dirs, figure)
     table = summarize(run_dirs)
-    train.write_text(table + "\n", table_path)
+    runs.write_text(table + "\n", table_path)
     print(f"{table}\ntable: {table_path}")
     return run_dirs
 
@@ -143,7 +145,7 @@ def main(argv=None):
         cfg = train.TrainConfig(**args)
         train.set_threads(cfg)
         return study(cfg, variants, jobs)
-    except train.ConfigError as error:
+    except runs.ConfigError as error:
         parser.error(str(error))
     except KeyboardInterrupt:
         train.interrupted_before_rl()

@@ -13,7 +13,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # also as a plain script
 
 import runs  # noqa: E402
-import train  # noqa: E402
 
 
 def smooth(values, window):
@@ -37,7 +36,7 @@ def plot(run_dirs, path, window=10):
               ("routing_disagreement", "routing disagreement")]
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
     for run_dir in run_dirs:
-        records = train.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+        records = runs.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
         label = os.path.basename(os.path.normpath(run_dir))
         for ax, (key, title) in zip(axes.flat, panels):
             points = [(r["step"], r[key]) for r in records
@@ -66,7 +65,7 @@ def summarize(run_dirs, checkpoints=(50, 100)):
     header = ["run", "pass@1 rollout / bf16 trainer"]
     rows = []
     for run_dir in run_dirs:
-        records = train.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+        records = runs.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
         steps = [r for r in records if r["step"] > 0]
         evals = [r for r in records if "pass@1" in r]
         if not steps or not evals:

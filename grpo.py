@@ -1,85 +1,46 @@
-"""GRPO on tensors: group advantages, the clipped token-level loss, truncated importance sampling,
-and the train/rollout mismatch metrics.
-
-Every function here is a pure function of tensors. None of them calls a model: `train.py` runs the
+"""GRPO on tensors: group advantages, the clipped token-level loss, truncated importance sampling, the
+MIPU acceptance proxy and the train/rollout mismatch metrics. Pure functions of tensors: train.py runs the
 models and hands the log-probs over.
 
-Group advantages (GRPO). Each prompt is sampled G times; a completion's advantage is its reward
-measured against its own group:
+Group advantages. Each prompt is sampled G times; a completion is measured against its own group,
+    A_i = (r_i - mean_g(r)) / (std_g(r) + eps)          population std (unbiased=False)
+and a group whose rewards are all equal gets exactly A = 0 (no signal, no gradient).
 
-    A_i = (r_i - mean_g(r)) / (std_g(r) + eps)          std with unbiased=False (population std)
+Three policies, kept apart by name: `rollout_logprobs` (log pi_rollout: what the NVFP4/FP8/BF16 engine
+scored while it sampled, the probabilities the tokens were drawn from); `old_logprobs` (log pi_old: the
+trainer under the weights that sampled, once, without gradient; with perfect numerics old == rollout, and
+their gap is the mismatch this project studies); `logprobs` (log pi_theta: the trainer now, carrying the
+gradient; from a batch's second mini-batch on, theta has moved and pi_theta / pi_old departs from 1).
 
-A group whose rewards are all equal carries no signal and gets exactly A = 0 (hence no gradient).
-
-Three policies meet here, and the names keep them apart:
-- `rollout_logprobs`: log pi_rollout, scored by the rollout engine (NVFP4, FP8 or BF16) while it
-  sampled. Those are the probabilities the tokens were *actually* drawn from.
-- `old_logprobs`: log pi_old, the trainer's log-probs of the same tokens under the *same weights*
-  that the rollout used, computed once, without gradient, before the first optimizer step on this
-  batch. With perfect numerics old == rollout; the gap between them is the train/rollout mismatch this
-  project studies.
-- `logprobs`: log pi_theta, the trainer's current log-probs, carrying the gradient. A rollout batch is
-  split into mini-batches with one optimizer step each, so from the second mini-batch on theta has
-  moved away from the sampling weights and pi_theta / pi_old departs from 1.
-
-Policy loss: PPO's clip with DAPO's asymmetric "clip-higher", token-level normalization, and the
-rollout engine's mismatch corrected separately ("decoupled", as verl's and slime's rollout correction):
-
-    ratio_t = pi_theta / pi_old = exp(logp_t - logp_old_t)            the update so far (PPO)
-    w_t     = min(pi_old / pi_rollout, C)   (constant, detached)      the engine's mismatch (TIS)
+Policy loss: PPO's clip with DAPO's clip-higher, token-level normalization, and the engine's mismatch
+corrected separately (decoupled, as in verl's and slime's rollout correction):
+    ratio_t = exp(logp_t - logp_old_t)                       the update so far (PPO)
+    w_t     = min(pi_old / pi_rollout, C), detached          the engine's mismatch (TIS, C = 2 in verl)
     pg_t    = -w_t * min(ratio_t * A, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A)
-    loss    = sum_{valid t} pg_t / (number of valid tokens)  +  kl_coef * sum_{valid t} k3_t / (same)
+    loss    = sum_{valid t} pg_t / (valid tokens)  +  kl_coef * sum_{valid t} k3_t / (valid tokens)
+Without `tis_cap`, w_t = 1; with one mini-batch per rollout batch, ratio = 1 and only w_t remains. Every
+valid token weighs the same (DAPO), not each sequence. The optional KL to a reference model (off by
+default) uses K3: k3_t = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1 >= 0.
 
-The PPO ratio only knows the trainer: it keeps an update close to the weights that sampled. The
-importance weight w_t (truncated importance sampling, FlashRL; C = 2 in verl and slime) accounts for
-the tokens having been drawn from pi_rollout, not pi_old. Without `tis_cap`, w_t = 1. With one
-mini-batch per rollout batch, ratio = 1 and the clip is inactive: only w_t remains.
+MIPU's acceptance proxy (the objective is the rollout policy mu, which samples and is deployed): after a
+candidate update is synced, the rollout model re-scores the batch (mu' against mu, both prefill scores,
+so decode/prefill differences cancel) and the candidate is kept only if
+    proxy = sum_{valid t} A_t * (mu'_t / mu_t - 1) / (valid tokens)  >  0,
+the first-order term of the policy-improvement identity (in-sample, so optimistic, without the trust-region
+penalty): it rejects updates that do not move the *inference* policy the way the advantages ask.
 
-Every valid token of the mini-batch weighs the same, whatever the length of its sequence (DAPO), unlike
-the per-sequence mean of the original GRPO, which lets tokens of short answers weigh more.
+Mismatch metrics (completion tokens only), with d_t = logp_train_t - logp_rollout_t: |d| mean, max, p95,
+p99 and the signed mean; KL(pi_rollout || pi_train) as K1 = mean(-d) and K3 = mean(exp(d) - 1 - d)
+(unbiased too, since E_rollout[exp(d)] = 1, and >= 0 per token: far less variance; verl's direction);
+trainer and rollout perplexity; exp(d) min, mean, max before and after the TIS cap; for MoE the fraction
+of (token, layer) pairs whose chosen experts differ (`routing_disagreement`).
 
-KL to a reference model (off by default, as in DAPO and most recent GRPO recipes): the K3 estimator
+Shapes: N = P prompts x G samples, prompt-major (rows p*G .. p*G+G-1 are one group); T completion length
+(padded), mask (N, T) the valid tokens; V vocabulary; L MoE layers; A active experts per token.
 
-    k3_t = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1   >= 0
-
-MIPU's acceptance proxy (Monotonic Inference Policy Update; the objective is the rollout policy mu,
-the one that samples and is deployed, not the trainer's pi). After a candidate update is synced into
-the rollout model, the rollout model re-scores the batch's tokens; with mu the policy that sampled
-them and mu' the candidate, the importance-sampled estimate of how much mu' raises the expected
-advantage over mu (the first-order term of the policy-improvement identity, CPI / TRPO's surrogate) is
-
-    proxy = sum_{valid t} A_t * (mu'_t / mu_t - 1) / (number of valid tokens)
-
-and the candidate is kept only if proxy > 0. Both mu and mu' are the rollout model's prefill scores of
-the same tokens, so the engine's decode/prefill differences cancel. It is measured on the batch the
-update was fitted to (in-sample, so optimistic) and it leaves out the trust-region penalty of the
-monotonic-improvement bound: it rejects updates that do not move the *inference* policy the way the
-advantages ask, which is what a quantized rollout can silently do to a good trainer update.
-
-Mismatch metrics (what the field logs every step; completion tokens only), with
-
-    d_t = logp_train_t - logp_rollout_t     (= log of the importance ratio pi_train / pi_rollout)
-
-- |d| mean, max, p95, p99 and the signed mean of d;
-- KL(pi_rollout || pi_train), estimated two ways from tokens sampled by the rollout:
-  K1 = mean(-d), and K3 = mean(exp(d) - 1 - d). K3 is unbiased for the same KL because
-  E_rollout[exp(d)] = 1, and it is >= 0 token by token, so it has much less variance (verl's
-  `rollout_corr/k3_kl` uses the same d and the same direction);
-- trainer and rollout perplexity, exp(-mean logp) over all tokens;
-- importance ratio exp(d): min, mean, max, before and after truncation at the TIS cap;
-- for MoE: the fraction of (token, layer) pairs whose set of chosen experts differs (`routing_disagreement`).
-
-Shape legend:
-    N  sequences in the batch = P prompts x G samples, prompt-major: rows p*G .. p*G+G-1 are one group
-    P  prompts;  G  samples per prompt (group size)
-    T  completion length (padded);  mask (N, T) marks valid completion tokens (bool or 0/1 float)
-    V  vocabulary size
-    L  MoE layers;  A  active experts per token (top-k)
-
-Deliberately left out: value functions and GAE (GRPO has no critic), sequence-level importance ratios
-(GSPO), dual-clip PPO, rejection/masking of tokens by ratio (the field's "IcePop"/RS variants) and
-entropy bonuses. Loss statistics are 0-d detached tensors (no GPU sync per micro-batch); the mismatch
-metrics are plain Python floats, computed once per step.
+Left out: value functions and GAE (no critic), sequence-level ratios (GSPO), dual-clip PPO, masking tokens
+by ratio (IcePop and other rejection variants), entropy bonuses. Loss statistics are 0-d detached tensors
+(no GPU sync per mini-batch); the mismatch metrics are Python floats, computed once per step.
 """
 import math
 

@@ -2,11 +2,10 @@
 tokenizer, and GSM8K-style math loaded through `datasets`.
 
 A task hands out problems, scores completions with an exact verifier (reward in [0, 1], never raising,
-never evaluating model output as code) and, for the supervised warm-start, writes demonstrations.
-Every task has the same small interface:
+never evaluating model output as code) and writes demonstrations for the warm-start. The interface:
 
     task.name                                   "arith" | "gsm8k"
-    task.tokenizer                              CharTokenizer, or None (use the model's own tokenizer)
+    task.tokenizer                              CharTokenizer, or None (the model's own: HFTokenizer)
     task.sample(n, split, rng) -> [Problem]     split "train" | "test", disjoint populations
     task.demonstration(problem, rng) -> str     completion text for supervised warm-start
     task.reward(problem, completion) -> float   exact verifier, 0.0 or 1.0
@@ -26,31 +25,19 @@ the sum's digits (surrounding whitespace and leading zeros tolerated), else 0: o
 scratchpad is not graded. Operands are uniform in [0, 10**difficulty), so a prompt has at most
 2*difficulty + 2 characters and a completion at most 10*difficulty + 1 (31 at difficulty 3, 41 at 4).
 
-Why addition with a scratchpad rather than Countdown ("reach 24 from 3 7 8 1 with + - * /"):
-- Every character of the completion is a function of a handful of earlier characters (two digits
-  copied from the prompt, one carry copied from the previous step, one sum from a 200-entry table),
-  so the tiny preset learns it from demonstrations on a CPU. Countdown needs search: a tiny model's
-  pass@1 there stays near 0, which leaves RL with no signal (all-zero groups).
-- Difficulty is one smooth knob (digits) and completions stay short: cheap rollouts.
-- The warm-start can be made imperfect in a controlled way (below): each injected error provably makes
-  the final answer wrong, so the demonstrations are wrong at exactly `demo_error_rate`, and a model
-  that imitates them reproduces that error rate; RL then has a clear, verifiable margin to recover.
-- One correct answer: the verifier is a string comparison, with nothing to parse or evaluate.
+Why not Countdown: each character here is a function of a few earlier ones, so the tiny preset learns it
+on a CPU (on Countdown its pass@1 stays near 0: all-zero groups, no RL signal); difficulty is one smooth
+knob, completions are short, and the verifier is a string comparison with one correct answer.
 
-Imperfect demonstrations. With probability `demo_error_rate` a demonstration contains one mistake of
-one of two human-like kinds, and every later step follows consistently from what was written:
-- dropped carry: a column with carry-in 1 is written with carry-in 0 (and its sum one lower);
-- slip: the units digit of one column sum is written as a different digit.
-A column sum changed from s to s' changes the final answer by (s' - s) * 10**column != 0, so the
-demonstration's answer is always wrong. A model fitted to these demonstrations makes such a mistake
-in about that fraction of *sampled* completions (temperature 1), so its sampled pass@1 is about
-1 - demo_error_rate; RL on the verifier pushes it back towards 1. Greedy decoding hides much of this
-noise (the correct digit stays the most likely one), so evaluate pass@1 by sampling, as RL does.
+Imperfect demonstrations. With probability `demo_error_rate` a demonstration has one human-like mistake
+(a dropped carry, or a slipped units digit of one column sum), every later step consistent with it; a
+column sum changed from s to s' moves the answer by (s' - s) * 10**column != 0, so it is always wrong.
+A model fitted to them has a sampled pass@1 of about 1 - demo_error_rate, which RL on the verifier pushes
+back towards 1 (greedy decoding hides most of these mistakes: evaluate by sampling, as RL does).
 
-Held-out split: by hash. A problem belongs to "test" when blake2b of its unordered operand pair
-falls in the lowest TEST_FRACTION of the hash range, else to "train"; a+b and b+a always fall on the
-same side. The split is a property of the problem alone (not of the seed), so every run and every
-recipe is evaluated on the same held-out population, and disjointness holds by construction.
+Held-out split: a problem is "test" when blake2b of its unordered operand pair falls in the lowest
+TEST_FRACTION of the hash range: a property of the problem alone (not of the seed), so every run and
+recipe is evaluated on the same held-out population, disjoint from "train" by construction.
 
 GSM8K: grade-school math word problems with numeric answers (reference solutions end in "#### 72").
 Loaded from the Hugging Face hub (default "openai/gsm8k", config "main", its train/test splits) or from
@@ -59,8 +46,7 @@ question unless a separate test file is given). The answer of a completion is th
 "####" if there is one, else the last number inside the last \\boxed{...}, else the last number in
 the text; commas are dropped and it is compared numerically (|x - y| <= 1e-6) with exact decimals.
 
-Left out on purpose: partial or format rewards (the outcome is the reward), chat templates (train.py
-owns prompting of real models), Countdown and other synthetic tasks.
+Left out on purpose: partial or format rewards, chat templates, Countdown and other synthetic tasks.
 """
 import hashlib
 import os
@@ -94,10 +80,8 @@ class CharTokenizer:
 
     ids: 0 PAD, 1 BOS, 2 EOS, then the alphabet in order. `encode` maps text to ids with no specials
     (a sequence is [bos_id] + encode(prompt) + encode(completion) + [eos_id]); it raises ValueError on
-    a character outside the alphabet, since the tasks only ever encode their own text. `decode` never
-    raises on integer ids: it stops at the first EOS, skips PAD and BOS, and renders ids outside the
-    vocabulary as UNKNOWN.
-    """
+    a character outside the alphabet (the tasks only encode their own text). `decode` never raises on
+    integer ids: it stops at the first EOS, skips PAD and BOS, and renders unknown ids as UNKNOWN."""
     PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
     UNKNOWN = "\ufffd"      # the Unicode replacement character: never part of an alphabet
 
@@ -301,6 +285,24 @@ class GSM8KTask:
         if claimed is None or expected is None:
             return 0.0
         return 1.0 if abs(claimed - expected) <= Decimal("1e-6") else 0.0
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer with CharTokenizer's interface (EOS pads when there is no pad token)."""
+
+    def __init__(self, tokenizer):
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the checkpoint's tokenizer has no EOS token, so completions could never end")
+        self.tokenizer, self.eos_id, self.vocab_size = tokenizer, tokenizer.eos_token_id, len(tokenizer)
+        self.pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids) -> str:
+        ids = list(ids)
+        return self.tokenizer.decode(ids[:ids.index(self.eos_id)] if self.eos_id in ids else ids,
+                                     skip_special_tokens=True)
 
 
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}

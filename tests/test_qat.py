@@ -15,6 +15,7 @@ import nvfp4
 import qat
 import rac
 import rollout
+import trace_rollout
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -116,20 +117,6 @@ def test_cuda_triton_fake_quantized_weights_match_the_cpu_reference():
             assert same_bits(quantized.cpu(), expected)
 
 
-@pytest.mark.cuda
-def test_cuda_weights_fake_quantized_together_match_the_cpu_reference():
-    model = qat.convert_for_training(tiny_model(std=0.1).cuda().bfloat16(), "qat")
-    layers = [m for m in model.modules() if isinstance(m, (qat.QATLinear, qat.QATExperts))]
-    weights = [w for m in layers for w in m.master_weights()]
-    with torch.no_grad():
-        weights[0][1, 3] = float("nan")  # its scale must be NaN on the GPU too (multi-tensor amax)
-    for w, value in zip(weights, qat.fake_quantize_weights(weights)):
-        cpu = w.detach().cpu()
-        expected = nvfp4.dequantize_reference(nvfp4.quantize_reference(cpu, nvfp4.weight_global_scale(cpu)),
-                                              cpu.dtype)
-        assert same_bits(value.cpu().nan_to_num(7.0), expected.nan_to_num(7.0))
-
-
 def test_trainer_weights_equal_rac_rollout_weights_after_sync():
     trainer = tiny_model(std=0.1)
     rollout = rac.convert_for_rollout(copy.deepcopy(trainer), "nvfp4")
@@ -214,39 +201,26 @@ def test_the_forward_uses_the_weights_of_the_latest_optimizer_step(make_optimize
     assert torch.equal(after, F.linear(x, weight_rule(layer.weight)))
 
 
-def test_weights_fake_quantized_together_equal_each_alone_bit_for_bit():
-    torch.manual_seed(0)
-    weights = [torch.randn(48, 64), torch.randn(4, 32, 64).bfloat16(), torch.randn(16, 32) * 1e-30,
-               torch.zeros(16, 32), torch.randn(3, 16, 16)]
-    weights[4][1, 2, 3] = float("nan")  # one expert's NaN: its own scale is NaN, the others' are not
-    weights[1][2] = 0.0                 # an all-zero expert: global scale 1.0
-    weights = [w.requires_grad_() for w in weights]
-    together = qat.fake_quantize_weights(weights)
-    for w, value in zip(weights, together):
-        alone = nvfp4.fake_quantize_weight(w.detach())
-        assert value.dtype == alone.dtype and torch.equal(value.nan_to_num(7.0), alone.nan_to_num(7.0))
-    sum(v.sum() for v in together[:4]).backward()
-    assert all(torch.equal(w.grad, torch.ones_like(w)) for w in weights[:4])  # straight-through
-
-
-def test_a_models_forward_fake_quantizes_all_its_weights_once_together(monkeypatch):
+def test_a_models_forward_fake_quantizes_each_weight_once_and_keeps_nothing(monkeypatch):
     model = qat.convert_for_training(tiny_model(std=0.1), "qat")
-    qat.convert_for_training(model, "qat")  # converting again registers nothing twice
+    qat.convert_for_training(model, "qat")  # converting again wraps nothing twice
+    layer = model.layers[0].attn.q_proj
+    before = {name: value for name, value in vars(layer).items() if not name.startswith("_")}
     calls = []
-    monkeypatch.setattr(qat, "fake_quantize_weights", lambda ws: calls.append(len(ws)) or [
-        nvfp4.fake_quantize_weight(w) for w in ws])
     monkeypatch.setattr(nvfp4, "fake_quantize_weight", lambda w, original=nvfp4.fake_quantize_weight: (
-        calls.append("alone"), original(w))[1])
+        calls.append(tuple(w.shape)), original(w))[1])
     batch = tokens()
     y = model(batch)
-    assert calls.count(4 * 2 + 2 * 2) == 1 and calls.count("alone") == 12  # one batch of the 12 weights
-    assert all(m.weights_q is None for m in model.modules() if isinstance(m, qat.QATLinear))  # nothing kept
+    assert len(calls) == 4 * 2 + 2 * 2  # the 12 weights, each once
+    assert not model._forward_pre_hooks and not model._forward_hooks  # no hooks
+    after = {name: value for name, value in vars(layer).items() if not name.startswith("_")}
+    assert after.keys() == before.keys()  # nothing left on a layer by the forward
     with qat.bf16_forward(model):
         model(batch)
-    assert len(calls) == 1 + 12  # nothing quantized in full precision
+    assert len(calls) == 12  # nothing quantized in full precision
     layer = model.layers[0].attn.q_proj
     x = torch.randn(3, 64)
-    assert torch.equal(layer(x), F.linear(x, weight_rule(layer.weight)))  # a layer called alone does its own
+    assert torch.equal(layer(x), F.linear(x, weight_rule(layer.weight)))
     assert y.shape == (4, 16, 64)
 
 
@@ -298,20 +272,6 @@ def test_w4a4_fake_quantizes_activations_with_a_straight_through_gradient():
     # straight-through: grad_x = grad_y @ Wq as if x were not quantized; grad_W uses the quantized input
     torch.testing.assert_close(x.grad, grad_y @ layer_w4a4.quantized_weight(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(layer_w4a4.weight.grad, grad_y.T @ x_q, rtol=1e-6, atol=1e-6)
-
-
-def test_q_k_and_v_quantize_their_shared_input_once_per_forward(monkeypatch):
-    model = qat.convert_for_training(tiny_model(std=0.1), "w4a4")
-    batch = tokens()
-    calls = []
-    original = qat.quantize_input
-    monkeypatch.setattr(qat, "quantize_input", lambda x, *args, **kwargs: calls.append(x.shape) or original(
-        x, *args, **kwargs))
-    y = model(batch)
-    assert len(calls) == 2 * (1 + 1 + 2)  # per layer: q/k/v together, o, the experts' two inputs
-    monkeypatch.setattr(qat, "_quantized_input_of", lambda layer, x, mode, mask, codes: original(
-        x.reshape(-1, x.shape[-1]), mode, mask, codes).view(x.shape))  # no sharing
-    assert torch.equal(model(batch), y)
 
 
 def test_w4a4_experts_quantize_both_gemm_inputs():
@@ -415,9 +375,11 @@ def test_moeresq_linear_equals_the_rollout_layers_torch_twin_to_accumulation_ord
     rollout_layer = rac.NVFP4Linear.from_float(linear)
     expected = rac.nvfp4_linear_reference(x, rollout_layer.weight_q, mask)       # the rollout's twin, fp32
     trainer_layer = qat.QATLinear.from_float(copy.deepcopy(linear), "moeresq")
-    trainer_layer.rac_masks = (mask,)
+    with qat.sharing(trainer_layer, qat.SharedState(masks={"": (mask,)})):  # "": the layer itself
+        y = trainer_layer(x)
+    assert trainer_layer.rac_masks is None  # the masks were an argument of that call only
     scale = expected.abs().max().item()
-    assert report_diff(trainer_layer(x), expected, "moeresq vs rollout twin")[0] <= 1e-6 * scale
+    assert report_diff(y, expected, "moeresq vs rollout twin")[0] <= 1e-6 * scale
     # the compensation is really there: without it (w4a4) or without activation quantization (qat) the
     # trainer is far from the rollout
     naive = rac.nvfp4_linear_reference(x, rollout_layer.weight_q, None)
@@ -438,9 +400,10 @@ def test_moeresq_experts_equal_the_rollout_experts_torch_twin_to_accumulation_or
     expected = rollout_experts(x, ids, weights)                                     # CPU: the torch twin
     rollout_experts.rac_gate_up.finish_calibration()
     rollout_experts.rac_down.finish_calibration()
-    trainer_experts.rac_masks = (rollout_experts.rac_gate_up.mask, rollout_experts.rac_down.mask)
-    assert trainer_experts.rac_masks[1].any() and not trainer_experts.rac_masks[1].all()
-    y = trainer_experts(x.requires_grad_(), ids, weights)
+    masks = (rollout_experts.rac_gate_up.mask, rollout_experts.rac_down.mask)
+    assert masks[1].any() and not masks[1].all()
+    with qat.sharing(trainer_experts, qat.SharedState(masks={"": masks})):
+        y = trainer_experts(x.requires_grad_(), ids, weights)
     scale = expected.abs().max().item()
     assert report_diff(y, expected, "moeresq experts vs rollout twin")[0] <= 1e-5 * scale
     naive = rac.NVFP4Experts.from_float(experts)(x.detach(), ids, weights)
@@ -529,7 +492,7 @@ def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tok
     must give back exactly the rollout's dequantized values on every completion token, its own elsewhere."""
     model = tiny_model(std=0.2)
     rollout_model = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")
-    recorder = qat.RolloutRecorder()
+    recorder = trace_rollout.RolloutRecorder()
     rollout_model.register_forward_pre_hook(lambda m, args, kwargs: recorder.begin_forward(
         getattr(kwargs.get("kv_cache"), "prefill_rows", 0) is None), with_kwargs=True)
     q_proj = rollout_model.layers[0].attn.q_proj
@@ -584,16 +547,16 @@ def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tok
 
 
 def test_layers_sharing_a_record_share_its_mini_batch_too():
-    # q, k and v read one input and share one record; their mini-batch must stay one object, or the
-    # trainer's per-forward memo (keyed by the record) quantizes their input three times
+    # q, k and v read one input and share one record; their mini-batch stays one object (selected once)
     trainer = qat.convert_for_training(tiny_model(), "trace")
-    layers = dict(trainer.named_modules())
     record = hand_made_codes(torch.arange(3.0)[:, None].repeat(1, 16), 1.0, 1.0, keys=[3, 8, 13])
     paths = [f"layers.0.attn.{name}" for name in ("q_proj", "k_proj", "v_proj")]
-    qat.use_rollout_codes(layers, {path: (record,) for path in paths}, rows=torch.tensor([2, 0]), width=5)
-    picked = [layers[path].rollout_codes[0] for path in paths]
+    state = qat.SharedState(codes={path: (record,) for path in paths}).select_rows(torch.tensor([2, 0]), 5)
+    picked = [state.codes[path][0] for path in paths]
     assert picked[0] is picked[1] is picked[2] and picked[0].keys.tolist() == [3, 8]
-    qat.use_rollout_codes(layers, None)
+    layers = dict(trainer.named_modules())
+    with qat.sharing(trainer, state):
+        assert layers[paths[0]].rollout_codes[0] is picked[0]
     assert all(layers[path].rollout_codes is None for path in paths)
 
 

@@ -6,8 +6,8 @@ import random
 import pytest
 
 from conftest import raises_one_line
-from tasks import (TEST_FRACTION, ArithmeticTask, CharTokenizer, GSM8KTask, Problem, _in_test_split,
-                   extract_answer, make_task)
+from tasks import (TEST_FRACTION, ArithmeticTask, CharTokenizer, GSM8KTask, HFTokenizer, Problem,
+                   _in_test_split, extract_answer, make_task)
 
 
 # -----------------------------------------------------------------------------
@@ -277,3 +277,28 @@ BAD_CALLS = [  # (id, call given a scratch directory, exception, what the messag
                          ids=[case[0] for case in BAD_CALLS])
 def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(tmp_path, call, error, names, problem):
     raises_one_line(lambda: call(tmp_path), names, problem, error)
+
+
+class _FakeHFTokenizer:
+    """The few attributes and methods of a Hugging Face tokenizer that HFTokenizer uses: one id per char."""
+    def __init__(self, eos_token_id, pad_token_id):
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+
+    def __len__(self):
+        return 128
+
+    def encode(self, text, add_special_tokens):
+        assert add_special_tokens is False
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens):
+        return "".join(chr(i) for i in ids)
+
+
+def test_hf_tokenizer_stops_at_eos_and_pads_with_eos_when_it_has_no_pad():
+    tokenizer = HFTokenizer(_FakeHFTokenizer(eos_token_id=3, pad_token_id=None))
+    assert (tokenizer.eos_id, tokenizer.pad_id, tokenizer.vocab_size) == (3, 3, 128)
+    assert tokenizer.decode(tokenizer.encode("#### 42") + [3] + tokenizer.encode("x")) == "#### 42"
+    assert HFTokenizer(_FakeHFTokenizer(eos_token_id=3, pad_token_id=0)).pad_id == 0
+    with pytest.raises(ValueError, match="has no EOS token"):
+        HFTokenizer(_FakeHFTokenizer(eos_token_id=None, pad_token_id=0))

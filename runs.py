@@ -1,0 +1,213 @@
+"""A run's directory: what makes a run durable and never destroyed unasked.
+
+A run lives in out_dir/run_name/: config.json, metrics.jsonl (one JSON line per step; step 0 holds the
+warm-started policy's pass@1) and checkpoint.pt (step, trainer and optimizer state, config). The rules:
+- a directory holding a run is refused unless --resume continues it (the checkpoint's stored config must
+  match, except RESUMABLE_FIELDS: --steps may grow) or --overwrite starts it over (check_run_dir, before
+  anything is written);
+- every file is written atomically (atomic_save): a crash never leaves half a checkpoint;
+- Ctrl-C while a step changes the weights is held until that step is logged and saved (HeldInterrupt), so
+  a checkpoint is always of a whole step, and a resumed run repeats the same data order and seeds;
+- what cannot run is one line (ConfigError: the CLI prints it and exits 2), never a traceback;
+- the command line is built from the config dataclass (build_parser): a field's comment is its --help.
+"""
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import pickle
+import re
+import signal
+import sys
+import typing
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A run that cannot start as asked: one line for the user (the CLI prints it and exits 2)."""
+
+
+def one_line(error):
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+CHECKPOINT_KEYS = {"step", "trainer", "optimizer", "config"}
+
+
+def load_checkpoint(path, device, fix, what="checkpoint"):
+    """torch.load, with a file that cannot be read (truncated, not torch's format, not a train.py
+    checkpoint) as one ConfigError."""
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as error:
+        raise ConfigError(f"cannot read the {what} {path} ({one_line(error)}): {fix}") from None
+    if what == "checkpoint" and not (isinstance(ckpt, dict) and CHECKPOINT_KEYS <= set(ckpt)):
+        raise ConfigError(f"cannot read the checkpoint {path}: not a train.py checkpoint; {fix}")
+    return ckpt
+
+
+def atomic_save(obj, path, write=torch.save):
+    """Write to a temporary file, then rename: a crash never leaves a half-written file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    write(obj, tmp)
+    os.replace(tmp, path)
+
+
+def write_text(text, path):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def read_metrics(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+RUN_FILES = ("metrics.jsonl", "checkpoint.pt")  # what makes a directory hold a run
+# what a resumed run may change: when it stops and what it writes, not what it computes
+RESUMABLE_FIELDS = {"steps", "eval_every", "checkpoint_every", "resume", "overwrite", "out_dir", "run_name",
+                    "threads", "cuda_graph", "fsdp"}
+
+
+def check_run_dir(cfg, rename="choose another --run-name"):
+    """Refuse, before anything is written, to start where a run would be destroyed; under --resume read
+    the checkpoint and check that it continues this run. -> the checkpoint to resume from, or None."""
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
+    if not cfg.resume:
+        found = [name for name in RUN_FILES if os.path.exists(os.path.join(run_dir, name))]
+        if found and not cfg.overwrite:
+            raise ConfigError(f"{run_dir} holds a run ({', '.join(found)}): add --resume to continue it, "
+                              f"--overwrite to start it over, or {rename}")
+        return None
+    if not os.path.exists(ckpt_path):
+        raise ConfigError(f"argument --resume: no checkpoint {ckpt_path} to resume (drop --resume to start "
+                          "the run, or give the --out-dir and --run-name of the run to continue)")
+    ckpt = load_checkpoint(ckpt_path, cfg.device, "restore it, or start the run over with --overwrite")
+    stored = {f.name: ckpt["config"].get(f.name, f.default) for f in dataclasses.fields(cfg)}
+    changes = [f"--{name.replace('_', '-')} {value} -> {getattr(cfg, name)}" for name, value in stored.items()
+               if name not in RESUMABLE_FIELDS and value != getattr(cfg, name)]
+    if changes:
+        raise ConfigError(f"cannot resume {run_dir}: this command changes {', '.join(changes)}; a resumed "
+                          "run keeps its config (--steps may grow): give the run's values, or a new "
+                          "--run-name")
+    if cfg.steps < ckpt["step"]:
+        raise ConfigError(f"argument --steps: {cfg.steps}, but the run in {run_dir} is at step "
+                          f"{ckpt['step']}; "
+                          f"a run cannot be shortened (give --steps >= {ckpt['step']})")
+    return ckpt
+
+
+class HeldInterrupt:
+    """Ctrl-C while a step changes the trainer's weights (from its first optimizer step to its metrics line
+    and checkpoint) is held until that step ends, so that what is saved is always a finished, logged step;
+    elsewhere, and on a second Ctrl-C, it acts at once. Only in the main thread (signals live there)."""
+
+    def __init__(self, step):
+        self.step = step  # the RL loop's step: finished steps, or the one whose update is running
+        self.holding = self.requested = False
+        self.previous = None
+
+    def __enter__(self):
+        try:
+            self.previous = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread: Ctrl-C keeps its default meaning
+            self.previous = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+    def _handler(self, signum, frame):
+        if self.holding and not self.requested:
+            self.requested = True
+            print("\nCtrl-C: finishing this step's update, then saving (Ctrl-C again: stop now, unsaved)",
+                  file=sys.stderr, flush=True)
+            return
+        raise KeyboardInterrupt
+
+    @staticmethod
+    def stop(message, ranks):
+        if ranks.main:
+            print(message, file=sys.stderr)
+        sys.exit(130)
+
+
+def report(cfg, run_dir, warmstart, start_step=None):
+    """The end-of-run summary: the RL steps' own time (this command's steps: not the warm-start, not what
+    ran before a resume), final pass@1, mismatch over the run, and where everything is."""
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    steps, evals = [r for r in records if r["step"] > 0], [r for r in records if "pass@1" in r]
+    lines = [f"{cfg.run_name}: {steps[-1]['step'] if steps else 0} steps"]
+    ran = [r for r in steps if start_step is not None and r["step"] > start_step]
+    if ran:
+        resumed = f" (resumed at step {start_step})" if start_step else ""
+        seconds = sum(r["step_s"] for r in ran)
+        lines[0] += f"; RL steps {ran[0]['step']}-{ran[-1]['step']} took {seconds:.0f} s{resumed}"
+    if evals:
+        first, last = evals[0], evals[-1]
+        lines.append(f"  pass@1        rollout {last['pass@1']:.3f}, BF16 trainer "
+                     f"{last['pass@1_bf16_trainer']:.3f} at step {last['step']} (step {first['step']}: "
+                     f"{first['pass@1']:.3f}, {first['pass@1_bf16_trainer']:.3f})")
+    if steps:
+        mean = sum(r["mismatch/abs_diff_mean"] for r in steps) / len(steps)
+        worst = max(r["mismatch/abs_diff_max"] for r in steps)
+        lines.append(f"  |delta logp|  mean {mean:.2e}, max {worst:.3f} over steps 1-{steps[-1]['step']}")
+    lines += [f"  {'metrics':<13} {os.path.join(run_dir, 'metrics.jsonl')}",
+              f"  {'checkpoint':<13} {os.path.join(run_dir, 'checkpoint.pt')}",
+              f"  {'warm-start':<13} {warmstart}",
+              f"  {'figure':<13} python -m tools.plot {run_dir}"]
+    return "\n".join(lines)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's "prog: error: ..." and exit 2, without the 40-option usage
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def option_docs(config_class):
+    """A config dataclass's source -> {field: (group, help)}: a field's trailing comment is its help, a
+    comment line of its own opens a group. The dataclass stays the one place where an option is documented."""
+    docs, group = {}, "options"
+    for line in inspect.getsource(config_class).splitlines()[1:]:
+        if line.startswith("    def "):
+            break
+        title, more = re.fullmatch(r"    # (.+)", line), re.fullmatch(r"     +# (.+)", line)
+        field = re.fullmatch(r"    (\w+): [^#]*?(?:#\s*(.*))?", line)
+        if title:
+            group = title.group(1)
+        elif field:
+            name = field.group(1)
+            docs[name] = (group, field.group(2) or "")
+        elif more:  # a help text continued on the next line
+            docs[name] = (group, f"{docs[name][1]} {more.group(1)}")
+    return docs
+
+
+def build_parser(config_class, choices, prog, usage, description):
+    """The command line of a config dataclass: one option per field, grouped and documented as the fields
+    are (option_docs), with its type, default and, for the fields in `choices`, the values it takes."""
+    parser = Parser(prog=prog, description=description, usage=usage,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    docs, groups, hints = option_docs(config_class), {}, typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):
+        group_name, text = docs.get(field.name, ("options", ""))
+        group = groups.setdefault(group_name, parser.add_argument_group(group_name)) \
+            if group_name not in groups else groups[group_name]
+        text += f" {{{', '.join(choices[field.name])}}}" if field.name in choices else ""
+        text += f" (default: {field.default})" if field.default not in (None, "") else ""
+        kind = hints[field.name]
+        kind = next((t for t in typing.get_args(kind) if t is not type(None)), kind)  # int | None -> int
+        flag, text = "--" + field.name.replace("_", "-"), text.replace("%", "%%")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=text)
+        else:
+            group.add_argument(flag, type=kind, default=field.default, help=text,
+                               metavar={int: "N", float: "X"}.get(kind, "STR"))
+    return parser

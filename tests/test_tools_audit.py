@@ -1,0 +1,105 @@
+"""tools/audit.py: one batch scored three ways per recipe from a run's checkpoint, written where no earlier
+audit is replaced unasked; its command line."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import train
+from test_train import tiny_config, tree_digest
+from tools import audit
+
+
+def main_exit(argv, capsys):
+    try:
+        result = audit.main(argv)
+        code = 0
+    except SystemExit as stop:
+        result, code = None, stop.code
+    out, err = capsys.readouterr()
+    return code, out, err, result
+
+
+@pytest.fixture(scope="module")
+def quads_run(tmp_path_factory):
+    return train.run(tiny_config(tmp_path_factory.mktemp("audit"), recipe="quads"))
+
+
+def test_audit_scores_one_batch_three_ways_per_recipe(quads_run, capsys):
+    code, _, _, table_path = main_exit([quads_run, "--recipes", "bf16,nvfp4", "--device", "cpu"], capsys)
+    folder = os.path.join(quads_run, "audit_step3")  # the checkpoint's step
+    assert code == 0 and table_path == os.path.join(folder, "audit.md")
+    with open(os.path.join(folder, "audit.json")) as f:
+        results = json.load(f)["recipes"]
+    bf16, nvfp4 = results["bf16"], results["nvfp4"]
+    # fp32 rollout and trainer: decode, prefill and the trainer agree up to summation order
+    assert bf16["A-B"]["abs_diff_max"] < 1e-4 and bf16["B-C"]["abs_diff_max"] < 1e-4
+    # NVFP4: a token's activation scale depends on its batch (A-B), and FP4 against a BF16 trainer (B-C)
+    assert nvfp4["A-B"]["abs_diff_mean"] > 1e-3 and nvfp4["B-C"]["abs_diff_mean"] > 1e-3
+    assert bf16["B-B replay max"] == nvfp4["B-B replay max"] == 0.0  # one prefill is repeatable
+    with open(table_path) as f:
+        rows = [line for line in f.read().splitlines() if line.startswith("| ") and "recipe" not in line
+                and not line.startswith("| ---")]
+    assert [row.split("|")[1].strip() for row in rows] == ["bf16", "nvfp4"]
+    assert float(rows[1].split("|")[4]) == pytest.approx(nvfp4["A-B"]["abs_diff_mean"], rel=1e-2)  # A-B MAE
+    batch = torch.load(os.path.join(folder, "batch_nvfp4.pt"), weights_only=True)
+    mask = batch["loss_mask"][:, 1:]
+    assert (batch["A"] - batch["B"])[mask].abs().mean().item() == pytest.approx(nvfp4["A-B"]["abs_diff_mean"])
+
+    # a second audit never replaces the first unasked: refused, or written where --out says
+    before = tree_digest(folder)
+    checkpoint = os.path.join(quads_run, "checkpoint.pt")
+    code, _, err, _ = main_exit([checkpoint, "--recipes", "nvfp4", "--device", "cpu"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert f"{folder} holds an audit (audit.json, audit.md, batch_bf16.pt" in err
+    assert tree_digest(folder) == before
+    other = os.path.join(quads_run, "another")
+    # a checkpoint file works as well as its run directory, and gives the same batch
+    main_exit([checkpoint, "--recipes", "nvfp4", "--device", "cpu", "--out", other], capsys)
+    assert torch.equal(torch.load(os.path.join(other, "batch_nvfp4.pt"), weights_only=True)["tokens"],
+                       batch["tokens"])
+    assert tree_digest(folder) == before
+    main_exit([quads_run, "--recipes", "nvfp4", "--device", "cpu", "--overwrite"], capsys)  # asked: replaced
+    assert sorted(os.listdir(folder)) == ["audit.json", "audit.md", "batch_nvfp4.pt"]
+
+
+def test_audit_builds_the_symmetric_recipes_as_training_does(quads_run, tmp_path, capsys):
+    """moeresq's trainer takes the rollout's RAC masks and trace's the codes its rollout recorded: so
+    moeresq's trainer equals the rollout's prefill (B = C), and trace's follows its decode (C ~ A)."""
+    main_exit([quads_run, "--recipes", "moeresq,trace", "--device", "cpu", "--out", str(tmp_path)], capsys)
+
+    def gaps(recipe):
+        batch = torch.load(tmp_path / f"batch_{recipe}.pt", weights_only=True)
+        mask = batch["loss_mask"][:, 1:]
+        return {pair: (batch[pair[0]] - batch[pair[1]])[mask].abs().mean().item()
+                for pair in ("AB", "BC", "AC")}
+    moeresq, trace = gaps("moeresq"), gaps("trace")
+    assert moeresq["AB"] > 1e-3 and moeresq["BC"] < 1e-5
+    assert trace["AB"] > 1e-3 and trace["AC"] < 0.2 * trace["AB"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["RUN", "--recipes", "bf16,int3"], "argument --recipes: choose from bf16"),
+    (["RUN", "--recipes", "bf16,"], f"argument --recipes: choose from {', '.join(train.RECIPES)}, got ''"),
+    (["/nonexistent/run"], "argument RUN: no checkpoint at '/nonexistent/run'"),
+    (["RUN", "--device", "tpu"], "argument --device: choose from cpu, cuda, cuda:N, got 'tpu'"),
+])
+def test_a_bad_value_exits_2_with_one_line_naming_it(argv, message, quads_run, capsys):
+    before = tree_digest(quads_run)
+    code, out, err, _ = main_exit([quads_run if a == "RUN" else a for a in argv], capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("python -m tools.audit: error: ")
+    assert message in err and out == ""
+    assert tree_digest(quads_run) == before
+
+
+def test_an_unreadable_checkpoint_is_one_line_naming_the_file(quads_run, tmp_path, capsys):
+    for name, damage in (("truncated", lambda path: open(path, "r+b").truncate(os.path.getsize(path) // 2)),
+                         ("foreign", lambda path: torch.save({"weights": torch.ones(2)}, path))):
+        run_dir = tmp_path / name
+        shutil.copytree(quads_run, run_dir)
+        damage(run_dir / "checkpoint.pt")
+        code, _, err, _ = main_exit([str(run_dir), "--device", "cpu"], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"cannot read the checkpoint {run_dir}/checkpoint.pt" in err and "give another run" in err

@@ -1,0 +1,146 @@
+"""The 3-way log-prob audit: one rollout batch per recipe, from a run's weights, its tokens scored three ways.
+
+    python -m tools.audit runs/quads                                   # bf16, nvfp4, quads
+    python -m tools.audit runs/quads/checkpoint.pt --recipes moeresq,trace --device cpu
+
+    A  the log-probs the rollout engine recorded while it generated the batch (decode, one token a step)
+    B  the same rollout model re-scoring the same tokens in one prefill (rollout.score), done twice
+    C  the recipe's trainer forward on the same tokens (what the loss sees as `old`)
+
+A - B isolates the engine's own nondeterminism (decode vs prefill numerics; the dynamic per-tensor
+activation scale that makes a token's rounding depend on the rest of its GEMM); B - C is precision (the
+rollout's quantized layers against the trainer's); B - B' must be 0 (a repeatable prefill). For each, over
+the completion tokens: signed mean, mean absolute error, p95, p99 and max of |d|.
+
+The run's own config (preset, task, batch shape, temperature, RAC ratio, seed) is used, with this
+command's device. Every recipe starts from the checkpoint's weights and scores a batch it sampled itself
+(same prompts and seed). Writes audit.md, audit.json and each batch (tokens, A, B, C) as batch_<recipe>.pt
+into RUN/audit_step<N>/ (or --out DIR); an audit that is there is refused unless --overwrite replaces it.
+"""
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # also as a plain script
+
+import torch  # noqa: E402
+
+import grpo  # noqa: E402
+import policy  # noqa: E402
+import rollout  # noqa: E402
+import runs  # noqa: E402
+import trace_rollout  # noqa: E402
+import train  # noqa: E402
+
+STATS = [("signed mean", "diff_mean"), ("MAE", "abs_diff_mean"), ("p95", "abs_diff_p95"),
+         ("p99", "abs_diff_p99"), ("max", "abs_diff_max")]
+SKIPPED = ("device", "run_name", "resume", "overwrite", "threads", "mipu", "tis")  # not the audit's business
+
+
+def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", overwrite=False,
+          cuda_graph=True):
+    """Audit the checkpoint at `path` (a run directory or a checkpoint file) -> the path of audit.md."""
+    ckpt_path = path if os.path.isfile(path) else os.path.join(path, "checkpoint.pt")
+    if not os.path.isfile(ckpt_path):
+        raise runs.ConfigError(f"argument RUN: no checkpoint at {path!r}; give a run directory holding "
+                                "checkpoint.pt or a checkpoint file")
+    ckpt = runs.load_checkpoint(ckpt_path, "cpu", "give another run directory or checkpoint")
+    run_dir = os.path.dirname(os.path.abspath(ckpt_path))
+    out_dir = out_dir or os.path.join(run_dir, f"audit_step{ckpt['step']}")
+    earlier = sorted(name for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else []) if name in
+                     ("audit.md", "audit.json") or name.startswith("batch_") and name.endswith(".pt"))
+    if earlier and not overwrite:
+        raise runs.ConfigError(f"{out_dir} holds an audit ({', '.join(earlier)}): add --overwrite to "
+                                "replace it, or give --out DIR")
+    known = {f.name for f in dataclasses.fields(train.TrainConfig)}
+    cfg = train.TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in known and k not in SKIPPED},
+                            device=device)
+    task = policy.build_task(cfg)
+    model, tokenizer = policy.build_model(cfg, task)
+    model.load_state_dict(ckpt["trainer"])  # QAT layers keep moe.py's parameter names
+    problems = task.sample(cfg.prompts_per_step, "train", random.Random(cfg.seed + 4242))
+    calib_tokens = train.calibration_tokens(cfg, task, tokenizer)  # the run's RAC calibration batch
+    for name in earlier:  # --overwrite: the earlier audit's files, nothing else of the directory
+        os.remove(os.path.join(out_dir, name))
+    os.makedirs(out_dir, exist_ok=True)
+
+    results = {}
+    for recipe in recipes:
+        rac_ratio = cfg.rac_ratio if train.RECIPES[recipe][2] else 0.0
+        rollout_model, trainer, recorder = train.build_recipe(cfg, copy.deepcopy(model), recipe, rac_ratio)
+        if rac_ratio > 0:
+            train.rac.calibrate_rac(rollout_model, calib_tokens)
+        if recorder is not None:
+            recorder.start()
+        out = rollout.generate(rollout_model, train.encode_prompts(tokenizer, problems), cfg.group_size,
+                               train.max_new_tokens(cfg, task), temperature=cfg.temperature,
+                               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=cfg.seed + 4242,
+                               cuda_graph=cuda_graph and recorder is None)
+        codes = trace_rollout.codes(recorder, out) if recorder is not None else None
+        shared = train.shared_state(rollout_model, train.RECIPES[recipe][0], codes)
+        seq = out.sequences()
+        mask = seq.loss_mask[:, 1:]
+        recorded = seq.logprobs[:, 1:]                                                    # A
+        rescored, replayed = (rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:]
+                              for _ in range(2))                                         # B, B'
+        with torch.no_grad():
+            trainer_logp, _ = train.trainer_logprobs(cfg, trainer, seq, shared)            # C
+        results[recipe] = {"tokens": int(mask.sum()), "A-B": grpo.mismatch_metrics(recorded, rescored, mask),
+                           "B-C": grpo.mismatch_metrics(rescored, trainer_logp, mask),
+                           "B-B replay max": (rescored - replayed)[mask].abs().max().item()}
+        runs.atomic_save({"tokens": seq.tokens.cpu(), "loss_mask": seq.loss_mask.cpu(), "A": recorded.cpu(),
+                           "B": rescored.cpu(), "C": trainer_logp.cpu()},
+                          os.path.join(out_dir, f"batch_{recipe}.pt"))
+        del rollout_model, trainer
+
+    header = (f"Log-prob audit of {ckpt_path} (RL step {ckpt['step']}): {cfg.prompts_per_step} prompts x "
+              f"{cfg.group_size} samples per recipe, preset {cfg.preset or cfg.model}, temperature "
+              f"{cfg.temperature:g}, {device}, torch {torch.__version__}. d in nats over completion tokens; "
+              "A recorded at decode, B one-prefill re-score, C trainer forward.")
+    columns = (["recipe", "tokens"] + [f"{pair} {name}" for pair in ("A-B", "B-C") for name, _ in STATS]
+               + ["B replay max"])
+    lines = [header, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for recipe, r in results.items():
+        cells = [recipe, str(r["tokens"])] + [f"{r[pair][key]:.2e}" for pair in ("A-B", "B-C")
+                                              for _, key in STATS]
+        lines.append("| " + " | ".join(cells + [f"{r['B-B replay max']:.1e}"]) + " |")
+    table = "\n".join(lines) + "\n"
+    md_path = os.path.join(out_dir, "audit.md")
+    runs.atomic_save(table, md_path, runs.write_text)
+    record = {"checkpoint": ckpt_path, "step": ckpt["step"], "device": device, "torch": torch.__version__,
+              "config": dataclasses.asdict(cfg), "recipes": results}
+    runs.atomic_save(json.dumps(record, indent=2), os.path.join(out_dir, "audit.json"), runs.write_text)
+    print(table)
+    return md_path
+
+
+def main(argv=None):
+    """The command line. A ConfigError exits 2 with its one line."""
+    parser = runs.Parser(prog="python -m tools.audit", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", metavar="RUN", help="a run directory (its checkpoint.pt) or a checkpoint file")
+    parser.add_argument("--recipes", default="bf16,nvfp4,quads", help="the recipes whose rollout and trainer "
+                        "score the batch (default: bf16,nvfp4,quads)")
+    parser.add_argument("--device", default="", help="cpu, cuda or cuda:N (default: cuda if available)")
+    parser.add_argument("--out", default="", help="the audit's directory (default: RUN/audit_step<N>)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an audit that is there")
+    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                        help="decode steps as a captured CUDA graph (GPU only) (default: True)")
+    args = parser.parse_args(argv)
+    try:
+        for recipe in args.recipes.split(","):  # (an empty name, as in "bf16,", is refused too)
+            train.require(recipe in train.RECIPES, "recipes", recipe,
+                          f"choose from {', '.join(train.RECIPES)}")
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        train.TrainConfig(device=device)  # checks the device as train.py does
+        return audit(args.run, args.recipes.split(","), device, args.out, args.overwrite, args.cuda_graph)
+    except runs.ConfigError as error:
+        parser.error(str(error))
+
+
+if __name__ == "__main__":
+    main()

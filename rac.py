@@ -10,24 +10,22 @@ A rollout layer computes y = x @ W.T, W (N, K), both operands blocked by 16 alon
                                           with the largest mean |r| (calibrated), zero elsewhere
     y   = DQ(x_q) @ DQ(W_q).T + DQ(r_q) @ DQ(W_q).T  =  (DQ(x_q) + DQ(r_q)) @ DQ(W_q).T
 
-Compensating whole blocks keeps the weight's codes and block scales valid for the residual term: the
-GEMM applies both activation terms to the weight tile it already holds, so RAC never re-reads weights.
-rac_ratio 0 is naive NVFP4; 1 compensates every block (QUADS uses about 0.5). The residual shares x's
-global scale: a residual block is 6-16x smaller than its x block, so its E4M3 block scale still fits.
-nvfp4.quantize_activation is these lines in code, shared with the trainer's fake quantization.
+Compensating whole blocks keeps the weight's codes and block scales valid for the residual term: the GEMM
+applies both activation terms to the weight tile it already holds, so RAC never re-reads weights. rac_ratio 0
+is naive NVFP4; 1 compensates every block (QUADS uses about 0.5). The residual shares x's global scale: a
+residual block is 6-16x smaller than its x block, so its E4M3 block scale still fits. These lines in code are
+nvfp4.quantize_activation, shared with the trainer's fake quantization.
 
-Why a dynamic global scale: in RL the weights change every step, so a calibrated static activation
-scale goes stale between syncs, and anything above it saturates: exactly the outlier channels that
-hurt NVFP4 most. The price is that a token's rounding depends on the largest value in its batch.
+Why a dynamic global scale: in RL the weights change every step, so a calibrated static activation scale goes
+stale between syncs, and anything above it saturates: exactly the outlier channels that hurt NVFP4 most. The
+price is that a token's rounding depends on the largest value in its batch.
 
 Reading order: the references (plain PyTorch, fp32), block selection, the experts' weight layout, the layers
-(an attention's q/k/v_proj share one selection, quantization and stacked GEMM: SharedInput), conversion and
-sync; then the fast path and `backend`, the one place a path is chosen per device.
-
-The fast path lives in kernels/w4a4_*.py, each file naming the reference here that it equals: one quantizer
-launch, then on Hopper (sm_89/sm_90) fp16 MMAs on the FP4 weight decoded in registers (or once, for prefill),
-the experts as one grouped GEMM over all experts with SwiGLU and the router weights in its epilogues; on
-Blackwell `tl.dot_scaled` on the codes as they are, numerics UNTESTED (no such GPU here): checked against
+(q/k/v_proj share one selection, quantization and stacked GEMM: SharedInput), conversion and sync; then the
+fast path (kernels/w4a4_*.py, each naming the reference here it equals) and `backend`, the one place a path
+is chosen per device. One quantizer launch, then on Hopper (sm_89/sm_90) fp16 MMAs on the FP4 weight decoded
+in registers (or once, for prefill), the experts as one grouped GEMM with SwiGLU and the router weights in its
+epilogues; on Blackwell `tl.dot_scaled` on the codes, numerics UNTESTED (no such GPU here): checked against
 the Hopper kernels on first use, dropped with a one-line warning if they differ.
 
 Shape letters: M rows (tokens or token-expert assignments), K reduction dim, N output features, G = K / 16
@@ -491,15 +489,13 @@ def sync_weights(rollout_model, trainer_model):
                              f"(rollout layer {path!r})")
         return params[key]
 
-    quantized = set()
+    quantized = {path for path, m in rollout_model.named_modules() if isinstance(m, _QUANTIZED_LAYERS)}
     for path, module in rollout_model.named_modules():
         if isinstance(module, (NVFP4Linear, fp8.FP8Linear)):
             module.load_weight(master(path, "weight"),
                                master(path, "bias") if module.bias is not None else None)
         elif isinstance(module, (NVFP4Experts, fp8.FP8Experts)):
             module.load_weights(master(path, "gate_up_proj"), master(path, "down_proj"))
-        if isinstance(module, _QUANTIZED_LAYERS):
-            quantized.add(path)
     for name, param in rollout_model.named_parameters(remove_duplicate=False):
         path, _, leaf = name.rpartition(".")
         if path not in quantized:  # a quantized layer's bias was loaded above

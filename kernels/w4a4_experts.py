@@ -14,8 +14,9 @@ experts' blocked layout (rac.ExpertWeights: 16-row blocks by CHUNK-element K chu
 run), so that a program streams a few contiguous regions. The weight tile is decoded in registers as in
 kernels/w4a4_dense.py, whose building blocks this file uses.
 
-On sm_89 / sm_90 the Gluon kernel (w4a4_experts_gluon.py) usually runs instead; this one runs under the
-interpreter, for K not a multiple of 64, and where Triton has no Gluon.
+On sm_89 / sm_90 the Gluon kernel (w4a4_experts_gluon.py) runs instead at decode; this one runs for prefill
+(rac.grouped_matmul_triton says from how many tokens), under the interpreter, for K not a multiple of 64, and
+where Triton has no Gluon.
 """
 import torch
 import triton
@@ -27,8 +28,8 @@ from kernels.w4a4_dense import (_EPILOGUE, _HEURISTICS, INTERPRET, _bench_in_gra
 
 # Not (128, 128, 64, 8 warps, 3 stages): under Triton 3.6 on the H200 the grouped kernel compiled
 # with it gave non-deterministic results with NaN rows; tests/test_kernels_w4a4_experts.py runs every configuration
-# of both kernels repeatedly on the GPU. (On sm_89 / sm_90 the experts take the Gluon kernel; this
-# table serves the shapes it does not take and other GPUs.)
+# of both kernels repeatedly on the GPU. (On sm_89 / sm_90 the experts take the Gluon kernel at decode;
+# this table serves prefill, the shapes Gluon does not take, and other GPUs.)
 GROUPED_CONFIGS = {
     16: [(16, 64, 256, 4, 3, 1, True), (16, 128, 128, 4, 3, 1, True), (16, 32, 256, 4, 3, 1, True),
          (16, 64, 128, 4, 4, 1, True), (16, 128, 256, 4, 3, 1, True), (16, 32, 256, 4, 3, 1),

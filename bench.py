@@ -328,11 +328,12 @@ def bench_gemm(args):
              "rac": graph_us([lambda: rac_layer._forward_triton(x, routing, expert_weights)]),
              "gate_up": graph_us([lambda: rac.grouped_matmul_triton(act_x, layer.gate_up_w, routing.counts,
                                                                      row_ids=routing.token_ids,
-                                                                     swiglu=True)]),
+                                                                     swiglu=True, tokens=T)]),
              "down": graph_us([lambda: rac.grouped_matmul_triton(act_h, layer.down_w, routing.counts,
                                                                   row_weights=expert_weights,
-                                                                  row_weight_ids=routing.order)])}
-        if rac.backend(x.device) == "gluon":  # the kernel the layer runs here, and its table
+                                                                  row_weight_ids=routing.order,
+                                                                  tokens=T)])}
+        if rac.backend(x.device) == "gluon" and T < w4a4_dense.PREFILL_ROWS:  # the layer's kernel here
             kernel, table = rac.w4a4_experts_gluon._grouped_gluon_kernel, rac.w4a4_experts_gluon.GLUON_CONFIGS
         else:
             kernel, table = w4a4_experts._grouped_kernel, w4a4_experts.GROUPED_CONFIGS
@@ -372,7 +373,7 @@ def _config_label(config, sep):
         return sep.join([f"{kw['BLOCK_T']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"{config.num_warps}w"])
     parts = [f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"split-K {kw['SPLIT_K']}",
              f"{config.num_warps}w", f"{config.num_stages}s"]
-    parts += ["x-first"] * bool(kw["X_FIRST"]) + [f"maxnreg {config.maxnreg}"] * bool(config.maxnreg)
+    parts += ["x-first"] * bool(kw.get("X_FIRST")) + [f"maxnreg {config.maxnreg}"] * bool(config.maxnreg)
     return sep.join(parts)
 
 

@@ -10,29 +10,26 @@ A rollout layer computes y = x @ W.T, W (N, K), both operands blocked by 16 alon
                                           with the largest mean |r| (calibrated), zero elsewhere
     y   = DQ(x_q) @ DQ(W_q).T + DQ(r_q) @ DQ(W_q).T  =  (DQ(x_q) + DQ(r_q)) @ DQ(W_q).T
 
-Compensating whole blocks keeps the weight's codes and block scales valid for the residual term: the
-GEMM applies both activation terms to the weight tile it already holds, so RAC never re-reads weights.
-rac_ratio 0 is naive NVFP4; 1 compensates every block (QUADS uses about 0.5). The residual shares x's
-global scale: a residual block is 6-16x smaller than its x block, so its E4M3 block scale still fits.
-nvfp4.quantize_activation is these lines in code, shared with the trainer's fake quantization.
+Compensating whole blocks keeps the weight's codes and block scales valid for the residual term: the GEMM
+applies both activation terms to the weight tile it already holds, so RAC never re-reads weights. rac_ratio 0
+is naive NVFP4; 1 compensates every block (QUADS uses about 0.5). The residual shares x's global scale: a
+residual block is 6-16x smaller than its x block, so its E4M3 block scale still fits. These lines in code are
+nvfp4.quantize_activation, shared with the trainer's fake quantization.
 
-Why a dynamic global scale: in RL the weights change every step, so a calibrated static activation
-scale goes stale between syncs, and anything above it saturates: exactly the outlier channels that
-hurt NVFP4 most. The price is that a token's rounding depends on the largest value in its batch.
+Why a dynamic global scale: in RL the weights change every step, so a calibrated static activation scale goes
+stale between syncs, and anything above it saturates: exactly the outlier channels that hurt NVFP4 most. The
+price is that a token's rounding depends on the largest value in its batch.
 
-Reading order: the references (plain PyTorch, fp32), block selection, the experts' weight layout, the
-layers (an attention's q/k/v_proj share one selection, quantization and stacked GEMM: SharedInput),
-conversion and sync; then the fast path and `backend`, the one place a path is chosen per device.
+Reading order: the references (plain PyTorch, fp32), block selection, the experts' weight layout, the layers
+(q/k/v_proj share one selection, quantization and stacked GEMM: SharedInput), conversion and sync; then the
+fast path (kernels/w4a4_*.py, each naming the reference here it equals) and `backend`, the one place a path
+is chosen per device. One quantizer launch, then on Hopper (sm_89/sm_90) fp16 MMAs on the FP4 weight decoded
+in registers (or once, for prefill), the experts as one grouped GEMM with SwiGLU and the router weights in its
+epilogues; on Blackwell `tl.dot_scaled` on the codes, numerics UNTESTED (no such GPU here): checked against
+the Hopper kernels on first use, dropped with a one-line warning if they differ.
 
-The fast path lives in kernels/w4a4_*.py, each file naming the reference here that it equals: one
-quantizer launch, then on Hopper (sm_89/sm_90) fp16 MMAs on the FP4 weight decoded in registers (or
-once, for prefill), the experts as one grouped GEMM over all experts with SwiGLU and the router weights
-in its epilogues; on Blackwell `tl.dot_scaled` on the codes as they are, numerics UNTESTED (no such GPU
-here): checked against the Hopper kernels on first use, dropped with a one-line warning if they differ.
-
-Shape letters: M rows (tokens or token-expert assignments), K reduction dim, N output features,
-G = K / 16 blocks, T tokens, A active experts per token, R = T * A assignments, E experts,
-D model dim, I expert hidden dim.
+Shape letters: M rows (tokens or token-expert assignments), K reduction dim, N output features, G = K / 16
+blocks, T tokens, A active experts per token, R = T * A assignments, E experts, D model dim, I expert hidden.
 
 Left out: static activation scales, a gate/up-style stacking of q/k/v in the trainer (qat.py keeps
 three layers), per-expert RAC block selection (one selection per layer input), a one-row GEMV (RL
@@ -50,18 +47,15 @@ import moe
 import nvfp4
 from nvfp4 import BLOCK_SIZE, NVFP4Tensor
 
-try:
+try:  # triton ships with CUDA builds of torch on Linux; without it the references run
     import triton
-except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the references run
-    triton = None
-try:
-    from triton.experimental import gluon
-except ImportError:  # no Triton, or one before 3.5 (no Gluon): the experts run on the Triton kernel
-    gluon = None
-if triton is not None:
     from kernels import w4a4_blackwell, w4a4_dense, w4a4_experts, w4a4_quantize
-if gluon is not None:
+except ImportError:
+    triton = None
+try:  # no Triton, or one before 3.5 (no Gluon): the experts run on the Triton kernel
     from kernels import w4a4_experts_gluon
+except ImportError:
+    w4a4_experts_gluon = None
 
 MODES = ("bf16", "fp8", "nvfp4")
 EXPERT_ROW_BLOCK = 16              # expert weights are stored in blocks of 16 rows ...
@@ -75,8 +69,7 @@ def quantize_activation_reference(x, rac_mask=None):
     """x (M, K) -> (x_q, residual): NVFP4 codes of x (dynamic global scale), and of the residual
     x - DQ(x_q) on the blocks where rac_mask (G,) is True (zero elsewhere), with x's global scale;
     residual is None without a mask."""
-    _check_matrix(x, "quantize_activation_reference")
-    _check_rac_mask(rac_mask, x)
+    _check_input(x, rac_mask, "quantize_activation_reference")
     return nvfp4.quantize_activation(x, rac_mask)
 
 
@@ -115,15 +108,10 @@ def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_
     if row_ids is not None:
         x = x[row_ids]                                                                  # (R, K)
     w = _dequantized(w_q) if w is None else w                                           # (E, N, K)
-    outputs, start = [], 0
-    for e, n in enumerate(counts.tolist()):
-        y = x[start:start + n] @ w[e].T                                                 # (n, N)
-        if swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up                                                       # (n, N/2)
-        outputs.append(y)
-        start += n
-    y = torch.cat(outputs)
+    y = torch.cat([x_e @ w_e.T for x_e, w_e in zip(x.split(counts.tolist()), w)])       # (R, N)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up                                                           # (R, N/2)
     if row_weights is not None:
         row_weights = row_weights if row_weight_ids is None else row_weights[row_weight_ids]    # (R,)
         y = y * row_weights.float()[:, None]
@@ -197,13 +185,8 @@ class ExpertWeights(NamedTuple):
         E, blocks, chunks, rows, half = self.data.shape
         return (E, blocks * rows, chunks * half * 2)
 
-    @property
-    def chunk(self):
-        return self.data.shape[-1] * 2
-
-    @property
-    def device(self):
-        return self.data.device
+    chunk = property(lambda self: self.data.shape[-1] * 2)
+    device = property(lambda self: self.data.device)
 
 
 def chunk_experts(w_q):
@@ -233,17 +216,15 @@ class DequantizedWeight:
     version counter: never kept."""
 
     def __init__(self):
-        self.tensors, self.versions, self.value = (), (), None
+        self.held, self.value = [], None  # held: (tensor, version), so that their memory is not reused
 
     def __call__(self, q):
         tensors = (q.data, q.block_scale, q.global_scale)
         if any(t.is_inference() for t in tensors):
             return _dequantized(q)
-        versions = tuple(t._version for t in tensors)
-        if not (len(self.tensors) == 3 and all(a is b for a, b in zip(tensors, self.tensors))
-                and versions == self.versions):
-            self.tensors, self.versions = tensors, versions  # held: their memory is not reused meanwhile
-            self.value = _dequantized(q)
+        if len(self.held) != 3 or any(t is not h or t._version != v
+                                      for t, (h, v) in zip(tensors, self.held)):
+            self.held, self.value = [(t, t._version) for t in tensors], _dequantized(q)
         return self.value
 
 
@@ -255,9 +236,7 @@ def _dequantized(q):
 
 def _quantized_input(x2, rac_mask):
     """What a layer's GEMM takes of x2 (M, K): the quantizer's Activation on the kernels, else the codes."""
-    if use_triton(x2):
-        return quantize_activation_triton(x2, rac_mask)
-    return quantize_activation_reference(x2, rac_mask)
+    return (quantize_activation_triton if use_triton(x2) else quantize_activation_reference)(x2, rac_mask)
 
 
 class NVFP4Linear(nn.Module):
@@ -279,9 +258,8 @@ class NVFP4Linear(nn.Module):
         self.weight_fp32 = DequantizedWeight()  # the twin path's DQ(W)
         self.shared_input = None  # a SharedInput when layers read the same input (convert_for_rollout)
 
-    @property
-    def weight_q(self):
-        return NVFP4Tensor(self.weight_data, self.weight_block_scale, self.weight_global_scale)
+    weight_q = property(lambda self: NVFP4Tensor(self.weight_data, self.weight_block_scale,
+                                                 self.weight_global_scale))
 
     @classmethod
     def from_float(cls, linear, rac_ratio=0.0):
@@ -308,8 +286,7 @@ class NVFP4Linear(nn.Module):
         if self.shared_input is not None:
             y = self.shared_input.output(self, x, x2)
         else:
-            rac_mask = self.rac(x2)
-            y = self._matmul(x2, _quantized_input(x2, rac_mask))
+            y = self._matmul(x2, _quantized_input(x2, self.rac(x2)))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -346,19 +323,15 @@ class SharedInput:
         self.splits = [layer.out_features for layer in self.layers]
         self.input, self.version, self.outputs, self.waiting, self.warned = None, None, None, (), False
         self.weight_q = stack_weights([layer.weight_q for layer in self.layers])
-        start = 0
-        for i, (layer, rows) in enumerate(zip(self.layers, self.splits)):  # the buffers become views of it
-            layer.weight_data = self.weight_q.data[start:start + rows]
-            layer.weight_block_scale = self.weight_q.block_scale[start:start + rows]
-            layer.weight_global_scale = self.weight_q.global_scale[i]
-            start += rows
+        q = self.weight_q
+        for layer, *views in zip(self.layers, q.data.split(self.splits), q.block_scale.split(self.splits),
+                                 q.global_scale):  # the layers' buffers become views of the stacked weight
+            layer.weight_data, layer.weight_block_scale, layer.weight_global_scale = views
         self.offsets = self._offsets()
 
     def _offsets(self):
-        q = self.weight_q
-        return [mine.data_ptr() - stacked.data_ptr() for layer in self.layers
-                for mine, stacked in ((layer.weight_data, q.data), (layer.weight_block_scale, q.block_scale),
-                                      (layer.weight_global_scale, q.global_scale))]
+        return [getattr(layer, f"weight_{part}").data_ptr() - getattr(self.weight_q, part).data_ptr()
+                for layer in self.layers for part in _PARTS]
 
     def _stacked(self):
         """The stacked weight, or None (and one warning) if a layer's buffers are no longer views of it."""
@@ -379,15 +352,12 @@ class SharedInput:
             if not self.waiting:  # everyone has read it: keep nothing alive
                 self.input = self.outputs = None
             return y
-        rac_mask = layer.rac(x2)
-        act = _quantized_input(x2, rac_mask)
+        act = _quantized_input(x2, layer.rac(x2))
         if x.is_inference():
             return layer._matmul(x2, act)
         stacked = self._stacked() if use_triton(x2) else None
-        if stacked is not None:
-            outputs = layer_matmul(act, stacked, x2.dtype, self.splits)
-        else:
-            outputs = [other._matmul(x2, act) for other in self.layers]
+        outputs = (layer_matmul(act, stacked, x2.dtype, self.splits) if stacked is not None
+                   else [other._matmul(x2, act) for other in self.layers])
         self.input, self.version, self.outputs = x, x._version, outputs
         self.waiting = tuple(other for other in self.layers if other is not layer)
         return outputs[self.layers.index(layer)]
@@ -401,8 +371,7 @@ class NVFP4Experts(nn.Module):
         super().__init__()
         _check_features(dim, "NVFP4Experts (model dim)")
         _check_features(expert_dim, "NVFP4Experts (expert dim)")
-        self.n_experts, self.dim, self.expert_dim = n_experts, dim, expert_dim
-        E, D, I = n_experts, dim, expert_dim
+        self.n_experts, self.dim, self.expert_dim = E, D, I = n_experts, dim, expert_dim
         for name, (N, K) in (("gate_up", (2 * I, D)), ("down", (D, I))):  # in ExpertWeights' layout
             empty = NVFP4Tensor(torch.zeros(E, N, K // 2, dtype=torch.uint8, device=device),
                                 torch.zeros(E, N, K // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
@@ -413,13 +382,8 @@ class NVFP4Experts(nn.Module):
         self.rac_down = RACSelector(I // BLOCK_SIZE, rac_ratio, device=device)
         self.gate_up_fp32, self.down_fp32 = DequantizedWeight(), DequantizedWeight()  # the twin path's
 
-    @property
-    def gate_up_w(self):
-        return ExpertWeights(self.gate_up_data, self.gate_up_block_scale, self.gate_up_global_scale)
-
-    @property
-    def down_w(self):
-        return ExpertWeights(self.down_data, self.down_block_scale, self.down_global_scale)
+    gate_up_w = property(lambda self: ExpertWeights(*(getattr(self, f"gate_up_{part}") for part in _PARTS)))
+    down_w = property(lambda self: ExpertWeights(*(getattr(self, f"down_{part}") for part in _PARTS)))
 
     @classmethod
     def from_float(cls, experts, rac_ratio=0.0):
@@ -451,12 +415,13 @@ class NVFP4Experts(nn.Module):
 
     def _forward_triton(self, x, routing, expert_weights):
         """x (T, D), routing, expert_weights (T * A,) -> (R, D): each sorted row times its router weight."""
-        act = quantize_activation_triton(x, self.rac_gate_up(x), early_launch=True)
+        T = x.shape[0]
+        act = quantize_activation_triton(x, self.rac_gate_up(x))
         hidden = grouped_matmul_triton(act, self.gate_up_w, routing.counts, row_ids=routing.token_ids,
-                                       swiglu=True, out_dtype=x.dtype)                   # (R, I)
-        act = quantize_activation_triton(hidden, self.rac_down(hidden), early_launch=True)
+                                       swiglu=True, out_dtype=x.dtype, tokens=T)          # (R, I)
+        act = quantize_activation_triton(hidden, self.rac_down(hidden))
         return grouped_matmul_triton(act, self.down_w, routing.counts, row_weights=expert_weights,
-                                     row_weight_ids=routing.order, out_dtype=x.dtype)    # (R, D)
+                                     row_weight_ids=routing.order, out_dtype=x.dtype, tokens=T)  # (R, D)
 
     def _forward_reference(self, x, routing, expert_weights):
         """The twin: the same quantization steps, dequantized, a loop of fp32 matmuls over experts."""
@@ -494,10 +459,9 @@ def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quant
     for parent, name, child in moe.swappable_layers(model, quantize_router, quantize_lm_head):
         experts = isinstance(child, moe.Experts)
         if mode == "nvfp4":
-            new = (NVFP4Experts if experts else NVFP4Linear).from_float(child, rac_ratio)
+            setattr(parent, name, (NVFP4Experts if experts else NVFP4Linear).from_float(child, rac_ratio))
         else:
-            new = (fp8.FP8Experts if experts else fp8.FP8Linear).from_float(child)
-        setattr(parent, name, new)
+            setattr(parent, name, (fp8.FP8Experts if experts else fp8.FP8Linear).from_float(child))
     for attention in model.modules():
         layers = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
         if isinstance(attention, moe.Attention) and all(isinstance(m, NVFP4Linear) for m in layers):
@@ -525,15 +489,13 @@ def sync_weights(rollout_model, trainer_model):
                              f"(rollout layer {path!r})")
         return params[key]
 
-    quantized = set()
+    quantized = {path for path, m in rollout_model.named_modules() if isinstance(m, _QUANTIZED_LAYERS)}
     for path, module in rollout_model.named_modules():
         if isinstance(module, (NVFP4Linear, fp8.FP8Linear)):
             module.load_weight(master(path, "weight"),
                                master(path, "bias") if module.bias is not None else None)
         elif isinstance(module, (NVFP4Experts, fp8.FP8Experts)):
             module.load_weights(master(path, "gate_up_proj"), master(path, "down_proj"))
-        if isinstance(module, _QUANTIZED_LAYERS):
-            quantized.add(path)
     for name, param in rollout_model.named_parameters(remove_duplicate=False):
         path, _, leaf = name.rpartition(".")
         if path not in quantized:  # a quantized layer's bias was loaded above
@@ -565,18 +527,15 @@ class Activation(NamedTuple):
     global_scale: torch.Tensor    # () fp32
 
 
-def quantize_activation_triton(x, rac_mask=None, codes=None, operand=None, early_launch=False):
+def quantize_activation_triton(x, rac_mask=None, codes=None, operand=None):
     """The quantizer kernel: x (M, K) -> Activation with the codes of x and of its RAC residual (codes=True:
     bit for bit quantize_activation_reference) and/or the fp16 operand of the Hopper GEMMs (operand=True);
-    None: what this device's GEMMs take (codes on Blackwell, else the operand). early_launch: the next
-    kernel may launch while this one runs (sm_90+, small launches: before the experts' GEMMs)."""
-    _require_triton()
-    _check_matrix(x, "quantize_activation_triton")
-    _check_rac_mask(rac_mask, x)
+    None: what this device's GEMMs take (codes on Blackwell, else the operand)."""
+    _check_input(x, rac_mask, "quantize_activation_triton", kernel=True)
     native = backend(x.device) == "native"
     codes, operand = native if codes is None else codes, (not native) if operand is None else operand
     data, scale, r_data, r_scale, planes, global_scale = w4a4_quantize.quantize_activation(
-        x, rac_mask, codes, operand, early_launch)
+        x, rac_mask, codes, operand)
     return Activation(NVFP4Tensor(data, scale, global_scale) if codes else None,
                       NVFP4Tensor(r_data, r_scale, global_scale) if r_data is not None else None,
                       planes, global_scale)
@@ -600,10 +559,8 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=
     """The NVFP4 layer's fast path, x (M, K) -> (M, N): one quantizer launch, then the tiled GEMM, or on
     Blackwell the native kernel. splits: w_q stacks up to three weights along N (their row counts),
     global_scale one per weight: q/k/v_proj as one GEMM, equal to three (up to fp32 accumulation order)."""
-    _require_triton()
-    _check_matrix(x, "nvfp4_linear")
-    _check_rac_mask(rac_mask, x)
-    _check_out_dtype(out_dtype)
+    _check_input(x, rac_mask, "nvfp4_linear", kernel=True)
+    _check_kernel_call(out_dtype)
     if x.shape[1] != w_q.shape[1] or x.device != w_q.device:
         raise ValueError(f"nvfp4_linear: x {tuple(x.shape)} on {x.device} does not match the weight "
                          f"{tuple(w_q.shape)} on {w_q.device}")
@@ -618,13 +575,13 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=
 
 
 def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu=False,
-                          out_dtype=torch.bfloat16, row_weight_ids=None):
+                          out_dtype=torch.bfloat16, row_weight_ids=None, tokens=None):
     """The experts' GEMM (reference: grouped_matmul_reference) on a quantized Activation: rows (act's, or
     act's row_ids[r]) grouped by expert per counts (E,), w the ExpertWeights (E, N, K); output row r
-    scaled by row_weights[r] or row_weights[row_weight_ids[r]]. No host sync. Blackwell's kernel on codes,
-    the Gluon kernel where `backend` says so (K a multiple of 64), else the Triton kernel."""
-    _require_triton()
-    _check_out_dtype(out_dtype)
+    scaled by row_weights[r] or row_weights[row_weight_ids[r]]. No host sync. Blackwell's kernel on codes;
+    the Gluon kernel where `backend` says so (K a multiple of 64) below PREFILL_ROWS tokens (the layer's
+    count; None: act's rows); else the Triton kernel."""
+    _check_kernel_call(out_dtype)
     if not isinstance(w, ExpertWeights):
         raise ValueError(f"grouped_matmul_triton: w must be ExpertWeights (rac.chunk_experts of the stacked "
                          f"NVFP4Tensor), got {type(w).__name__}")
@@ -635,7 +592,11 @@ def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu
             swiglu)
     if act.operand is None:  # codes only: the native kernel
         return w4a4_blackwell.grouped_matmul(*_codes(act), act.global_scale, *args)
-    gluon_here = backend(w.device) == "gluon" and w.shape[2] % 64 == 0
+    # Gluon wins at decode and loses at prefill, so prefill-sized calls take the Triton kernel (H200, 128
+    # experts top-8, gate/up and down: 64 tokens 78 / 44 us vs Triton 86 / 53, 256 tokens 104 / 61 vs
+    # 127 / 75, 4,096 tokens 1366 / 643 vs 712 / 546); the same threshold as the dense prefill pass
+    decode = (act_rows if tokens is None else tokens) < w4a4_dense.PREFILL_ROWS
+    gluon_here = backend(w.device) == "gluon" and w.shape[2] % 64 == 0 and decode
     kernel = w4a4_experts_gluon if gluon_here else w4a4_experts
     return kernel.grouped_matmul(act.operand, act.global_scale, *args)
 
@@ -646,10 +607,10 @@ _BACKENDS = {}  # CUDA device index -> its backend, decided once
 
 def backend(device):
     """Which path the W4A4 layers take on `device`:
-      'reference'  the plain-PyTorch references: CPU tensors (the kernel tests call the kernels there
-                   directly, under TRITON_INTERPRET=1), no Triton, or a GPU older than sm_89 (with one
-                   warning: the kernels' E4M3 conversions need 8.9)
-      'gluon'      sm_89 / sm_90 with Gluon: the quantizer, the tiled dense GEMM, the Gluon experts
+      'reference'  the plain-PyTorch references: CPU tensors (the kernel tests call the kernels there under
+                   TRITON_INTERPRET=1), no Triton, or a GPU older than sm_89 (one warning: E4M3 needs 8.9)
+      'gluon'      sm_89 / sm_90 with Gluon: the quantizer, the tiled dense GEMM, the Gluon experts at
+                   decode (below PREFILL_ROWS tokens; the Triton experts from there on)
       'triton'     the same with the Triton experts: Triton without Gluon, the interpreter on CUDA
                    tensors, or Blackwell whose native kernels failed their check
       'native'     sm_100+: tl.dot_scaled, once it has agreed with the Hopper kernels on a check problem
@@ -669,7 +630,7 @@ def backend(device):
             if problem:
                 warnings.warn(f"rac: {problem}; using the Hopper kernels", stacklevel=2)
             path = "triton" if problem else "native"
-        elif gluon is not None and not w4a4_quantize.INTERPRET:
+        elif w4a4_experts_gluon is not None and not w4a4_quantize.INTERPRET:
             path = "gluon"
         _BACKENDS[index] = path
     return _BACKENDS[index]
@@ -680,17 +641,15 @@ def use_triton(x):
     return backend(x.device) != "reference"
 
 
-def _require_triton():
+# ======================================================================== input checks
+def _check_kernel_call(out_dtype=None):
+    """A kernel entry point: Triton is there, and out_dtype (if given) is one the GEMMs store."""
     if triton is None:
         raise RuntimeError("the W4A4 kernels need the `triton` package; use the *_reference functions instead")
-
-
-def _check_out_dtype(out_dtype):
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if out_dtype is not None and out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"out_dtype must be bfloat16/float16/float32, got {out_dtype}")
 
 
-# ======================================================================== input checks
 def _check_ratio(rac_ratio):
     if not isinstance(rac_ratio, (int, float)) or not 0.0 <= rac_ratio <= 1.0:
         raise ValueError(f"rac_ratio must be a number in [0, 1], got {rac_ratio!r}")
@@ -702,7 +661,10 @@ def _check_features(features, name):
                          f"{BLOCK_SIZE}")
 
 
-def _check_matrix(x, name):
+def _check_input(x, rac_mask, name, kernel=False):
+    """An activation x (M, K) and its RAC mask (G,) or None; kernel: for a kernel entry point."""
+    if kernel:
+        _check_kernel_call()
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{name}: expected a 2-D tensor (M, K), got {shape}")
@@ -710,9 +672,6 @@ def _check_matrix(x, name):
         raise ValueError(f"{name}: expected bfloat16/float16/float32 activations, got dtype {x.dtype}")
     if x.shape[-1] % BLOCK_SIZE:
         raise ValueError(f"{name}: K={x.shape[-1]} is not a multiple of the NVFP4 block size {BLOCK_SIZE}")
-
-
-def _check_rac_mask(rac_mask, x):
     if rac_mask is None:
         return
     n_blocks = x.shape[-1] // BLOCK_SIZE

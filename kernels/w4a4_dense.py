@@ -13,7 +13,7 @@ the hardware E4M3 -> fp16 conversion times the block scale s gives
 
 A weight byte holds elements 2i and 2i+1, so K is consumed as an even and an odd half: two products per K
 step, no shuffles. Variants, each chosen per call or by the autotuner:
-  - y.T = W @ x.T (the weight rows on the MMA's wide side) or, X_FIRST, y = x @ W.T: the autotuner picks.
+  - y.T = W @ x.T: the weight rows on the MMA's wide side (the experts' kernel may also take y = x @ W.T).
   - Split-K (decode): each of SPLIT_K programs stores a partial tile, the last to arrive (an atomic counter
     per tile) sums them in a fixed order: deterministic. Gives the weight stream enough programs.
   - Prefill (M >= PREFILL_ROWS): one pass decodes the weight to fp16 planes first, then both operands
@@ -28,8 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.w4a4_quantize import INTERPRET, OPERAND_SHIFT, _after_previous_kernel, _to_bf16_bits, \
-    empty_planes, launch_options
+from kernels.w4a4_quantize import INTERPRET, OPERAND_SHIFT, _to_bf16_bits, empty_planes
 
 PREFILL_ROWS = 257                 # from this many rows on, the weight is decoded once per call
 EXPERT_ROW_BLOCK = 16              # the experts' weights are stored in blocks of 16 rows (rac.ExpertWeights)
@@ -247,12 +246,13 @@ def _weight_operand_kernel(data_ptr, scale_ptr, out_ptr, N, K, stride_data, stri
 # Decode buckets stream the weight: small BLOCK_M, wide BLOCK_K (long contiguous byte runs per row),
 # and enough (N tile, K split) programs to keep every SM's loads in flight. Under the interpreter one
 # small configuration per bucket, splitting K in the decode buckets so tests run the split epilogue,
-# and X_FIRST in two buckets so tests run both operand orders.
+# and X_FIRST in two buckets so tests run both operand orders of the experts' kernel (the dense kernel has
+# the weight-first order only: X_FIRST gained nothing there on the H200, 0.96-1.01x at 256 rows).
 DENSE_CONFIGS = {
     16: [(16, 64, 256, 4, 3, 4), (16, 32, 256, 4, 3, 8), (16, 64, 256, 4, 3, 2), (16, 128, 256, 8, 3, 2)],
     64: [(32, 64, 256, 4, 3, 2), (64, 64, 256, 8, 3, 4), (32, 64, 256, 4, 3, 4), (32, 32, 256, 4, 3, 4)],
-    256: [(64, 128, 128, 4, 3, 2, True), (64, 64, 256, 4, 3, 1, True), (128, 64, 128, 4, 3, 1, True),
-          (128, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2), (64, 64, 128, 4, 3, 1)],
+    256: [(64, 128, 128, 4, 3, 2), (64, 64, 256, 4, 3, 1), (128, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2),
+          (64, 64, 128, 4, 3, 1)],
     4096: [(128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1)],
 }
 INTERPRETER_CONFIGS = {bucket: [(16, 32, 64, 4, 1, 2 if bucket <= 64 else 1, bucket in (16, 256))]
@@ -263,15 +263,17 @@ def _m_bucket(m, table):
     return next(b for b in table if m <= b or b == 4096)
 
 
-def _configs(table):
+def _configs(table, x_first=True):
+    """The autotuner's configurations of a table; x_first False: without the X_FIRST key (the dense kernel)."""
     configs = []
     for bucket, entries in (INTERPRETER_CONFIGS if INTERPRET else table).items():
         if bucket not in table:
             continue
         for bm, bn, bk, warps, stages, split_k, *rest in entries:  # rest: X_FIRST, maxnreg
-            configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k,
-                                          "BUCKET": bucket, "X_FIRST": bool(rest and rest[0])},
-                                         num_warps=warps, num_stages=stages,
+            kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "BUCKET": bucket}
+            if x_first:
+                kwargs["X_FIRST"] = bool(rest and rest[0])
+            configs.append(triton.Config(kwargs, num_warps=warps, num_stages=stages,
                                          maxnreg=rest[1] if len(rest) > 1 else None))
     return configs
 
@@ -292,7 +294,7 @@ def _bench_in_graph(kernel_call, quantiles):
 
 # ------------------------------------------------------------------ the dense GEMM
 # Reference: rac.matmul_reference (on the quantizer's operand).
-@triton.autotune(configs=_configs(DENSE_CONFIGS), key=["M_BUCKET", "N", "K", "W_FP16"],
+@triton.autotune(configs=_configs(DENSE_CONFIGS, x_first=False), key=["M_BUCKET", "N", "K", "W_FP16"],
                  prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
 @triton.heuristics(_HEURISTICS)
 @triton.jit(do_not_specialize=["M"])
@@ -308,9 +310,8 @@ def _dense_kernel(
     # meta-parameters
     W_FP16: tl.constexpr, OUT_BF16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr,
-    EVEN_K: tl.constexpr, X_FIRST: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
-    _after_previous_kernel(PDL)
     # N tiles vary fastest: programs running together share the activation rows and stream
     # disjoint weight rows, which is what a weight-bound decode wants.
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -324,7 +325,7 @@ def _dense_kernel(
     rows = row0 + tl.arange(0, BLOCK_M)
     acc = _mainloop(x_ptr, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols, col_mask, stride_w,
                     stride_ws, w_plane, K, k_begin, k_end, W_FP16, GPU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                    rows, X_FIRST)
+                    rows, False)
     which, col_base, col_stride = _split_columns(cols, M, N, N1, N2)
     w_global = tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[:, None]
     scale = _EPILOGUE * tl.load(x_global_ptr) * w_global
@@ -401,12 +402,12 @@ def weight_operand(w_data, w_block_scale):
 
 
 def dense_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scale, out_dtype, splits=None,
-                 prefill=None, pdl=None):
+                 prefill=None):
     """y = x @ W.T: operand (2, M, K/2) fp16 and x_global_scale () fp32 from the quantizer; the weight's
     codes (N, K/2) uint8, block scales (N, K/16) E4M3 and global scales (1 to 3,) fp32 -> (M, N) out_dtype,
     or with splits (the row counts of up to three stacked weights, one global scale each) one contiguous
     (M, n) tensor per weight. prefill: decode the weight to fp16 once first (None: from PREFILL_ROWS rows
-    on); pdl: programmatic dependent launch (None: on sm_90+)."""
+    on)."""
     M = operand.shape[1]
     N, K = w_data.shape[0], w_data.shape[1] * 2
     device = w_data.device
@@ -426,6 +427,5 @@ def dense_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scale,
     _dense_kernel[grid](operand, x_global_scale, w_ptr, w_scale, w_global_scale.contiguous(), as_int16(y),
                         workspace, counters, M, N, K, bucket, operand.stride(0), w_plane,
                         *column_splits(N, splits), operand.stride(1), stride_w, w_scale.stride(0),
-                        W_FP16=w_fp16, OUT_BF16=out_dtype == torch.bfloat16, GPU=not INTERPRET,
-                        **launch_options(device, pdl))
+                        W_FP16=w_fp16, OUT_BF16=out_dtype == torch.bfloat16, GPU=not INTERPRET)
     return split_output(y, M, N, splits)

@@ -14,21 +14,22 @@ experts' blocked layout (rac.ExpertWeights: 16-row blocks by CHUNK-element K chu
 run), so that a program streams a few contiguous regions. The weight tile is decoded in registers as in
 kernels/w4a4_dense.py, whose building blocks this file uses.
 
-On sm_89 / sm_90 the Gluon kernel (w4a4_experts_gluon.py) usually runs instead; this one runs under the
-interpreter, for K not a multiple of 64, and where Triton has no Gluon.
+On sm_89 / sm_90 the Gluon kernel (w4a4_experts_gluon.py) runs instead at decode; this one runs for prefill
+(rac.grouped_matmul_triton says from how many tokens), under the interpreter, for K not a multiple of 64, and
+where Triton has no Gluon.
 """
 import torch
 import triton
 import triton.language as tl
 
-from kernels.w4a4_dense import (_EPILOGUE, _HEURISTICS, INTERPRET, _after_previous_kernel, _bench_in_graph,
-                                _configs, _m_bucket, _mainloop, _prune, _store_tile, as_int16, launch_options)
+from kernels.w4a4_dense import (_EPILOGUE, _HEURISTICS, INTERPRET, _bench_in_graph, _configs, _m_bucket,
+                                _mainloop, _prune, _store_tile, as_int16)
 
 
 # Not (128, 128, 64, 8 warps, 3 stages): under Triton 3.6 on the H200 the grouped kernel compiled
 # with it gave non-deterministic results with NaN rows; tests/test_kernels_w4a4_experts.py runs every configuration
-# of both kernels repeatedly on the GPU. (On sm_89 / sm_90 the experts take the Gluon kernel; this
-# table serves the shapes it does not take and other GPUs.)
+# of both kernels repeatedly on the GPU. (On sm_89 / sm_90 the experts take the Gluon kernel at decode;
+# this table serves prefill, the shapes Gluon does not take, and other GPUs.)
 GROUPED_CONFIGS = {
     16: [(16, 64, 256, 4, 3, 1, True), (16, 128, 128, 4, 3, 1, True), (16, 32, 256, 4, 3, 1, True),
          (16, 64, 128, 4, 4, 1, True), (16, 128, 256, 4, 3, 1, True), (16, 32, 256, 4, 3, 1),
@@ -137,9 +138,8 @@ def _grouped_kernel(
     GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, WEIGHT_IDS: tl.constexpr, SWIGLU: tl.constexpr,
     OUT_BF16: tl.constexpr, GPU: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    BUCKET: tl.constexpr, EVEN_K: tl.constexpr, X_FIRST: tl.constexpr, PDL: tl.constexpr,
+    BUCKET: tl.constexpr, EVEN_K: tl.constexpr, X_FIRST: tl.constexpr,
 ):
-    _after_previous_kernel(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert, row0, end_row = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
     if expert >= E:  # the grid is an upper bound on the tile count: surplus programs exit
@@ -177,12 +177,12 @@ def grouped_output(n_rows, N, counts, out_dtype, row_ids, row_weights, row_weigh
 
 
 def grouped_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scale, counts, out_dtype,
-                   row_ids=None, row_weights=None, row_weight_ids=None, swiglu=False, pdl=None):
+                   row_ids=None, row_weights=None, row_weight_ids=None, swiglu=False):
     """The experts' GEMM on the quantizer's operand (2, rows, K/2) fp16 and x_global_scale () fp32: rows
     (operand's, or operand's row_ids[r]) grouped by expert per counts (E,) int64; the weights' codes and E4M3
     scales in the experts' layout, global scales (E,) fp32. swiglu: the weight rows are [gate; up] and the
     output is silu(gate) * up. Output row r is scaled by row_weights[r], or row_weights[row_weight_ids[r]].
-    -> y (rows, N or N/2) out_dtype. pdl: programmatic dependent launch (None: on sm_90+)."""
+    -> y (rows, N or N/2) out_dtype."""
     E, N, K, chunk = expert_shape(w_data)
     n_rows = row_ids.numel() if row_ids is not None else operand.shape[1]
     y, flags, (row_ids, row_weights, row_weight_ids) = grouped_output(
@@ -200,5 +200,5 @@ def grouped_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scal
                           _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS), operand.stride(0),
                           operand.stride(1), *w_data.stride()[:3], *w_scale.stride()[:3], y.stride(0),
                           GPU=not INTERPRET, CHUNK=chunk, OUT_BF16=out_dtype == torch.bfloat16,
-                          **launch_options(w_data.device, pdl), **flags)
+                          **flags)
     return y

@@ -27,8 +27,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kernels.w4a4_dense import EXPERT_ROWS, _E2M1_PAIRS_PTX, _EPILOGUE, _bench_in_graph, _m_bucket, \
-    launch_options
+from kernels.w4a4_dense import EXPERT_ROWS, _E2M1_PAIRS_PTX, _EPILOGUE, _bench_in_graph, _m_bucket
 from kernels.w4a4_experts import expert_shape, grouped_output
 
 
@@ -70,12 +69,6 @@ def _gluon_gate_up(t, W_ROWS: gl.constexpr, BLOCK_T: gl.constexpr):
     """A (W_ROWS, T) tile whose rows alternate 8 gate and 8 up rows -> gate, up: (W_ROWS / 2, T) each."""
     gate, up = gl.split(gl.permute(gl.reshape(t, (W_ROWS // 16, 2, 8, BLOCK_T)), (0, 2, 3, 1)))
     return gl.reshape(gate, (W_ROWS // 2, BLOCK_T)), gl.reshape(up, (W_ROWS // 2, BLOCK_T))
-
-
-@gluon.jit
-def _gluon_wait_for_previous_kernel():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
 
 
 def _gluon_prune(configs, named_args, **kwargs):
@@ -234,11 +227,9 @@ def _grouped_gluon_kernel(
     stride_x, stride_we, stride_wb, stride_wc, stride_se, stride_sb, stride_sc, stride_y,
     # meta-parameters
     GATHER: gl.constexpr, ROW_WEIGHTS: gl.constexpr, WEIGHT_IDS: gl.constexpr, SWIGLU: gl.constexpr,
-    E_POW2: gl.constexpr, CHUNK: gl.constexpr, PDL: gl.constexpr, BUCKET: gl.constexpr,
+    E_POW2: gl.constexpr, CHUNK: gl.constexpr, BUCKET: gl.constexpr,
     BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_WARPS: gl.constexpr,
 ):
-    if PDL:
-        _gluon_wait_for_previous_kernel()
     pid_m, pid_n = gl.program_id(0), gl.program_id(1)
     expert, row0, end_row = _gluon_expert_tile(counts_ptr, E, pid_m, BLOCK_T, E_POW2, NUM_WARPS)
     if expert >= E:  # the grid is an upper bound on the tile count: surplus programs exit
@@ -265,7 +256,7 @@ def _grouped_gluon_kernel(
 
 # ------------------------------------------------------------------ launch
 def grouped_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scale, counts, out_dtype,
-                   row_ids=None, row_weights=None, row_weight_ids=None, swiglu=False, pdl=None):
+                   row_ids=None, row_weights=None, row_weight_ids=None, swiglu=False):
     """kernels.w4a4_experts.grouped_matmul on the Gluon kernel (same arguments; K a multiple of 64; a CUDA
     GPU of compute capability 8.9 to 9.x). y is stored in its own dtype (bf16 rounds to nearest even)."""
     E, N, K, chunk = expert_shape(w_data)
@@ -283,6 +274,5 @@ def grouped_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scal
     _grouped_gluon_kernel[grid](
         operand, x_global_scale, row_ids, row_weights, row_weight_ids, w_data, w_scale, w_global_scale, counts,
         y, N, K, E, _m_bucket(triton.cdiv(n_rows, E), GLUON_CONFIGS), operand.stride(0), operand.stride(1),
-        *w_data.stride()[:3], *w_scale.stride()[:3], y.stride(0), CHUNK=chunk,
-        **launch_options(w_data.device, pdl), **flags)
+        *w_data.stride()[:3], *w_scale.stride()[:3], y.stride(0), CHUNK=chunk, **flags)
     return y

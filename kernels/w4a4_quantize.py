@@ -17,11 +17,6 @@ two codes (kernels/w4a4_dense.py consumes K as those two halves). The global sca
 any block: inputs up to AMAX_IN_LAUNCH elements are reduced by every program itself (they sit in L2); larger
 ones by one partial-max launch ahead (at most 256 slices), whose maxima every program then reduces.
 
-Launches on sm_90+ use programmatic dependent launch (PDL): a kernel may start while the one ahead of it in
-the stream still runs, so each program first waits for that kernel's end (griddepcontrol.wait) before any
-load or store. EARLY: the next kernel may launch as soon as every program of this one has started (the
-experts' GEMM after their quantizer: it runs many waves of programs).
-
 The format helpers below restate nvfp4.py's (a kernel file imports no project module); the tests hold
 both to the same references bit for bit.
 """
@@ -35,7 +30,6 @@ BLOCK_SIZE = 16                   # NVFP4 block: 16 elements along K, one E4M3 s
 GLOBAL_SCALE_DIVISOR = 6.0 * 448.0  # 2688: global_scale = amax / (E2M1 max * E4M3 max)
 OPERAND_SHIFT = 2.0 ** -6         # the Hopper kernels' fp16 operands hold value * block_scale * 2^-6
 AMAX_IN_LAUNCH = 4096             # inputs up to this size (M * K): the quantizer reduces the amax itself
-EARLY_LAUNCH_PROGRAMS = 256       # a quantizer launch this small may let the next kernel launch as it starts
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _DIVISOR = tl.constexpr(GLOBAL_SCALE_DIVISOR)
@@ -157,17 +151,6 @@ def _quantize_pairs(even, odd, global_scale):
 
 
 # ------------------------------------------------------------------------------ the quantizer
-@triton.jit
-def _after_previous_kernel(PDL: tl.constexpr, EARLY: tl.constexpr = False):
-    """PDL (programmatic dependent launch, sm_90+): this kernel may start while the one before it in the
-    stream still runs, so each program first waits for that kernel's end and writes, before any load or
-    store. EARLY: the next kernel may launch once every program of this one has started."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        if EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
-
-
 # Reference: rac.quantize_activation_reference (codes; the operand is their values). A program
 # quantizes BLOCKS 16-element blocks of the flattened (M * G, 16) input as two (BLOCKS, 8) tiles of
 # even and odd elements (nvfp4.py's pair layout: a bf16 pair is one 32-bit load, and a packed byte
@@ -240,9 +223,8 @@ def _quantize_activation_kernel(
     # meta-parameters
     AMAX_HERE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, WRITE_CODES: tl.constexpr,
     WRITE_OPERAND: tl.constexpr, BLOCKS: tl.constexpr, CHUNK: tl.constexpr, PARTIALS: tl.constexpr,
-    GPU: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    GPU: tl.constexpr,
 ):
-    _after_previous_kernel(PDL, EARLY)
     pid = tl.program_id(0)
     if AMAX_HERE:  # a small input: every program reduces all of it (L2-resident) itself
         global_scale = _scale_from_amax(_abs_max(x_ptr, 0, numel, CHUNK))
@@ -268,45 +250,14 @@ def _quantize_activation_kernel(
 
 
 @triton.jit
-def _partial_amax_kernel(x_ptr, partial_ptr, numel, SLICE: tl.constexpr, CHUNK: tl.constexpr,
-                         PDL: tl.constexpr, EARLY: tl.constexpr):
+def _partial_amax_kernel(x_ptr, partial_ptr, numel, SLICE: tl.constexpr, CHUNK: tl.constexpr):
     """One max |x| per program over a slice (no atomics, nothing to zero first)."""
-    _after_previous_kernel(PDL, EARLY)
     start = tl.program_id(0).to(tl.int64) * SLICE
     amax = _abs_max(x_ptr, start, tl.minimum(start + SLICE, numel), CHUNK)
     tl.store(partial_ptr + tl.program_id(0), amax)
 
 
 # ------------------------------------------------------------------------------ launches
-_CAPABILITIES = {}  # device index -> compute capability, asked once (the launch paths ask every call)
-
-
-def capability(device):
-    """The compute capability of a CUDA device, cached."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITIES:
-        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITIES[index]
-
-
-def pdl_default(device):
-    """Launch with programmatic dependent launch unless told otherwise? Yes on sm_90+ GPUs: a kernel's
-    programs are then set up while the kernel ahead of it finishes."""
-    return not INTERPRET and device.type == "cuda" and capability(device) >= (9, 0)
-
-
-def launch_options(device, pdl=None, early=None):
-    """A kernel's PDL flags and launch option (pdl None: pdl_default). early (kernels that can trigger): may
-    the next kernel launch as soon as this one has started? That pays before a kernel of many waves of
-    programs (the quantizer after the partial max, the experts' GEMM after their quantizer); before a dense
-    GEMM of about one wave it cost more than it saved on the H200 (q_proj, M = 256: 23.0 -> 29.9 us)."""
-    pdl = pdl_default(device) if pdl is None else pdl
-    options = dict(PDL=pdl, launch_pdl=pdl)
-    if early is not None:
-        options["EARLY"] = pdl and early
-    return options
-
-
 def empty_planes(rows, half_k, device):
     """An fp16 operand buffer (2, rows, K/2), the planes a multiple of 64 elements apart (16-byte aligned)."""
     plane = triton.cdiv(rows * half_k, 64) * 64
@@ -326,23 +277,20 @@ def _partial_chunk(numel):
     return _AMAX_CHUNK * (4 if numel > 2 * _AMAX_SLICES * _AMAX_CHUNK else 1)
 
 
-def _partial_amax(x, pdl=None):
+def _partial_amax(x):
     """max |x| over each of at most _AMAX_SLICES slices of the flattened x, one launch -> (slices,) fp32."""
     chunk = _partial_chunk(x.numel())
     slice_ = chunk * triton.cdiv(triton.cdiv(x.numel(), chunk), _AMAX_SLICES)
     partials = torch.empty(triton.cdiv(x.numel(), slice_), dtype=torch.float32, device=x.device)
-    _partial_amax_kernel[(partials.numel(),)](x, partials, x.numel(), SLICE=slice_, CHUNK=chunk,
-                                              **launch_options(x.device, pdl, early=True))
+    _partial_amax_kernel[(partials.numel(),)](x, partials, x.numel(), SLICE=slice_, CHUNK=chunk)
     return partials
 
 
-def quantize_activation(x, rac_mask=None, codes=False, operand=True, early_launch=False, pdl=None):
+def quantize_activation(x, rac_mask=None, codes=False, operand=True):
     """x (M, K) bf16/fp16/fp32, rac_mask (G,) bool or None -> (data, block_scale, residual_data,
     residual_block_scale, operand, global_scale): the packed codes (M, K/2) uint8 and E4M3 block scales
     (M, G) of x and of its residual (codes=True; the residual's None without a mask), the fp16 operand
-    planes (2, M, K/2) (operand=True), the global scale () fp32; what is not asked for is None.
-    early_launch: the next kernel may launch while this one runs (sm_90+), if this launch has at most
-    EARLY_LAUNCH_PROGRAMS programs (more, 768 at batch 256, measured slower). pdl: None for the default."""
+    planes (2, M, K/2) (operand=True), the global scale () fp32; what is not asked for is None."""
     x = x.contiguous()
     if x.dtype == torch.bfloat16 and x.data_ptr() % 4:
         x = x.clone()  # int32 pair loads need 4-byte alignment (an odd-offset view)
@@ -359,14 +307,13 @@ def quantize_activation(x, rac_mask=None, codes=False, operand=True, early_launc
         out_operand = empty_planes(M, K // 2, device)
     global_scale = torch.empty((), dtype=torch.float32, device=device)
     amax_here = x.numel() <= AMAX_IN_LAUNCH
-    partials = dummy if amax_here else _partial_amax(x, pdl)
+    partials = dummy if amax_here else _partial_amax(x)
 
     def ptr(t, view=None):
         return dummy if t is None else (t.view(view) if view is not None else t)
 
     blocks = 32 if n_blocks <= 16384 else 128  # small inputs: more programs, shorter chains
-    programs = triton.cdiv(n_blocks, blocks)
-    _quantize_activation_kernel[(programs,)](
+    _quantize_activation_kernel[(triton.cdiv(n_blocks, blocks),)](
         x, x.view(torch.int32) if x.dtype == torch.bfloat16 else x, ptr(rac_mask, torch.uint8), partials,
         global_scale, ptr(data), ptr(block_scale, torch.uint8), ptr(res_data), ptr(res_block_scale, torch.uint8),
         ptr(out_operand),
@@ -374,6 +321,5 @@ def quantize_activation(x, rac_mask=None, codes=False, operand=True, early_launc
         out_operand.stride(0) if operand else 0,
         AMAX_HERE=amax_here, HAS_RESIDUAL=rac_mask is not None, X_BF16=x.dtype == torch.bfloat16,
         WRITE_CODES=codes, WRITE_OPERAND=operand, BLOCKS=blocks, CHUNK=_AMAX_CHUNK, GPU=not INTERPRET,
-        PARTIALS=triton.next_power_of_2(partials.numel()),
-        **launch_options(device, pdl, early=early_launch and programs <= EARLY_LAUNCH_PROGRAMS))
+        PARTIALS=triton.next_power_of_2(partials.numel()))
     return data, block_scale, res_data, res_block_scale, out_operand, global_scale

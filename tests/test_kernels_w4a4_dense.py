@@ -1,4 +1,4 @@
-"""kernels/w4a4_dense.py: the dense W4A4 GEMM (split-K, X_FIRST, the prefill weight pass, stacked q/k/v
+"""kernels/w4a4_dense.py: the dense W4A4 GEMM (split-K, the prefill weight pass, stacked q/k/v
 weights) against rac.nvfp4_linear_reference / rac.matmul_reference and the prefill pass against the fp16 operand's
 definition (CPU under TRITON_INTERPRET=1, GPU natively); its autotuning table; every
 GPU configuration forced in turn."""
@@ -29,8 +29,7 @@ def _dense(act, w_q, out_dtype=torch.float32, splits=None, **variant):
 @pytest.mark.parametrize("cols,out_features", [(16, 24), (48, 40), (96, 33), (256, 72)])
 @pytest.mark.parametrize("compensate", [False, True])
 def test_dense_kernel_matches_the_layer_reference(kernel_device, rows, cols, out_features, compensate):
-    # 1, 3 and 17 rows: the interpreter's decode buckets (split-K, X_FIRST at 16 and below); 64 without
-    # X_FIRST; odd K masked
+    # 1, 3 and 17 rows: the interpreter's decode buckets (split-K at 64 and below); odd K masked
     x, w_q = _dense_case(rows, cols, out_features, kernel_device, rows + cols + out_features)
     mask = torch.arange(cols // 16, device=kernel_device) % 2 == 0 if compensate else None
     y = rac.nvfp4_linear_triton(x, w_q, mask, out_dtype=torch.float32)
@@ -116,7 +115,7 @@ def test_dense_kernel_matches_the_reference_on_gpu_shapes(rows, out_features, co
 @pytest.mark.cuda
 def test_a_weight_copied_in_just_before_the_layer_is_the_one_it_reads():
     # a weight copied into the layer's buffers right before it runs (as sync_weights does) must be the one
-    # the GEMM reads, also with PDL: two weights take turns in one buffer, each call gives that weight's output
+    # the GEMM reads: two weights take turns in one buffer, each call gives that weight's output
     torch.manual_seed(0)
     x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
     pair = [nvfp4.quantize_weight(torch.randn(4096, 2048, device="cuda") * scale) for scale in (0.02, 3.0)]
@@ -131,7 +130,7 @@ def test_a_weight_copied_in_just_before_the_layer_is_the_one_it_reads():
 
 def test_configuration_table_reaches_triton_with_its_operand_order_and_register_cap(monkeypatch):
     # the table's optional 7th and 8th fields (X_FIRST, maxnreg) must reach the autotuner's configurations: a
-    # dropped cap compiles another kernel than the one measured
+    # dropped cap compiles another kernel than the one measured; the dense kernel's have no X_FIRST
     monkeypatch.setattr(w4a4_dense, "INTERPRET", False)
     table = {**w4a4_dense.DENSE_CONFIGS, 16: [(16, 64, 256, 4, 2, 1, True, 128)]}  # and a register cap
     entries = [(bucket, entry) for bucket, rows in table.items() for entry in rows]
@@ -143,6 +142,7 @@ def test_configuration_table_reaches_triton_with_its_operand_order_and_register_
                 kw["SPLIT_K"], kw["BUCKET"]) == (*entry[:6], bucket)
         assert kw["X_FIRST"] == (len(entry) > 6 and entry[6])
         assert config.maxnreg == (entry[7] if len(entry) > 7 else None)
+    assert not any("X_FIRST" in config.kwargs for config in w4a4_dense._configs(table, x_first=False))
 
 
 def forced_configs(kernel, bucket, relabel=lambda config: True):

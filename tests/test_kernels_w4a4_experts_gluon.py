@@ -1,5 +1,5 @@
 """kernels/w4a4_experts_gluon.py: the experts' grouped GEMM in Gluon (sm_89 / sm_90). Its autotuner's K
-steps; compiled for sm_90 on the CPU (8-byte code loads into mma.sync, PDL); on the GPU against
+steps; compiled for sm_90 on the CPU (8-byte code loads into mma.sync); on the GPU against
 rac.grouped_matmul_reference on short tiles and at every bucket, every configuration forced in turn."""
 import pytest
 import torch
@@ -44,41 +44,36 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import w4a4_experts_gluon
 kernel = jit(w4a4_experts_gluon._grouped_gluon_kernel)
 types = ["*fp16", "*fp32", "*i64", "*fp32", "*i64", "*u8", "*u8", "*fp32", "*i64", "*bf16"] + [i] * 13
-memory = re.compile(r"\b(?:ld|st|atom|red)\.global\b")
 for swiglu, tile, n, k in ((1, 8, 64, 128), (1, 32, 64, 64), (0, 8, 128, 128), (0, 64, 64, 64)):
-    for pdl in (False, True):
-        swiglu = bool(swiglu)
-        c = dict(GATHER=swiglu, ROW_WEIGHTS=not swiglu, WEIGHT_IDS=not swiglu, SWIGLU=swiglu, E_POW2=128,
-                 CHUNK=128, PDL=pdl, BUCKET=8, BLOCK_T=tile, BLOCK_N=n, BLOCK_K=k, NUM_WARPS=4)
-        signature = dict(zip([a for a in kernel.arg_names if a not in c], types))
-        signature.update({a: "constexpr" for a in c})
-        aligned = [a for a in kernel.arg_names if a not in c  # 16-divisible, as the launches see them
-                   and (signature[a].startswith("*") or a.startswith(("stride", "N", "K", "x_plane")))]
-        attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-        ptx = compile(GluonASTSource(kernel, signature, c, attrs), target=GPUTarget("cuda", 90, 32),
-                      options=dict(num_warps=4)).asm["ptx"]
-        wait, first = ptx.find("griddepcontrol.wait"), memory.search(ptx)
-        mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16", ptx))
-        loads8 = len(re.findall(r"ld\.global(?:\.\w+)*\.v2\.b32", ptx))
-        loads1 = len(re.findall(r"ld\.global(?:\.\w+)*\.[us]8", ptx))
-        print(int(swiglu), tile, n, k, int(pdl), mma, loads8, loads1, int("cp.async" in ptx), int(wait >= 0),
-              int(wait >= 0 and wait < first.start()))
+    swiglu = bool(swiglu)
+    c = dict(GATHER=swiglu, ROW_WEIGHTS=not swiglu, WEIGHT_IDS=not swiglu, SWIGLU=swiglu, E_POW2=128,
+             CHUNK=128, BUCKET=8, BLOCK_T=tile, BLOCK_N=n, BLOCK_K=k, NUM_WARPS=4)
+    signature = dict(zip([a for a in kernel.arg_names if a not in c], types))
+    signature.update({a: "constexpr" for a in c})
+    aligned = [a for a in kernel.arg_names if a not in c  # 16-divisible, as the launches see them
+               and (signature[a].startswith("*") or a.startswith(("stride", "N", "K", "x_plane")))]
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    ptx = compile(GluonASTSource(kernel, signature, c, attrs), target=GPUTarget("cuda", 90, 32),
+                  options=dict(num_warps=4)).asm["ptx"]
+    mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16", ptx))
+    loads8 = len(re.findall(r"ld\.global(?:\.\w+)*\.v2\.b32", ptx))
+    loads1 = len(re.findall(r"ld\.global(?:\.\w+)*\.[us]8", ptx))
+    print(int(swiglu), tile, n, k, mma, loads8, loads1, int("cp.async" in ptx))
 """
 
 
 def test_gluon_kernel_loads_8_byte_code_runs_into_mma_sync_on_hopper():
     # compiled for sm_90 on the CPU (numerics: the GPU tests). Per K step a thread loads each of its weight
     # rows' 8 codes bytes (one NVFP4 block) as one 8-byte load and its block scale as one byte, with no shared
-    # memory staging; with PDL its first memory access waits for the kernel ahead of it. A tile of 16 rows or
+    # memory staging. A tile of 16 rows or
     # more also holds the loop of a tile of half its rows (for tiles at most half full), one of 32 or more
     # that of half plus a quarter (at most three quarters full): its MMAs a K step are 1.5 and 2.25 times a
     # full tile's, which are (weight rows / 16 a warp) x (tile rows / 8) x (BLOCK_K / 16).
     for line in compiled_output(_COMPILE_GLUON_FOR_SM90):
-        swiglu, tile, n, k, pdl, mma, loads8, loads1, staged, wait, before = map(int, line.split())
+        swiglu, tile, n, k, mma, loads8, loads1, staged = map(int, line.split())
         full = (n * (2 if swiglu else 1) // 16 // 4) * (tile // 8) * (k // 16)
         assert mma == full * {8: 4, 16: 6, 32: 9, 64: 9}[tile] // 4 and not staged, line
         assert loads8 > 0 and loads8 >= loads1, line  # codes in 8-byte runs, scales a byte each
-        assert (wait, before) == ((1, 1) if pdl else (0, 0)), line
 
 
 @pytest.mark.cuda

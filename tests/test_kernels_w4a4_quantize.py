@@ -1,7 +1,6 @@
 """kernels/w4a4_quantize.py: the activation quantizer against rac.quantize_activation_reference (codes) and
 the definition of the Hopper GEMMs' fp16 operand, bit for bit (CPU under TRITON_INTERPRET=1, GPU natively);
-the partial max; the residual's product rounded on its own when compiled; programmatic dependent launch
-(PDL) in every W4A4 Triton kernel, compiled for sm_90 on the CPU."""
+the partial max; the residual's product rounded on its own when compiled for sm_90 on the CPU."""
 import os
 import subprocess
 import sys
@@ -87,51 +86,6 @@ def test_partial_max_finds_the_largest_value_in_every_chunk_of_a_slice(kernel_de
     assert same_bits(scale, nvfp4.compute_global_scale(x.cpu().float()))
 
 
-def test_pdl_is_used_on_hopper_and_later_and_early_launch_only_where_asked(monkeypatch):
-    monkeypatch.setattr(w4a4_quantize, "INTERPRET", False)
-    for capability, expected in (((8, 0), False), ((9, 0), True), ((10, 0), True)):
-        monkeypatch.setattr(w4a4_quantize, "_CAPABILITIES", {0: capability})
-        device = torch.device("cuda", 0)
-        assert w4a4_quantize.launch_options(device) == dict(PDL=expected, launch_pdl=expected)
-        assert w4a4_quantize.launch_options(device, early=True)["EARLY"] == expected
-        assert w4a4_quantize.launch_options(device, early=False)["EARLY"] is False
-        # a caller may force it either way (what a benchmark of the variants does)
-        assert w4a4_quantize.launch_options(device, pdl=False, early=True) == dict(PDL=False, launch_pdl=False,
-                                                                                   EARLY=False)
-    assert w4a4_quantize.launch_options(torch.device("cpu"), early=True) == dict(PDL=False, launch_pdl=False,
-                                                                                 EARLY=False)
-
-
-def test_only_small_quantizer_launches_before_the_experts_let_the_next_one_launch_early(monkeypatch,
-                                                                                        kernel_device):
-    launches = []
-    original = w4a4_quantize.launch_options
-    monkeypatch.setattr(w4a4_quantize, "launch_options", lambda device, pdl=None, early=None:
-                        launches.append(early) or original(device, pdl, early))
-    monkeypatch.setattr(w4a4_quantize, "EARLY_LAUNCH_PROGRAMS", 16)  # 32 rows of 256: 512 blocks, 16 programs
-    for rows, early_launch, expected in ((32, True, True), (33, True, False), (32, False, False)):
-        launches.clear()
-        x = torch.randn(rows, 256).bfloat16().to(kernel_device)
-        rac.quantize_activation_triton(x, early_launch=early_launch)
-        assert launches == [True, expected], (rows, early_launch, launches)  # partial max, then quantizer
-    # the experts ask for it before both grouped GEMMs; a dense layer never does (its GEMM is one wave)
-    calls = []
-    quantize = rac.quantize_activation_triton
-    monkeypatch.setattr(rac, "quantize_activation_triton", lambda *args, **kwargs:
-                        calls.append(kwargs.get("early_launch", False)) or quantize(*args, **kwargs))
-    monkeypatch.setattr(rac, "use_triton", lambda x: True)
-    experts = rac.NVFP4Experts(4, 64, 32, device=kernel_device)
-    ids = torch.tensor([[0, 1], [1, 2], [3, 0]])
-    experts(torch.randn(3, 64).bfloat16().to(kernel_device), ids.to(kernel_device),
-            torch.rand(3, 2).to(kernel_device))
-    assert calls == [True, True]
-    calls.clear()
-    w_q = nvfp4.quantize_weight(torch.randn(8, 64, device=kernel_device))
-    for rows in (1, 2):
-        rac.nvfp4_linear_triton(torch.randn(rows, 64).bfloat16().to(kernel_device), w_q)
-    assert calls == [False, False]
-
-
 # ------------------------------------------------------------------------------ compiled for sm_90
 def compiled_output(script):
     """Run a compile-only script in a fresh Python with the interpreter off (Triton compiles for a GPU it
@@ -162,7 +116,7 @@ kernel = jit(w4a4_quantize._quantize_activation_kernel)
 types = ["*bf16", "*i32", "*u8", "*fp32", "*fp32", "*u8", "*u8", "*u8", "*u8", "*fp16"] + [i] * 5
 for gpu in (True, False):
     c = dict(AMAX_HERE=True, HAS_RESIDUAL=True, X_BF16=True, WRITE_CODES=True, WRITE_OPERAND=True, BLOCKS=32,
-             CHUNK=4096, PARTIALS=1, PDL=False, EARLY=False, GPU=gpu)
+             CHUNK=4096, PARTIALS=1, GPU=gpu)
     signature = dict(zip([n for n in kernel.arg_names if n not in c], types))
     signature.update({n: "constexpr" for n in c})
     ptx = compile(ASTSource(kernel, signature, c), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
@@ -179,54 +133,3 @@ def test_compiled_quantizer_rounds_the_residuals_product_on_its_own():
     counts = {(name, gpu): int(n) for name, gpu, n in (line.split() for line in lines)}
     assert set(counts) == {("quantizer", "True"), ("quantizer", "False")}
     assert counts["quantizer", "True"] > 0 and counts["quantizer", "False"] == 0, counts
-
-
-_COMPILE_PDL_FOR_SM90 = COMPILE_PREAMBLE + r"""
-dense_types = ["*fp16", "*fp32", "*u8", "*u8", "*fp32", "*i16", "*fp32", "*i32"] + [i] * 11
-kernels = {
-    "partial_max": (w4a4_quantize._partial_amax_kernel, ["*bf16", "*fp32", i], dict(SLICE=4096, CHUNK=4096)),
-    "quantizer": (w4a4_quantize._quantize_activation_kernel,
-                  ["*bf16", "*i32", "*u8", "*fp32", "*fp32", "*u8", "*u8", "*u8", "*u8", "*fp16"] + [i] * 5,
-                  dict(AMAX_HERE=False, HAS_RESIDUAL=True, X_BF16=True, WRITE_CODES=True, WRITE_OPERAND=True,
-                       BLOCKS=32, CHUNK=4096, PARTIALS=256, GPU=True)),
-    "dense_split_k": (w4a4_dense._dense_kernel, dense_types,
-                      dict(W_FP16=False, OUT_BF16=True, BUCKET=16, EVEN_K=True, BLOCK_M=16, BLOCK_N=64,
-                           BLOCK_K=256, SPLIT_K=4, X_FIRST=True, GPU=True)),
-    "grouped": (w4a4_experts._grouped_kernel,
-                ["*fp16", "*fp32", "*i64", "*fp32", "*i64", "*u8", "*u8", "*fp32", "*i64", "*i16"] + [i] * 13,
-                dict(GATHER=True, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=True, OUT_BF16=True, GPU=True,
-                     E_POW2=128, CHUNK=128, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, BUCKET=16,
-                     EVEN_K=True, X_FIRST=True)),
-}
-memory = re.compile(r"\b(?:ld|st|atom|red)\.global\b|\bcp\.async\b")
-for name, (kernel, types, constants) in kernels.items():
-    kernel = jit(kernel)
-    small = "EARLY" in kernel.arg_names
-    flags = [dict(PDL=False), dict(PDL=True)] + ([dict(PDL=True, EARLY=True)] if small else [])
-    for extra in flags:
-        extra = {"EARLY": False, **extra} if small else extra
-        c = dict(constants, **extra)
-        signature = dict(zip([n for n in kernel.arg_names if n not in c], types))
-        signature.update({n: "constexpr" for n in c})
-        ptx = compile(ASTSource(kernel, signature, c), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-        wait, first = ptx.find("griddepcontrol.wait"), memory.search(ptx)
-        print(name, int(extra["PDL"]), int(extra.get("EARLY", False)), int(wait >= 0),
-              int(wait >= 0 and first is not None and wait < first.start()),
-              int("griddepcontrol.launch_dependents" in ptx))
-"""
-
-
-def test_kernels_launched_after_the_previous_one_wait_for_it_before_any_memory_access():
-    # Programmatic dependent launch: a kernel may start before the one ahead of it in the stream ends, so
-    # its griddepcontrol.wait must come before its first global load or store (else it reads stale data,
-    # now and then); with PDL off (pre-Hopper GPUs) the instructions must be absent (sm_80 lacks them).
-    # (The Gluon kernel's wait: tests/test_kernels_w4a4_experts_gluon.py.)
-    rows = [line.split() for line in compiled_output(_COMPILE_PDL_FOR_SM90)]
-    seen = {(name, pdl, early): (wait, before, trigger) for name, pdl, early, wait, before, trigger in rows}
-    names = {"partial_max", "quantizer", "dense_split_k", "grouped"}
-    assert {name for name, *_ in seen} == names, seen
-    for name in names:
-        assert seen[name, "0", "0"] == ("0", "0", "0"), (name, seen[name, "0", "0"])
-        assert seen[name, "1", "0"] == ("1", "1", "0"), (name, seen[name, "1", "0"])
-    for name in ("partial_max", "quantizer"):  # the small kernels can let the next one launch early
-        assert seen[name, "1", "1"] == ("1", "1", "1"), (name, seen[name, "1", "1"])

@@ -70,7 +70,7 @@ def test_backend_is_chosen_once_per_gpu_by_its_capability(monkeypatch):
     # to the Triton kernels when it fails
     checks = []
     monkeypatch.setattr(rac.w4a4_blackwell, "disagreement", lambda device: checks.append(device) or problem)
-    gluon, problem = "gluon" if rac.gluon is not None else "triton", None
+    gluon, problem = "gluon" if rac.w4a4_experts_gluon is not None else "triton", None
     for capability, interpret, problem, expected, warning in (
             ((8, 0), False, None, "reference", "this GPU: 8.0"), ((8, 6), False, None, "reference", "this GPU: 8.6"),
             ((8, 9), False, None, gluon, None), ((9, 0), False, None, gluon, None),
@@ -104,44 +104,14 @@ def test_experts_take_the_gluon_kernel_only_where_the_backend_says_so(monkeypatc
         act = rac.quantize_activation_triton(torch.randn(4, K, device=kernel_device))
         rac.grouped_matmul_triton(act, w, torch.tensor([4, 0], device=kernel_device))
         assert launched == expected, (path, K)
-
-
-@pytest.mark.cuda
-@torch.no_grad()
-def test_pdl_launches_in_a_cuda_graph_give_the_plain_launches_results(monkeypatch):
-    # Each replay takes a new input: a kernel that read before the one ahead of it had written would show
-    # up as a replay unlike the plain launches' result (a CUDA graph replays the decode step like this).
-    E, D, I, A, T = 128, 2048, 768, 8, 256
-    torch.manual_seed(0)
-    experts = rac.NVFP4Experts(E, D, I, rac_ratio=0.5, device="cuda")
-    experts.load_weights(torch.randn(E, 2 * I, D, device="cuda") * 0.05,
-                         torch.randn(E, D, I, device="cuda") * 0.05)
-    linear = rac.NVFP4Linear(D, 4096, rac_ratio=0.5, device="cuda")
-    linear.load_weight(torch.randn(4096, D, device="cuda") * 0.05)
-    inputs = [torch.randn(T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    routes = [torch.rand(T, E, device="cuda").topk(A, dim=-1) for _ in inputs]
-    static_x, static_ids, static_w = inputs[0].clone(), routes[0].indices.clone(), routes[0].values.clone()
-
-    def step():
-        return experts(static_x, static_ids, static_w), linear(static_x[:64]), linear(static_x[:1])
-
-    def run(pdl):
-        monkeypatch.setattr(rac.w4a4_quantize, "pdl_default", lambda device: pdl and device.type == "cuda")
-        step()  # compile and autotune outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = step()
-        results = []
-        for x, route in zip(inputs * 3, routes * 3):
-            static_x.copy_(x), static_ids.copy_(route.indices), static_w.copy_(route.values)
-            graph.replay()
-            results.append([y.clone() for y in outputs])
-        return results
-
-    plain, pdl = run(False), run(True)
-    assert not all(torch.equal(a, b) for a, b in zip(plain[0], plain[1]))  # the inputs do change
-    for replay_plain, replay_pdl in zip(plain, pdl):
-        assert all(torch.equal(a, b) for a, b in zip(replay_plain, replay_pdl))
+    # prefill-sized calls (from PREFILL_ROWS tokens on, the layer's count or else the rows) take Triton's
+    for tokens, expected in ((None, ["gluon"]), (256, ["gluon"]), (257, []), (4096, [])):
+        monkeypatch.setattr(rac, "backend", lambda device: "gluon")
+        launched.clear()
+        w = rac.chunk_experts(nvfp4.quantize_weight(torch.randn(2, 16, 64, device=kernel_device)))
+        act = rac.quantize_activation_triton(torch.randn(4, 64, device=kernel_device))
+        rac.grouped_matmul_triton(act, w, torch.tensor([4, 0], device=kernel_device), tokens=tokens)
+        assert launched == expected, tokens
 
 
 # ============================================================================ RAC

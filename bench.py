@@ -424,31 +424,33 @@ def bench_qat(args):
         return qat.RolloutCodes(keys, q.data, q.block_scale,
                                 torch.full((n,), float(q.global_scale), device="cuda"))
 
-    def link(model, mode):
+    def shared_state(model, mode):  # what a rollout would hand the trainer: half the blocks, random codes
         layer_index = {id(b.mlp.experts): i for i, b in enumerate(model.layers)}
-        for layer in model.modules():
+        masks, codes = {}, {}
+        for path, layer in model.named_modules():
             if isinstance(layer, qat.QATLinear):
                 G = layer.in_features // 16
-                layer.rac_masks = (torch.arange(G, device="cuda") < G // 2,)
-                if mode == "trace":
-                    layer.rollout_codes = (random_codes(positions, layer.in_features),)
+                masks[path] = (torch.arange(G, device="cuda") < G // 2,)
+                codes[path] = (random_codes(positions, layer.in_features),) if mode == "trace" else None
             elif isinstance(layer, qat.QATExperts):
                 D, I = layer.gate_up_proj.shape[-1], layer.down_proj.shape[-1]
-                layer.rac_masks = (torch.arange(D // 16, device="cuda") < D // 32,
-                                   torch.arange(I // 16, device="cuda") < I // 32)
+                masks[path] = (torch.arange(D // 16, device="cuda") < D // 32,
+                               torch.arange(I // 16, device="cuda") < I // 32)
                 if mode == "trace":
                     experts = routes[layer_index[id(layer)]].reshape(-1, config.n_active)   # (B * T, A)
                     down_keys = (positions[:, None] * layer.n_experts + experts).flatten().sort().values
-                    layer.rollout_codes = (random_codes(positions, D), random_codes(down_keys, I))
+                    codes[path] = (random_codes(positions, D), random_codes(down_keys, I))
+        return qat.SharedState(masks, codes if mode == "trace" else None)
 
     rows = []
     for mode in ("bf16", "qat", "w4a4", "moeresq", "trace"):
         model = qat.convert_for_training(copy.deepcopy(base), mode)
-        link(model, mode)
+        state = shared_state(model, mode)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
         def train_step():
-            loss = F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
+            with qat.sharing(model, state):
+                loss = F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -750,7 +750,8 @@ def weight_operand_reference(w_q):
 
 # ======================================================================== Triton: the activation quantizer
 if triton is not None:
-    from nvfp4 import _e2m1_value, _load_pairs, _quantize_pairs, _to_bf16_bits
+    from kernels.nvfp4_quantize import _e2m1_value, _load_pairs, _quantize_pairs, _to_bf16_bits, \
+        contiguous_pairs, pair_view
 
     _DIVISOR = tl.constexpr(nvfp4.GLOBAL_SCALE_DIVISOR)  # 2688: global_scale = amax / (6 * 448)
     _SHIFT = tl.constexpr(OPERAND_SHIFT)
@@ -963,7 +964,7 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True, earl
     _require_triton()
     _check_matrix(x, "quantize_activation_triton")
     _check_rac_mask(rac_mask, x)
-    x = nvfp4._contiguous_pairs(x)
+    x = contiguous_pairs(x)
     M, K = x.shape
     n_blocks, device = M * K // BLOCK_SIZE, x.device
     dummy = torch.empty(1, dtype=torch.uint8, device=device)
@@ -985,7 +986,7 @@ def quantize_activation_triton(x, rac_mask=None, codes=False, operand=True, earl
     blocks = 32 if n_blocks <= 16384 else 128  # small inputs: more programs, shorter chains
     programs = triton.cdiv(n_blocks, blocks)
     _quantize_activation_kernel[(programs,)](
-        x, nvfp4._pair_view(x), ptr(rac_mask, torch.uint8), partials, global_scale,
+        x, pair_view(x), ptr(rac_mask, torch.uint8), partials, global_scale,
         ptr(data), ptr(block_scale, torch.uint8), ptr(res_data), ptr(res_block_scale, torch.uint8),
         ptr(out_operand),
         x.numel(), n_blocks, K // BLOCK_SIZE, partials.numel() if not amax_here else 0,

@@ -22,7 +22,8 @@ def kernel_quantize(x, global_scale=None):
 def kernel_fake_quantize(x, global_scale=None):
     if global_scale is None:
         global_scale = nvfp4.compute_global_scale(x)
-    return nvfp4_quantize.fake_quantize(x, torch.as_tensor(global_scale, dtype=torch.float32, device=x.device))
+    global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    return nvfp4_quantize.fake_quantize(x, global_scale)
 
 
 def kernel_dequantize(q, dtype):
@@ -38,7 +39,8 @@ def test_kernel_matches_reference_on_every_bf16_pattern(kernel_device):
         fast = kernel_quantize(x.to(kernel_device), None if global_scale is None
                                else global_scale.to(kernel_device))
         assert_same_quantization(ref, fast)
-        assert same_bits(kernel_dequantize(fast, torch.float32), nvfp4.dequantize_reference(ref, torch.float32))
+        assert same_bits(kernel_dequantize(fast, torch.float32),
+                         nvfp4.dequantize_reference(ref, torch.float32))
 
 
 SHAPES = [(1, 16), (3, 5, 48), (7, 1, 32), (2, 3, 4, 16), (33, 160)]

@@ -90,10 +90,9 @@ from torch import Tensor
 from moe import MoETransformer
 
 try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch twin of the noise kernel runs instead
-    triton = None
+    from kernels import sampling as sampling_kernels
+except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the torch twins run
+    sampling_kernels = None
 
 PROMPT_WIDTH_MULTIPLE = 16        # prompt widths are rounded up to this, so nearby lengths share a graph
 FINISHED_CHECK_INTERVAL = 16      # CUDA: decode steps between host checks for "every row has finished"
@@ -236,50 +235,17 @@ def sampling_noise_reference(seed_key: Tensor, rows: Tensor, position: Tensor, v
     return uniform.log_().neg_()
 
 
-if triton is not None:
-    @triton.jit
-    def _mix32_kernel(x):
-        x = x ^ (x >> 16)
-        x = x * 0x7FEB352D
-        x = x ^ (x >> 15)
-        x = x * 0x1B873593
-        return x ^ (x >> 16)
-
-    _ROW_STRIDE = tl.constexpr(ROW_STRIDE)
-    _POSITION_STRIDE = tl.constexpr(POSITION_STRIDE)
-    _TOKEN_STRIDE = tl.constexpr(TOKEN_STRIDE)
-
-    @triton.jit
-    def _uniform_kernel(seed_key_ptr, rows_ptr, position_ptr, row, tokens):
-        """The twin's uniforms for one row's tokens: its arithmetic in uint32, whose products wrap mod 2^32
-        exactly as the twin's masked int64 ones."""
-        key = (tl.load(seed_key_ptr).to(tl.uint32) + tl.load(rows_ptr + row).to(tl.uint32) * _ROW_STRIDE
-               + tl.load(position_ptr).to(tl.uint32) * _POSITION_STRIDE)
-        x = _mix32_kernel(_mix32_kernel(key) + tokens.to(tl.uint32) * _TOKEN_STRIDE)
-        return ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07                     # 2^-23
-
-    @triton.jit
-    def _noise_kernel(seed_key_ptr, rows_ptr, position_ptr, out_ptr, V, BLOCK: tl.constexpr):
-        """One (row, token block) per program, one pass."""
-        row = tl.program_id(0)
-        tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        uniform = _uniform_kernel(seed_key_ptr, rows_ptr, position_ptr, row, tokens)
-        tl.store(out_ptr + row.to(tl.int64) * V + tokens, -tl.log(uniform), mask=tokens < V)
+def use_noise_kernel(rows: Tensor) -> bool:
+    """Where the noise kernel (kernels/sampling.py) runs: CUDA. A benchmark may replace this."""
+    return sampling_kernels is not None and rows.is_cuda
 
 
-def sampling_noise(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int,
-                   use_kernel: bool | None = None) -> Tensor:
+def sampling_noise(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int) -> Tensor:
     """E (N, V) ~ Exp(1) i.i.d., a pure function of (seed, row id, position, token id): one Triton launch
-    on CUDA (or when asked, e.g. under the interpreter in tests), the torch twin otherwise."""
-    if use_kernel is None:
-        use_kernel = rows.is_cuda and triton is not None
-    if not use_kernel:
-        return sampling_noise_reference(seed_key, rows, position, vocab)
-    out = torch.empty(rows.shape[0], vocab, dtype=torch.float32, device=rows.device)
-    block = 1024
-    _noise_kernel[(rows.shape[0], triton.cdiv(vocab, block))](
-        seed_key, rows, position, out, vocab, BLOCK=block)
-    return out
+    on CUDA, the torch twin otherwise (the same hash bit for bit)."""
+    if use_noise_kernel(rows):
+        return sampling_kernels.sampling_noise(seed_key, rows, position, vocab)
+    return sampling_noise_reference(seed_key, rows, position, vocab)
 
 
 # ----------------------------------------------------------------------------------------------- sampling
@@ -306,88 +272,22 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-SAMPLE_FIELDS = 5  # per vocabulary slice: max z, sum exp(z - max), best score, its token, its z
-
-if triton is not None:
-    # Twin: sampling_noise + sample_tokens without truncation. The exponential race in log space: argmax_v
-    # p_v / E_v = argmax_v z_v / tau - log E_v (the normalizer is common to every v), so no (B, V) tensor is
-    # written: one pass over the logits per (row, vocabulary slice) keeps the slice's max, sum of exp and
-    # race winner; a second launch merges the slices per row in a fixed order (deterministic). The token
-    # equals the twin's except where two candidates' scores agree to fp32 rounding (exp, log, 1 / tau in
-    # another order); the log-prob agrees to a few fp32 units.
-    _SAMPLE_SLICE = 4096  # vocabulary entries per program of the first pass
-    _FIELDS = tl.constexpr(SAMPLE_FIELDS)
-
-    @triton.jit
-    def _sample_slice_kernel(logits_ptr, stride_row, seed_key_ptr, rows_ptr, position_ptr, part_ptr, V,
-                             inv_temperature, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
-        row, part = tl.program_id(0), tl.program_id(1)
-        tokens = part * BLOCK + tl.arange(0, BLOCK)
-        mask = tokens < V
-        z = tl.load(logits_ptr + row.to(tl.int64) * stride_row + tokens, mask=mask,
-                    other=float("-inf")).to(tl.float32)
-        if GREEDY:
-            score = z                                          # argmax z; log-probs of the untempered z
-        else:
-            z = z * inv_temperature                           # z / tau to one fp32 rounding
-            uniform = _uniform_kernel(seed_key_ptr, rows_ptr, position_ptr, row, tokens)  # as _noise_kernel
-            score = tl.where(mask, z - tl.log(-tl.log(uniform)), float("-inf"))   # z - log E
-        z_max = tl.max(z, axis=0)
-        best_score, best = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        at_best = tl.arange(0, BLOCK) == best
-        out = part_ptr + (row * tl.num_programs(1) + part).to(tl.int64) * _FIELDS
-        tl.store(out, z_max)
-        tl.store(out + 1, tl.sum(tl.exp(z - z_max), axis=0))
-        tl.store(out + 2, best_score)
-        tl.store(out + 3, (part * BLOCK + best).to(tl.float32))                    # exact below 2^24
-        tl.store(out + 4, tl.sum(tl.where(at_best, z, 0.0), axis=0))
-
-    @triton.jit
-    def _sample_merge_kernel(part_ptr, tokens_ptr, logprobs_ptr, n_parts, PARTS: tl.constexpr):
-        row = tl.program_id(0)
-        idx = tl.arange(0, PARTS)
-        mask = idx < n_parts
-        slices = part_ptr + (row * n_parts + idx).to(tl.int64) * _FIELDS
-        z_max = tl.load(slices, mask=mask, other=float("-inf"))
-        sum_exp = tl.load(slices + 1, mask=mask, other=0.0)
-        score = tl.load(slices + 2, mask=mask, other=float("-inf"))
-        m = tl.max(z_max, axis=0)
-        log_normalizer = m + tl.log(tl.sum(sum_exp * tl.exp(z_max - m), axis=0))
-        winner = tl.argmax(score, axis=0, tie_break_left=True)                      # lowest token on ties
-        at_winner = (idx == winner) & mask
-        token = tl.sum(tl.where(at_winner, tl.load(slices + 3, mask=mask, other=0.0), 0.0), axis=0)
-        z_token = tl.sum(tl.where(at_winner, tl.load(slices + 4, mask=mask, other=0.0), 0.0), axis=0)
-        tl.store(tokens_ptr + row, token.to(tl.int64))
-        tl.store(logprobs_ptr + row, z_token - log_normalizer)
-
-
-def sample_tokens_triton(logits: Tensor, temperature: float, seed_key: Tensor, rows: Tensor,
-                         position: Tensor) -> tuple[Tensor, Tensor]:
-    """sample_tokens(logits, temperature, noise=sampling_noise(seed_key, rows, position, V)) without
-    truncation, fused (two launches, no (B, V) tensor): logits (B, V) -> tokens (B,) int64, logprobs (B,)."""
-    B, V = logits.shape
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    n_parts = triton.cdiv(V, _SAMPLE_SLICE)
-    parts = torch.empty(B, n_parts, SAMPLE_FIELDS, dtype=torch.float32, device=logits.device)
-    tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
-    if B:
-        _sample_slice_kernel[(B, n_parts)](logits, logits.stride(0), seed_key, rows, position, parts, V,
-                                           1.0 / (temperature or 1.0), GREEDY=temperature == 0,
-                                           BLOCK=_SAMPLE_SLICE, num_warps=8)
-        _sample_merge_kernel[(B,)](parts, tokens, logprobs, n_parts, PARTS=triton.next_power_of_2(n_parts))
-    return tokens, logprobs
+def use_fused_sampler(logits: Tensor, top_k: int, top_p: float) -> bool:
+    """Where the fused sampler (kernels/sampling.py) runs: CUDA, without top-k / top-p (RL's default; its
+    race needs the whole distribution), token ids below 2^24 (they pass through fp32). A benchmark may
+    replace this."""
+    V = logits.shape[-1]
+    return (sampling_kernels is not None and logits.is_cuda and not 0 < top_k < V and top_p >= 1.0
+            and V < 2 ** 24)
 
 
 def sample_next(logits: Tensor, sampling: dict, seed_key: Tensor, rows: Tensor,
                 position: Tensor) -> tuple[Tensor, Tensor]:
-    """One token per row of logits (B, V): the one place the sampler's path is chosen. On CUDA without
-    top-k / top-p (RL's default), the fused kernels; otherwise the noise tensor and sample_tokens."""
+    """One token per row of logits (B, V): the fused sampler where it applies, otherwise the noise tensor
+    and sample_tokens."""
     temperature, top_k, top_p = sampling["temperature"], sampling["top_k"], sampling["top_p"]
-    if (logits.is_cuda and triton is not None and not 0 < top_k < logits.shape[-1] and top_p >= 1.0
-            and logits.shape[-1] < 2 ** 24):
-        return sample_tokens_triton(logits, temperature, seed_key, rows, position)
+    if use_fused_sampler(logits, top_k, top_p):
+        return sampling_kernels.sample_tokens(logits, temperature, seed_key, rows, position)
     noise = None if temperature == 0 else sampling_noise(seed_key, rows, position, logits.shape[-1])
     return sample_tokens(logits, temperature, top_k, top_p, noise)
 

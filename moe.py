@@ -11,8 +11,7 @@ Formulas (the numerics follow Hugging Face's Qwen3MoeForCausalLM, so logits matc
     RoPE         = x * cos + rotate_half(x) * sin           rotate_half([a, b]) = [-b, a] (halves, not pairs)
                    angle[pos, j] = pos * theta^(-2j / hd), the hd/2 angles repeated twice
     Attention    q = RoPE(RMSNorm_q(W_q x)), k = RoPE(RMSNorm_k(W_k x)), v = W_v x  (norms over hd, then RoPE)
-                 y = W_o softmax(q k^T / sqrt(hd) + mask) v   (each of the Hkv key/value heads serves H/Hkv
-                 query heads)
+                 y = W_o softmax(q k^T / sqrt(hd) + mask) v   (each of the Hkv heads serves H/Hkv query heads)
     Router       p = softmax(W_gate x) in fp32, (w, ids) = top-A of p, w <- w / sum(w) if norm_topk_prob
     Expert e     f_e(x) = W_down_e (silu(W_gate_e x) * (W_up_e x))
     MoE          y = sum_a w_a f_{ids_a}(x)
@@ -22,30 +21,23 @@ expert multiplies one contiguous slice of rows, and the rows are put back in tok
 their router weights. On CUDA in BF16 the per-expert GEMMs are one `torch._grouped_mm` call; elsewhere a
 plain loop over the active experts, which is also the slow twin the fast path is tested against.
 
-On CUDA, RMSNorm is one Triton kernel (forward; the backward is the plain version's, recomputed) in
-place of eight small launches; it equals the plain version up to the fp32 rounding of its sum of squares.
-Trainer and rollout both take it, so the two sides still compute the same norms; so is the router's
-softmax, top-k and renormalization (`router_top_k`: the same experts as torch.topk, the weights equal to
-fp32 rounding). Two more fused paths equal their torch twins bit for bit, so either side may take them:
-the queries' and keys' norm with RoPE in one launch where no gradient is needed (`norm_rope`: the
-sampler, scoring), and the routing's sort of assignments by expert as a two-launch counting sort for up
-to _FUSED_ROUTING_MAX assignments on CUDA (`route_tokens`: a decode step's), and the sum of each token's
-expert rows in one gather (`sum_expert_rows`, for the quantized experts, whose GEMMs weight the rows). Next
-to its GEMMs a decode step is mostly small launches.
+Fast paths (kernels/norm.py, kernels/routing.py), each chosen in one `use_*_kernel` function below: on
+CUDA, RMSNorm and the router's softmax + top-k are one launch each for trainer and rollout alike (equal
+to their twins to fp32 rounding; under autograd the backward is the twin's); the q/k norm with RoPE
+without autograd, the routing's sort of a decode step's assignments and the sum of each token's expert
+rows equal their twins bit for bit. Next to its GEMMs a decode step is mostly small launches.
 
 Routes can be forced (R3, "rollout routing replay"): the trainer replays the experts the rollout chose,
 while the mixing weights still come from its own router, so the router keeps receiving gradients.
-
 The KV cache belongs to rollout.py; each Attention layer only calls `k, v = kv_cache.update(layer_idx, k, v)`.
 
 Left out on purpose: quantization of any kind (qat.py and rac.py swap these layers in place), dropout,
 attention bias, sliding-window attention, RoPE scaling, dense-MLP layers between MoE layers
 (`mlp_only_layers`, `decoder_sparse_step`), and the auxiliary load-balancing loss.
 
-Shape letters used in comments:
-    B batch, T tokens (queries), S keys (cached + new), D model dim, H query heads, Hkv key/value heads,
-    hd head dim, E experts, A active experts per token, I expert hidden dim, V vocab, L layers,
-    N = T*A (token, expert) assignments
+Shape letters: B batch, T tokens (queries), S keys (cached + new), D model dim, H query heads, Hkv
+key/value heads, hd head dim, E experts, A active experts per token, I expert hidden dim, V vocab,
+L layers, N = T*A (token, expert) assignments
 """
 import dataclasses
 import glob
@@ -91,19 +83,17 @@ class MoEConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
-        if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(f"MoEConfig: n_heads={self.n_heads} is not divisible by "
-                             f"n_kv_heads={self.n_kv_heads}; each key/value head must serve the same number "
-                             "of query heads")
-        if self.n_active > self.n_experts:
-            raise ValueError(f"MoEConfig: n_active={self.n_active} experts per token "
-                             f"exceeds n_experts={self.n_experts}")
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"MoEConfig: head_dim={self.head_dim} must be even, RoPE rotates pairs of "
-                             "halves")
-        if not (self.rope_theta > 0 and self.rms_eps > 0):
-            raise ValueError(f"MoEConfig: rope_theta={self.rope_theta} and rms_eps={self.rms_eps} must be "
-                             "positive")
+        problems = [
+            (self.n_heads % self.n_kv_heads != 0, f"n_heads={self.n_heads} is not divisible by n_kv_heads="
+             f"{self.n_kv_heads}; each key/value head must serve the same number of query heads"),
+            (self.n_active > self.n_experts, f"n_active={self.n_active} experts per token exceeds "
+             f"n_experts={self.n_experts}"),
+            (self.head_dim % 2 != 0, f"head_dim={self.head_dim} must be even, RoPE rotates pairs of halves"),
+            (not (self.rope_theta > 0 and self.rms_eps > 0), f"rope_theta={self.rope_theta} and rms_eps="
+             f"{self.rms_eps} must be positive")]
+        for problem, message in problems:
+            if problem:
+                raise ValueError(f"MoEConfig: {message}")
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "MoEConfig":
@@ -136,25 +126,23 @@ def use_norm_kernel(x: Tensor, weight: Tensor) -> bool:
 
 
 def use_norm_rope_kernel(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor) -> bool:
-    """BF16 only, and only without autograd (the sampler, scoring): training keeps the composition."""
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # training: composed
     return (norm_kernels is not None and x.is_cuda and x.shape[-1] <= norm_kernels.MAX_DIM and not needs_grad
             and x.dtype == weight.dtype == cos.dtype == sin.dtype == torch.bfloat16)
 
 
-def use_routing_kernel(expert_ids: Tensor, n_experts: int) -> bool:
+def use_routing_kernel(expert_ids: Tensor, n_experts: int) -> bool:  # a decode step's, not a prefill's
     return (routing_kernels is not None and expert_ids.is_cuda and n_experts <= routing_kernels.MAX_EXPERTS
-            and expert_ids.numel() <= routing_kernels.MAX_ASSIGNMENTS)  # a decode step's, not a prefill's
+            and expert_ids.numel() <= routing_kernels.MAX_ASSIGNMENTS)
 
 
 def use_sum_rows_kernel(y_sorted: Tensor) -> bool:
-    return routing_kernels is not None and y_sorted.is_cuda and y_sorted.dtype in (torch.bfloat16,
-                                                                                   torch.float32)
+    return (routing_kernels is not None and y_sorted.is_cuda
+            and y_sorted.dtype in routing_kernels.ROUNDED_DTYPES)
 
 
 def use_router_kernel(logits: Tensor) -> bool:
-    return (routing_kernels is not None and logits.is_cuda
-            and logits.shape[-1] <= routing_kernels.ROUTER_MAX_EXPERTS)
+    return routing_kernels is not None and logits.is_cuda and logits.shape[-1] <= routing_kernels.MAX_LOGITS
 
 
 # ----------------------------------------------------------------------------------------------- layers
@@ -173,8 +161,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # The fused kernel wherever it applies, trainer and rollout alike (the two sides compute the same
-        # values); under autograd its backward is the twin's.
         if not use_norm_kernel(x, self.weight):
             return rms_norm_reference(x, self.weight, self.eps)
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
@@ -200,8 +186,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def norm_rope(x: Tensor, norm: "RMSNorm", cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE(norm(x)) for queries or keys x (B, T, h, hd) -> (B, h, T, hd): the fused kernel where it
-    applies, which computes the very same values; the norm module and apply_rope otherwise."""
+    """RoPE(norm(x)) for queries or keys x (B, T, h, hd) -> (B, h, T, hd)."""
     if not use_norm_rope_kernel(x, norm.weight, cos, sin):
         return apply_rope(norm(x).transpose(1, 2), cos, sin)
     return norm_kernels.norm_rope(x, norm.weight, norm.eps, cos, sin)
@@ -254,8 +239,7 @@ class Attention(nn.Module):
 
 # ----------------------------------------------------------------------------------------------- experts
 class Routing(NamedTuple):
-    """The T*A (token, expert) assignments grouped by expert; assignment n = t*A + a is token t's a-th
-    choice."""
+    """The T*A (token, expert) assignments grouped by expert; assignment n = t*A + a: token t's a-th."""
     order: Tensor          # (N,) int64: assignments sorted by expert (stable: token order within an expert)
     token_ids: Tensor      # (N,) int64: the token of each sorted row, for gathering the inputs
     inverse_order: Tensor  # (N,) int64: where assignment n sits in the sorted rows, for putting outputs back
@@ -264,8 +248,7 @@ class Routing(NamedTuple):
 
 
 def route_tokens(expert_ids: Tensor, n_experts: int) -> Routing:
-    """Sort the assignments expert_ids (T, A) by expert, once per layer; shared with the quantized
-    expert modules. The counting-sort kernel where it applies (its integers equal the twin's)."""
+    """Sort the assignments expert_ids (T, A) by expert, once per layer (the quantized experts share it)."""
     if use_routing_kernel(expert_ids, n_experts):
         return Routing(*routing_kernels.route_tokens(expert_ids, n_experts))
     return route_tokens_reference(expert_ids, n_experts)
@@ -308,17 +291,12 @@ def sum_expert_rows_reference(y_sorted: Tensor, routing: Routing, n_active: int)
     return total.to(y_sorted.dtype)
 
 
-def _check_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> None:
+def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
+    """Each token's A rows of y_sorted (N, D), already weighted, summed -> (T, D)."""
     n = routing.inverse_order.numel()
     if y_sorted.dim() != 2 or y_sorted.shape[0] != n or n_active < 1 or n % n_active:
         raise ValueError(f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, "
                          f"the routing's assignments, a multiple of n_active={n_active}")
-
-
-def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
-    """Each token's A rows of y_sorted (N, D), already weighted, summed -> (T, D): the kernel where it
-    applies (bit for bit the twin)."""
-    _check_expert_rows(y_sorted, routing, n_active)
     if use_sum_rows_kernel(y_sorted):
         return routing_kernels.sum_expert_rows(y_sorted, routing.inverse_order, n_active)
     return sum_expert_rows_reference(y_sorted, routing, n_active)
@@ -418,14 +396,12 @@ def _router_weights(probs: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
 
 
 def _router_weights_of_logits(logits: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
-    """The twin's weights of experts ids from the logits: what the fused router's backward differentiates."""
-    return _router_weights(torch.softmax(logits.float(), dim=-1), ids, norm_topk_prob)
+    return _router_weights(torch.softmax(logits.float(), dim=-1), ids, norm_topk_prob)  # fused backward
 
 
 def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool,
                  routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The router: the fused kernel where it applies, trainer and rollout alike (the two sides compute
-    the same weights from the same logits; under autograd its backward is the twin's)."""
+    """The router, trainer and rollout alike (the same weights from the same logits on both sides)."""
     if not use_router_kernel(logits):
         return router_top_k_reference(logits, n_active, norm_topk_prob, routes)
     if torch.is_grad_enabled() and logits.requires_grad:

@@ -1,29 +1,18 @@
 """The rollout sampler: G completions per prompt from a KV-cached model, with what RL needs to learn from
-them.
-
-What `generate` returns for every sampled token: its id, whether it belongs to the completion (mask), the
-log-prob the rollout model gave it, and for every MoE layer the experts it was routed to. Those are the
-inputs of the GRPO loss, of truncated importance sampling and of the train/rollout mismatch metrics.
-
-How it runs (the shape of gpt-fast's generate.py and nanochat's engine, written for this model):
+them: for every sampled token its id, whether it belongs to the completion (mask), the log-prob the
+rollout model gave it, and for every MoE layer the experts it was routed to.
 
     prefill    each prompt runs once, all prompts in one left-padded batch; the attention layers write their
-               keys/values straight into the G cache rows of that prompt's samples (nanochat's "prefill once,
-               replicate the cache"), and the last position's logits give every sample its first token.
-    decode     one token per row and step against a static KV cache: every shape is fixed for the whole
-               loop, so on CUDA the step (model forward, sampling, bookkeeping) is captured once as a CUDA
-               graph and replayed; the Python loop only replays it. On the CPU the same step runs eagerly.
+               keys/values straight into the G cache rows of that prompt's samples, and the last position's
+               logits give every sample its first token.
+    decode     one token per row and step against a static KV cache (`KVCache`: N rows, S slots, allocated
+               once per batch shape and pooled per model with its graph); every shape is fixed, so on CUDA
+               the step (forward, sampling, bookkeeping) is captured once as a CUDA graph and replayed.
 
-Static cache. `KVCache` holds keys and values of every layer for N rows and S slots, allocated once per
-batch shape and kept (with its captured graph) in a small pool per model, so an RL loop that samples the
-same shapes every step allocates and captures once. The prompt width is rounded up to a multiple of 16 so
-that prompts of slightly different lengths share a shape. Each step attends over all S slots; the mask
-hides slots not yet written.
-
-Left padding. Prompt p of length n_p sits in the last n_p of Tp columns. Positions count from 0 at its
-first real token (RoPE sees exactly what it would see for the prompt alone), padded keys are masked out of
-every query, and a padded query attends only to itself (its output is never used). So each row computes
-what it would compute alone, up to float summation order.
+Left padding: prompt p of length n_p sits in the last n_p of Tp columns (Tp rounded up to a multiple of
+16, so nearby lengths share a shape); positions count from its first real token, padded keys are masked
+out, a padded query attends only to itself. So each row computes what it would alone, up to float
+summation order.
 
 Sampling, per row and step, from the logits z (fp32) at temperature tau:
 
@@ -31,48 +20,28 @@ Sampling, per row and step, from the logits z (fp32) at temperature tau:
     kept      = top-k, then top-p of the survivors  (renormalized), as Hugging Face applies them
     token     = argmax_{v in kept} p_v / E_v,   E_v ~ Exp(1) i.i.d.   (exponential race = sampling from p
                 restricted to kept and renormalized; no torch.multinomial, hence no host sync)
-    returned  = logprobs[token]
+    returned  = logprobs[token]                     what the trainer recomputes for the same token
 
-The returned log-prob is that of the full tempered distribution, not of the truncated one the token was
-drawn from: it is what the trainer recomputes (log_softmax(logits / tau) of the same tokens), so the two are
-directly comparable. With top-p/top-k < full, the truncated sampler's own probability is higher by the
-kept mass. temperature = 0 is greedy (argmax of z) and returns log_softmax(z), the untempered distribution.
+temperature = 0 is greedy (argmax of z) and returns log_softmax(z). A row stops after eos_id (the EOS
+token is part of the completion, mask 1) or max_new_tokens; later columns hold pad_id, mask 0, log-prob 0.
+Routes are recorded when a token is fed (the last token is fed once more to record its own);
+`Rollout.sequences()` lays prompt + completion out as the trainer's rows, routes included (for R3).
 
-Ends. A row stops after it samples eos_id or after max_new_tokens tokens. The EOS token itself is part of
-the completion (mask 1, its log-prob is returned, it must be learned); every column after it holds pad_id
-with mask 0 and log-prob 0. The loop checks "all rows finished" only every FINISHED_CHECK_INTERVAL steps on
-CUDA (one host sync each), the completion is then trimmed to the longest row.
+Random numbers are counter-based: E_v of row n at completion position t is a hash of (seed, row id, t,
+v) (`sampling_noise`: two rounds of a 32-bit xor-shift / multiply mixer, u from its top 23 bits, E =
+-log(u)). A row's tokens depend only on its logits and (seed, row id), with or without the CUDA graph
+and whatever rows share its batch, so torchrun ranks sampling their shares of a batch (`row_offset`)
+produce exactly the rollouts one process would. The fast paths (kernels/sampling.py), each chosen in one
+`use_*` function: the noise in one launch; without top-k / top-p (RL's default) the whole sampler fused,
+the race in log space with no (N, V) tensor, its tokens the twin's but where two candidates tie to fp32
+rounding. `score` re-scores given rows in one prefill, the audit's check of the engine's own numerics.
 
-Routes. For each layer, the experts chosen for every completion token, recorded when that token is fed to
-the model (so the last token is fed once more, after the loop's last sample, to record its routes), and
-for every prompt token from the prefill. `Rollout.sequences()` lays prompt + completion out as the trainer's
-rows, routes included, for routing replay (R3) or for measuring routing disagreement.
+Left out on purpose: continuous batching (finished rows keep their slot), paged or shared-prefix
+attention, chunked prefill, speculative decoding, stop strings, repetition penalties, min-p.
 
-Random numbers. Counter-based: the exponential noise E_v of row n at completion position t is a hash
-of (seed, row id, t, v) (`sampling_noise`), not a draw from a stateful generator. So a sampled row depends
-only on its own logits and on (seed, row id): the same model, prompts, arguments and seed give the same
-tokens with or without the CUDA graph, and a row's tokens do not depend on which other rows share its
-batch. That is what lets torchrun ranks sample their own shares of a step's groups and still produce
-exactly the rollouts one process would (`row_offset` numbers a call's rows within the whole batch). The
-hash is two rounds of a 32-bit integer mixer (xor-shift, multiply); its top 23 bits give u in (0, 1) and
-E = -log(u). On CUDA one small Triton kernel computes the (N, V) noise in one pass; elsewhere the same
-integer arithmetic runs as torch ops (the hash bit-identical, tested under the Triton interpreter). On CUDA
-without top-k / top-p (RL's default) the whole sampler is fused instead (`sample_next`): the race runs in
-log space, argmax z_v / tau - log E_v, hashing the noise where it is used, so no (N, V) tensor is written;
-its tokens equal the unfused sampler's but where two candidates tie to fp32 rounding.
-
-Re-scoring. `score(model, tokens)` runs given rows through the rollout model in one prefill and returns
-the same per-token log-probs `generate` records, without sampling: the log-prob audit compares the two
-(decode one token at a time vs one prefill of the same tokens) to isolate the engine's own nondeterminism.
-
-Left out on purpose: continuous batching (finished rows keep their slot until the batch ends), paged or
-shared-prefix attention across prompts, chunked prefill of one long prompt, speculative decoding, stop
-strings, repetition penalties, min-p.
-
-Shape letters:
-    P prompts in the batch, G samples per prompt, N = P*G rows (prompt-major: rows p*G .. p*G+G-1 are
-    prompt p's), Tp padded prompt width, T completion width, W = prompt + completion width (trainer rows),
-    S cache slots, V vocab, L layers, Hkv key/value heads, hd head dim, A experts per token
+Shape letters: P prompts, G samples per prompt, N = P*G rows (prompt-major: rows p*G .. p*G+G-1 are
+prompt p's), Tp padded prompt width, T completion width, W = prompt + completion width (trainer rows),
+S cache slots, V vocab, L layers, Hkv key/value heads, hd head dim, A experts per token
 """
 import dataclasses
 import operator

@@ -32,7 +32,7 @@ from kernels.norm import ROUNDED_DTYPES, _round_to
 CHUNK = 64                        # assignments per program of the counting sort
 MAX_ASSIGNMENTS = 64 * CHUNK      # the second pass reads every chunk's counts at once
 MAX_EXPERTS = 256                 # a chunk's one-hot (CHUNK, E) tile stays in registers
-ROUTER_MAX_EXPERTS = 4096         # one token's logits in one program's registers
+MAX_LOGITS = 4096                 # the router: one token's E logits in one program's registers
 
 
 # ----------------------------------------------------------------------------- the counting sort

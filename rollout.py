@@ -93,12 +93,9 @@ class Rollout:
     prompt_lengths: Tensor      # (N,) int64
     completion_ids: Tensor      # (N, T) int64; the EOS token is included, pad_id after it
     completion_mask: Tensor     # (N, T) bool; True up to and including EOS
-    logprobs: Tensor            # (N, T) fp32: log_softmax(z / temperature)[token] (full distribution),
-                                # 0 where masked
-    routes: Tensor | None       # (L, N, T, A) int64: experts per completion token and layer (meaningful
-                                # where masked 1)
-    prompt_routes: Tensor | None  # (L, N, Tp, A) int64: experts per prompt token (meaningful where
-                                  # prompt_mask)
+    logprobs: Tensor            # (N, T) fp32: log_softmax(z / temperature)[token], 0 where masked
+    routes: Tensor | None       # (L, N, T, A) int64: experts per completion token (where masked 1)
+    prompt_routes: Tensor | None  # (L, N, Tp, A) int64: experts per prompt token (where prompt_mask)
     num_samples: int            # G
     temperature: float          # the trainer must score the tokens at this temperature (0: untempered)
     pad_id: int
@@ -154,8 +151,7 @@ class KVCache:
         shape = (n_layers, rows, n_kv_heads, slots, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = torch.zeros(1, dtype=torch.int64, device=device)  # slots written: the next write
-                                                                        # goes here
+        self.length = torch.zeros(1, dtype=torch.int64, device=device)  # slots written; the next goes here
         self.prefill_rows: slice | None = None   # cache rows the current prefill chunk fills
         self.samples_per_prompt = 1               # G: each prompt's keys are copied to this many rows
 
@@ -349,14 +345,10 @@ def decode_step(model: MoETransformer, state: DecodeState) -> None:
 
 
 def capture_decode_graph(model: MoETransformer, state: DecodeState) -> "torch.cuda.CUDAGraph":
-    """Warm up decode_step on a side stream (lazy initializations, Triton autotuning, cuBLAS workspaces all
-    happen here, outside the capture), then capture one step.
-
-    Called after a prefill: the warm-up writes cache slots Tp and Tp + 1, which every real step overwrites
-    before it attends to them, and garbage into the other buffers, which generate resets afterwards. Layers
-    that set themselves up from their first input (an uncalibrated RAC selector) have seen the prompts by
-    then, not this garbage.
-    """
+    """Warm up decode_step on a side stream (lazy initializations, Triton autotuning, cuBLAS workspaces,
+    outside the capture), then capture one step. Called after a prefill: the warm-up's writes (cache slots
+    Tp and Tp + 1, garbage in the other buffers) are overwritten or reset before use, and layers that set
+    themselves up from their first input (an uncalibrated RAC selector) have seen the prompts by then."""
     state.cache.length.fill_(state.prompt_width)  # in-range slots and columns for the warm-up's writes
     side = torch.cuda.Stream(state.cache.keys.device)
     side.wait_stream(torch.cuda.current_stream())
@@ -604,11 +596,9 @@ def score(model: MoETransformer, tokens: Tensor, temperature: float = 1.0) -> Te
     padding after a row's end never reaches its tokens, so no mask is needed; the values at padding
     columns are meaningless (mask them with `Sequences.loss_mask`).
 
-    Why it exists: the same tokens scored by the same model in one prefill, instead of one decode step
-    at a time, separate the engine's own nondeterminism (a token's rounding depends on the other rows
-    and positions of its GEMM, e.g. through a dynamic per-tensor activation scale) from the trainer's
-    precision. Rows go through in chunks of at most PREFILL_LOGITS_BUDGET logits, as the sampler's
-    prefill does.
+    Why: the same tokens in one prefill instead of one decode step at a time separate the engine's own
+    nondeterminism (a token's rounding depends on the other rows of its GEMM, e.g. through a dynamic
+    activation scale) from the trainer's precision. Chunks of at most PREFILL_LOGITS_BUDGET logits.
     """
     if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"tokens must be an integer tensor (N, W), got {tuple(tokens.shape)} {tokens.dtype}")

@@ -11,8 +11,7 @@ Formulas (the numerics follow Hugging Face's Qwen3MoeForCausalLM, so logits matc
     RoPE         = x * cos + rotate_half(x) * sin           rotate_half([a, b]) = [-b, a] (halves, not pairs)
                    angle[pos, j] = pos * theta^(-2j / hd), the hd/2 angles repeated twice
     Attention    q = RoPE(RMSNorm_q(W_q x)), k = RoPE(RMSNorm_k(W_k x)), v = W_v x  (norms over hd, then RoPE)
-                 y = W_o softmax(q k^T / sqrt(hd) + mask) v   (each of the Hkv key/value heads serves H/Hkv
-                 query heads)
+                 y = W_o softmax(q k^T / sqrt(hd) + mask) v   (each of the Hkv heads serves H/Hkv query heads)
     Router       p = softmax(W_gate x) in fp32, (w, ids) = top-A of p, w <- w / sum(w) if norm_topk_prob
     Expert e     f_e(x) = W_down_e (silu(W_gate_e x) * (W_up_e x))
     MoE          y = sum_a w_a f_{ids_a}(x)
@@ -22,30 +21,23 @@ expert multiplies one contiguous slice of rows, and the rows are put back in tok
 their router weights. On CUDA in BF16 the per-expert GEMMs are one `torch._grouped_mm` call; elsewhere a
 plain loop over the active experts, which is also the slow twin the fast path is tested against.
 
-On CUDA, RMSNorm is one Triton kernel (forward; the backward is the plain version's, recomputed) in
-place of eight small launches; it equals the plain version up to the fp32 rounding of its sum of squares.
-Trainer and rollout both take it, so the two sides still compute the same norms; so is the router's
-softmax, top-k and renormalization (`router_top_k`: the same experts as torch.topk, the weights equal to
-fp32 rounding). Two more fused paths equal their torch twins bit for bit, so either side may take them:
-the queries' and keys' norm with RoPE in one launch where no gradient is needed (`norm_rope`: the
-sampler, scoring), and the routing's sort of assignments by expert as a two-launch counting sort for up
-to _FUSED_ROUTING_MAX assignments on CUDA (`route_tokens`: a decode step's), and the sum of each token's
-expert rows in one gather (`sum_expert_rows`, for the quantized experts, whose GEMMs weight the rows). Next
-to its GEMMs a decode step is mostly small launches.
+Fast paths (kernels/norm.py, kernels/routing.py), each chosen in one `use_*_kernel` function below: on
+CUDA, RMSNorm and the router's softmax + top-k are one launch each for trainer and rollout alike (equal
+to their twins to fp32 rounding; under autograd the backward is the twin's); the q/k norm with RoPE
+without autograd, the routing's sort of a decode step's assignments and the sum of each token's expert
+rows equal their twins bit for bit. Next to its GEMMs a decode step is mostly small launches.
 
 Routes can be forced (R3, "rollout routing replay"): the trainer replays the experts the rollout chose,
 while the mixing weights still come from its own router, so the router keeps receiving gradients.
-
 The KV cache belongs to rollout.py; each Attention layer only calls `k, v = kv_cache.update(layer_idx, k, v)`.
 
 Left out on purpose: quantization of any kind (qat.py and rac.py swap these layers in place), dropout,
 attention bias, sliding-window attention, RoPE scaling, dense-MLP layers between MoE layers
 (`mlp_only_layers`, `decoder_sparse_step`), and the auxiliary load-balancing loss.
 
-Shape letters used in comments:
-    B batch, T tokens (queries), S keys (cached + new), D model dim, H query heads, Hkv key/value heads,
-    hd head dim, E experts, A active experts per token, I expert hidden dim, V vocab, L layers,
-    N = T*A (token, expert) assignments
+Shape letters: B batch, T tokens (queries), S keys (cached + new), D model dim, H query heads, Hkv
+key/value heads, hd head dim, E experts, A active experts per token, I expert hidden dim, V vocab,
+L layers, N = T*A (token, expert) assignments
 """
 import dataclasses
 import glob
@@ -62,10 +54,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 try:
-    import triton
-    import triton.language as tl
-except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the plain RMSNorm runs
-    triton = None
+    from kernels import norm as norm_kernels, routing as routing_kernels
+except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the plain twins run
+    norm_kernels = routing_kernels = None
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -92,19 +83,17 @@ class MoEConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
-        if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(f"MoEConfig: n_heads={self.n_heads} is not divisible by "
-                             f"n_kv_heads={self.n_kv_heads}; each key/value head must serve the same number "
-                             "of query heads")
-        if self.n_active > self.n_experts:
-            raise ValueError(f"MoEConfig: n_active={self.n_active} experts per token "
-                             f"exceeds n_experts={self.n_experts}")
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"MoEConfig: head_dim={self.head_dim} must be even, RoPE rotates pairs of "
-                             "halves")
-        if not (self.rope_theta > 0 and self.rms_eps > 0):
-            raise ValueError(f"MoEConfig: rope_theta={self.rope_theta} and rms_eps={self.rms_eps} must be "
-                             "positive")
+        problems = [
+            (self.n_heads % self.n_kv_heads != 0, f"n_heads={self.n_heads} is not divisible by n_kv_heads="
+             f"{self.n_kv_heads}; each key/value head must serve the same number of query heads"),
+            (self.n_active > self.n_experts, f"n_active={self.n_active} experts per token exceeds "
+             f"n_experts={self.n_experts}"),
+            (self.head_dim % 2 != 0, f"head_dim={self.head_dim} must be even, RoPE rotates pairs of halves"),
+            (not (self.rope_theta > 0 and self.rms_eps > 0), f"rope_theta={self.rope_theta} and rms_eps="
+             f"{self.rms_eps} must be positive")]
+        for problem, message in problems:
+            if problem:
+                raise ValueError(f"MoEConfig: {message}")
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "MoEConfig":
@@ -128,6 +117,34 @@ PRESETS = {
 }
 
 
+# ----------------------------------------------------------------------------------------------- fast paths
+# Where each fused kernel (kernels/norm.py, kernels/routing.py) runs: on the CUDA tensors it applies to,
+# the plain twin everywhere else. A benchmark may set one to `lambda *args: False` to time its twin.
+def use_norm_kernel(x: Tensor, weight: Tensor) -> bool:
+    return (norm_kernels is not None and x.is_cuda and x.shape[-1] <= norm_kernels.MAX_DIM
+            and x.dtype in norm_kernels.ROUNDED_DTYPES and weight.dtype in norm_kernels.ROUNDED_DTYPES)
+
+
+def use_norm_rope_kernel(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # training: composed
+    return (norm_kernels is not None and x.is_cuda and x.shape[-1] <= norm_kernels.MAX_DIM and not needs_grad
+            and x.dtype == weight.dtype == cos.dtype == sin.dtype == torch.bfloat16)
+
+
+def use_routing_kernel(expert_ids: Tensor, n_experts: int) -> bool:  # a decode step's, not a prefill's
+    return (routing_kernels is not None and expert_ids.is_cuda and n_experts <= routing_kernels.MAX_EXPERTS
+            and expert_ids.numel() <= routing_kernels.MAX_ASSIGNMENTS)
+
+
+def use_sum_rows_kernel(y_sorted: Tensor) -> bool:
+    return (routing_kernels is not None and y_sorted.is_cuda
+            and y_sorted.dtype in routing_kernels.ROUNDED_DTYPES)
+
+
+def use_router_kernel(logits: Tensor) -> bool:
+    return routing_kernels is not None and logits.is_cuda and logits.shape[-1] <= routing_kernels.MAX_LOGITS
+
+
 # ----------------------------------------------------------------------------------------------- layers
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm as Hugging Face computes it: statistics in fp32 even for BF16 activations, the cast back
@@ -137,92 +154,6 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x_normed.to(x.dtype)
 
 
-if triton is not None:
-    # Twin: rms_norm_reference. One program per row: the row's sum of squares in fp32 (in another order
-    # than torch's reduction: equal to fp32 rounding, not bit for bit), then the twin's casts. Eight small
-    # launches per call become one; a decode step calls RMSNorm four times a layer.
-    @triton.jit
-    def _round_to(x, dtype: tl.constexpr):
-        """fp32 -> the nearest BF16 (ties to even), kept in fp32; fp32 unchanged. By integer arithmetic:
-        the interpreter's own cast truncates, and the compiler cannot fuse a rounding it does not see
-        (FP16 is left out for that reason: NVPTX contracted a cast-rounded product and sum into one
-        fp16 FMA, so the fused RoPE was no longer torch's, seen on the H200)."""
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
-        return x
-
-    @triton.jit
-    def _inv_rms(x, D, eps):
-        """1 / rms of a row held in fp32 (masked lanes 0): the one reduction both norm kernels use."""
-        return tl.math.rsqrt(tl.sum(x * x, axis=0) * (1.0 / D) + eps)  # * 1/D, as torch's mean
-
-    @triton.jit
-    def _scaled(x, inv_rms, weight, x_dtype: tl.constexpr, y_dtype: tl.constexpr):
-        """weight * x_normed with the twin's two casts: x_normed back to x's dtype first, then the product."""
-        return _round_to(weight * _round_to(x * inv_rms, x_dtype), y_dtype)
-
-    @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < D
-        x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        weight = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = _scaled(x, _inv_rms(x, D, eps), weight, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty)
-        tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-_FUSED_NORM_MAX_DIM = 16384  # the fused kernel holds a whole row in one program's registers
-_ROUNDED_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes whose roundings _round_to makes
-
-
-def _fused_norm_applies(x: Tensor, weight: Tensor) -> bool:
-    return (triton is not None and x.is_cuda and x.shape[-1] <= _FUSED_NORM_MAX_DIM
-            and x.dtype in _ROUNDED_DTYPES and weight.dtype in _ROUNDED_DTYPES)
-
-
-def _norm_warps(block: int) -> int:
-    """Warps per row of the norm kernels: 1 for head-sized rows, 4 up to 2048 elements, 8 above. The sum
-    of squares' order follows from it, so _norm_rope_kernel must take the same as _rms_norm_kernel."""
-    return 1 if block <= 256 else 4 if block <= 2048 else 8
-
-
-def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """The fused RMSNorm (forward only): x (..., D) -> (..., D) in the dtype weight * x would have."""
-    if x.dtype not in _ROUNDED_DTYPES or weight.dtype not in _ROUNDED_DTYPES:
-        raise ValueError(f"rms_norm_triton: x and weight must be bfloat16 or float32, got {x.dtype} and "
-                         f"{weight.dtype}")
-    x2 = x.contiguous().view(-1, x.shape[-1])                                             # (rows, D)
-    y = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
-    if x2.shape[0]:
-        block = triton.next_power_of_2(x2.shape[1])
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, x2.shape[1], eps, BLOCK=block,
-                                         num_warps=_norm_warps(block))
-    return y.view(x.shape)
-
-
-class _FusedRMSNorm(torch.autograd.Function):
-    """Forward through the fused kernel; backward through rms_norm_reference's own graph, recomputed
-    (the gradient of the same function; the forward's values differ from it by fp32 rounding only)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return rms_norm_triton(x, weight, eps)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            x_, weight_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
-            y = rms_norm_reference(x_, weight_, ctx.eps)
-        grad_x, grad_weight = torch.autograd.grad(y, (x_, weight_), grad)
-        return grad_x, grad_weight, None
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -230,13 +161,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # The one place the norm's path is chosen: the fused kernel for CUDA tensors (trainer and rollout
-        # alike, so the two sides still compute the same values), the plain twin elsewhere.
-        if not _fused_norm_applies(x, self.weight):
+        if not use_norm_kernel(x, self.weight):
             return rms_norm_reference(x, self.weight, self.eps)
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return _FusedRMSNorm.apply(x, self.weight, self.eps)
-        return rms_norm_triton(x, self.weight, self.eps)
+            return norm_kernels.RMSNormFunction.apply(x, self.weight, self.eps, rms_norm_reference)
+        return norm_kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -256,66 +185,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-if triton is not None:
-    # Twin: apply_rope(RMSNorm(x).transpose(1, 2), cos, sin), bit for bit on the GPU. One program per (token,
-    # head) row: the row's statistics and casts as _rms_norm_kernel takes them (same load, _inv_rms and
-    # _scaled), then every rounding torch's BF16 ops make in RoPE (each product, their sum).
-    # The element rotate_half brings to position j is loaded a second time (from L1) rather than shuffled.
-    # In a decode step this is one launch where the norm and RoPE took six (mul, neg, cat, mul, add).
-    @triton.jit
-    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, T, H, HD, stride_cos_b, stride_cos_t, eps,
-                          BLOCK: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)                # x (B*T, H, hd) row-major: row pid
-        token, head = pid // H, pid % H
-        b, t = token // T, token % T
-        cols = tl.arange(0, BLOCK)
-        mask = cols < HD
-        half = HD // 2
-        rotated = tl.where(cols < half, cols + half, cols - half)   # rotate_half([a, b]) = [-b, a]
-        x = tl.load(x_ptr + pid * HD + cols, mask=mask, other=0.0).to(tl.float32)
-        inv_rms = _inv_rms(x, HD, eps)
-        x_rot = tl.load(x_ptr + pid * HD + rotated, mask=mask, other=0.0).to(tl.float32)
-        dtype = y_ptr.dtype.element_ty
-        weight = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        weight_rot = tl.load(w_ptr + rotated, mask=mask, other=0.0).to(tl.float32)
-        normed = _scaled(x, inv_rms, weight, dtype, dtype)
-        normed_rot = _scaled(x_rot, inv_rms, weight_rot, dtype, dtype)
-        normed_rot = tl.where(cols < half, -normed_rot, normed_rot)
-        angle = b * stride_cos_b + t * stride_cos_t + cols
-        cos = tl.load(cos_ptr + angle, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + angle, mask=mask, other=0.0).to(tl.float32)
-        y = _round_to(_round_to(normed * cos, dtype) + _round_to(normed_rot * sin, dtype), dtype)
-        tl.store(y_ptr + ((b * H + head) * T + t) * HD + cols, y.to(dtype), mask=mask)   # y (B, H, T, hd)
-
-
-def norm_rope_triton(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
-    """The fused per-head RMSNorm + RoPE (forward only): x (B, T, h, hd), weight (hd,) and cos, sin
-    (B, 1, T, hd), all BF16 -> (B, h, T, hd) contiguous."""
-    if not x.dtype == weight.dtype == cos.dtype == sin.dtype == torch.bfloat16:
-        raise ValueError(f"norm_rope_triton: x, weight, cos and sin must all be bfloat16, got {x.dtype}, "
-                         f"{weight.dtype}, {cos.dtype} and {sin.dtype}")
-    B, T, heads, hd = x.shape
-    x = x.contiguous()
-    cos, sin = cos.expand(B, 1, T, hd), sin.expand(B, 1, T, hd)
-    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
-    y = torch.empty(B, heads, T, hd, dtype=x.dtype, device=x.device)
-    if y.numel():
-        block = triton.next_power_of_2(hd)
-        _norm_rope_kernel[(B * T * heads,)](x, weight.contiguous(), cos, sin, y, T, heads, hd, cos.stride(0),
-                                            cos.stride(2), eps, BLOCK=block, num_warps=_norm_warps(block))
-    return y
-
-
 def norm_rope(x: Tensor, norm: "RMSNorm", cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE(norm(x)) for queries or keys x (B, T, h, hd) -> (B, h, T, hd). The one place this path is
-    chosen: the fused kernel for BF16 CUDA tensors that need no gradient (the sampler, scoring), which
-    computes the very same values; the norm module and apply_rope otherwise (training keeps autograd)."""
-    all_bf16 = x.dtype == norm.weight.dtype == cos.dtype == sin.dtype == torch.bfloat16
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or norm.weight.requires_grad)
-    if not all_bf16 or needs_grad or not _fused_norm_applies(x, norm.weight):
+    """RoPE(norm(x)) for queries or keys x (B, T, h, hd) -> (B, h, T, hd)."""
+    if not use_norm_rope_kernel(x, norm.weight, cos, sin):
         return apply_rope(norm(x).transpose(1, 2), cos, sin)
-    return norm_rope_triton(x, norm.weight, norm.eps, cos, sin)
+    return norm_kernels.norm_rope(x, norm.weight, norm.eps, cos, sin)
 
 
 class Attention(nn.Module):
@@ -365,8 +239,7 @@ class Attention(nn.Module):
 
 # ----------------------------------------------------------------------------------------------- experts
 class Routing(NamedTuple):
-    """The T*A (token, expert) assignments grouped by expert; assignment n = t*A + a is token t's a-th
-    choice."""
+    """The T*A (token, expert) assignments grouped by expert; assignment n = t*A + a: token t's a-th."""
     order: Tensor          # (N,) int64: assignments sorted by expert (stable: token order within an expert)
     token_ids: Tensor      # (N,) int64: the token of each sorted row, for gathering the inputs
     inverse_order: Tensor  # (N,) int64: where assignment n sits in the sorted rows, for putting outputs back
@@ -375,12 +248,9 @@ class Routing(NamedTuple):
 
 
 def route_tokens(expert_ids: Tensor, n_experts: int) -> Routing:
-    """Sort the assignments expert_ids (T, A) by expert, once per layer; shared with the quantized
-    expert modules. The one place the routing's path is chosen: on CUDA, up to _FUSED_ROUTING_MAX
-    assignments (a decode step's), the counting sort below, whose integers equal the torch path's."""
-    if (triton is not None and expert_ids.is_cuda and expert_ids.numel() <= _FUSED_ROUTING_MAX
-            and n_experts <= _FUSED_ROUTING_EXPERTS):
-        return route_tokens_triton(expert_ids, n_experts)
+    """Sort the assignments expert_ids (T, A) by expert, once per layer (the quantized experts share it)."""
+    if use_routing_kernel(expert_ids, n_experts):
+        return Routing(*routing_kernels.route_tokens(expert_ids, n_experts))
     return route_tokens_reference(expert_ids, n_experts)
 
 
@@ -399,70 +269,6 @@ def route_tokens_reference(expert_ids: Tensor, n_experts: int) -> Routing:
     ends = torch.searchsorted(sorted_ids, experts, right=True)                             # (E,)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     return Routing(order, order // n_active, inverse_order, counts, ends.to(torch.int32))
-
-
-_ROUTING_CHUNK = 64            # assignments per program of the counting sort
-_FUSED_ROUTING_MAX = 64 * _ROUTING_CHUNK  # the second pass reads every chunk's counts at once
-_FUSED_ROUTING_EXPERTS = 256   # a chunk's one-hot (CHUNK, E) tile stays in registers
-
-if triton is not None:
-    # Twin: route_tokens_reference, equal in every integer. A stable counting sort in two launches instead
-    # of a radix sort, a scatter, searchsorted and four small ops: (1) each chunk of assignments counts its
-    # experts (a one-hot tile summed over rows); (2) each chunk places its assignments: position = where
-    # the expert's rows start + that expert's rows in earlier chunks + its earlier rows in this chunk (an
-    # exclusive cumulative sum down the one-hot tile), so ties keep assignment order, as a stable sort does.
-    @triton.jit
-    def _route_count_kernel(ids_ptr, chunk_counts_ptr, N, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr):
-        chunk = tl.program_id(0)
-        n = chunk * CHUNK + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + n, mask=n < N, other=-1)
-        one_hot = (ids[:, None] == tl.arange(0, E_BLOCK)[None, :]).to(tl.int32)            # (CHUNK, E)
-        tl.store(chunk_counts_ptr + chunk * E_BLOCK + tl.arange(0, E_BLOCK), tl.sum(one_hot, axis=0))
-
-    @triton.jit
-    def _route_place_kernel(ids_ptr, chunk_counts_ptr, order_ptr, token_ids_ptr, inverse_ptr, counts_ptr,
-                            offsets_ptr, N, E, n_chunks, n_active, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
-                            CHUNKS: tl.constexpr):
-        chunk = tl.program_id(0)
-        experts = tl.arange(0, E_BLOCK)
-        chunks = tl.arange(0, CHUNKS)
-        per_chunk = tl.load(chunk_counts_ptr + chunks[:, None] * E_BLOCK + experts[None, :],
-                            mask=(chunks < n_chunks)[:, None], other=0)                     # (CHUNKS, E)
-        counts = tl.sum(per_chunk, axis=0)                                                  # (E,)
-        earlier = tl.sum(tl.where((chunks < chunk)[:, None], per_chunk, 0), axis=0)
-        ends = tl.cumsum(counts, axis=0)                                                    # (E,) offsets
-        base = ends - counts + earlier                        # expert's start + its rows in earlier chunks
-        n = chunk * CHUNK + tl.arange(0, CHUNK)
-        valid = n < N
-        ids = tl.load(ids_ptr + n, mask=valid, other=-1)
-        one_hot = (ids[:, None] == experts[None, :]).to(tl.int32)                        # (CHUNK, E)
-        before = tl.cumsum(one_hot, axis=0) - one_hot                 # same expert, earlier in the chunk
-        position = tl.sum(one_hot * (before + base[None, :]), axis=1)                     # (CHUNK,)
-        tl.store(inverse_ptr + n, position.to(tl.int64), mask=valid)
-        tl.store(order_ptr + position, n.to(tl.int64), mask=valid)
-        tl.store(token_ids_ptr + position, (n // n_active).to(tl.int64), mask=valid)
-        if chunk == 0:
-            tl.store(counts_ptr + experts, counts.to(tl.int64), mask=experts < E)
-            tl.store(offsets_ptr + experts, ends, mask=experts < E)
-
-
-def route_tokens_triton(expert_ids: Tensor, n_experts: int) -> Routing:
-    """route_tokens as two Triton launches (expert ids must lie in [0, n_experts), as a router's do)."""
-    ids = expert_ids.reshape(-1)                                                           # (N,)
-    N, device = ids.numel(), ids.device
-    n_chunks = max(1, triton.cdiv(N, _ROUTING_CHUNK))
-    e_block = triton.next_power_of_2(n_experts)
-    chunk_counts = torch.empty(n_chunks, e_block, dtype=torch.int32, device=device)
-    order, token_ids, inverse_order = (torch.empty(N, dtype=torch.int64, device=device) for _ in range(3))
-    new = torch.empty if N else torch.zeros  # the second pass writes every count and offset (no fill launch)
-    counts = new(n_experts, dtype=torch.int64, device=device)
-    offsets = new(n_experts, dtype=torch.int32, device=device)
-    if N:
-        _route_count_kernel[(n_chunks,)](ids, chunk_counts, N, CHUNK=_ROUTING_CHUNK, E_BLOCK=e_block)
-        _route_place_kernel[(n_chunks,)](ids, chunk_counts, order, token_ids, inverse_order, counts, offsets,
-                                         N, n_experts, n_chunks, expert_ids.shape[-1], CHUNK=_ROUTING_CHUNK,
-                                         E_BLOCK=e_block, CHUNKS=triton.next_power_of_2(n_chunks))
-    return Routing(order, token_ids, inverse_order, counts, offsets)
 
 
 def combine_expert_outputs(y_sorted: Tensor, routing: Routing, expert_weights: Tensor) -> Tensor:
@@ -485,53 +291,14 @@ def sum_expert_rows_reference(y_sorted: Tensor, routing: Routing, n_active: int)
     return total.to(y_sorted.dtype)
 
 
-if triton is not None:
-    # Twin: sum_expert_rows_reference, bit for bit. One program per (token, block of D) gathers the token's
-    # A rows through inverse_order and adds them in the twin's order: a gather and a reduction launch
-    # become one (on an H200 at a decode step of 256 tokens: 8.7 us a layer, the fused launch 3.6).
-    @triton.jit
-    def _sum_rows_kernel(y_ptr, inverse_ptr, out_ptr, D, A: tl.constexpr, BLOCK: tl.constexpr):
-        token = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < D
-        row = tl.load(inverse_ptr + token * A)
-        total = tl.load(y_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        for a in tl.static_range(1, A):
-            row = tl.load(inverse_ptr + token * A + a)
-            total += tl.load(y_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        total = _round_to(total, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + token * D + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _check_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> None:
+def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
+    """Each token's A rows of y_sorted (N, D), already weighted, summed -> (T, D)."""
     n = routing.inverse_order.numel()
     if y_sorted.dim() != 2 or y_sorted.shape[0] != n or n_active < 1 or n % n_active:
         raise ValueError(f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, "
                          f"the routing's assignments, a multiple of n_active={n_active}")
-
-
-def sum_expert_rows_triton(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
-    """sum_expert_rows as one Triton launch (y_sorted in bfloat16 or float32)."""
-    _check_expert_rows(y_sorted, routing, n_active)  # the kernel would read out of bounds
-    if y_sorted.dtype not in _ROUNDED_DTYPES:
-        raise ValueError(f"sum_expert_rows_triton: y_sorted must be bfloat16 or float32, got "
-                         f"{y_sorted.dtype}")
-    y_sorted = y_sorted.contiguous()
-    N, D = y_sorted.shape
-    out = torch.empty((N // n_active, D), dtype=y_sorted.dtype, device=y_sorted.device)
-    if out.numel():
-        block = min(1024, triton.next_power_of_2(D))
-        _sum_rows_kernel[(out.shape[0], triton.cdiv(D, block))](y_sorted, routing.inverse_order, out, D,
-                                                                 A=n_active, BLOCK=block)
-    return out
-
-
-def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
-    """Each token's A rows of y_sorted (N, D), already weighted, summed -> (T, D). The one place its path
-    is chosen: the Triton kernel on CUDA (bfloat16, float32), the twin elsewhere."""
-    _check_expert_rows(y_sorted, routing, n_active)
-    if triton is not None and y_sorted.is_cuda and y_sorted.dtype in _ROUNDED_DTYPES:
-        return sum_expert_rows_triton(y_sorted, routing, n_active)
+    if use_sum_rows_kernel(y_sorted):
+        return routing_kernels.sum_expert_rows(y_sorted, routing.inverse_order, n_active)
     return sum_expert_rows_reference(y_sorted, routing, n_active)
 
 
@@ -628,92 +395,19 @@ def _router_weights(probs: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
     return weights / weights.sum(dim=-1, keepdim=True) if norm_topk_prob else weights
 
 
-if triton is not None:
-    # Twin: router_top_k_reference. One program per token: the softmax of its E logits in fp32, then A
-    # rounds of argmax (lowest id on ties, as torch.topk's selection on CUDA) with the winner masked out;
-    # the weights are the winners' probabilities (or the replayed experts'), renormalized by their sum
-    # taken in slot order, so replaying a token's own routes gives its weights bit for bit. One launch
-    # where torch took five (softmax, top-k's select and sort, sum, divide). Not bit for bit with torch:
-    # the exponential and the sums round in another order (fp32 units; equal logits stay equal
-    # probabilities, so the chosen experts are torch's).
-    @triton.jit
-    def _router_top_k_kernel(logits_ptr, routes_ptr, weights_ptr, ids_ptr, E, A: tl.constexpr,
-                             NORM: tl.constexpr, FORCED: tl.constexpr, BLOCK: tl.constexpr,
-                             A_BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        experts = tl.arange(0, BLOCK)
-        z = tl.load(logits_ptr + row * E + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
-        e = tl.exp(z - tl.max(z, axis=0))
-        p = e / tl.sum(e, axis=0)
-        left = tl.where(experts < E, p, -1.0)         # probabilities not yet chosen (-1: taken or padding)
-        slots = tl.arange(0, A_BLOCK)
-        weights = tl.zeros((A_BLOCK,), dtype=tl.float32)
-        ids = tl.zeros((A_BLOCK,), dtype=tl.int64)
-        total = 0.0
-        for a in tl.static_range(A):
-            best, expert = tl.max(left, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            ids = tl.where(slots == a, expert.to(tl.int64), ids)
-            left = tl.where(experts == expert, -1.0, left)
-            if FORCED:
-                route = tl.load(routes_ptr + row * A + a)
-                best = tl.sum(tl.where(experts == route, p, 0.0), axis=0)         # p[route], exactly
-            weights = tl.where(slots == a, best, weights)
-            total += best
-        if NORM:
-            weights = weights / total
-        tl.store(weights_ptr + row * A + slots, weights, mask=slots < A)
-        tl.store(ids_ptr + row * A + slots, ids, mask=slots < A)
-
-
-def router_top_k_triton(logits: Tensor, n_active: int, norm_topk_prob: bool,
-                        routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """router_top_k_reference as one Triton launch (forward only)."""
-    T, E = logits.shape
-    logits = logits.contiguous()
-    weights = torch.empty(T, n_active, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(T, n_active, dtype=torch.int64, device=logits.device)
-    if T:
-        _router_top_k_kernel[(T,)](logits, ids if routes is None else routes.contiguous(), weights, ids, E,
-                                   A=n_active, NORM=norm_topk_prob, FORCED=routes is not None,
-                                   BLOCK=triton.next_power_of_2(E), A_BLOCK=triton.next_power_of_2(n_active),
-                                   num_warps=1 if E <= 256 else 4)
-    return weights, ids
-
-
-class _FusedRouter(torch.autograd.Function):
-    """Forward through the fused kernel; backward through the twin's weights of the same experts,
-    recomputed (as _FusedRMSNorm: the gradient of the same function, the forward equal to fp32 rounding)."""
-
-    @staticmethod
-    def forward(ctx, logits, n_active, norm_topk_prob, routes):
-        weights, ids = router_top_k_triton(logits, n_active, norm_topk_prob, routes)
-        ctx.save_for_backward(logits, ids if routes is None else routes)
-        ctx.norm_topk_prob = norm_topk_prob
-        ctx.mark_non_differentiable(ids)
-        return weights, ids
-
-    @staticmethod
-    def backward(ctx, grad_weights, grad_ids):
-        logits, chosen = ctx.saved_tensors
-        with torch.enable_grad():
-            logits_ = logits.detach().requires_grad_()
-            weights = _router_weights(torch.softmax(logits_.float(), dim=-1), chosen, ctx.norm_topk_prob)
-        return torch.autograd.grad(weights, logits_, grad_weights)[0], None, None, None
-
-
-_FUSED_ROUTER_EXPERTS = 4096  # one token's logits in one program's registers
+def _router_weights_of_logits(logits: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
+    return _router_weights(torch.softmax(logits.float(), dim=-1), ids, norm_topk_prob)  # fused backward
 
 
 def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool,
                  routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The one place the router's path is chosen: the fused kernel for CUDA tensors (trainer and rollout
-    alike, so the two sides compute the same weights from the same logits; under autograd its backward
-    is the twin's), the torch twin elsewhere."""
-    if triton is None or not logits.is_cuda or logits.shape[-1] > _FUSED_ROUTER_EXPERTS:
+    """The router, trainer and rollout alike (the same weights from the same logits on both sides)."""
+    if not use_router_kernel(logits):
         return router_top_k_reference(logits, n_active, norm_topk_prob, routes)
     if torch.is_grad_enabled() and logits.requires_grad:
-        return _FusedRouter.apply(logits, n_active, norm_topk_prob, routes)
-    return router_top_k_triton(logits, n_active, norm_topk_prob, routes)
+        return routing_kernels.RouterTopK.apply(logits, n_active, norm_topk_prob, routes,
+                                                _router_weights_of_logits)
+    return routing_kernels.router_top_k(logits, n_active, norm_topk_prob, routes)
 
 
 class MoEBlock(nn.Module):

@@ -1,29 +1,18 @@
 """The rollout sampler: G completions per prompt from a KV-cached model, with what RL needs to learn from
-them.
-
-What `generate` returns for every sampled token: its id, whether it belongs to the completion (mask), the
-log-prob the rollout model gave it, and for every MoE layer the experts it was routed to. Those are the
-inputs of the GRPO loss, of truncated importance sampling and of the train/rollout mismatch metrics.
-
-How it runs (the shape of gpt-fast's generate.py and nanochat's engine, written for this model):
+them: for every sampled token its id, whether it belongs to the completion (mask), the log-prob the
+rollout model gave it, and for every MoE layer the experts it was routed to.
 
     prefill    each prompt runs once, all prompts in one left-padded batch; the attention layers write their
-               keys/values straight into the G cache rows of that prompt's samples (nanochat's "prefill once,
-               replicate the cache"), and the last position's logits give every sample its first token.
-    decode     one token per row and step against a static KV cache: every shape is fixed for the whole
-               loop, so on CUDA the step (model forward, sampling, bookkeeping) is captured once as a CUDA
-               graph and replayed; the Python loop only replays it. On the CPU the same step runs eagerly.
+               keys/values straight into the G cache rows of that prompt's samples, and the last position's
+               logits give every sample its first token.
+    decode     one token per row and step against a static KV cache (`KVCache`: N rows, S slots, allocated
+               once per batch shape and pooled per model with its graph); every shape is fixed, so on CUDA
+               the step (forward, sampling, bookkeeping) is captured once as a CUDA graph and replayed.
 
-Static cache. `KVCache` holds keys and values of every layer for N rows and S slots, allocated once per
-batch shape and kept (with its captured graph) in a small pool per model, so an RL loop that samples the
-same shapes every step allocates and captures once. The prompt width is rounded up to a multiple of 16 so
-that prompts of slightly different lengths share a shape. Each step attends over all S slots; the mask
-hides slots not yet written.
-
-Left padding. Prompt p of length n_p sits in the last n_p of Tp columns. Positions count from 0 at its
-first real token (RoPE sees exactly what it would see for the prompt alone), padded keys are masked out of
-every query, and a padded query attends only to itself (its output is never used). So each row computes
-what it would compute alone, up to float summation order.
+Left padding: prompt p of length n_p sits in the last n_p of Tp columns (Tp rounded up to a multiple of
+16, so nearby lengths share a shape); positions count from its first real token, padded keys are masked
+out, a padded query attends only to itself. So each row computes what it would alone, up to float
+summation order.
 
 Sampling, per row and step, from the logits z (fp32) at temperature tau:
 
@@ -31,48 +20,28 @@ Sampling, per row and step, from the logits z (fp32) at temperature tau:
     kept      = top-k, then top-p of the survivors  (renormalized), as Hugging Face applies them
     token     = argmax_{v in kept} p_v / E_v,   E_v ~ Exp(1) i.i.d.   (exponential race = sampling from p
                 restricted to kept and renormalized; no torch.multinomial, hence no host sync)
-    returned  = logprobs[token]
+    returned  = logprobs[token]                     what the trainer recomputes for the same token
 
-The returned log-prob is that of the full tempered distribution, not of the truncated one the token was
-drawn from: it is what the trainer recomputes (log_softmax(logits / tau) of the same tokens), so the two are
-directly comparable. With top-p/top-k < full, the truncated sampler's own probability is higher by the
-kept mass. temperature = 0 is greedy (argmax of z) and returns log_softmax(z), the untempered distribution.
+temperature = 0 is greedy (argmax of z) and returns log_softmax(z). A row stops after eos_id (the EOS
+token is part of the completion, mask 1) or max_new_tokens; later columns hold pad_id, mask 0, log-prob 0.
+Routes are recorded when a token is fed (the last token is fed once more to record its own);
+`Rollout.sequences()` lays prompt + completion out as the trainer's rows, routes included (for R3).
 
-Ends. A row stops after it samples eos_id or after max_new_tokens tokens. The EOS token itself is part of
-the completion (mask 1, its log-prob is returned, it must be learned); every column after it holds pad_id
-with mask 0 and log-prob 0. The loop checks "all rows finished" only every FINISHED_CHECK_INTERVAL steps on
-CUDA (one host sync each), the completion is then trimmed to the longest row.
+Random numbers are counter-based: E_v of row n at completion position t is a hash of (seed, row id, t,
+v) (`sampling_noise`: two rounds of a 32-bit xor-shift / multiply mixer, u from its top 23 bits, E =
+-log(u)). A row's tokens depend only on its logits and (seed, row id), with or without the CUDA graph
+and whatever rows share its batch, so torchrun ranks sampling their shares of a batch (`row_offset`)
+produce exactly the rollouts one process would. The fast paths (kernels/sampling.py), each chosen in one
+`use_*` function: the noise in one launch; without top-k / top-p (RL's default) the whole sampler fused,
+the race in log space with no (N, V) tensor, its tokens the twin's but where two candidates tie to fp32
+rounding. `score` re-scores given rows in one prefill, the audit's check of the engine's own numerics.
 
-Routes. For each layer, the experts chosen for every completion token, recorded when that token is fed to
-the model (so the last token is fed once more, after the loop's last sample, to record its routes), and
-for every prompt token from the prefill. `Rollout.sequences()` lays prompt + completion out as the trainer's
-rows, routes included, for routing replay (R3) or for measuring routing disagreement.
+Left out on purpose: continuous batching (finished rows keep their slot), paged or shared-prefix
+attention, chunked prefill, speculative decoding, stop strings, repetition penalties, min-p.
 
-Random numbers. Counter-based: the exponential noise E_v of row n at completion position t is a hash
-of (seed, row id, t, v) (`sampling_noise`), not a draw from a stateful generator. So a sampled row depends
-only on its own logits and on (seed, row id): the same model, prompts, arguments and seed give the same
-tokens with or without the CUDA graph, and a row's tokens do not depend on which other rows share its
-batch. That is what lets torchrun ranks sample their own shares of a step's groups and still produce
-exactly the rollouts one process would (`row_offset` numbers a call's rows within the whole batch). The
-hash is two rounds of a 32-bit integer mixer (xor-shift, multiply); its top 23 bits give u in (0, 1) and
-E = -log(u). On CUDA one small Triton kernel computes the (N, V) noise in one pass; elsewhere the same
-integer arithmetic runs as torch ops (the hash bit-identical, tested under the Triton interpreter). On CUDA
-without top-k / top-p (RL's default) the whole sampler is fused instead (`sample_next`): the race runs in
-log space, argmax z_v / tau - log E_v, hashing the noise where it is used, so no (N, V) tensor is written;
-its tokens equal the unfused sampler's but where two candidates tie to fp32 rounding.
-
-Re-scoring. `score(model, tokens)` runs given rows through the rollout model in one prefill and returns
-the same per-token log-probs `generate` records, without sampling: the log-prob audit compares the two
-(decode one token at a time vs one prefill of the same tokens) to isolate the engine's own nondeterminism.
-
-Left out on purpose: continuous batching (finished rows keep their slot until the batch ends), paged or
-shared-prefix attention across prompts, chunked prefill of one long prompt, speculative decoding, stop
-strings, repetition penalties, min-p.
-
-Shape letters:
-    P prompts in the batch, G samples per prompt, N = P*G rows (prompt-major: rows p*G .. p*G+G-1 are
-    prompt p's), Tp padded prompt width, T completion width, W = prompt + completion width (trainer rows),
-    S cache slots, V vocab, L layers, Hkv key/value heads, hd head dim, A experts per token
+Shape letters: P prompts, G samples per prompt, N = P*G rows (prompt-major: rows p*G .. p*G+G-1 are
+prompt p's), Tp padded prompt width, T completion width, W = prompt + completion width (trainer rows),
+S cache slots, V vocab, L layers, Hkv key/value heads, hd head dim, A experts per token
 """
 import dataclasses
 import operator
@@ -90,10 +59,9 @@ from torch import Tensor
 from moe import MoETransformer
 
 try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch twin of the noise kernel runs instead
-    triton = None
+    from kernels import sampling as sampling_kernels
+except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the torch twins run
+    sampling_kernels = None
 
 PROMPT_WIDTH_MULTIPLE = 16        # prompt widths are rounded up to this, so nearby lengths share a graph
 FINISHED_CHECK_INTERVAL = 16      # CUDA: decode steps between host checks for "every row has finished"
@@ -125,12 +93,9 @@ class Rollout:
     prompt_lengths: Tensor      # (N,) int64
     completion_ids: Tensor      # (N, T) int64; the EOS token is included, pad_id after it
     completion_mask: Tensor     # (N, T) bool; True up to and including EOS
-    logprobs: Tensor            # (N, T) fp32: log_softmax(z / temperature)[token] (full distribution),
-                                # 0 where masked
-    routes: Tensor | None       # (L, N, T, A) int64: experts per completion token and layer (meaningful
-                                # where masked 1)
-    prompt_routes: Tensor | None  # (L, N, Tp, A) int64: experts per prompt token (meaningful where
-                                  # prompt_mask)
+    logprobs: Tensor            # (N, T) fp32: log_softmax(z / temperature)[token], 0 where masked
+    routes: Tensor | None       # (L, N, T, A) int64: experts per completion token (where masked 1)
+    prompt_routes: Tensor | None  # (L, N, Tp, A) int64: experts per prompt token (where prompt_mask)
     num_samples: int            # G
     temperature: float          # the trainer must score the tokens at this temperature (0: untempered)
     pad_id: int
@@ -186,8 +151,7 @@ class KVCache:
         shape = (n_layers, rows, n_kv_heads, slots, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = torch.zeros(1, dtype=torch.int64, device=device)  # slots written: the next write
-                                                                        # goes here
+        self.length = torch.zeros(1, dtype=torch.int64, device=device)  # slots written; the next goes here
         self.prefill_rows: slice | None = None   # cache rows the current prefill chunk fills
         self.samples_per_prompt = 1               # G: each prompt's keys are copied to this many rows
 
@@ -236,50 +200,17 @@ def sampling_noise_reference(seed_key: Tensor, rows: Tensor, position: Tensor, v
     return uniform.log_().neg_()
 
 
-if triton is not None:
-    @triton.jit
-    def _mix32_kernel(x):
-        x = x ^ (x >> 16)
-        x = x * 0x7FEB352D
-        x = x ^ (x >> 15)
-        x = x * 0x1B873593
-        return x ^ (x >> 16)
-
-    _ROW_STRIDE = tl.constexpr(ROW_STRIDE)
-    _POSITION_STRIDE = tl.constexpr(POSITION_STRIDE)
-    _TOKEN_STRIDE = tl.constexpr(TOKEN_STRIDE)
-
-    @triton.jit
-    def _uniform_kernel(seed_key_ptr, rows_ptr, position_ptr, row, tokens):
-        """The twin's uniforms for one row's tokens: its arithmetic in uint32, whose products wrap mod 2^32
-        exactly as the twin's masked int64 ones."""
-        key = (tl.load(seed_key_ptr).to(tl.uint32) + tl.load(rows_ptr + row).to(tl.uint32) * _ROW_STRIDE
-               + tl.load(position_ptr).to(tl.uint32) * _POSITION_STRIDE)
-        x = _mix32_kernel(_mix32_kernel(key) + tokens.to(tl.uint32) * _TOKEN_STRIDE)
-        return ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07                     # 2^-23
-
-    @triton.jit
-    def _noise_kernel(seed_key_ptr, rows_ptr, position_ptr, out_ptr, V, BLOCK: tl.constexpr):
-        """One (row, token block) per program, one pass."""
-        row = tl.program_id(0)
-        tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        uniform = _uniform_kernel(seed_key_ptr, rows_ptr, position_ptr, row, tokens)
-        tl.store(out_ptr + row.to(tl.int64) * V + tokens, -tl.log(uniform), mask=tokens < V)
+def use_noise_kernel(rows: Tensor) -> bool:
+    """Where the noise kernel (kernels/sampling.py) runs: CUDA. A benchmark may replace this."""
+    return sampling_kernels is not None and rows.is_cuda
 
 
-def sampling_noise(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int,
-                   use_kernel: bool | None = None) -> Tensor:
+def sampling_noise(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int) -> Tensor:
     """E (N, V) ~ Exp(1) i.i.d., a pure function of (seed, row id, position, token id): one Triton launch
-    on CUDA (or when asked, e.g. under the interpreter in tests), the torch twin otherwise."""
-    if use_kernel is None:
-        use_kernel = rows.is_cuda and triton is not None
-    if not use_kernel:
-        return sampling_noise_reference(seed_key, rows, position, vocab)
-    out = torch.empty(rows.shape[0], vocab, dtype=torch.float32, device=rows.device)
-    block = 1024
-    _noise_kernel[(rows.shape[0], triton.cdiv(vocab, block))](
-        seed_key, rows, position, out, vocab, BLOCK=block)
-    return out
+    on CUDA, the torch twin otherwise (the same hash bit for bit)."""
+    if use_noise_kernel(rows):
+        return sampling_kernels.sampling_noise(seed_key, rows, position, vocab)
+    return sampling_noise_reference(seed_key, rows, position, vocab)
 
 
 # ----------------------------------------------------------------------------------------------- sampling
@@ -306,88 +237,22 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-SAMPLE_FIELDS = 5  # per vocabulary slice: max z, sum exp(z - max), best score, its token, its z
-
-if triton is not None:
-    # Twin: sampling_noise + sample_tokens without truncation. The exponential race in log space: argmax_v
-    # p_v / E_v = argmax_v z_v / tau - log E_v (the normalizer is common to every v), so no (B, V) tensor is
-    # written: one pass over the logits per (row, vocabulary slice) keeps the slice's max, sum of exp and
-    # race winner; a second launch merges the slices per row in a fixed order (deterministic). The token
-    # equals the twin's except where two candidates' scores agree to fp32 rounding (exp, log, 1 / tau in
-    # another order); the log-prob agrees to a few fp32 units.
-    _SAMPLE_SLICE = 4096  # vocabulary entries per program of the first pass
-    _FIELDS = tl.constexpr(SAMPLE_FIELDS)
-
-    @triton.jit
-    def _sample_slice_kernel(logits_ptr, stride_row, seed_key_ptr, rows_ptr, position_ptr, part_ptr, V,
-                             inv_temperature, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
-        row, part = tl.program_id(0), tl.program_id(1)
-        tokens = part * BLOCK + tl.arange(0, BLOCK)
-        mask = tokens < V
-        z = tl.load(logits_ptr + row.to(tl.int64) * stride_row + tokens, mask=mask,
-                    other=float("-inf")).to(tl.float32)
-        if GREEDY:
-            score = z                                          # argmax z; log-probs of the untempered z
-        else:
-            z = z * inv_temperature                           # z / tau to one fp32 rounding
-            uniform = _uniform_kernel(seed_key_ptr, rows_ptr, position_ptr, row, tokens)  # as _noise_kernel
-            score = tl.where(mask, z - tl.log(-tl.log(uniform)), float("-inf"))   # z - log E
-        z_max = tl.max(z, axis=0)
-        best_score, best = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        at_best = tl.arange(0, BLOCK) == best
-        out = part_ptr + (row * tl.num_programs(1) + part).to(tl.int64) * _FIELDS
-        tl.store(out, z_max)
-        tl.store(out + 1, tl.sum(tl.exp(z - z_max), axis=0))
-        tl.store(out + 2, best_score)
-        tl.store(out + 3, (part * BLOCK + best).to(tl.float32))                    # exact below 2^24
-        tl.store(out + 4, tl.sum(tl.where(at_best, z, 0.0), axis=0))
-
-    @triton.jit
-    def _sample_merge_kernel(part_ptr, tokens_ptr, logprobs_ptr, n_parts, PARTS: tl.constexpr):
-        row = tl.program_id(0)
-        idx = tl.arange(0, PARTS)
-        mask = idx < n_parts
-        slices = part_ptr + (row * n_parts + idx).to(tl.int64) * _FIELDS
-        z_max = tl.load(slices, mask=mask, other=float("-inf"))
-        sum_exp = tl.load(slices + 1, mask=mask, other=0.0)
-        score = tl.load(slices + 2, mask=mask, other=float("-inf"))
-        m = tl.max(z_max, axis=0)
-        log_normalizer = m + tl.log(tl.sum(sum_exp * tl.exp(z_max - m), axis=0))
-        winner = tl.argmax(score, axis=0, tie_break_left=True)                      # lowest token on ties
-        at_winner = (idx == winner) & mask
-        token = tl.sum(tl.where(at_winner, tl.load(slices + 3, mask=mask, other=0.0), 0.0), axis=0)
-        z_token = tl.sum(tl.where(at_winner, tl.load(slices + 4, mask=mask, other=0.0), 0.0), axis=0)
-        tl.store(tokens_ptr + row, token.to(tl.int64))
-        tl.store(logprobs_ptr + row, z_token - log_normalizer)
-
-
-def sample_tokens_triton(logits: Tensor, temperature: float, seed_key: Tensor, rows: Tensor,
-                         position: Tensor) -> tuple[Tensor, Tensor]:
-    """sample_tokens(logits, temperature, noise=sampling_noise(seed_key, rows, position, V)) without
-    truncation, fused (two launches, no (B, V) tensor): logits (B, V) -> tokens (B,) int64, logprobs (B,)."""
-    B, V = logits.shape
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    n_parts = triton.cdiv(V, _SAMPLE_SLICE)
-    parts = torch.empty(B, n_parts, SAMPLE_FIELDS, dtype=torch.float32, device=logits.device)
-    tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
-    if B:
-        _sample_slice_kernel[(B, n_parts)](logits, logits.stride(0), seed_key, rows, position, parts, V,
-                                           1.0 / (temperature or 1.0), GREEDY=temperature == 0,
-                                           BLOCK=_SAMPLE_SLICE, num_warps=8)
-        _sample_merge_kernel[(B,)](parts, tokens, logprobs, n_parts, PARTS=triton.next_power_of_2(n_parts))
-    return tokens, logprobs
+def use_fused_sampler(logits: Tensor, top_k: int, top_p: float) -> bool:
+    """Where the fused sampler (kernels/sampling.py) runs: CUDA, without top-k / top-p (RL's default; its
+    race needs the whole distribution), token ids below 2^24 (they pass through fp32). A benchmark may
+    replace this."""
+    V = logits.shape[-1]
+    return (sampling_kernels is not None and logits.is_cuda and not 0 < top_k < V and top_p >= 1.0
+            and V < 2 ** 24)
 
 
 def sample_next(logits: Tensor, sampling: dict, seed_key: Tensor, rows: Tensor,
                 position: Tensor) -> tuple[Tensor, Tensor]:
-    """One token per row of logits (B, V): the one place the sampler's path is chosen. On CUDA without
-    top-k / top-p (RL's default), the fused kernels; otherwise the noise tensor and sample_tokens."""
+    """One token per row of logits (B, V): the fused sampler where it applies, otherwise the noise tensor
+    and sample_tokens."""
     temperature, top_k, top_p = sampling["temperature"], sampling["top_k"], sampling["top_p"]
-    if (logits.is_cuda and triton is not None and not 0 < top_k < logits.shape[-1] and top_p >= 1.0
-            and logits.shape[-1] < 2 ** 24):
-        return sample_tokens_triton(logits, temperature, seed_key, rows, position)
+    if use_fused_sampler(logits, top_k, top_p):
+        return sampling_kernels.sample_tokens(logits, temperature, seed_key, rows, position)
     noise = None if temperature == 0 else sampling_noise(seed_key, rows, position, logits.shape[-1])
     return sample_tokens(logits, temperature, top_k, top_p, noise)
 
@@ -480,14 +345,10 @@ def decode_step(model: MoETransformer, state: DecodeState) -> None:
 
 
 def capture_decode_graph(model: MoETransformer, state: DecodeState) -> "torch.cuda.CUDAGraph":
-    """Warm up decode_step on a side stream (lazy initializations, Triton autotuning, cuBLAS workspaces all
-    happen here, outside the capture), then capture one step.
-
-    Called after a prefill: the warm-up writes cache slots Tp and Tp + 1, which every real step overwrites
-    before it attends to them, and garbage into the other buffers, which generate resets afterwards. Layers
-    that set themselves up from their first input (an uncalibrated RAC selector) have seen the prompts by
-    then, not this garbage.
-    """
+    """Warm up decode_step on a side stream (lazy initializations, Triton autotuning, cuBLAS workspaces,
+    outside the capture), then capture one step. Called after a prefill: the warm-up's writes (cache slots
+    Tp and Tp + 1, garbage in the other buffers) are overwritten or reset before use, and layers that set
+    themselves up from their first input (an uncalibrated RAC selector) have seen the prompts by then."""
     state.cache.length.fill_(state.prompt_width)  # in-range slots and columns for the warm-up's writes
     side = torch.cuda.Stream(state.cache.keys.device)
     side.wait_stream(torch.cuda.current_stream())
@@ -735,11 +596,9 @@ def score(model: MoETransformer, tokens: Tensor, temperature: float = 1.0) -> Te
     padding after a row's end never reaches its tokens, so no mask is needed; the values at padding
     columns are meaningless (mask them with `Sequences.loss_mask`).
 
-    Why it exists: the same tokens scored by the same model in one prefill, instead of one decode step
-    at a time, separate the engine's own nondeterminism (a token's rounding depends on the other rows
-    and positions of its GEMM, e.g. through a dynamic per-tensor activation scale) from the trainer's
-    precision. Rows go through in chunks of at most PREFILL_LOGITS_BUDGET logits, as the sampler's
-    prefill does.
+    Why: the same tokens in one prefill instead of one decode step at a time separate the engine's own
+    nondeterminism (a token's rounding depends on the other rows of its GEMM, e.g. through a dynamic
+    activation scale) from the trainer's precision. Chunks of at most PREFILL_LOGITS_BUDGET logits.
     """
     if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"tokens must be an integer tensor (N, W), got {tuple(tokens.shape)} {tokens.dtype}")

@@ -205,42 +205,6 @@ def test_route_tokens_matches_a_stable_sort_oracle_for_every_key_width(n_experts
     assert routing.offsets.tolist() == list(itertools.accumulate(flat.count(e) for e in range(n_experts)))
 
 
-def test_fused_router_picks_the_most_probable_experts_lowest_id_first_on_ties(kernel_device):
-    generator = torch.Generator().manual_seed(5)
-    for tokens, n_experts, active, norm in ((1, 8, 2, True), (37, 128, 8, True), (5, 60, 4, False)):
-        logits = 2 * torch.randn(tokens, n_experts, generator=generator)
-        logits[0, 1] = logits[0, 3] = logits[0].max() + 1  # a tie: the lower id comes first
-        weights, ids = moe.router_top_k_triton(logits.to(kernel_device), active, norm)
-        probs = torch.softmax(logits.double(), dim=-1)                                   # the float64 oracle
-        for t in range(tokens):
-            expected = sorted(range(n_experts), key=lambda e: (-probs[t, e].item(), e))[:active]
-            assert ids[t].tolist() == expected
-        expected = probs.gather(-1, ids.cpu())
-        if norm:
-            expected = expected / expected.sum(dim=-1, keepdim=True)
-        torch.testing.assert_close(weights.cpu().double(), expected, rtol=1e-6, atol=0)
-
-
-def test_fused_router_weights_replayed_routes_and_its_gradient_is_the_twins(kernel_device):
-    generator = torch.Generator().manual_seed(6)
-    logits = (2 * torch.randn(9, 64, generator=generator)).to(kernel_device)
-    weights, ids = moe.router_top_k_triton(logits, 4, True)
-    replayed, own = moe.router_top_k_triton(logits, 4, True, routes=ids)
-    assert torch.equal(replayed, weights) and torch.equal(own, ids)  # its own routes: the same bits
-    routes = torch.randint(64, (9, 4), generator=generator).to(kernel_device)
-    replayed, own = moe.router_top_k_triton(logits, 4, True, routes=routes)
-    assert torch.equal(own, ids)                                       # still reports its own choice
-    expected = torch.softmax(logits.double(), dim=-1).gather(-1, routes)
-    expected = expected / expected.sum(-1, keepdim=True)
-    torch.testing.assert_close(replayed.double(), expected, rtol=1e-6, atol=0)
-    grad = torch.randn(9, 4, generator=generator).to(kernel_device)
-    for given in (None, routes):
-        fused_logits, twin_logits = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-        moe._FusedRouter.apply(fused_logits, 4, True, given)[0].backward(grad)
-        moe.router_top_k_reference(twin_logits, 4, True, ids if given is None else given)[0].backward(grad)
-        assert torch.equal(fused_logits.grad, twin_logits.grad)
-
-
 @pytest.mark.cuda
 def test_router_on_cuda_takes_the_fused_kernel_with_or_without_grad_and_chooses_torch_topks_experts():
     if not torch.cuda.is_available():
@@ -254,20 +218,7 @@ def test_router_on_cuda_takes_the_fused_kernel_with_or_without_grad_and_chooses_
     by_id, twin_by_id = weights.gather(-1, ids.argsort(-1)), twin_weights.gather(-1, twin_ids.argsort(-1))
     torch.testing.assert_close(by_id, twin_by_id, rtol=1e-6, atol=0)
     trained = moe.router_top_k(logits.float().requires_grad_(), 8, True)[0]
-    assert type(trained.grad_fn).__name__ == "_FusedRouterBackward"  # training takes it too
-
-
-def test_fused_routing_equals_the_torch_routing_in_every_integer(kernel_device):
-    generator = torch.Generator().manual_seed(4)
-    # one assignment; a partial chunk; several chunks, few experts; the largest (chunks, experts) it takes
-    for n_experts, tokens, active in ((8, 1, 1), (5, 3, 2), (128, 256, 8), (256, 512, 8)):
-        expert_ids = torch.randint(n_experts, (tokens, active), generator=generator)
-        if tokens > 8:
-            expert_ids[:8] = n_experts - 1  # a crowded expert across chunk boundaries: ties keep order
-        fused = moe.route_tokens_triton(expert_ids.to(kernel_device), n_experts)
-        for name, got, expected in zip(moe.Routing._fields, fused, moe.route_tokens_reference(expert_ids,
-                                                                                            n_experts)):
-            assert got.dtype == expected.dtype and torch.equal(got.cpu(), expected), name
+    assert type(trained.grad_fn).__name__ == "RouterTopKBackward"  # training takes it too
 
 
 def test_sum_expert_rows_is_each_tokens_rows_added_in_order():
@@ -285,28 +236,14 @@ def test_sum_expert_rows_is_each_tokens_rows_added_in_order():
     assert torch.equal(bf16, from_fp32)
 
 
-def test_fused_sum_of_expert_rows_equals_its_twin_bit_for_bit(kernel_device):
-    generator = torch.Generator().manual_seed(6)
-    # one token and one expert; a partial D block; a decode layer's shape (D 2048 in two blocks)
-    for tokens, active, dim in ((1, 1, 16), (3, 2, 48), (17, 8, 1040), (4, 8, 2048)):
-        routing = route_tokens(torch.randint(8, (tokens, active), generator=generator), 8)
-        for dtype in (torch.bfloat16, torch.float32):
-            y_sorted = (torch.randn(tokens * active, dim, generator=generator) * 3).to(dtype)
-            y_sorted[0, :4] = -0.0  # a token whose first row holds -0: the sum starts from that row, not 0
-            device_routing = moe.Routing(*(t.to(kernel_device) for t in routing))
-            fused = moe.sum_expert_rows_triton(y_sorted.to(kernel_device), device_routing, active)
-            twin = moe.sum_expert_rows_reference(y_sorted, routing, active)
-            assert same_bits(fused.cpu(), twin), (tokens, dtype)
-
-
 @pytest.mark.cuda
 def test_route_tokens_takes_the_counting_sort_on_cuda_for_a_decode_step(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     calls = []
-    original = moe.route_tokens_triton
-    monkeypatch.setattr(moe, "route_tokens_triton", lambda *a: calls.append(1) or original(*a))
-    for tokens, fused in ((256, True), (moe._FUSED_ROUTING_MAX // 8 + 1, False)):
+    original = moe.routing_kernels.route_tokens
+    monkeypatch.setattr(moe.routing_kernels, "route_tokens", lambda *a: calls.append(1) or original(*a))
+    for tokens, fused in ((256, True), (moe.routing_kernels.MAX_ASSIGNMENTS // 8 + 1, False)):
         calls.clear()
         expert_ids = torch.randint(128, (tokens, 8), device="cuda")
         routing = moe.route_tokens(expert_ids, 128)
@@ -352,39 +289,6 @@ def test_cuda_bf16_experts_take_grouped_mm_and_match_fp32_loop():
     assert report_diff(fast_grad, reference_grad, "grad")[0] < 3e-2 * reference_grad.abs().max()
 
 
-@pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32),
-                                                (torch.bfloat16, torch.bfloat16),
-                                                (torch.bfloat16, torch.float32)])
-def test_fused_rms_norm_matches_its_twin(kernel_device, dtype, weight_dtype):
-    generator = torch.Generator().manual_seed(0)
-    for rows, dim in ((1, 16), (37, 96), (8, 128)):  # D below, at and above a power of two
-        x = (3 * torch.randn(rows, dim, generator=generator)).to(dtype).to(kernel_device)
-        weight = (0.5 + torch.rand(dim, generator=generator)).to(weight_dtype).to(kernel_device)
-        y, expected = moe.rms_norm_triton(x, weight, 1e-6), moe.rms_norm_reference(x, weight, 1e-6)
-        assert y.dtype == expected.dtype and y.shape == expected.shape
-        # the sum of squares in another order: equal up to fp32 rounding of 1/rms, which the casts to
-        # BF16 / FP16 almost always absorb (one unit in the last place at most)
-        ulp = torch.finfo(expected.dtype).eps
-        assert ((y.float() - expected.float()).abs() <= 2 * ulp * expected.float().abs()).all()
-        if expected.dtype != torch.float32:  # a missing cast back before * w moves a quarter or more
-            assert (y != expected).float().mean() < 0.01
-    x = torch.zeros(2, 32, dtype=dtype, device=kernel_device)
-    zeros = moe.rms_norm_triton(x, weight[:32], 1e-6)
-    assert torch.equal(zeros, moe.rms_norm_reference(x, weight[:32], 1e-6))
-
-
-def test_fused_rms_norm_gradients_are_the_twins(kernel_device):
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(5, 48, generator=generator).to(kernel_device).requires_grad_()
-    weight = (0.5 + torch.rand(48, generator=generator)).to(kernel_device).requires_grad_()
-    grad = torch.randn(5, 48, generator=generator).to(kernel_device)
-    moe._FusedRMSNorm.apply(x, weight, 1e-6).backward(grad)
-    fused = (x.grad.clone(), weight.grad.clone())
-    x.grad = weight.grad = None
-    moe.rms_norm_reference(x, weight, 1e-6).backward(grad)
-    assert torch.equal(fused[0], x.grad) and torch.equal(fused[1], weight.grad)
-
-
 @pytest.mark.cuda
 def test_rms_norm_takes_the_fused_kernel_on_cuda_and_matches_the_twin(monkeypatch):
     if not torch.cuda.is_available():
@@ -393,8 +297,8 @@ def test_rms_norm_takes_the_fused_kernel_on_cuda_and_matches_the_twin(monkeypatc
     norm.weight.data.uniform_(0.5, 1.5)
     x = torch.randn(64, 1, 2048, device="cuda", dtype=torch.bfloat16)
     calls = []
-    original = moe.rms_norm_triton
-    monkeypatch.setattr(moe, "rms_norm_triton", lambda *a: calls.append(1) or original(*a))
+    original = moe.norm_kernels.rms_norm
+    monkeypatch.setattr(moe.norm_kernels, "rms_norm", lambda *a: calls.append(1) or original(*a))
     with torch.no_grad():
         y = norm(x)
     assert calls and y.dtype == torch.bfloat16
@@ -403,39 +307,16 @@ def test_rms_norm_takes_the_fused_kernel_on_cuda_and_matches_the_twin(monkeypatc
     assert (y != expected).float().mean() < 0.01  # rarely one BF16 unit apart, never more
 
 
-def test_fused_norms_refuse_the_dtypes_whose_roundings_they_do_not_make(kernel_device):
-    x = torch.randn(2, 1, 4, 16, device=kernel_device)
-    cos, sin = moe.rope_cos_sin(torch.zeros(2, 1, dtype=torch.long, device=kernel_device), 16, 1e6,
-                                torch.bfloat16)
-    half, weight = x.half(), torch.ones(16, device=kernel_device)
-    raises_one_line(lambda: moe.rms_norm_triton(half, weight.half(), 1e-6), "x and weight", "float16")
-    raises_one_line(lambda: moe.norm_rope_triton(half, weight.half(), 1e-6, cos.half(), sin.half()),
-                    "must all be bfloat16", "float16")
-    # and the layers route FP16 to their torch twins (as they do off CUDA)
-    norm = moe.RMSNorm(16, 1e-6).to(kernel_device).half()
+def test_norm_layers_route_fp16_to_their_torch_twins():
+    x = torch.randn(2, 1, 4, 16).half()
+    cos, sin = moe.rope_cos_sin(torch.zeros(2, 1, dtype=torch.long), 16, 1e6, torch.float16)
+    norm = moe.RMSNorm(16, 1e-6).half()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the kernels' dtype check routes them
+    x, cos, sin, norm = x.to(device), cos.to(device), sin.to(device), norm.to(device)
     with torch.no_grad():
-        assert torch.equal(norm(half), moe.rms_norm_reference(half, norm.weight, 1e-6))
-        assert torch.equal(moe.norm_rope(half, norm, cos.half(), sin.half()),
-                           moe.apply_rope(moe.rms_norm_reference(half, norm.weight, 1e-6).transpose(1, 2),
-                                          cos.half(), sin.half()))
-
-
-def test_fused_norm_rope_is_the_norm_then_rope_bit_for_bit(kernel_device):
-    dtype = torch.bfloat16
-    generator = torch.Generator().manual_seed(2)
-    for B, T, heads, hd in ((1, 1, 4, 16), (2, 3, 5, 96), (3, 2, 2, 128)):  # hd below and at a power of 2
-        x = (3 * torch.randn(B, T, heads, hd, generator=generator)).to(dtype).to(kernel_device)
-        weight = (0.5 + torch.rand(hd, generator=generator)).to(dtype).to(kernel_device)
-        positions = torch.randint(0, 4096, (B, T), generator=generator).to(kernel_device)
-        cos, sin = moe.rope_cos_sin(positions, hd, 1e6, dtype)
-        y = moe.norm_rope_triton(x, weight, 1e-6, cos, sin)
-        # the same norm kernel, then torch's RoPE: every rounding the same, so every bit
-        expected = moe.apply_rope(moe.rms_norm_triton(x, weight, 1e-6).transpose(1, 2), cos, sin)
-        assert y.shape == (B, heads, T, hd) and y.dtype == dtype and y.is_contiguous()
-        assert torch.equal(y, expected)
-        # against the plain twin (torch's sum of squares): one unit in the last place, rarely
-        plain = moe.apply_rope(moe.rms_norm_reference(x, weight, 1e-6).transpose(1, 2), cos, sin)
-        assert (y != plain).float().mean() < 0.02
+        assert torch.equal(norm(x), moe.rms_norm_reference(x, norm.weight, 1e-6))
+        plain = moe.apply_rope(moe.rms_norm_reference(x, norm.weight, 1e-6).transpose(1, 2), cos, sin)
+        assert torch.equal(moe.norm_rope(x, norm, cos, sin), plain)
 
 
 def test_norm_rope_keeps_autograd_and_the_composition_off_cuda():
@@ -460,8 +341,8 @@ def test_attention_takes_the_fused_norm_rope_on_cuda_without_grad_and_matches_th
     cos, sin = moe.rope_cos_sin(torch.randint(0, 4096, (8, 5), device="cuda"), config.head_dim,
                                 config.rope_theta, torch.bfloat16)
     calls = []
-    original = moe.norm_rope_triton
-    monkeypatch.setattr(moe, "norm_rope_triton", lambda *a: calls.append(1) or original(*a))
+    original = moe.norm_kernels.norm_rope
+    monkeypatch.setattr(moe.norm_kernels, "norm_rope", lambda *a: calls.append(1) or original(*a))
     with torch.no_grad():
         fused = attention(x, cos, sin)
     assert len(calls) == 2  # queries and keys
@@ -564,8 +445,6 @@ BAD_CALLS = [  # (id, call given a scratch directory, what the message names, th
     ("cache alone", lambda tmp: _forward(kv_cache=ConcatKVCache(2)), "kv_cache", "attn_mask"),
     ("expert rows", lambda tmp: moe.sum_expert_rows(torch.zeros(5, 4), route_tokens(torch.zeros(3, 2,
      dtype=torch.long), 4), 2), "y_sorted (5, 4)", "N = 6"),
-    ("expert rows, kernel", lambda tmp: moe.sum_expert_rows_triton(torch.zeros(5, 4), route_tokens(
-     torch.zeros(3, 2, dtype=torch.long), 4), 2), "y_sorted (5, 4)", "N = 6"),
     ("float mask", lambda tmp: _forward(attn_mask=torch.zeros(2, 1, 5, 5)), "attn_mask", "bool"),
     ("positions", lambda tmp: _forward(positions=torch.zeros(2, 4, dtype=torch.long)), "positions", "(2, 5)"),
     ("routes shape", lambda tmp: _forward(forced_routes=torch.zeros(2, 5, 2, dtype=torch.long)),

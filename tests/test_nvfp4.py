@@ -1,6 +1,7 @@
 """Tests for nvfp4.py: the format against an independent float64 oracle (every bf16 bit pattern
-included), signs, packing, edge cases, the error bound, the public API on both paths, and the Triton
-kernels against the torch reference bit for bit (on the CPU under TRITON_INTERPRET=1, on a GPU natively)."""
+included), signs, packing, edge cases, the error bound, and the public API on both paths (the torch
+reference, and the Triton kernels of kernels/nvfp4_quantize.py; their own tests are in
+test_kernels_nvfp4_quantize.py)."""
 import re
 
 import pytest
@@ -90,7 +91,7 @@ def api_device(request, monkeypatch):
     (natively on a GPU; on the CPU they are forced, under the interpreter)."""
     if request.param == "torch twin":
         return "cpu"
-    if nvfp4.triton is None:
+    if nvfp4.nvfp4_quantize is None:
         pytest.skip("triton is not installed")
     if torch.cuda.is_available():
         return "cuda"
@@ -172,19 +173,6 @@ def test_every_code_keeps_the_sign_bit_of_its_input():
         finite = x.isfinite().all(dim=-1)
         out = nvfp4.dequantize_reference(q, torch.float32)[finite]
         assert torch.equal(_sign_bits(out), _sign_bits(x[finite]))  # zeros keep the input's sign
-
-
-def test_kernel_matches_reference_on_every_bf16_pattern(kernel_device):
-    everything = torch.cat(list(EVERY_BF16.values()))
-    # the anchored scale, and the large values under their own global scale (tiny, subnormal and
-    # zero block scales)
-    for x, global_scale in [(everything, torch.tensor(ANCHORED_SCALE)), (EVERY_BF16["large"], None)]:
-        ref = nvfp4.quantize_reference(x, global_scale)
-        fast = nvfp4.quantize_triton(x.to(kernel_device), None if global_scale is None
-                                     else global_scale.to(kernel_device))
-        assert_same_quantization(ref, fast)
-        assert same_bits(nvfp4.dequantize_triton(fast, torch.float32),
-                         nvfp4.dequantize_reference(ref, torch.float32))
 
 
 # ------------------------------------------------------------------ rounding rules
@@ -293,61 +281,6 @@ def test_dequantization_error_is_within_the_format_bound():
     assert rel < 0.11
 
 
-# ------------------------------------------------------------------ kernel vs reference
-SHAPES = [(1, 16), (3, 5, 48), (7, 1, 32), (2, 3, 4, 16), (33, 160)]
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_triton_quantize_matches_reference_on_random_data(kernel_device, shape, dtype):
-    torch.manual_seed(hash(shape) % 1000)
-    x = (torch.randn(shape) * 3).to(dtype)
-    ref = nvfp4.quantize_reference(x)
-    fast = nvfp4.quantize_triton(x.to(kernel_device))
-    assert_same_quantization(ref, fast)
-    deq_ref = nvfp4.dequantize_reference(ref, dtype)
-    assert same_bits(nvfp4.dequantize_triton(fast, dtype), deq_ref)
-    assert same_bits(nvfp4.fake_quantize_triton(x.to(kernel_device)), deq_ref)
-
-
-def _adversarial(dtype):
-    torch.manual_seed(1)
-    x = torch.randn(13, 64)
-    x[0] *= 1e-3
-    x[1, 5] = 1e4                                      # one outlier: most blocks become tiny or zero
-    x[2, :16] = 0                                      # zero block
-    x[3] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * 8)  # grid ties
-    x[4] = -x[3]
-    x[5] = torch.finfo(torch.float32).tiny * torch.rand(64)  # subnormal-scale values
-    x[6, 7] = float("nan")
-    x[7, 40] = float("inf")
-    x[8, 1] = float("-inf")
-    x[9] = 447.9 * 6 * 0.01 * torch.sign(torch.randn(64))  # block scales near the E4M3 maximum
-    x[10, :32] = -0.0                                  # a -0.0 block, and negatives that round to -0
-    x[10, 32:48] = torch.tensor([6.0] + [-0.1] * 15)
-    return x.to(dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("global_scale", [None, 0.01, 2.0 ** -8])
-def test_triton_quantize_matches_reference_on_adversarial_data(kernel_device, dtype, global_scale):
-    x = _adversarial(dtype)
-    if global_scale is None:
-        x = x[x.isfinite().all(dim=-1)]  # with a computed scale a single NaN makes everything NaN
-    gs = None if global_scale is None else torch.tensor(global_scale)
-    ref = nvfp4.quantize_reference(x, gs)
-    fast = nvfp4.quantize_triton(x.to(kernel_device), None if gs is None else gs.to(kernel_device))
-    assert_same_quantization(ref, fast)
-    assert same_bits(nvfp4.dequantize_triton(fast, dtype), nvfp4.dequantize_reference(ref, dtype))
-    fake = nvfp4.fake_quantize_triton(x.to(kernel_device), None if gs is None else gs.to(kernel_device))
-    assert same_bits(fake, nvfp4.dequantize_reference(ref, dtype))
-
-
-def test_triton_quantize_of_a_tensor_with_nan_gives_nan_everywhere(kernel_device):
-    x = _adversarial(torch.float32).to(kernel_device)
-    assert nvfp4.dequantize_triton(nvfp4.quantize_triton(x), torch.float32).isnan().all()
-
-
 @pytest.mark.cuda
 def test_quantize_on_cuda_uses_the_kernel_and_matches_reference_at_scale():
     torch.manual_seed(0)
@@ -414,7 +347,7 @@ def test_weight_rule_gives_trainer_and_rollout_the_oracle_values(api_device, sha
 
 
 # ------------------------------------------------------------------ per-matrix global scales (experts)
-def test_per_matrix_global_scale_equals_quantizing_each_matrix_alone(kernel_device):
+def test_per_matrix_global_scale_equals_quantizing_each_matrix_alone():
     torch.manual_seed(3)
     w = torch.randn(5, 8, 32) * torch.tensor([0.01, 1.0, 30.0, 0.5, 2.0]).view(5, 1, 1)
     gs = nvfp4.compute_global_scale(w, per_matrix=True)
@@ -425,11 +358,6 @@ def test_per_matrix_global_scale_equals_quantizing_each_matrix_alone(kernel_devi
         assert torch.equal(stacked.data[e], alone.data)
         assert torch.equal(bits(stacked.block_scale[e]), bits(alone.block_scale))
         assert stacked.global_scale[e] == alone.global_scale
-    fast = nvfp4.quantize_triton(w.to(kernel_device), gs.to(kernel_device))
-    assert_same_quantization(stacked, fast)
-    deq = nvfp4.dequantize_reference(stacked, torch.float32)
-    assert same_bits(nvfp4.dequantize_triton(fast, torch.float32), deq)
-    assert same_bits(nvfp4.fake_quantize_triton(w.to(kernel_device), gs.to(kernel_device)), deq)
 
 
 # ------------------------------------------------------------------ bad input

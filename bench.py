@@ -120,7 +120,7 @@ def bench_gemm(args):
     shapes, the config's dense intermediate_size 6144), in one run:
 
     1. dense decode (M = 1, 16, 64, 256), the whole layer: W4A4 = rac.nvfp4_linear_triton (its activation
-       quantization included: one quantizer launch, then the tiled GEMM, kernels/w4a4_dense.py);
+       quantization included: one quantizer launch, then the tiled GEMM, gpu_kernels/w4a4_dense.py);
        W4A4 RAC 0.5 = the same with half the blocks compensated; FP8 = fp8.linear (per-token
        quantization in torch + torch._scaled_mm); int4 = torch._weight_int4pack_mm (W4A16, group 128,
        gpt-fast's kernel); BF16 F.linear. "% floor": the NVFP4 weight bytes over the measured copy
@@ -146,7 +146,7 @@ def bench_gemm(args):
     import moe
     import nvfp4
     import rac
-    from kernels import w4a4_dense, w4a4_experts
+    from gpu_kernels import w4a4_dense, w4a4_experts
 
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -379,9 +379,9 @@ def _config_label(config, sep):
 
 def _print_autotuned():
     """The configurations the W4A4 kernels' autotuner chose in this process, per key (shape bucket, N, K, ...)."""
-    from kernels import w4a4_dense, w4a4_experts
+    from gpu_kernels import w4a4_dense, w4a4_experts
     try:
-        from kernels.w4a4_experts_gluon import _grouped_gluon_kernel
+        from gpu_kernels.w4a4_experts_gluon import _grouped_gluon_kernel
         gluon = (_grouped_gluon_kernel,)
     except ImportError:  # Triton without Gluon
         gluon = ()

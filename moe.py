@@ -21,7 +21,7 @@ expert multiplies one contiguous slice of rows, and the rows are put back in tok
 their router weights. On CUDA in BF16 the per-expert GEMMs are one `torch._grouped_mm` call; elsewhere a
 plain loop over the active experts, which is also the slow twin the fast path is tested against.
 
-Fast paths (kernels/norm.py, kernels/routing.py), each chosen in one `use_*_kernel` function below: on
+Fast paths (gpu_kernels/norm.py, gpu_kernels/routing.py), each chosen in one `use_*_kernel` function below: on
 CUDA, RMSNorm and the router's softmax + top-k are one launch each for trainer and rollout alike (equal
 to their twins to fp32 rounding; under autograd the backward is the twin's); the q/k norm with RoPE
 without autograd, the routing's sort of a decode step's assignments and the sum of each token's expert
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 try:
-    from kernels import norm as norm_kernels, routing as routing_kernels
+    from gpu_kernels import norm as norm_kernels, routing as routing_kernels
 except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the plain twins run
     norm_kernels = routing_kernels = None
 
@@ -118,7 +118,7 @@ PRESETS = {
 
 
 # ----------------------------------------------------------------------------------------------- fast paths
-# Where each fused kernel (kernels/norm.py, kernels/routing.py) runs: on the CUDA tensors it applies to,
+# Where each fused kernel (gpu_kernels/norm.py, gpu_kernels/routing.py) runs: on the CUDA tensors it applies to,
 # the plain twin everywhere else. A benchmark may set one to `lambda *args: False` to time its twin.
 def use_norm_kernel(x: Tensor, weight: Tensor) -> bool:
     return (norm_kernels is not None and x.is_cuda and x.shape[-1] <= norm_kernels.MAX_DIM

@@ -42,7 +42,7 @@ weight (N, K) and one per expert of stacked (E, N, K) weights, so they agree bit
 activation rule (quantize_activation: dynamic scale, RAC residual on selected blocks) is also here.
 
 Fast path: on CUDA tensors quantize, dequantize and fake_quantize run the Triton kernels of
-kernels/nvfp4_quantize.py (one read of x, one write; fake_quantize fused), chosen in `_use_triton`.
+gpu_kernels/nvfp4_quantize.py (one read of x, one write; fake_quantize fused), chosen in `_use_triton`.
 Left out: MX formats, stochastic rounding, per-row global scales, Blackwell's swizzled scale layout.
 
 Shape letters: K = last (reduction) dim, G = K / 16 blocks per row, M = product of the leading dims.
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 try:
-    from kernels import nvfp4_quantize
+    from gpu_kernels import nvfp4_quantize
 except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the torch twin runs
     nvfp4_quantize = None
 

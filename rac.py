@@ -22,7 +22,7 @@ price is that a token's rounding depends on the largest value in its batch.
 
 Reading order: the references (plain PyTorch, fp32), block selection, the experts' weight layout, the layers
 (q/k/v_proj share one selection, quantization and stacked GEMM: SharedInput), conversion and sync; then the
-fast path (kernels/w4a4_*.py, each naming the reference here it equals) and `backend`, the one place a path
+fast path (gpu_kernels/w4a4_*.py, each naming the reference here it equals) and `backend`, the one place a path
 is chosen per device. One quantizer launch, then on Hopper (sm_89/sm_90) fp16 MMAs on the FP4 weight decoded
 in registers (or once, for prefill), the experts as one grouped GEMM with SwiGLU and the router weights in its
 epilogues; on Blackwell `tl.dot_scaled` on the codes, numerics UNTESTED (no such GPU here): checked against
@@ -49,11 +49,11 @@ from nvfp4 import BLOCK_SIZE, NVFP4Tensor
 
 try:  # triton ships with CUDA builds of torch on Linux; without it the references run
     import triton
-    from kernels import w4a4_blackwell, w4a4_dense, w4a4_experts, w4a4_quantize
+    from gpu_kernels import w4a4_blackwell, w4a4_dense, w4a4_experts, w4a4_quantize
 except ImportError:
     triton = None
 try:  # no Triton, or one before 3.5 (no Gluon): the experts run on the Triton kernel
-    from kernels import w4a4_experts_gluon
+    from gpu_kernels import w4a4_experts_gluon
 except ImportError:
     w4a4_experts_gluon = None
 
@@ -518,7 +518,7 @@ def calibrate_rac(rollout_model, tokens):
     return rollout_model
 
 
-# ======================================================================== the fast path (kernels/w4a4_*.py)
+# ======================================================================== the fast path (gpu_kernels/w4a4_*.py)
 class Activation(NamedTuple):
     """An activation quantized for the W4A4 GEMMs (the fields a path does not need are None)."""
     x_q: NVFP4Tensor | None       # codes and block scales of x, with the global scale

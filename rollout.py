@@ -31,7 +31,7 @@ Random numbers are counter-based: E_v of row n at completion position t is a has
 v) (`sampling_noise`: two rounds of a 32-bit xor-shift / multiply mixer, u from its top 23 bits, E =
 -log(u)). A row's tokens depend only on its logits and (seed, row id), with or without the CUDA graph
 and whatever rows share its batch, so torchrun ranks sampling their shares of a batch (`row_offset`)
-produce exactly the rollouts one process would. The fast paths (kernels/sampling.py), each chosen in one
+produce exactly the rollouts one process would. The fast paths (gpu_kernels/sampling.py), each chosen in one
 `use_*` function: the noise in one launch; without top-k / top-p (RL's default) the whole sampler fused,
 the race in log space with no (N, V) tensor, its tokens the twin's but where two candidates tie to fp32
 rounding. `score` re-scores given rows in one prefill, the audit's check of the engine's own numerics.
@@ -59,7 +59,7 @@ from torch import Tensor
 from moe import MoETransformer
 
 try:
-    from kernels import sampling as sampling_kernels
+    from gpu_kernels import sampling as sampling_kernels
 except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the torch twins run
     sampling_kernels = None
 
@@ -201,7 +201,7 @@ def sampling_noise_reference(seed_key: Tensor, rows: Tensor, position: Tensor, v
 
 
 def use_noise_kernel(rows: Tensor) -> bool:
-    """Where the noise kernel (kernels/sampling.py) runs: CUDA. A benchmark may replace this."""
+    """Where the noise kernel (gpu_kernels/sampling.py) runs: CUDA. A benchmark may replace this."""
     return sampling_kernels is not None and rows.is_cuda
 
 
@@ -238,7 +238,7 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
 
 
 def use_fused_sampler(logits: Tensor, top_k: int, top_p: float) -> bool:
-    """Where the fused sampler (kernels/sampling.py) runs: CUDA, without top-k / top-p (RL's default; its
+    """Where the fused sampler (gpu_kernels/sampling.py) runs: CUDA, without top-k / top-p (RL's default; its
     race needs the whole distribution), token ids below 2^24 (they pass through fp32). A benchmark may
     replace this."""
     V = logits.shape[-1]

@@ -1,4 +1,4 @@
-"""Tests for kernels/norm.py: the fused RMSNorm (forward, and the gradient of its autograd Function)
+"""Tests for gpu_kernels/norm.py: the fused RMSNorm (forward, and the gradient of its autograd Function)
 and the fused per-head norm + RoPE against moe.py's plain twins (on the CPU under TRITON_INTERPRET=1,
 on a GPU natively)."""
 import pytest
@@ -7,7 +7,7 @@ from conftest import raises_one_line
 
 import moe
 
-norm_kernels = pytest.importorskip("kernels.norm")
+norm_kernels = pytest.importorskip("gpu_kernels.norm")
 
 
 @pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32),

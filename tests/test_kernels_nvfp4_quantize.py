@@ -1,4 +1,4 @@
-"""Tests for kernels/nvfp4_quantize.py: the Triton quantize, dequantize and fake-quantize kernels against
+"""Tests for gpu_kernels/nvfp4_quantize.py: the Triton quantize, dequantize and fake-quantize kernels against
 nvfp4.py's torch reference, bit for bit (on the CPU under TRITON_INTERPRET=1, on a GPU natively), on
 every bf16 bit pattern, random data of every dtype and adversarial blocks."""
 import pytest

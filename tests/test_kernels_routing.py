@@ -1,4 +1,4 @@
-"""Tests for kernels/routing.py: the counting sort, the sum of expert rows and the fused router against
+"""Tests for gpu_kernels/routing.py: the counting sort, the sum of expert rows and the fused router against
 moe.py's plain twins and float64 oracles (on the CPU under TRITON_INTERPRET=1, on a GPU natively)."""
 import pytest
 import torch
@@ -7,7 +7,7 @@ from conftest import raises_one_line, same_bits
 import moe
 from moe import route_tokens
 
-routing_kernels = pytest.importorskip("kernels.routing")
+routing_kernels = pytest.importorskip("gpu_kernels.routing")
 
 
 def test_fused_router_picks_the_most_probable_experts_lowest_id_first_on_ties(kernel_device):

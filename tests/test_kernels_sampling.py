@@ -1,4 +1,4 @@
-"""Tests for kernels/sampling.py: the noise kernel against rollout.py's torch twin, and the fused sampler
+"""Tests for gpu_kernels/sampling.py: the noise kernel against rollout.py's torch twin, and the fused sampler
 against the exponential race computed in float64 from the same hash (on the CPU under TRITON_INTERPRET=1,
 on a GPU natively)."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 import rollout
 
-sampling_kernels = pytest.importorskip("kernels.sampling")
+sampling_kernels = pytest.importorskip("gpu_kernels.sampling")
 
 
 def test_noise_kernel_equals_its_torch_twin(kernel_device):

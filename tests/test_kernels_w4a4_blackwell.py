@@ -1,4 +1,4 @@
-"""kernels/w4a4_blackwell.py: the native FP4 kernels compile for sm_100 to Blackwell's block-scaled FP4
+"""gpu_kernels/w4a4_blackwell.py: the native FP4 kernels compile for sm_100 to Blackwell's block-scaled FP4
 tensor-core instruction, and their first-use check against the Hopper kernels names what fails. Their
 numerics stay untested without a Blackwell GPU."""
 import pytest
@@ -13,7 +13,7 @@ _COMPILE_FOR_SM100 = r"""
 import re
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from kernels import w4a4_blackwell
+from gpu_kernels import w4a4_blackwell
 p8, pf, p32, i = "*u8", "*fp32", "*i32", "i32"
 common = dict(OUT_BF16=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)
 grouped_types = [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, "*i64", p8, "*fp8e4nv", pf, "*i64", "*i16"]
@@ -29,7 +29,7 @@ kernels = {
                      dict(GATHER=False, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=False, HAS_RESIDUAL=True,
                           E_POW2=128, **common)),
 }
-for name, (kernel, types, constants) in kernels.items():
+for name, (kernel, types, constants) in gpu_kernels.items():
     signature = dict(zip(kernel.arg_names, types + ["constexpr"] * len(constants)))
     ptx = compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 100, 32)).asm["ptx"]
     # NVFP4's block-16 scaled MMA: spelled .block16 by Triton 3.9, .scale_vec::4X (its older alias) by 3.6

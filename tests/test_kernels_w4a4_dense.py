@@ -1,4 +1,4 @@
-"""kernels/w4a4_dense.py: the dense W4A4 GEMM (split-K, the prefill weight pass, stacked q/k/v
+"""gpu_kernels/w4a4_dense.py: the dense W4A4 GEMM (split-K, the prefill weight pass, stacked q/k/v
 weights) against rac.nvfp4_linear_reference / rac.matmul_reference and the prefill pass against the fp16 operand's
 definition (CPU under TRITON_INTERPRET=1, GPU natively); its autotuning table; every
 GPU configuration forced in turn."""

@@ -1,4 +1,4 @@
-"""kernels/w4a4_experts.py: the experts' grouped W4A4 GEMM in Triton (gather + SwiGLU, router weights
+"""gpu_kernels/w4a4_experts.py: the experts' grouped W4A4 GEMM in Triton (gather + SwiGLU, router weights
 read through routing.order, empty experts, the experts' blocked weight layout) against
 rac.grouped_matmul_reference (CPU under TRITON_INTERPRET=1, GPU natively); its autotuning table; every GPU
 configuration forced in turn at prefill size."""
@@ -111,7 +111,7 @@ def test_triton_grouped_autotuner_steps_k_within_one_chunk_of_the_layout(monkeyp
     # the Triton grouped kernel reads ExpertWeights directly: where K spans several 128-element chunks, its
     # GPU configurations' 256-element steps become 128 (a step may not cross a chunk); K of one chunk
     # (here 192) keeps every step; each bucket keeps its own configurations
-    from kernels import w4a4_dense
+    from gpu_kernels import w4a4_dense
     monkeypatch.setattr(w4a4_dense, "INTERPRET", False)  # the GPU table, not the interpreter's
     configs = w4a4_experts._configs(w4a4_experts.GROUPED_CONFIGS)
     assert any(c.kwargs["BLOCK_K"] == 256 for c in configs)

@@ -1,4 +1,4 @@
-"""kernels/w4a4_experts_gluon.py: the experts' grouped GEMM in Gluon (sm_89 / sm_90). Its autotuner's K
+"""gpu_kernels/w4a4_experts_gluon.py: the experts' grouped GEMM in Gluon (sm_89 / sm_90). Its autotuner's K
 steps; compiled for sm_90 on the CPU (8-byte code loads into mma.sync); on the GPU against
 rac.grouped_matmul_reference on short tiles and at every bucket, every configuration forced in turn."""
 import pytest
@@ -41,7 +41,7 @@ def test_gluon_autotuner_keeps_the_bucket_and_steps_k_within_one_chunk_of_the_la
 
 _COMPILE_GLUON_FOR_SM90 = COMPILE_PREAMBLE + r"""
 from triton.experimental.gluon._runtime import GluonASTSource
-from kernels import w4a4_experts_gluon
+from gpu_kernels import w4a4_experts_gluon
 kernel = jit(w4a4_experts_gluon._grouped_gluon_kernel)
 types = ["*fp16", "*fp32", "*i64", "*fp32", "*i64", "*u8", "*u8", "*fp32", "*i64", "*bf16"] + [i] * 13
 for swiglu, tile, n, k in ((1, 8, 64, 128), (1, 32, 64, 64), (0, 8, 128, 128), (0, 64, 64, 64)):

@@ -1,4 +1,4 @@
-"""kernels/w4a4_quantize.py: the activation quantizer against rac.quantize_activation_reference (codes) and
+"""gpu_kernels/w4a4_quantize.py: the activation quantizer against rac.quantize_activation_reference (codes) and
 the definition of the Hopper GEMMs' fp16 operand, bit for bit (CPU under TRITON_INTERPRET=1, GPU natively);
 the partial max; the residual's product rounded on its own when compiled for sm_90 on the CPU."""
 import os
@@ -102,7 +102,7 @@ COMPILE_PREAMBLE = r"""
 import re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from kernels import w4a4_blackwell, w4a4_dense, w4a4_experts, w4a4_quantize
+from gpu_kernels import w4a4_blackwell, w4a4_dense, w4a4_experts, w4a4_quantize
 def jit(kernel):
     while not isinstance(kernel, triton.runtime.jit.JITFunction):  # through autotune and heuristics
         kernel = kernel.fn

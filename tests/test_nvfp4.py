@@ -1,6 +1,6 @@
 """Tests for nvfp4.py: the format against an independent float64 oracle (every bf16 bit pattern
 included), signs, packing, edge cases, the error bound, and the public API on both paths (the torch
-reference, and the Triton kernels of kernels/nvfp4_quantize.py; their own tests are in
+reference, and the Triton kernels of gpu_kernels/nvfp4_quantize.py; their own tests are in
 test_kernels_nvfp4_quantize.py)."""
 import re
 

@@ -12,7 +12,7 @@ its gate rows stacked on the matching up rows, so that one product holds both ha
 each row by its router weight, read through routing.order (no gather launch). The weights are in the
 experts' blocked layout (rac.ExpertWeights: 16-row blocks by CHUNK-element K chunks, each one contiguous
 run), so that a program streams a few contiguous regions. The weight tile is decoded in registers as in
-kernels/w4a4_dense.py, whose building blocks this file uses.
+gpu_kernels/w4a4_dense.py, whose building blocks this file uses.
 
 On sm_89 / sm_90 the Gluon kernel (w4a4_experts_gluon.py) runs instead at decode; this one runs for prefill
 (rac.grouped_matmul_triton says from how many tokens), under the interpreter, for K not a multiple of 64, and
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.w4a4_dense import (_EPILOGUE, _HEURISTICS, INTERPRET, _bench_in_graph, _configs, _m_bucket,
+from gpu_kernels.w4a4_dense import (_EPILOGUE, _HEURISTICS, INTERPRET, _bench_in_graph, _configs, _m_bucket,
                                 _mainloop, _prune, _store_tile, as_int16)
 
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norm import ROUNDED_DTYPES, _round_to
+from gpu_kernels.norm import ROUNDED_DTYPES, _round_to
 
 CHUNK = 64                        # assignments per program of the counting sort
 MAX_ASSIGNMENTS = 64 * CHUNK      # the second pass reads every chunk's counts at once

@@ -12,18 +12,18 @@ test compiles both kernels for sm_100, and rac.py checks them against the Hopper
 One tl.dot_scaled per loop body: with two (x and its residual, or gate and up) Triton 3.6's automatic warp
 specialization fails to compile for sm_100. So the residual is a second pass over K (the weight tiles read
 again, mostly from L2), and SwiGLU's gate and up rows are one stacked tile, as in the Hopper kernel. The
-grouped kernel finds its expert and rows as kernels/w4a4_experts.py's does, from the same helpers.
+grouped kernel finds its expert and rows as gpu_kernels/w4a4_experts.py's does, from the same helpers.
 """
 import torch
 import triton
 import triton.language as tl
 
-from kernels import w4a4_dense, w4a4_experts
-from kernels.w4a4_dense import EXPERT_ROWS, _split_columns, _store_split, _store_tile, as_int16, \
+from gpu_kernels import w4a4_dense, w4a4_experts
+from gpu_kernels.w4a4_dense import EXPERT_ROWS, _split_columns, _store_split, _store_tile, as_int16, \
     column_splits, split_output
-from kernels.w4a4_experts import _expert_tile, _expert_weight_rows, _swiglu, _tile_rows, expert_shape, \
+from gpu_kernels.w4a4_experts import _expert_tile, _expert_weight_rows, _swiglu, _tile_rows, expert_shape, \
     grouped_output
-from kernels.w4a4_quantize import quantize_activation
+from gpu_kernels.w4a4_quantize import quantize_activation
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """The W4A4 dense GEMM for Hopper (and sm_89): y = x @ W.T with NVFP4 weights and the quantizer's fp16
-activation operand (kernels/w4a4_quantize.py). It equals rac.matmul_reference up to fp32 accumulation order
+activation operand (gpu_kernels/w4a4_quantize.py). It equals rac.matmul_reference up to fp32 accumulation order
 (and, with a RAC residual, the fp16 rounding of x + r the operand makes); the prefill weight pass equals
 the definition of that fp16 operand (value * block scale * 2^-6) bit for bit.
 
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.w4a4_quantize import INTERPRET, OPERAND_SHIFT, _to_bf16_bits, empty_planes
+from gpu_kernels.w4a4_quantize import INTERPRET, OPERAND_SHIFT, _to_bf16_bits, empty_planes
 
 PREFILL_ROWS = 257                 # from this many rows on, the weight is decoded once per call
 EXPERT_ROW_BLOCK = 16              # the experts' weights are stored in blocks of 16 rows (rac.ExpertWeights)

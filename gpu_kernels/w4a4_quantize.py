@@ -13,7 +13,7 @@ Per 16-element block b of x, with the dynamic global scale g = amax(|x|) / (6 * 
 A program quantizes BLOCKS blocks of the flattened (M * G, 16) input as two (BLOCKS, 8) tiles of even and odd
 elements: a bf16 pair is one 32-bit load, a packed byte is code(even) | code(odd) << 4, and the operand is
 written as two planes (2, M, K/2) of even and odd columns, the order in which a packed weight byte holds its
-two codes (kernels/w4a4_dense.py consumes K as those two halves). The global scale needs amax(|x|) before
+two codes (gpu_kernels/w4a4_dense.py consumes K as those two halves). The global scale needs amax(|x|) before
 any block: inputs up to AMAX_IN_LAUNCH elements are reduced by every program itself (they sit in L2); larger
 ones by one partial-max launch ahead (at most 256 slices), whose maxima every program then reduces.
 

@@ -1,5 +1,5 @@
 """The experts' grouped W4A4 GEMM in Gluon, for sm_89 and sm_90: the same product as
-kernels/w4a4_experts.py's Triton kernel (equal outputs on the H200), and so equal to
+gpu_kernels/w4a4_experts.py's Triton kernel (equal outputs on the H200), and so equal to
 rac.grouped_matmul_reference up to fp32 accumulation order.
 
 Gluon is Triton's layout-explicit dialect: here it lets the weight codes be loaded straight into the MMA's
@@ -27,8 +27,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kernels.w4a4_dense import EXPERT_ROWS, _E2M1_PAIRS_PTX, _EPILOGUE, _bench_in_graph, _m_bucket
-from kernels.w4a4_experts import expert_shape, grouped_output
+from gpu_kernels.w4a4_dense import EXPERT_ROWS, _E2M1_PAIRS_PTX, _EPILOGUE, _bench_in_graph, _m_bucket
+from gpu_kernels.w4a4_experts import expert_shape, grouped_output
 
 
 @gluon.constexpr_function

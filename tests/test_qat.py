@@ -418,11 +418,11 @@ def recorded_and_used(x):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_recorders_requantization_is_the_rollout_kernels_bit_for_bit_interpreted(dtype):
-    """trace records nvfp4.quantize(x) of each rollout layer input; the rollout's fused quantizer (here
-    under the Triton interpreter) must have produced the same codes, block scales and global scale."""
+def test_the_recorders_requantization_is_the_rollout_kernels_bit_for_bit(dtype, kernel_device):
+    """trace records nvfp4.quantize(x) of each rollout layer input; the rollout's fused quantizer (under
+    the Triton interpreter on the CPU) must have produced the same codes, block scales and global scale."""
     torch.manual_seed(0)
-    x = torch.randn(8, 64, dtype=dtype)
+    x = torch.randn(8, 64, dtype=dtype).to(kernel_device)
     x[:, 16:32] *= 40
     recorded, used = recorded_and_used(x)
     assert torch.equal(recorded.global_scale.reshape(()), used.global_scale.reshape(()))

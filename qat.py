@@ -10,8 +10,8 @@ trainer's forward uses the weights *as the rollout will see them*, activations s
     backward  grad_x = grad_y @ Wq               the quantized weight, as the forward used
               grad_W = grad_y.T @ x_eff          to the master W (straight-through: dWq/dW = identity)
 
-Each layer fake-quantizes its own weight at every forward (one forward per optimizer step: nothing for a
-cache to reuse). Modes (`convert_for_training(model, mode)`), for the attention projections and experts:
+Within `sharing` the weights of all layers are fake-quantized together, once per forward (their global
+scales in one multi-tensor pass); a layer called on its own quantizes its own. Modes (`convert_for_training(model, mode)`), for the attention projections and experts:
 - `bf16`: no change.   `qat`: the asymmetric recipe above.
 - `w4a4`: every layer input is fake-quantized as the rollout quantizes it (nvfp4.fake_quantize: a dynamic
   per-tensor global scale), straight-through to x. QUADS reports a *larger* mismatch than `qat`.
@@ -178,6 +178,45 @@ def _check_masks(layer, masks, inputs):
                          f"masks, one per input: {inputs}")
 
 
+# ----------------------------------------------------------------------------- the weights, once per forward
+def fake_quantize_weights(weights):
+    """[nvfp4.fake_quantize_weight(w) for w in weights], bit for bit, with the same straight-through
+    gradients, but the global scales of all of them computed together: one multi-tensor amax and one
+    application of nvfp4's scale rule instead of a few small launches per weight. On the GPU a training
+    step waits on launches, not on this arithmetic (the results log has the measurement)."""
+    with torch.no_grad():
+        matrices = [m for w in weights for m in (w.detach().unbind(0) if w.dim() >= 3 else (w.detach(),))]
+        amax = torch.stack(torch._foreach_norm(matrices, float("inf"))).float()        # exact: a max
+        scales = nvfp4.compute_global_scale(amax.view(-1, 1, 1), per_matrix=True)      # nvfp4's own rule
+        scales = scales.split([w.shape[0] if w.dim() >= 3 else 1 for w in weights])
+    return [nvfp4.fake_quantize(w, s.reshape(w.shape[:-2])) for w, s in zip(weights, scales)]
+
+
+class _WeightCache:
+    """Within `sharing`: the fake-quantized weights of all of a model's QAT layers, computed together
+    (fake_quantize_weights) when the first layer asks, again whenever a weight changed or the grad mode
+    did (an optimizer step between two forwards of one block, a no_grad forward before a graded one)."""
+
+    def __init__(self, layers):
+        self.layers, self.key, self.values = layers, None, {}
+
+    def get(self, layer):
+        layers = [m for m in self.layers if m.fake_quant]
+        key = (torch.is_grad_enabled(), tuple(p._version for m in layers for p in m.master_weights()))
+        if key != self.key:
+            values = iter(fake_quantize_weights([p for m in layers for p in m.master_weights()]))
+            self.values = {id(m): tuple(next(values) for _ in m.master_weights()) for m in layers}
+            self.key = key
+        return self.values[id(layer)]
+
+
+def _fake_quantized(layer):
+    """The layer's fake-quantized weights: from its model's cache within `sharing`, else its own."""
+    if layer.weight_cache is not None:
+        return layer.weight_cache.get(layer)
+    return tuple(nvfp4.fake_quantize_weight(w) for w in layer.master_weights())
+
+
 # ----------------------------------------------------------------------------- dense layers
 class QATLinear(nn.Linear):
     """nn.Linear whose forward uses the NVFP4 fake-quantized weight (straight-through to `weight`).
@@ -191,7 +230,7 @@ class QATLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.configure(mode)
         self.fake_quant = True
-        self.rac_masks = self.rollout_codes = None  # only within qat.sharing(...)
+        self.rac_masks = self.rollout_codes = self.weight_cache = None  # only within qat.sharing(...)
 
     def configure(self, mode):
         _check_settings(mode, layer=True)
@@ -204,6 +243,9 @@ class QATLinear(nn.Linear):
                   mode=mode)
         qat.weight, qat.bias = linear.weight, linear.bias
         return qat.train(linear.training)
+
+    def master_weights(self):
+        return (self.weight,)
 
     @torch.no_grad()
     def quantized_weight(self):
@@ -218,7 +260,8 @@ class QATLinear(nn.Linear):
             mask = self.rac_masks[0] if self.rac_masks is not None else None
             codes = self.rollout_codes[0] if self.rollout_codes is not None else None
             x = quantize_input(x.reshape(-1, x.shape[-1]), self.mode, mask, codes).view(x.shape)  # (..., K)
-        y = F.linear(x, nvfp4.fake_quantize_weight(self.weight))                       # (..., N)
+        (weight,) = _fake_quantized(self)
+        y = F.linear(x, weight)                                                         # (..., N)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
@@ -270,8 +313,11 @@ class QATExperts(moe.Experts):
             setattr(qat, name, param)
         qat.configure(mode)
         qat.fake_quant = True
-        qat.rac_masks = qat.rollout_codes = None  # only within qat.sharing(...)
+        qat.rac_masks = qat.rollout_codes = qat.weight_cache = None  # only within qat.sharing(...)
         return qat.train(experts.training)
+
+    def master_weights(self):
+        return (self.gate_up_proj, self.down_proj)
 
     @torch.no_grad()
     def quantized_weights(self):
@@ -283,8 +329,7 @@ class QATExperts(moe.Experts):
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) fp32 -> (T, D), as moe.Experts."""
         if not self.fake_quant:
             return super().forward(x, expert_ids, expert_weights)
-        gate_up = nvfp4.fake_quantize_weight(self.gate_up_proj)                       # (E, 2I, D)
-        down = nvfp4.fake_quantize_weight(self.down_proj)                              # (E, D, I)
+        gate_up, down = _fake_quantized(self)                                          # (E, 2I, D), (E, D, I)
         routing = moe.route_tokens(expert_ids, self.n_experts)
         if self.mode == "qat":  # moe.py's own path, only the weights swapped
             x_sorted, gate_up, down = moe.expert_operands(x[routing.token_ids], gate_up, down)  # (R, D)
@@ -378,13 +423,15 @@ def sharing(model, state):
     """Within the block, the QAT layers of `model` compute with `state` (a SharedState, or None): the state
     is an argument of this call, as torch.func.functional_call passes tensors for one call; nothing of it
     stays on the layers afterwards. moeresq layers need their masks; trace layers without codes round
-    every row themselves."""
+    every row themselves. The fake-quantized weights of all layers are computed together (_WeightCache)."""
     layers = [(path, m) for path, m in model.named_modules() if isinstance(m, (QATLinear, QATExperts))]
+    cache = _WeightCache([m for _, m in layers])
     for path, layer in layers:
         layer.rac_masks = None if state is None or state.masks is None else state.masks.get(path)
         layer.rollout_codes = None if state is None or state.codes is None else state.codes.get(path)
+        layer.weight_cache = cache
     try:
         yield model
     finally:
         for _, layer in layers:
-            layer.rac_masks = layer.rollout_codes = None
+            layer.rac_masks = layer.rollout_codes = layer.weight_cache = None

@@ -575,3 +575,27 @@ def test_a_mini_batch_of_rows_gets_its_own_rows_records_rekeyed():
     assert picked.keys.tolist() == [(0 * width + 3) * 4 + 1, (0 * width + 3) * 4 + 2, (1 * width + 3) * 4 + 1,
                                     (1 * width + 3) * 4 + 2]
     assert picked.global_scale.tolist() == [4.0, 5.0, 0.0, 1.0] and picked.n_experts == n_experts
+
+
+@pytest.mark.parametrize("mode", ["qat", "w4a4"])
+def test_weights_quantized_together_within_sharing_equal_each_layers_own(mode):
+    """The batched weights of `sharing` (one multi-tensor amax) give the outputs and gradients of each
+    layer quantizing its own weight, bit for bit; an optimizer step inside the block is seen."""
+    torch.manual_seed(0)
+    model = qat.convert_for_training(tiny_model(), mode)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12))
+    own = model(tokens)
+    own.float().square().mean().backward()
+    own_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with qat.sharing(model, None):
+        shared = model(tokens)
+        shared.float().square().mean().backward()
+        assert torch.equal(own, shared)
+        assert all(torch.equal(g, p.grad) for g, p in zip(own_grads, model.parameters()))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)
+        after_step = model(tokens)
+    assert torch.equal(after_step, model(tokens))
+    assert not torch.equal(after_step, shared)

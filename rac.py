@@ -28,9 +28,8 @@ first use and dropped with a one-line warning if they differ.
 Shape letters: M rows (tokens or token-expert assignments), K reduction dim, N output features, G = K / 16
 blocks, T tokens, A active experts per token, R = T * A assignments, E experts, D model dim, I expert hidden.
 
-Left out: static activation scales, stacking q/k/v in the trainer (qat.py keeps three layers), per-expert RAC
-block selection (one per layer input), a one-row GEMV (RL decodes whole batches: finished rows keep their
-slot), FP4 KV caches. The FP8 baseline is fp8.py.
+Left out: static activation scales, q/k/v stacking in the trainer, per-expert RAC block selection, a one-row
+GEMV (RL decodes whole batches: finished rows keep their slot), FP4 KV caches. The FP8 baseline is fp8.py.
 """
 import warnings
 from typing import NamedTuple
@@ -122,8 +121,7 @@ class RACSelector(nn.Module):
         super().__init__()
         self.n_blocks = n_blocks
         self.register_buffer("mask", torch.zeros(n_blocks, dtype=torch.bool, device=device))
-        self.register_buffer("error_sum", torch.zeros(n_blocks, dtype=torch.float64, device=device),
-                             persistent=False)
+        self.register_buffer("error_sum", torch.zeros_like(self.mask, dtype=torch.float64), persistent=False)
         self.set_ratio(rac_ratio)
 
     def set_ratio(self, rac_ratio):
@@ -192,15 +190,13 @@ def chunk_experts(w_q):
 def unchunk_experts(w):
     """ExpertWeights -> NVFP4Tensor (E, N, K): a view when K is one chunk, else a copy."""
     E, N, _ = w.shape
-    return NVFP4Tensor(*(t.transpose(2, 3).reshape(E, N, -1) for t in (w.data, w.block_scale)),
-                       w.global_scale)
+    return NVFP4Tensor(*(t.transpose(2, 3).reshape(E, N, -1) for t in (w.data, w.block_scale)), w.global_scale)
 
 
 # ======================================================================== rollout layers
 class DequantizedWeight:
-    """DQ(W) in fp32 for a layer's reference path, kept while W's three buffers are the same tensors,
-    unmodified since (version counters; inference tensors have none: never kept). Else every decode step
-    dequantizes every weight again (a sixth of `python train.py`'s time on a CPU)."""
+    """DQ(W) in fp32 for a layer's reference path, kept while W's buffers are the same tensors, unmodified
+    (version counters; inference tensors: never kept): else a sixth of a CPU `python train.py` redoes it."""
     held, value = (), None  # held: (tensor, version), so that their memory is not reused
 
     def __call__(self, q):
@@ -229,8 +225,7 @@ class NVFP4Linear(nn.Module):
                 torch.zeros(out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
                 torch.ones((), dtype=torch.float32, device=device))):
             self.register_buffer(f"weight_{part}", buffer)
-        self.bias = (nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
-                     if bias else None)
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
         self.rac = RACSelector(in_features // BLOCK_SIZE, rac_ratio, device=device)
         self.weight_fp32 = DequantizedWeight()  # the twin path's DQ(W)
         self.shared_input = None  # a SharedInput when layers read the same input (convert_for_rollout)
@@ -279,8 +274,7 @@ class NVFP4Linear(nn.Module):
 
 
 def stack_weights(weights):
-    """NVFP4 weights (N_i, K), each with its own global scale, as one (sum N_i, K) NVFP4Tensor whose
-    global_scale holds the (len(weights),) scales: what nvfp4_linear_triton takes with splits = the N_i."""
+    """NVFP4 weights (N_i, K) as one (sum N_i, K) NVFP4Tensor with (len(weights),) global scales: splits."""
     return NVFP4Tensor(torch.cat([w.data for w in weights]), torch.cat([w.block_scale for w in weights]),
                        torch.stack([w.global_scale.reshape(()) for w in weights]))
 
@@ -311,8 +305,7 @@ class SharedInput:
             return self.weight_q
         if not self.warned:
             warnings.warn("rac.SharedInput: q/k/v_proj's weights are no longer views of their stacked weight "
-                          "(the model moved or a buffer was replaced after convert_for_rollout?): running "
-                          "three GEMMs; convert after moving the model to keep one")
+                          "(moved or replaced after convert_for_rollout?): running three GEMMs")
             self.warned = True
         return None
 
@@ -385,7 +378,7 @@ class NVFP4Experts(nn.Module):
 
     def _forward_triton(self, x, routing, expert_weights):
         """x (T, D), routing, expert_weights (T * A,) -> (R, D): each sorted row times its router weight."""
-        T = x.shape[0]
+        T = x.shape[0]  # the layer's token count chooses the experts' kernel, not its R rows
         act = quantize_activation_triton(x, self.rac_gate_up(x))
         hidden = grouped_matmul_triton(act, self.gate_up_w, routing.counts, row_ids=routing.token_ids,
                                        swiglu=True, out_dtype=x.dtype, tokens=T)          # (R, I)
@@ -424,10 +417,8 @@ def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quant
         return model
     for parent, name, child in moe.swappable_layers(model, quantize_router, quantize_lm_head):
         experts = isinstance(child, moe.Experts)
-        if mode == "nvfp4":
-            setattr(parent, name, (NVFP4Experts if experts else NVFP4Linear).from_float(child, rac_ratio))
-        else:
-            setattr(parent, name, (fp8.FP8Experts if experts else fp8.FP8Linear).from_float(child))
+        setattr(parent, name, (NVFP4Experts if experts else NVFP4Linear).from_float(child, rac_ratio)
+                if mode == "nvfp4" else (fp8.FP8Experts if experts else fp8.FP8Linear).from_float(child))
     for attention in model.modules():
         layers = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
         if isinstance(attention, moe.Attention) and all(isinstance(m, NVFP4Linear) for m in layers):
@@ -519,7 +510,16 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=
     """The NVFP4 layer's fast path, x (M, K) -> (M, N): one quantizer launch, then the GEMM. splits: w_q
     stacks up to three weights along N (their row counts, one global scale each): q/k/v_proj in one GEMM."""
     _check_input(x, rac_mask, "nvfp4_linear", kernel=True)
-    _check_weight(x, w_q, splits, out_dtype)
+    _check_kernel_call(out_dtype)
+    if x.shape[1] != w_q.shape[1] or x.device != w_q.device:
+        raise ValueError(f"nvfp4_linear: x {tuple(x.shape)} on {x.device} does not match the weight "
+                         f"{tuple(w_q.shape)} on {w_q.device}")
+    if splits is not None and not (1 <= len(splits) <= 3 and sum(splits) == w_q.shape[0]):
+        raise ValueError(f"nvfp4_linear: splits {tuple(splits)} must be 1 to 3 row counts adding up to the "
+                         f"weight's N = {w_q.shape[0]}")
+    if w_q.global_scale.numel() != (n_scales := 1 if splits is None else len(splits)):
+        raise ValueError(f"nvfp4_linear: the weight has {w_q.global_scale.numel()} global scales; "
+                         f"expected {n_scales} (one per stacked weight)")
     return layer_matmul(quantize_activation_triton(x, rac_mask), w_q, out_dtype, splits)
 
 
@@ -557,8 +557,7 @@ def backend(device):
                    TRITON_INTERPRET=1), no Triton, or a GPU before sm_89 (one warning: E4M3 needs 8.9)
       'gluon'      sm_89 / sm_90 with Gluon: quantizer, tiled dense GEMM, Gluon experts below PREFILL_ROWS
       'triton'     the same with the Triton experts: no Gluon, the interpreter, or a failed Blackwell check
-      'native'     sm_100+: tl.dot_scaled, once it agrees with the Hopper kernels on a check problem
-                   (w4a4_blackwell.disagreement; else one warning and 'triton')."""
+      'native'     sm_100+: tl.dot_scaled, once it matched the Hopper kernels (w4a4_blackwell.disagreement)"""
     if device.type != "cuda" or triton is None:
         return "reference"
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -604,7 +603,6 @@ def _check_blocks(name, n, label="{} features"):
 
 
 def _check_input(x, rac_mask, name, kernel=False):
-    """An activation x (M, K) and its RAC mask (G,) or None; kernel: for a kernel entry point."""
     if kernel:
         _check_kernel_call()
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
@@ -620,19 +618,6 @@ def _check_input(x, rac_mask, name, kernel=False):
         raise ValueError(f"rac_mask must be a bool tensor of shape (G,) = ({G},), got {got}")
     if mask is not None and mask.device != x.device:
         raise ValueError(f"rac_mask is on {mask.device} but the activation is on {x.device}")
-
-
-def _check_weight(x, w_q, splits, out_dtype):
-    _check_kernel_call(out_dtype)
-    if x.shape[1] != w_q.shape[1] or x.device != w_q.device:
-        raise ValueError(f"nvfp4_linear: x {tuple(x.shape)} on {x.device} does not match the weight "
-                         f"{tuple(w_q.shape)} on {w_q.device}")
-    if splits is not None and not (1 <= len(splits) <= 3 and sum(splits) == w_q.shape[0]):
-        raise ValueError(f"nvfp4_linear: splits {tuple(splits)} must be 1 to 3 row counts adding up to the "
-                         f"weight's N = {w_q.shape[0]}")
-    if w_q.global_scale.numel() != (n_scales := 1 if splits is None else len(splits)):
-        raise ValueError(f"nvfp4_linear: the weight has {w_q.global_scale.numel()} global scales; "
-                         f"expected {n_scales} (one per stacked weight)")
 
 
 def _check_operands(x_q, w_q, residual, name, stacked=False):

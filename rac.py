@@ -10,30 +10,26 @@ A rollout layer computes y = x @ W.T, W (N, K), both operands blocked by 16 alon
                                           with the largest mean |r| (calibrated), zero elsewhere
     y   = DQ(x_q) @ DQ(W_q).T + DQ(r_q) @ DQ(W_q).T  =  (DQ(x_q) + DQ(r_q)) @ DQ(W_q).T
 
-Compensating whole blocks keeps the weight's codes and block scales valid for the residual term: the GEMM
-applies both activation terms to the weight tile it already holds, so RAC never re-reads weights. rac_ratio 0
-is naive NVFP4; 1 compensates every block (QUADS uses about 0.5). The residual shares x's global scale: a
-residual block is 6-16x smaller than its x block, so its E4M3 block scale still fits. These lines in code are
-nvfp4.quantize_activation, shared with the trainer's fake quantization.
+Whole blocks keep the weight's codes and block scales valid for the residual term: the GEMM applies both
+activation terms to the weight tile it already holds, so RAC never re-reads weights. rac_ratio 0 is naive
+NVFP4, 1 compensates every block (QUADS uses about 0.5). The residual shares x's global scale (its blocks are
+6-16x smaller than x's: their E4M3 scales still fit). In code: nvfp4.quantize_activation, as in training.
+Why a dynamic global scale: RL changes the weights every step, so a static scale goes stale between syncs and
+saturates the outlier channels that hurt NVFP4 most; the price: a token's rounding depends on its batch.
 
-Why a dynamic global scale: in RL the weights change every step, so a calibrated static activation scale goes
-stale between syncs, and anything above it saturates: exactly the outlier channels that hurt NVFP4 most. The
-price is that a token's rounding depends on the largest value in its batch.
-
-Reading order: the references (plain PyTorch, fp32), block selection, the experts' weight layout, the layers
-(q/k/v_proj share one selection, quantization and stacked GEMM: SharedInput), conversion and sync; then the
-fast path (gpu_kernels/w4a4_*.py, each naming the reference here it equals) and `backend`, the one place a path
-is chosen per device. One quantizer launch, then on Hopper (sm_89/sm_90) fp16 MMAs on the FP4 weight decoded
-in registers (or once, for prefill), the experts as one grouped GEMM with SwiGLU and the router weights in its
-epilogues; on Blackwell `tl.dot_scaled` on the codes, numerics UNTESTED (no such GPU here): checked against
-the Hopper kernels on first use, dropped with a one-line warning if they differ.
+Reading order: references (plain PyTorch, fp32), block selection, the experts' weight layout, the layers
+(q/k/v_proj share one selection, quantization and GEMM: SharedInput), conversion and sync, the fast path
+(gpu_kernels/w4a4_*.py, each naming its reference here), and `backend`, the one place a path is chosen.
+Hopper (sm_89/sm_90): one quantizer launch, fp16 MMAs on the FP4 weight decoded in registers (or once, for
+prefill), the experts as one grouped GEMM with SwiGLU and router weights in its epilogues. Blackwell:
+`tl.dot_scaled` on the codes, numerics UNTESTED (no such GPU here), checked against the Hopper kernels on
+first use and dropped with a one-line warning if they differ.
 
 Shape letters: M rows (tokens or token-expert assignments), K reduction dim, N output features, G = K / 16
 blocks, T tokens, A active experts per token, R = T * A assignments, E experts, D model dim, I expert hidden.
 
-Left out: static activation scales, a gate/up-style stacking of q/k/v in the trainer (qat.py keeps
-three layers), per-expert RAC block selection (one selection per layer input), a one-row GEMV (RL
-decodes whole batches: finished rows keep their slot), FP4 KV caches. The FP8 baseline is fp8.py.
+Left out: static activation scales, q/k/v stacking in the trainer, per-expert RAC block selection, a one-row
+GEMV (RL decodes whole batches: finished rows keep their slot), FP4 KV caches. The FP8 baseline is fp8.py.
 """
 import warnings
 from typing import NamedTuple
@@ -62,30 +58,22 @@ EXPERT_ROW_BLOCK = 16              # expert weights are stored in blocks of 16 r
 EXPERT_K_CHUNK = 128               # ... by chunks of 128 elements of K (all of K when it is not a multiple)
 KERNEL_CAPABILITY = (8, 9)         # the kernels' E4M3 conversions (cvt.*.e4m3x2) need sm_89 or later
 _PARTS = ("data", "block_scale", "global_scale")  # an NVFP4 weight's three buffers
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # ======================================================================== the references (plain PyTorch)
 def quantize_activation_reference(x, rac_mask=None):
-    """x (M, K) -> (x_q, residual): NVFP4 codes of x (dynamic global scale), and of the residual
-    x - DQ(x_q) on the blocks where rac_mask (G,) is True (zero elsewhere), with x's global scale;
-    residual is None without a mask."""
+    """x (M, K) -> (x_q, residual): NVFP4 codes of x (dynamic global scale) and of x - DQ(x_q) on the blocks
+    where rac_mask (G,) is True (zero elsewhere; x's global scale), or None without a mask."""
     _check_input(x, rac_mask, "quantize_activation_reference")
     return nvfp4.quantize_activation(x, rac_mask)
 
 
-def _compensated(x_q, residual):
-    """DQ(x_q) + DQ(residual) in fp32, or DQ(x_q) alone: the activation the layer's GEMM multiplies."""
-    x = nvfp4.dequantize_reference(x_q, torch.float32)
-    return x if residual is None else x + nvfp4.dequantize_reference(residual, torch.float32)
-
-
 def matmul_reference(x_q, w_q, residual=None, out_dtype=torch.bfloat16, w=None):
-    """(DQ(x_q) + DQ(residual)) @ DQ(w_q).T in fp32: x_q (M, K), w_q (N, K) -> (M, N) out_dtype. w: DQ(w_q)
-    in fp32 when the caller keeps it (the rollout layers do, between weight loads)."""
+    """(DQ(x_q) + DQ(residual)) @ DQ(w_q).T in fp32: x_q (M, K), w_q (N, K) -> (M, N); w: DQ(w_q) if kept."""
     _check_operands(x_q, w_q, residual, "matmul_reference")
-    x = _compensated(x_q, residual)
-    w = nvfp4.dequantize_reference(w_q, torch.float32) if w is None else w
-    return (x @ w.T).to(out_dtype)
+    w = _dequantized(w_q) if w is None else w
+    return (_dequantized(x_q, residual) @ w.T).to(out_dtype)
 
 
 def nvfp4_linear_reference(x, w_q, rac_mask=None):
@@ -96,15 +84,13 @@ def nvfp4_linear_reference(x, w_q, rac_mask=None):
 
 def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_weights=None, swiglu=False,
                              out_dtype=torch.bfloat16, w=None, row_weight_ids=None):
-    """The experts' GEMM: rows (x_q's, or x_q[row_ids]) grouped by expert, counts (E,) rows each, row
-    block e multiplied by DQ(w_q[e]).T (w_q (E, N, K): an NVFP4Tensor, or ExpertWeights). swiglu: the N
-    weight rows are [gate; up] and the output is silu(gate) * up (N/2 columns). Output row r is scaled by
-    row_weights[r], or by row_weights[row_weight_ids[r]] (the router weights (T * A,) and routing.order).
-    A loop in fp32. w: DQ(w_q) in fp32 when the caller keeps it."""
+    """The experts' GEMM, a loop in fp32: rows (x_q's, or x_q[row_ids]) grouped by expert, counts (E,) rows
+    each, times DQ(w_q[e]).T (w_q (E, N, K), or ExpertWeights); swiglu: silu(gate) * up of the [gate; up]
+    rows. Output row r times row_weights[r], or row_weights[row_weight_ids[r]]. w: DQ(w_q) if kept."""
     _check_operands(x_q, w_q, residual, "grouped_matmul_reference", stacked=True)
-    _check_row_weights(row_weights, row_weight_ids, row_ids.numel() if row_ids is not None else x_q.shape[0],
-                       "grouped_matmul_reference")
-    x = _compensated(x_q, residual)
+    n_rows = row_ids.numel() if row_ids is not None else x_q.shape[0]
+    _check_row_weights(row_weights, row_weight_ids, n_rows, "grouped_matmul_reference")
+    x = _dequantized(x_q, residual)
     if row_ids is not None:
         x = x[row_ids]                                                                  # (R, K)
     w = _dequantized(w_q) if w is None else w                                           # (E, N, K)
@@ -118,25 +104,24 @@ def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_
     return y.to(out_dtype)
 
 
+def _dequantized(q, residual=None):
+    """DQ(q) in fp32, (..., N, K), q an NVFP4Tensor or experts' ExpertWeights; plus DQ(residual) if given."""
+    q = unchunk_experts(q) if isinstance(q, ExpertWeights) else q
+    x = nvfp4.dequantize_reference(q, torch.float32)
+    return x if residual is None else x + nvfp4.dequantize_reference(residual, torch.float32)
+
+
 # ======================================================================== RAC block selection
-def block_residual_error(x):
-    """Mean |x - DQ(Q(x))| per 16-channel block of x (M, K), with x's dynamic global scale -> (G,) fp32."""
-    residual = x.float() - nvfp4.dequantize(nvfp4.quantize(x), torch.float32)          # (M, K)
-    return residual.abs().reshape(-1, x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE).mean(dim=(0, 2))
-
-
 class RACSelector(nn.Module):
-    """Which 16-channel blocks of one layer input get residual compensation: the `mask` buffer (G,)
-    bool, True on the round(rac_ratio * G) (half up) blocks with the largest mean |x - DQ(Q(x))| over
-    the calibration inputs. `calibrate_rac` opens a calibration window (start / finish); a selector
-    that was never calibrated calibrates from the first input it sees. Ratio 0 selects nothing."""
+    """Which 16-channel blocks of one layer input get RAC: the `mask` buffer (G,) bool, True on the
+    round(rac_ratio * G) (half up) blocks with the largest mean |x - DQ(Q(x))| over the calibration inputs
+    (calibrate_rac: start / finish), else over the first input seen. Ratio 0 selects nothing."""
 
     def __init__(self, n_blocks, rac_ratio=0.0, device=None):
         super().__init__()
         self.n_blocks = n_blocks
         self.register_buffer("mask", torch.zeros(n_blocks, dtype=torch.bool, device=device))
-        self.register_buffer("error_sum", torch.zeros(n_blocks, dtype=torch.float64, device=device),
-                             persistent=False)
+        self.register_buffer("error_sum", torch.zeros_like(self.mask, dtype=torch.float64), persistent=False)
         self.set_ratio(rac_ratio)
 
     def set_ratio(self, rac_ratio):
@@ -159,8 +144,10 @@ class RACSelector(nn.Module):
         """x (M, K) -> the mask (G,) bool to use now, or None for naive NVFP4."""
         if self.n_selected == 0:
             return None
-        if self.calibrating or not self.calibrated:
-            self.error_sum += block_residual_error(x).double() * x.shape[0]
+        if self.calibrating or not self.calibrated:  # sum of M * mean |x - DQ(Q(x))| per block
+            residual = x.float() - nvfp4.dequantize(nvfp4.quantize(x), torch.float32)  # (M, K)
+            error = residual.abs().reshape(-1, x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE).mean(dim=(0, 2))  # (G,)
+            self.error_sum += error.double() * x.shape[0]
             self.mask.zero_()
             self.mask[torch.topk(self.error_sum, self.n_selected).indices] = True
             self.calibrated = self.calibrated or not self.calibrating
@@ -172,10 +159,9 @@ class RACSelector(nn.Module):
 
 # ======================================================================== the experts' weight layout
 class ExpertWeights(NamedTuple):
-    """Stacked expert weights (E, N, K) in the order the grouped kernels stream them: each expert's rows in
-    blocks of 16, each block's K in chunks of `chunk` elements stored as one run of 16 rows x chunk/2 bytes
-    (row-major codes would give a program 64-byte pieces 1 KB apart: the gate/up GEMM at 64 decode tokens
-    took 102 us on those, 84 us on this, on the H200). nvfp4.quantize_weight's codes and scales, moved."""
+    """nvfp4.quantize_weight's codes and scales (E, N, K) in the order the grouped kernels stream them: rows in
+    blocks of 16, K in chunks, one run of 16 rows x chunk/2 bytes each (row-major: 64-byte pieces 1 KB apart,
+    102 us instead of 84 for the gate/up GEMM at 64 decode tokens on the H200)."""
     data: torch.Tensor          # uint8 (E, N / 16, K / chunk, 16, chunk / 2)
     block_scale: torch.Tensor   # float8_e4m3fn (E, N / 16, K / chunk, 16, chunk / 16)
     global_scale: torch.Tensor  # float32 (E,)
@@ -204,34 +190,22 @@ def chunk_experts(w_q):
 def unchunk_experts(w):
     """ExpertWeights -> NVFP4Tensor (E, N, K): a view when K is one chunk, else a copy."""
     E, N, _ = w.shape
-    return NVFP4Tensor(*(t.transpose(2, 3).reshape(E, N, -1) for t in (w.data, w.block_scale)),
-                       w.global_scale)
+    return NVFP4Tensor(*(t.transpose(2, 3).reshape(E, N, -1) for t in (w.data, w.block_scale)), w.global_scale)
 
 
 # ======================================================================== rollout layers
 class DequantizedWeight:
-    """DQ(W) in fp32 for a layer's reference path, kept while the weight's three buffers are the same
-    tensors, unmodified since (version counters; load_weight writes into them). Without it every decode step
-    dequantizes every weight again (a sixth of `python train.py`'s time on a CPU). Inference tensors have no
-    version counter: never kept."""
-
-    def __init__(self):
-        self.held, self.value = [], None  # held: (tensor, version), so that their memory is not reused
+    """DQ(W) in fp32 for a layer's reference path, kept while W's buffers are the same tensors, unmodified
+    (version counters; inference tensors: never kept): else a sixth of a CPU `python train.py` redoes it."""
+    held, value = (), None  # held: (tensor, version), so that their memory is not reused
 
     def __call__(self, q):
         tensors = (q.data, q.block_scale, q.global_scale)
         if any(t.is_inference() for t in tensors):
             return _dequantized(q)
-        if len(self.held) != 3 or any(t is not h or t._version != v
-                                      for t, (h, v) in zip(tensors, self.held)):
+        if len(self.held) != 3 or any(t is not h or t._version != v for t, (h, v) in zip(tensors, self.held)):
             self.held, self.value = [(t, t._version) for t in tensors], _dequantized(q)
         return self.value
-
-
-def _dequantized(q):
-    """DQ(q) in fp32, (..., N, K): an NVFP4Tensor, or experts' ExpertWeights."""
-    q = unchunk_experts(q) if isinstance(q, ExpertWeights) else q
-    return nvfp4.dequantize_reference(q, torch.float32)
 
 
 def _quantized_input(x2, rac_mask):
@@ -240,20 +214,18 @@ def _quantized_input(x2, rac_mask):
 
 
 class NVFP4Linear(nn.Module):
-    """W4A4 replacement for nn.Linear: NVFP4 weights (nvfp4.quantize_weight), activations quantized
-    per call, RAC on the blocks its RACSelector picks. `weight_q` is the packed NVFP4Tensor."""
+    """W4A4 nn.Linear: NVFP4 weights (`weight_q`), activations quantized per call, RAC where `rac` picks."""
 
     def __init__(self, in_features, out_features, bias=False, rac_ratio=0.0, device=None):
         super().__init__()
-        _check_features(in_features, "NVFP4Linear")
+        _check_blocks("NVFP4Linear", in_features)
         self.in_features, self.out_features = in_features, out_features
         for part, buffer in zip(_PARTS, (
                 torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device),
                 torch.zeros(out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
                 torch.ones((), dtype=torch.float32, device=device))):
             self.register_buffer(f"weight_{part}", buffer)
-        self.bias = (nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
-                     if bias else None)
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
         self.rac = RACSelector(in_features // BLOCK_SIZE, rac_ratio, device=device)
         self.weight_fp32 = DequantizedWeight()  # the twin path's DQ(W)
         self.shared_input = None  # a SharedInput when layers read the same input (convert_for_rollout)
@@ -283,20 +255,18 @@ class NVFP4Linear(nn.Module):
     def forward(self, x):
         fp8.check_layer_input(x, self.in_features, self.weight_data.device, "NVFP4Linear")
         x2 = x.reshape(-1, self.in_features)                                             # (M, K)
-        if self.shared_input is not None:
-            y = self.shared_input.output(self, x, x2)
-        else:
-            y = self._matmul(x2, _quantized_input(x2, self.rac(x2)))
+        y = (self.shared_input.output(self, x, x2) if self.shared_input is not None
+             else self._matmul(x2, _quantized_input(x2, self.rac(x2))))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _matmul(self, x2, act):
         """x2 (M, K) @ DQ(W).T in x2's dtype, on act = _quantized_input(x2, rac_mask)."""
-        if use_triton(x2):
-            return layer_matmul(act, self.weight_q, x2.dtype)
-        x_q, residual = act                                                              # the twin's codes
         w_q = self.weight_q
+        if use_triton(x2):
+            return layer_matmul(act, w_q, x2.dtype)
+        x_q, residual = act                                                              # the twin's codes
         return matmul_reference(x_q, w_q, residual, torch.float32, self.weight_fp32(w_q)).to(x2.dtype)
 
     def extra_repr(self):
@@ -304,26 +274,22 @@ class NVFP4Linear(nn.Module):
 
 
 def stack_weights(weights):
-    """NVFP4 weights (N_i, K), each with its own global scale, as one (sum N_i, K) NVFP4Tensor whose
-    global_scale holds the (len(weights),) scales: what nvfp4_linear_triton takes with splits = the N_i."""
+    """NVFP4 weights (N_i, K) as one (sum N_i, K) NVFP4Tensor with (len(weights),) global scales: splits."""
     return NVFP4Tensor(torch.cat([w.data for w in weights]), torch.cat([w.block_scale for w in weights]),
                        torch.stack([w.global_scale.reshape(()) for w in weights]))
 
 
 class SharedInput:
-    """One input read by several NVFP4Linear layers (an attention's q/k/v_proj, sharing one RACSelector).
-    The first layer to read an input computes every layer's output and keeps the others' until each has
-    read it once. On the kernels that is one GEMM over one stacked weight whose views are the layers'
-    buffers, each weight's global scale on its own columns (three GEMMs up to fp32 accumulation order);
-    the reference quantizes x once and runs each layer's own matmul (bit for bit unshared layers). Reuse
-    needs the very tensor, unmodified since (its version counter); inference tensors: each layer alone."""
+    """One input read by several NVFP4Linear layers (q/k/v_proj, sharing one RACSelector): the first reader
+    computes every layer's output, kept until each has read it. Kernels: one GEMM over a stacked weight whose
+    views are the layers' buffers (three GEMMs up to fp32 accumulation order); reference: x quantized once,
+    each layer's own matmul. Reuse needs the very tensor, unmodified; inference tensors: each layer alone."""
 
     def __init__(self, layers):
         self.layers = list(layers)
         self.splits = [layer.out_features for layer in self.layers]
         self.input, self.version, self.outputs, self.waiting, self.warned = None, None, None, (), False
-        self.weight_q = stack_weights([layer.weight_q for layer in self.layers])
-        q = self.weight_q
+        q = self.weight_q = stack_weights([layer.weight_q for layer in self.layers])
         for layer, *views in zip(self.layers, q.data.split(self.splits), q.block_scale.split(self.splits),
                                  q.global_scale):  # the layers' buffers become views of the stacked weight
             layer.weight_data, layer.weight_block_scale, layer.weight_global_scale = views
@@ -339,8 +305,7 @@ class SharedInput:
             return self.weight_q
         if not self.warned:
             warnings.warn("rac.SharedInput: q/k/v_proj's weights are no longer views of their stacked weight "
-                          "(the model moved or a buffer was replaced after convert_for_rollout?): running "
-                          "three GEMMs; convert after moving the model to keep one")
+                          "(moved or replaced after convert_for_rollout?): running three GEMMs")
             self.warned = True
         return None
 
@@ -364,13 +329,12 @@ class SharedInput:
 
 
 class NVFP4Experts(nn.Module):
-    """W4A4 replacement for moe.Experts: stacked NVFP4 weights (one global scale per expert, the
-    trainer's rule), two grouped GEMMs, RAC on each GEMM's input (one block selection per input)."""
+    """W4A4 moe.Experts: NVFP4 weights (a global scale per expert), two grouped GEMMs, RAC on each input."""
 
     def __init__(self, n_experts, dim, expert_dim, rac_ratio=0.0, device=None):
         super().__init__()
-        _check_features(dim, "NVFP4Experts (model dim)")
-        _check_features(expert_dim, "NVFP4Experts (expert dim)")
+        _check_blocks("NVFP4Experts (model dim)", dim)
+        _check_blocks("NVFP4Experts (expert dim)", expert_dim)
         self.n_experts, self.dim, self.expert_dim = E, D, I = n_experts, dim, expert_dim
         for name, (N, K) in (("gate_up", (2 * I, D)), ("down", (D, I))):  # in ExpertWeights' layout
             empty = NVFP4Tensor(torch.zeros(E, N, K // 2, dtype=torch.uint8, device=device),
@@ -407,15 +371,14 @@ class NVFP4Experts(nn.Module):
     def forward(self, x, expert_ids, expert_weights):
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) -> (T, D) in x.dtype, as moe.Experts."""
         fp8.check_layer_input(x, self.dim, self.gate_up_data.device, "NVFP4Experts")
-        T, A = expert_ids.shape
         routing = moe.route_tokens(expert_ids, self.n_experts)
         forward = self._forward_triton if use_triton(x) else self._forward_reference
         y_sorted = forward(x, routing, expert_weights.reshape(-1))                       # (R, D), weighted
-        return moe.sum_expert_rows(y_sorted, routing, A).to(x.dtype)
+        return moe.sum_expert_rows(y_sorted, routing, expert_ids.shape[1]).to(x.dtype)
 
     def _forward_triton(self, x, routing, expert_weights):
         """x (T, D), routing, expert_weights (T * A,) -> (R, D): each sorted row times its router weight."""
-        T = x.shape[0]
+        T = x.shape[0]  # the layer's token count chooses the experts' kernel, not its R rows
         act = quantize_activation_triton(x, self.rac_gate_up(x))
         hidden = grouped_matmul_triton(act, self.gate_up_w, routing.counts, row_ids=routing.token_ids,
                                        swiglu=True, out_dtype=x.dtype, tokens=T)          # (R, I)
@@ -427,9 +390,8 @@ class NVFP4Experts(nn.Module):
         """The twin: the same quantization steps, dequantized, a loop of fp32 matmuls over experts."""
         gate_up_w, down_w = self.gate_up_w, self.down_w
         x_q, residual = quantize_activation_reference(x, self.rac_gate_up(x))
-        hidden = grouped_matmul_reference(x_q, gate_up_w, routing.counts, residual,
-                                          row_ids=routing.token_ids, swiglu=True, out_dtype=x.dtype,
-                                          w=self.gate_up_fp32(gate_up_w))
+        hidden = grouped_matmul_reference(x_q, gate_up_w, routing.counts, residual, row_ids=routing.token_ids,
+                                          swiglu=True, out_dtype=x.dtype, w=self.gate_up_fp32(gate_up_w))
         h_q, residual = quantize_activation_reference(hidden, self.rac_down(hidden))
         return grouped_matmul_reference(h_q, down_w, routing.counts, residual, row_weights=expert_weights,
                                         out_dtype=torch.float32, w=self.down_fp32(down_w),
@@ -442,13 +404,10 @@ class NVFP4Experts(nn.Module):
 
 # ======================================================================== conversion, sync, calibration
 def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quantize_lm_head=False):
-    """Swap a moe.py model's layers for rollout layers in place; returns the model.
-
-    mode "bf16": unchanged. "fp8": W8A8 (fp8.FP8Linear, fp8.FP8Experts). "nvfp4": W4A4 (NVFP4Linear,
-    NVFP4Experts) with residual compensation on round(rac_ratio * G) blocks of each layer input.
-    Converted: every moe.Attention's projections and moe.Experts (qat.py's layers subclass those), with
-    the flags the routers and the LM head; q/k/v_proj share one SharedInput. Embeddings and norms stay.
-    """
+    """Swap a moe.py model's layers for rollout layers in place; returns the model. mode "bf16": unchanged,
+    "fp8": W8A8 (fp8.py), "nvfp4": W4A4 with RAC on round(rac_ratio * G) blocks of each layer input. Swapped:
+    moe.Attention's projections and moe.Experts (qat.py's subclass them), with the flags the routers and the
+    LM head; q/k/v_proj share one SharedInput. Embeddings and norms stay."""
     if mode not in MODES:
         raise ValueError(f"unknown rollout mode {mode!r}; choose one of {list(MODES)}")
     _check_ratio(rac_ratio)
@@ -458,10 +417,8 @@ def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quant
         return model
     for parent, name, child in moe.swappable_layers(model, quantize_router, quantize_lm_head):
         experts = isinstance(child, moe.Experts)
-        if mode == "nvfp4":
-            setattr(parent, name, (NVFP4Experts if experts else NVFP4Linear).from_float(child, rac_ratio))
-        else:
-            setattr(parent, name, (fp8.FP8Experts if experts else fp8.FP8Linear).from_float(child))
+        setattr(parent, name, (NVFP4Experts if experts else NVFP4Linear).from_float(child, rac_ratio)
+                if mode == "nvfp4" else (fp8.FP8Experts if experts else fp8.FP8Linear).from_float(child))
     for attention in model.modules():
         layers = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
         if isinstance(attention, moe.Attention) and all(isinstance(m, NVFP4Linear) for m in layers):
@@ -471,15 +428,11 @@ def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quant
     return model
 
 
-_QUANTIZED_LAYERS = (NVFP4Linear, NVFP4Experts, fp8.FP8Linear, fp8.FP8Experts)
-
-
 @torch.no_grad()
 def sync_weights(rollout_model, trainer_model):
-    """Reload every rollout weight in place from the trainer's master weights: quantized layers
-    re-quantize them (NVFP4 through nvfp4.quantize_weight, as qat.py's fake quantization, so the codes are
-    the trainer's QAT weights bit for bit; FP8 through its rule), everything else is copied by name. The
-    RAC block selection is left alone: call calibrate_rac when it should be refreshed."""
+    """Reload every rollout weight in place from the trainer's: quantized layers re-quantize (NVFP4 with
+    nvfp4.quantize_weight: the trainer's QAT codes bit for bit), the rest is copied by name. The RAC block
+    selection is left alone: calibrate_rac refreshes it."""
     params = dict(trainer_model.named_parameters(remove_duplicate=False))
 
     def master(path, name):
@@ -489,7 +442,8 @@ def sync_weights(rollout_model, trainer_model):
                              f"(rollout layer {path!r})")
         return params[key]
 
-    quantized = {path for path, m in rollout_model.named_modules() if isinstance(m, _QUANTIZED_LAYERS)}
+    quantized = {path for path, m in rollout_model.named_modules()
+                 if isinstance(m, (NVFP4Linear, NVFP4Experts, fp8.FP8Linear, fp8.FP8Experts))}
     for path, module in rollout_model.named_modules():
         if isinstance(module, (NVFP4Linear, fp8.FP8Linear)):
             module.load_weight(master(path, "weight"),
@@ -504,9 +458,8 @@ def sync_weights(rollout_model, trainer_model):
 
 @torch.no_grad()
 def calibrate_rac(rollout_model, tokens):
-    """Choose each NVFP4 layer input's compensated blocks from one forward pass on `tokens` (B, T): each
-    selector sees what its layer receives (upstream layers already on their fresh selection). Call it
-    after sync_weights, or every N steps: the caller decides. Returns the model."""
+    """Choose each NVFP4 layer input's compensated blocks from one forward pass on `tokens` (B, T), each
+    selector on what its layer receives (upstream ones already on their fresh selection); returns the model."""
     selectors = [m for m in rollout_model.modules() if isinstance(m, RACSelector)]
     for selector in selectors:
         selector.start_calibration()
@@ -518,7 +471,7 @@ def calibrate_rac(rollout_model, tokens):
     return rollout_model
 
 
-# ======================================================================== the fast path (gpu_kernels/w4a4_*.py)
+# ==================================================================== the fast path (gpu_kernels/w4a4_*.py)
 class Activation(NamedTuple):
     """An activation quantized for the W4A4 GEMMs (the fields a path does not need are None)."""
     x_q: NVFP4Tensor | None       # codes and block scales of x, with the global scale
@@ -526,11 +479,15 @@ class Activation(NamedTuple):
     operand: torch.Tensor | None  # (2, M, K/2) fp16 planes of (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
     global_scale: torch.Tensor    # () fp32
 
+    @property
+    def codes(self):  # as the Blackwell kernels take them: x's data and scales, the residual's (or None)
+        r = self.residual
+        return self.x_q.data, self.x_q.block_scale, *((None, None) if r is None else (r.data, r.block_scale))
+
 
 def quantize_activation_triton(x, rac_mask=None, codes=None, operand=None):
-    """The quantizer kernel: x (M, K) -> Activation with the codes of x and of its RAC residual (codes=True:
-    bit for bit quantize_activation_reference) and/or the fp16 operand of the Hopper GEMMs (operand=True);
-    None: what this device's GEMMs take (codes on Blackwell, else the operand)."""
+    """x (M, K) -> Activation: the codes of x and its RAC residual (codes=True: quantize_activation_reference
+    bit for bit), the Hopper GEMMs' fp16 operand (operand=True); None: what this device's GEMMs take."""
     _check_input(x, rac_mask, "quantize_activation_triton", kernel=True)
     native = backend(x.device) == "native"
     codes, operand = native if codes is None else codes, (not native) if operand is None else operand
@@ -541,34 +498,26 @@ def quantize_activation_triton(x, rac_mask=None, codes=None, operand=None):
                       planes, global_scale)
 
 
-def _codes(act):
-    """act's codes as the Blackwell kernels take them: x's data and scales, the residual's (or None)."""
-    r = act.residual
-    return act.x_q.data, act.x_q.block_scale, *((None, None) if r is None else (r.data, r.block_scale))
-
-
 def layer_matmul(act, w_q, out_dtype, splits=None):
     """The dense GEMM on a quantized activation: (M, N), or one (M, n) per stacked weight (splits)."""
-    w = (w_q.data, w_q.block_scale, w_q.global_scale)
+    w = (w_q.data, w_q.block_scale, w_q.global_scale, out_dtype, splits)
     if act.operand is None:
-        return w4a4_blackwell.dense_matmul(*_codes(act), act.global_scale, *w, out_dtype, splits)
-    return w4a4_dense.dense_matmul(act.operand, act.global_scale, *w, out_dtype, splits)
+        return w4a4_blackwell.dense_matmul(*act.codes, act.global_scale, *w)
+    return w4a4_dense.dense_matmul(act.operand, act.global_scale, *w)
 
 
 def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=None):
-    """The NVFP4 layer's fast path, x (M, K) -> (M, N): one quantizer launch, then the tiled GEMM, or on
-    Blackwell the native kernel. splits: w_q stacks up to three weights along N (their row counts),
-    global_scale one per weight: q/k/v_proj as one GEMM, equal to three (up to fp32 accumulation order)."""
+    """The NVFP4 layer's fast path, x (M, K) -> (M, N): one quantizer launch, then the GEMM. splits: w_q
+    stacks up to three weights along N (their row counts, one global scale each): q/k/v_proj in one GEMM."""
     _check_input(x, rac_mask, "nvfp4_linear", kernel=True)
     _check_kernel_call(out_dtype)
     if x.shape[1] != w_q.shape[1] or x.device != w_q.device:
         raise ValueError(f"nvfp4_linear: x {tuple(x.shape)} on {x.device} does not match the weight "
                          f"{tuple(w_q.shape)} on {w_q.device}")
-    n_scales = 1 if splits is None else len(splits)
     if splits is not None and not (1 <= len(splits) <= 3 and sum(splits) == w_q.shape[0]):
         raise ValueError(f"nvfp4_linear: splits {tuple(splits)} must be 1 to 3 row counts adding up to the "
                          f"weight's N = {w_q.shape[0]}")
-    if w_q.global_scale.numel() != n_scales:
+    if w_q.global_scale.numel() != (n_scales := 1 if splits is None else len(splits)):
         raise ValueError(f"nvfp4_linear: the weight has {w_q.global_scale.numel()} global scales; "
                          f"expected {n_scales} (one per stacked weight)")
     return layer_matmul(quantize_activation_triton(x, rac_mask), w_q, out_dtype, splits)
@@ -576,11 +525,9 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=
 
 def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu=False,
                           out_dtype=torch.bfloat16, row_weight_ids=None, tokens=None):
-    """The experts' GEMM (reference: grouped_matmul_reference) on a quantized Activation: rows (act's, or
-    act's row_ids[r]) grouped by expert per counts (E,), w the ExpertWeights (E, N, K); output row r
-    scaled by row_weights[r] or row_weights[row_weight_ids[r]]. No host sync. Blackwell's kernel on codes;
-    the Gluon kernel where `backend` says so (K a multiple of 64) below PREFILL_ROWS tokens (the layer's
-    count; None: act's rows); else the Triton kernel."""
+    """grouped_matmul_reference's fast path on an Activation and ExpertWeights, no host sync: Blackwell's
+    kernel on codes; Gluon's where `backend` says so (K a multiple of 64) below PREFILL_ROWS tokens (the
+    layer's count; None: act's rows); else Triton's."""
     _check_kernel_call(out_dtype)
     if not isinstance(w, ExpertWeights):
         raise ValueError(f"grouped_matmul_triton: w must be ExpertWeights (rac.chunk_experts of the stacked "
@@ -591,10 +538,9 @@ def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu
     args = (w.data, w.block_scale, w.global_scale, counts, out_dtype, row_ids, row_weights, row_weight_ids,
             swiglu)
     if act.operand is None:  # codes only: the native kernel
-        return w4a4_blackwell.grouped_matmul(*_codes(act), act.global_scale, *args)
-    # Gluon wins at decode and loses at prefill, so prefill-sized calls take the Triton kernel (H200, 128
-    # experts top-8, gate/up and down: 64 tokens 78 / 44 us vs Triton 86 / 53, 256 tokens 104 / 61 vs
-    # 127 / 75, 4,096 tokens 1366 / 643 vs 712 / 546); the same threshold as the dense prefill pass
+        return w4a4_blackwell.grouped_matmul(*act.codes, act.global_scale, *args)
+    # Gluon wins at decode and loses at prefill (H200, 128 experts top-8, gate/up and down, us: 64 tokens
+    # 78 / 44 vs Triton 86 / 53, 4,096 tokens 1366 / 643 vs 712 / 546): the dense prefill pass's threshold
     decode = (act_rows if tokens is None else tokens) < w4a4_dense.PREFILL_ROWS
     gluon_here = backend(w.device) == "gluon" and w.shape[2] % 64 == 0 and decode
     kernel = w4a4_experts_gluon if gluon_here else w4a4_experts
@@ -607,14 +553,11 @@ _BACKENDS = {}  # CUDA device index -> its backend, decided once
 
 def backend(device):
     """Which path the W4A4 layers take on `device`:
-      'reference'  the plain-PyTorch references: CPU tensors (the kernel tests call the kernels there under
-                   TRITON_INTERPRET=1), no Triton, or a GPU older than sm_89 (one warning: E4M3 needs 8.9)
-      'gluon'      sm_89 / sm_90 with Gluon: the quantizer, the tiled dense GEMM, the Gluon experts at
-                   decode (below PREFILL_ROWS tokens; the Triton experts from there on)
-      'triton'     the same with the Triton experts: Triton without Gluon, the interpreter on CUDA
-                   tensors, or Blackwell whose native kernels failed their check
-      'native'     sm_100+: tl.dot_scaled, once it has agreed with the Hopper kernels on a check problem
-                   (w4a4_blackwell.disagreement; else one warning and 'triton')."""
+      'reference'  the plain-PyTorch references: CPU tensors (kernel tests run the kernels there under
+                   TRITON_INTERPRET=1), no Triton, or a GPU before sm_89 (one warning: E4M3 needs 8.9)
+      'gluon'      sm_89 / sm_90 with Gluon: quantizer, tiled dense GEMM, Gluon experts below PREFILL_ROWS
+      'triton'     the same with the Triton experts: no Gluon, the interpreter, or a failed Blackwell check
+      'native'     sm_100+: tl.dot_scaled, once it matched the Hopper kernels (w4a4_blackwell.disagreement)"""
     if device.type != "cuda" or triton is None:
         return "reference"
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -641,12 +584,11 @@ def use_triton(x):
     return backend(x.device) != "reference"
 
 
-# ======================================================================== input checks
+# ======================================================================== input checks (one line each)
 def _check_kernel_call(out_dtype=None):
-    """A kernel entry point: Triton is there, and out_dtype (if given) is one the GEMMs store."""
     if triton is None:
         raise RuntimeError("the W4A4 kernels need the `triton` package; use the *_reference functions instead")
-    if out_dtype is not None and out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if out_dtype is not None and out_dtype not in _FLOATS:
         raise ValueError(f"out_dtype must be bfloat16/float16/float32, got {out_dtype}")
 
 
@@ -655,57 +597,50 @@ def _check_ratio(rac_ratio):
         raise ValueError(f"rac_ratio must be a number in [0, 1], got {rac_ratio!r}")
 
 
-def _check_features(features, name):
-    if features % BLOCK_SIZE:
-        raise ValueError(f"{name}: {features} features is not a multiple of the NVFP4 block size "
-                         f"{BLOCK_SIZE}")
+def _check_blocks(name, n, label="{} features"):
+    if n % BLOCK_SIZE:
+        raise ValueError(f"{name}: {label.format(n)} is not a multiple of the NVFP4 block size {BLOCK_SIZE}")
 
 
 def _check_input(x, rac_mask, name, kernel=False):
-    """An activation x (M, K) and its RAC mask (G,) or None; kernel: for a kernel entry point."""
     if kernel:
         _check_kernel_call()
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{name}: expected a 2-D tensor (M, K), got {shape}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if x.dtype not in _FLOATS:
         raise ValueError(f"{name}: expected bfloat16/float16/float32 activations, got dtype {x.dtype}")
-    if x.shape[-1] % BLOCK_SIZE:
-        raise ValueError(f"{name}: K={x.shape[-1]} is not a multiple of the NVFP4 block size {BLOCK_SIZE}")
-    if rac_mask is None:
-        return
-    n_blocks = x.shape[-1] // BLOCK_SIZE
-    if (not isinstance(rac_mask, torch.Tensor) or rac_mask.dtype != torch.bool
-            or rac_mask.shape != (n_blocks,)):
-        got = (f"{rac_mask.dtype} {tuple(rac_mask.shape)}" if isinstance(rac_mask, torch.Tensor)
-               else type(rac_mask).__name__)
-        raise ValueError(f"rac_mask must be a bool tensor of shape (G,) = ({n_blocks},), got {got}")
-    if rac_mask.device != x.device:
-        raise ValueError(f"rac_mask is on {rac_mask.device} but the activation is on {x.device}")
+    _check_blocks(name, x.shape[-1], "K={}")
+    G, mask = x.shape[-1] // BLOCK_SIZE, rac_mask
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+                                 and mask.shape == (G,)):
+        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"rac_mask must be a bool tensor of shape (G,) = ({G},), got {got}")
+    if mask is not None and mask.device != x.device:
+        raise ValueError(f"rac_mask is on {mask.device} but the activation is on {x.device}")
 
 
 def _check_operands(x_q, w_q, residual, name, stacked=False):
     for label, q in (("x_q", x_q), ("w_q", w_q), ("residual", residual)):
-        allowed = (NVFP4Tensor, ExpertWeights) if stacked and label == "w_q" else NVFP4Tensor
-        if q is not None and not isinstance(q, allowed):
-            kinds = " or ExpertWeights" if isinstance(allowed, tuple) else ""
-            raise ValueError(f"{name}: {label} must be an NVFP4Tensor{kinds}, got {type(q).__name__}")
-    if len(x_q.shape) != 2 or len(w_q.shape) != (3 if stacked else 2):
+        experts = stacked and label == "w_q"  # an NVFP4Tensor or ExpertWeights
+        if q is not None and not isinstance(q, (NVFP4Tensor, ExpertWeights) if experts else NVFP4Tensor):
+            raise ValueError(f"{name}: {label} must be an NVFP4Tensor{' or ExpertWeights' * experts}, got "
+                             f"{type(q).__name__}")
+    if len(x_q.shape) != 2 or len(w_q.shape) != 2 + stacked:
         raise ValueError(f"{name}: expected x_q (M, K) and w_q {'(E, N, K)' if stacked else '(N, K)'}, "
                          f"got {x_q.shape} and {w_q.shape}")
     if x_q.shape[-1] != w_q.shape[-1]:
         raise ValueError(f"{name}: K differs: x_q {x_q.shape} vs w_q {w_q.shape}")
     if x_q.device != w_q.device:
         raise ValueError(f"{name}: x_q is on {x_q.device} but w_q is on {w_q.device}")
-    if residual is not None:
-        if residual.shape != x_q.shape or residual.device != x_q.device:
-            raise ValueError(f"{name}: residual {residual.shape} on {residual.device} does not match x_q")
-        if not torch.equal(residual.global_scale.reshape(()), x_q.global_scale.reshape(())):
-            raise ValueError(f"{name}: the residual must share x_q's global scale")
+    if residual is not None and (residual.shape != x_q.shape or residual.device != x_q.device):
+        raise ValueError(f"{name}: residual {residual.shape} on {residual.device} does not match x_q")
+    if residual is not None and not torch.equal(residual.global_scale.reshape(()),
+                                                x_q.global_scale.reshape(())):
+        raise ValueError(f"{name}: the residual must share x_q's global scale")
 
 
 def _check_row_weights(row_weights, row_weight_ids, n_rows, name):
-    """The experts' GEMM scales row r by row_weights[r], or by row_weights[row_weight_ids[r]]."""
     if row_weight_ids is not None and (row_weights is None or row_weight_ids.shape != (n_rows,)):
         weights = None if row_weights is None else tuple(row_weights.shape)
         raise ValueError(f"{name}: row_weight_ids must index row_weights with one id per row ({n_rows},), "

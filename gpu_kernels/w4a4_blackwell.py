@@ -136,7 +136,7 @@ def dense_matmul(x_data, x_block_scale, r_data, r_block_scale, x_global_scale, w
 def grouped_matmul(x_data, x_block_scale, r_data, r_block_scale, x_global_scale, w_data, w_block_scale,
                    w_global_scale, counts, out_dtype, row_ids=None, row_weights=None, row_weight_ids=None,
                    swiglu=False):
-    """kernels.w4a4_experts.grouped_matmul on codes (x's and its residual's, as dense_matmul takes them)."""
+    """gpu_kernels.w4a4_experts.grouped_matmul on codes (x's and its residual's, as dense_matmul takes them)."""
     E, N, K, chunk = expert_shape(w_data)
     n_rows = row_ids.numel() if row_ids is not None else x_data.shape[0]
     y, flags, (row_ids, row_weights, row_weight_ids) = grouped_output(

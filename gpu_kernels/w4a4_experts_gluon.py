@@ -257,7 +257,7 @@ def _grouped_gluon_kernel(
 # ------------------------------------------------------------------ launch
 def grouped_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scale, counts, out_dtype,
                    row_ids=None, row_weights=None, row_weight_ids=None, swiglu=False):
-    """kernels.w4a4_experts.grouped_matmul on the Gluon kernel (same arguments; K a multiple of 64; a CUDA
+    """gpu_kernels.w4a4_experts.grouped_matmul on the Gluon kernel (same arguments; K a multiple of 64; a CUDA
     GPU of compute capability 8.9 to 9.x). y is stored in its own dtype (bf16 rounds to nearest even)."""
     E, N, K, chunk = expert_shape(w_data)
     n_rows = row_ids.numel() if row_ids is not None else operand.shape[1]

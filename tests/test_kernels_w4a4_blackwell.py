@@ -7,7 +7,8 @@ from test_kernels_w4a4_quantize import compiled_output
 
 import nvfp4
 
-pytest.importorskip("kernels.w4a4_blackwell")
+pytest.importorskip("triton")  # the kernels need it; a wrong name below must fail, not skip
+from gpu_kernels import w4a4_blackwell  # noqa: E402,F401
 
 _COMPILE_FOR_SM100 = r"""
 import re

@@ -333,7 +333,7 @@ def bench_gemm(args):
                                                                   row_weights=expert_weights,
                                                                   row_weight_ids=routing.order,
                                                                   tokens=T)])}
-        if rac.backend(x.device) == "gluon" and T < w4a4_dense.PREFILL_ROWS:  # the layer's kernel here
+        if rac.backend(x.device) == "gluon" and T < rac.GLUON_EXPERTS_BELOW:  # the layer's kernel here
             kernel, table = rac.w4a4_experts_gluon._grouped_gluon_kernel, rac.w4a4_experts_gluon.GLUON_CONFIGS
         else:
             kernel, table = w4a4_experts._grouped_kernel, w4a4_experts.GROUPED_CONFIGS

@@ -56,6 +56,7 @@ except ImportError:
 MODES = ("bf16", "fp8", "nvfp4")
 EXPERT_ROW_BLOCK = 16              # expert weights are stored in blocks of 16 rows ...
 EXPERT_K_CHUNK = 128               # ... by chunks of 128 elements of K (all of K when it is not a multiple)
+GLUON_EXPERTS_BELOW = 2048         # tokens: from here on the experts run on the Triton kernel (prefill)
 KERNEL_CAPABILITY = (8, 9)         # the kernels' E4M3 conversions (cvt.*.e4m3x2) need sm_89 or later
 _PARTS = ("data", "block_scale", "global_scale")  # an NVFP4 weight's three buffers
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -526,8 +527,8 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=
 def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu=False,
                           out_dtype=torch.bfloat16, row_weight_ids=None, tokens=None):
     """grouped_matmul_reference's fast path on an Activation and ExpertWeights, no host sync: Blackwell's
-    kernel on codes; Gluon's where `backend` says so (K a multiple of 64) below PREFILL_ROWS tokens (the
-    layer's count; None: act's rows); else Triton's."""
+    kernel on codes; Gluon's where `backend` says so (K a multiple of 64) below GLUON_EXPERTS_BELOW tokens
+    (the layer's count; None: act's rows); else Triton's."""
     _check_kernel_call(out_dtype)
     if not isinstance(w, ExpertWeights):
         raise ValueError(f"grouped_matmul_triton: w must be ExpertWeights (rac.chunk_experts of the stacked "
@@ -539,9 +540,8 @@ def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu
             swiglu)
     if act.operand is None:  # codes only: the native kernel
         return w4a4_blackwell.grouped_matmul(*act.codes, act.global_scale, *args)
-    # Gluon wins at decode and loses at prefill (H200, 128 experts top-8, gate/up and down, us: 64 tokens
-    # 78 / 44 vs Triton 86 / 53, 4,096 tokens 1366 / 643 vs 712 / 546): the dense prefill pass's threshold
-    decode = (act_rows if tokens is None else tokens) < w4a4_dense.PREFILL_ROWS
+    # H200, gate/up + down, Gluon vs Triton us: 64 tokens 123 / 139, 1,024 421 / 486, 4,096 1987 / 1269
+    decode = (act_rows if tokens is None else tokens) < GLUON_EXPERTS_BELOW
     gluon_here = backend(w.device) == "gluon" and w.shape[2] % 64 == 0 and decode
     kernel = w4a4_experts_gluon if gluon_here else w4a4_experts
     return kernel.grouped_matmul(act.operand, act.global_scale, *args)
@@ -555,7 +555,7 @@ def backend(device):
     """Which path the W4A4 layers take on `device`:
       'reference'  the plain-PyTorch references: CPU tensors (kernel tests run the kernels there under
                    TRITON_INTERPRET=1), no Triton, or a GPU before sm_89 (one warning: E4M3 needs 8.9)
-      'gluon'      sm_89 / sm_90 with Gluon: quantizer, tiled dense GEMM, Gluon experts below PREFILL_ROWS
+      'gluon'      sm_89 / sm_90 with Gluon: quantizer, tiled dense GEMM, Gluon experts (decode sizes)
       'triton'     the same with the Triton experts: no Gluon, the interpreter, or a failed Blackwell check
       'native'     sm_100+: tl.dot_scaled, once it matched the Hopper kernels (w4a4_blackwell.disagreement)"""
     if device.type != "cuda" or triton is None:

@@ -104,8 +104,8 @@ def test_experts_take_the_gluon_kernel_only_where_the_backend_says_so(monkeypatc
         act = rac.quantize_activation_triton(torch.randn(4, K, device=kernel_device))
         rac.grouped_matmul_triton(act, w, torch.tensor([4, 0], device=kernel_device))
         assert launched == expected, (path, K)
-    # prefill-sized calls (from PREFILL_ROWS tokens on, the layer's count or else the rows) take Triton's
-    for tokens, expected in ((None, ["gluon"]), (256, ["gluon"]), (257, []), (4096, [])):
+    # prefill-sized calls (from 2,048 tokens on, the layer's count or else the rows) take Triton's
+    for tokens, expected in ((None, ["gluon"]), (1024, ["gluon"]), (2047, ["gluon"]), (2048, []), (4096, [])):
         monkeypatch.setattr(rac, "backend", lambda device: "gluon")
         launched.clear()
         w = rac.chunk_experts(nvfp4.quantize_weight(torch.randn(2, 16, 64, device=kernel_device)))

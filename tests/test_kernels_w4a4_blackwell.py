@@ -30,7 +30,7 @@ kernels = {
                      dict(GATHER=False, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=False, HAS_RESIDUAL=True,
                           E_POW2=128, **common)),
 }
-for name, (kernel, types, constants) in gpu_kernels.items():
+for name, (kernel, types, constants) in kernels.items():
     signature = dict(zip(kernel.arg_names, types + ["constexpr"] * len(constants)))
     ptx = compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 100, 32)).asm["ptx"]
     # NVFP4's block-16 scaled MMA: spelled .block16 by Triton 3.9, .scale_vec::4X (its older alias) by 3.6

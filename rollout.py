@@ -31,10 +31,9 @@ Random numbers are counter-based: E_v of row n at completion position t is a has
 v) (`sampling_noise`: two rounds of a 32-bit xor-shift / multiply mixer, u from its top 23 bits, E =
 -log(u)). A row's tokens depend only on its logits and (seed, row id), with or without the CUDA graph
 and whatever rows share its batch, so torchrun ranks sampling their shares of a batch (`row_offset`)
-produce exactly the rollouts one process would. The fast paths (gpu_kernels/sampling.py), each chosen in one
-`use_*` function: the noise in one launch; without top-k / top-p (RL's default) the whole sampler fused,
-the race in log space with no (N, V) tensor, its tokens the twin's but where two candidates tie to fp32
-rounding. `score` re-scores given rows in one prefill, the audit's check of the engine's own numerics.
+produce exactly the rollouts one process would. On CUDA the noise is one Triton launch
+(gpu_kernels/sampling.py, chosen in `use_noise_kernel`), bit for bit its torch twin; the rest of the
+sampler is torch. `score` re-scores given rows in one prefill, the audit's check of the engine's numerics.
 
 Left out on purpose: continuous batching (finished rows keep their slot), paged or shared-prefix
 attention, chunked prefill, speculative decoding, stop strings, repetition penalties, min-p.
@@ -237,24 +236,12 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def use_fused_sampler(logits: Tensor, top_k: int, top_p: float) -> bool:
-    """Where the fused sampler (gpu_kernels/sampling.py) runs: CUDA, without top-k / top-p (RL's default; its
-    race needs the whole distribution), token ids below 2^24 (they pass through fp32). A benchmark may
-    replace this."""
-    V = logits.shape[-1]
-    return (sampling_kernels is not None and logits.is_cuda and not 0 < top_k < V and top_p >= 1.0
-            and V < 2 ** 24)
-
-
 def sample_next(logits: Tensor, sampling: dict, seed_key: Tensor, rows: Tensor,
                 position: Tensor) -> tuple[Tensor, Tensor]:
-    """One token per row of logits (B, V): the fused sampler where it applies, otherwise the noise tensor
-    and sample_tokens."""
-    temperature, top_k, top_p = sampling["temperature"], sampling["top_k"], sampling["top_p"]
-    if use_fused_sampler(logits, top_k, top_p):
-        return sampling_kernels.sample_tokens(logits, temperature, seed_key, rows, position)
+    """One token per row of logits (B, V): the noise of (seed, row ids, position), then sample_tokens."""
+    temperature = sampling["temperature"]
     noise = None if temperature == 0 else sampling_noise(seed_key, rows, position, logits.shape[-1])
-    return sample_tokens(logits, temperature, top_k, top_p, noise)
+    return sample_tokens(logits, temperature, sampling["top_k"], sampling["top_p"], noise)
 
 
 def truncate(logprobs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -451,11 +438,7 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
     """
     c = model.config
     prompts = _check_arguments(c, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id,
-                               pad_id)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
-        raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
-    if isinstance(row_offset, bool) or not isinstance(row_offset, int) or row_offset < 0:
-        raise ValueError(f"row_offset must be an int >= 0, got {row_offset!r}")
+                               pad_id, seed, row_offset)
     device = model.embed.weight.device
     P, G = len(prompts), num_samples
     N = P * G
@@ -555,37 +538,6 @@ def prefill(model: MoETransformer, cache: KVCache, prompt_ids: Tensor, pad_lengt
     return torch.cat(last_logits), torch.cat(routes, dim=1)
 
 
-def _is_token_id(value) -> bool:
-    """A Python or NumPy integer, or an integer 0-d tensor (not a bool, not a float with an integer value)."""
-    if isinstance(value, Tensor):
-        return value.dim() == 0 and not value.is_floating_point() and not value.is_complex() \
-            and value.dtype != torch.bool
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return not isinstance(value, bool)
-
-
-def _token_ids(prompt, name) -> list[int]:
-    """One prompt (a list/tuple of integers or a 1-D integer tensor) -> list of ints; anything else, such
-    as a string or float ids, is a TypeError naming the argument (int() would silently truncate 2.7)."""
-    if isinstance(prompt, Tensor):
-        if (prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex()
-                or prompt.dtype == torch.bool):
-            raise TypeError(f"{name} must be a 1-D integer tensor of token ids, got {prompt.dtype} of shape "
-                            f"{tuple(prompt.shape)}")
-        return prompt.tolist()
-    if not isinstance(prompt, (list, tuple)):
-        raise TypeError(f"{name} must be a list of integer token ids, got {type(prompt).__name__}"
-                        + (" (encode text with the tokenizer first)" if isinstance(prompt, (str, bytes))
-                           else ""))
-    for t in prompt:
-        if not _is_token_id(t):
-            raise TypeError(f"{name} must hold integer token ids, got {t!r} ({type(t).__name__})")
-    return [int(t) for t in prompt]
-
-
 @torch.no_grad()
 def score(model: MoETransformer, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """Re-score token rows with the rollout model in one prefill (no sampling, no cache): (N, W) -> (N, W).
@@ -600,13 +552,11 @@ def score(model: MoETransformer, tokens: Tensor, temperature: float = 1.0) -> Te
     nondeterminism (a token's rounding depends on the other rows of its GEMM, e.g. through a dynamic
     activation scale) from the trainer's precision. Chunks of at most PREFILL_LOGITS_BUDGET logits.
     """
-    if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"tokens must be an integer tensor (N, W), got {tuple(tokens.shape)} {tokens.dtype}")
-    if tokens.shape[1] < 2:
-        raise ValueError(f"tokens must have at least 2 columns (a context and a token), "
-                         f"got {tuple(tokens.shape)}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 = untempered), got {temperature!r}")
+    _require(tokens.dim() == 2 and tokens.dtype in (torch.int64, torch.int32),
+             f"tokens must be an integer tensor (N, W), got {tuple(tokens.shape)} {tokens.dtype}")
+    _require(tokens.shape[1] >= 2, f"tokens must have at least 2 columns (a context and a token), got "
+             f"{tuple(tokens.shape)}")
+    _require(temperature >= 0, f"temperature must be >= 0 (0 = untempered), got {temperature!r}")
     N, W = tokens.shape
     chunk = max(1, PREFILL_LOGITS_BUDGET // (W * model.config.vocab_size))
     logprobs = torch.zeros(N, W, dtype=torch.float32, device=tokens.device)
@@ -619,40 +569,74 @@ def score(model: MoETransformer, tokens: Tensor, temperature: float = 1.0) -> Te
     return logprobs
 
 
-def _check_arguments(config, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id, pad_id):
-    """Validate generate's arguments; return the prompts as lists of ints."""
-    if isinstance(prompts, Tensor) or not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists (one list per prompt, any "
-                         "lengths)")
+def _require(ok, message: str, error: type = ValueError) -> None:
+    if not ok:
+        raise error(message)
+
+
+def _integer_dtype(t: Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _is_token_id(value) -> bool:
+    """A Python or NumPy integer, or an integer 0-d tensor (not a bool, not a float with an integer value)."""
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and _integer_dtype(value)
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
+
+
+def _token_ids(prompt, name) -> list[int]:
+    """One prompt (a list/tuple of integers or a 1-D integer tensor) -> list of ints; anything else, such
+    as a string or float ids, is a TypeError naming the argument (int() would silently truncate 2.7)."""
+    if isinstance(prompt, Tensor):
+        _require(prompt.dim() == 1 and _integer_dtype(prompt), f"{name} must be a 1-D integer tensor of "
+                 f"token ids, got {prompt.dtype} of shape {tuple(prompt.shape)}", TypeError)
+        return prompt.tolist()
+    text = " (encode text with the tokenizer first)" if isinstance(prompt, (str, bytes)) else ""
+    _require(isinstance(prompt, (list, tuple)),
+             f"{name} must be a list of integer token ids, got {type(prompt).__name__}{text}", TypeError)
+    bad = [t for t in prompt if not _is_token_id(t)]
+    if bad:
+        raise TypeError(f"{name} must hold integer token ids, got {bad[0]!r} ({type(bad[0]).__name__})")
+    return [int(t) for t in prompt]
+
+
+def _check_arguments(config, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id, pad_id,
+                     seed, row_offset) -> list[list[int]]:
+    """Validate generate's arguments (each failure one line naming the argument); return the prompts as
+    lists of ints."""
+    _require(isinstance(prompts, (list, tuple)) and len(prompts) > 0,
+             "prompts must be a non-empty list of token-id lists (one list per prompt, any lengths)")
     prompts = [_token_ids(prompt, f"prompts[{i}]") for i, prompt in enumerate(prompts)]
-    V = config.vocab_size
+    V, max_len = config.vocab_size, config.max_seq_len
     for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        _require(len(prompt) > 0, f"prompt {i} is empty; every prompt needs at least one token")
         outside = [t for t in prompt if not 0 <= t < V]
         if outside:
             raise ValueError(f"prompts[{i}] holds token id {outside[0]}, outside [0, {V}) (the vocabulary)")
-    if not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > config.max_seq_len:
-        raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"the model's max_seq_len={config.max_seq_len}")
-    if not temperature >= 0:  # also catches NaN
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    if eos_id is not None and not _is_token_id(eos_id):
-        raise TypeError(f"eos_id must be None or an integer token id, got {eos_id!r}")
-    if not _is_token_id(pad_id):
-        raise TypeError(f"pad_id must be an integer token id, got {pad_id!r}")
-    if eos_id is not None and not 0 <= eos_id < V:
-        raise ValueError(f"eos_id must be None or a token id in [0, {V}), got {eos_id!r}")
-    if not 0 <= pad_id < V:
-        raise ValueError(f"pad_id must be a token id in [0, {V}) (finished rows feed it to the model), "
-                         f"got {pad_id!r}")
+    _require(isinstance(num_samples, int) and num_samples >= 1,
+             f"num_samples must be an int >= 1, got {num_samples!r}")
+    _require(isinstance(max_new_tokens, int) and max_new_tokens >= 1,
+             f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    longest = max(map(len, prompts))
+    _require(longest + max_new_tokens <= max_len, f"the longest prompt ({longest} tokens) + max_new_tokens "
+             f"({max_new_tokens}) exceeds the model's max_seq_len={max_len}")
+    _require(temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {temperature!r}")  # NaN fails
+    _require(0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
+    _require(isinstance(top_k, int) and top_k >= 0, f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    _require(eos_id is None or _is_token_id(eos_id),
+             f"eos_id must be None or an integer token id, got {eos_id!r}", TypeError)
+    _require(_is_token_id(pad_id), f"pad_id must be an integer token id, got {pad_id!r}", TypeError)
+    _require(eos_id is None or 0 <= eos_id < V,
+             f"eos_id must be None or a token id in [0, {V}), got {eos_id!r}")
+    _require(0 <= pad_id < V,
+             f"pad_id must be a token id in [0, {V}) (finished rows feed it to the model), got {pad_id!r}")
+    _require(not isinstance(seed, bool) and isinstance(seed, int) and 0 <= seed < 2 ** 63,
+             f"seed must be an int in [0, 2^63), got {seed!r}")
+    _require(not isinstance(row_offset, bool) and isinstance(row_offset, int) and row_offset >= 0,
+             f"row_offset must be an int >= 0, got {row_offset!r}")
     return prompts

@@ -2,17 +2,15 @@
 them: for every sampled token its id, whether it belongs to the completion (mask), the log-prob the
 rollout model gave it, and for every MoE layer the experts it was routed to.
 
-    prefill    each prompt runs once, all prompts in one left-padded batch; the attention layers write their
-               keys/values straight into the G cache rows of that prompt's samples, and the last position's
-               logits give every sample its first token.
+    prefill    each prompt runs once, all in one left-padded batch; attention writes its keys/values straight
+               into its G samples' cache rows; the last position's logits give each sample its first token.
     decode     one token per row and step against a static KV cache (`KVCache`: N rows, S slots, allocated
                once per batch shape and pooled per model with its graph); every shape is fixed, so on CUDA
                the step (forward, sampling, bookkeeping) is captured once as a CUDA graph and replayed.
 
-Left padding: prompt p of length n_p sits in the last n_p of Tp columns (Tp rounded up to a multiple of
-16, so nearby lengths share a shape); positions count from its first real token, padded keys are masked
-out, a padded query attends only to itself. So each row computes what it would alone, up to float
-summation order.
+Left padding: prompt p of length n_p sits in the last n_p of Tp columns (Tp a multiple of 16, so nearby
+lengths share a shape); positions count from its first real token, padded keys are masked out, a padded
+query attends only to itself: each row computes what it would alone, up to float summation order.
 
 Sampling, per row and step, from the logits z (fp32) at temperature tau:
 
@@ -27,17 +25,12 @@ token is part of the completion, mask 1) or max_new_tokens; later columns hold p
 Routes are recorded when a token is fed (the last token is fed once more to record its own);
 `Rollout.sequences()` lays prompt + completion out as the trainer's rows, routes included (for R3).
 
-Random numbers are counter-based: E_v of row n at completion position t is a hash of (seed, row id, t,
-v) (`sampling_noise`: two rounds of a 32-bit xor-shift / multiply mixer, u from its top 23 bits, E =
--log(u)). A row's tokens depend only on its logits and (seed, row id), with or without the CUDA graph
-and whatever rows share its batch, so torchrun ranks sampling their shares of a batch (`row_offset`)
-produce exactly the rollouts one process would. The fast paths (gpu_kernels/sampling.py), each chosen in one
-`use_*` function: the noise in one launch; without top-k / top-p (RL's default) the whole sampler fused,
-the race in log space with no (N, V) tensor, its tokens the twin's but where two candidates tie to fp32
-rounding. `score` re-scores given rows in one prefill, the audit's check of the engine's own numerics.
-
-Left out on purpose: continuous batching (finished rows keep their slot), paged or shared-prefix
-attention, chunked prefill, speculative decoding, stop strings, repetition penalties, min-p.
+Random numbers are counter-based: E_v of row n at completion position t is a hash of (seed, row id, t, v)
+(`sampling_noise`), so a row's tokens depend only on its logits and (seed, row id), not on the CUDA graph
+or the other rows of its batch: torchrun ranks sampling their shares of a batch (`row_offset`) produce
+exactly the rollouts one process would. On CUDA the noise is one Triton launch (gpu_kernels/sampling.py,
+`use_noise_kernel`), bit for bit its torch twin. `score` re-scores given rows in one prefill (the audit's
+check). Left out: continuous batching, paged attention, speculative decoding, stop strings, penalties.
 
 Shape letters: P prompts, G samples per prompt, N = P*G rows (prompt-major: rows p*G .. p*G+G-1 are
 prompt p's), Tp padded prompt width, T completion width, W = prompt + completion width (trainer rows),
@@ -69,14 +62,12 @@ PREFILL_LOGITS_BUDGET = 1 << 27   # max logits elements (rows * Tp * V) one pref
 MAX_POOLED_STATES = 4             # decode states (cache + graph) kept per model, least recently used dropped
 
 
-# ----------------------------------------------------------------------------------------------- result
 class Sequences(NamedTuple):
     """Prompt + completion as right-padded trainer rows: row n holds prompt n then its completion, then pad.
 
-    With right padding the trainer needs no mask or positions: `logits = model(tokens)` computes each row
-    exactly as it would alone. logprobs[:, j] is the rollout's log-prob of tokens[:, j] given tokens[:, :j],
-    so it lines up with `log_softmax(logits[:, :-1] / temperature).gather(-1, tokens[:, 1:, None])` shifted
-    by one: compare `logprobs[:, 1:]` where `loss_mask[:, 1:]`.
+    The trainer needs no mask or positions: `logits = model(tokens)` computes each row exactly as alone.
+    logprobs[:, j] is the rollout's log-prob of tokens[:, j] given tokens[:, :j]: compare `logprobs[:, 1:]`
+    with `log_softmax(logits[:, :-1] / temperature).gather(-1, tokens[:, 1:, None])` where `loss_mask[:, 1:]`.
     """
     tokens: Tensor      # (N, W) int64, pad_id after the end of each row
     valid_mask: Tensor  # (N, W) bool: prompt or completion token (not padding)
@@ -108,13 +99,12 @@ class Rollout:
 
     def sequences(self) -> Sequences:
         """The rows the trainer scores: prompt then completion, right-padded (see `Sequences`)."""
-        N, Tp = self.prompt_ids.shape
+        Tp = self.prompt_ids.shape[1]
         lengths = self.prompt_lengths + self.completion_lengths                            # (N,)
-        W = int(lengths.max())
         # With left-padded prompts, [prompt_ids | completion_ids] holds each row's tokens contiguously
         # from column Tp - prompt_length on: shifting every row left by its padding right-pads it.
         tokens = torch.cat((self.prompt_ids, self.completion_ids), dim=1)                   # (N, Tp + T)
-        columns = torch.arange(W, device=tokens.device)
+        columns = torch.arange(int(lengths.max()), device=tokens.device)                  # (W,)
         valid = columns < lengths[:, None]                                                   # (N, W)
         source = ((Tp - self.prompt_lengths)[:, None] + columns).clamp(max=tokens.shape[1] - 1)
         # padding columns read the row's last valid token's column, so gathered routes stay valid ids
@@ -126,20 +116,13 @@ class Rollout:
             all_routes = torch.cat((self.prompt_routes, self.routes), dim=2)  # (L, N, Tp + T, A)
             index = source[None, :, :, None].expand(all_routes.shape[0], -1, -1, all_routes.shape[-1])
             routes = all_routes.gather(2, index)                                             # (L, N, W, A)
-        return Sequences(
-            tokens=torch.where(valid, tokens.gather(1, source), self.pad_id),
-            valid_mask=valid,
-            loss_mask=loss_mask,
-            logprobs=torch.where(loss_mask, logprobs.gather(1, source), 0.0),
-            routes=routes,
-        )
+        return Sequences(tokens=torch.where(valid, tokens.gather(1, source), self.pad_id), valid_mask=valid,
+                         loss_mask=loss_mask, routes=routes,
+                         logprobs=torch.where(loss_mask, logprobs.gather(1, source), 0.0))
 
 
-# ----------------------------------------------------------------------------------------------- cache
 class KVCache:
-    """Keys and values of every layer for N rows and S slots, written in place (moe.py's cache interface).
-
-    Two modes, one per phase:
+    """Keys and values of every layer for N rows and S slots, written in place (moe.py's cache interface):
     - prefill (`prefill_rows` set): the prompt's keys (P', Hkv, Tp, hd) are copied to slots [0, Tp) of the
       G rows of each prompt; the layer gets its own keys back (a prompt attends only to itself).
     - decode: the new keys (N, Hkv, 1, hd) go to slot `length` (a device tensor, so a CUDA graph can replay
@@ -157,8 +140,7 @@ class KVCache:
 
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self.prefill_rows is not None:
-            T = k.shape[2]
-            G = self.samples_per_prompt
+            T, G = k.shape[2], self.samples_per_prompt
             self.keys[layer_idx, self.prefill_rows, :, :T] = k.repeat_interleave(G, dim=0)
             self.values[layer_idx, self.prefill_rows, :, :T] = v.repeat_interleave(G, dim=0)
             return k, v
@@ -168,155 +150,55 @@ class KVCache:
         return keys, values
 
 
-# --------------------------------------------------------------------------------------------- sampling noise
-MASK32 = 0xFFFFFFFF
-MIX_MULTIPLIERS = (0x7FEB352D, 0x1B873593)    # odd and < 2^31: a product with a 32-bit value fits in int64
-ROW_STRIDE, POSITION_STRIDE, TOKEN_STRIDE = 0x27D4EB2F, 0x165667B1, 0x61C88647   # odd "Weyl" increments
-UNIFORM_BITS = 23                             # u = (top 23 bits + 1/2) * 2^-23: exact in fp32, never 0 or 1
+def prefill(model: MoETransformer, cache: KVCache, prompt_ids: Tensor, pad_lengths: Tensor,
+            samples_per_prompt: int) -> tuple[Tensor, Tensor]:
+    """Run the left-padded prompts (P, Tp), filling slots [0, Tp) of each prompt's G cache rows -> the last
+    position's logits (P, V) and the prompt routes (L, P, Tp, A). In chunks of at most PREFILL_LOGITS_BUDGET
+    logits (the model computes logits at every position; only the last is needed)."""
+    (P, Tp), G = prompt_ids.shape, samples_per_prompt
+    columns = torch.arange(Tp, device=prompt_ids.device)
+    chunk = max(1, PREFILL_LOGITS_BUDGET // (Tp * model.config.vocab_size))
+    last_logits, routes = [], []
+    try:
+        for start in range(0, P, chunk):
+            pad = pad_lengths[start:start + chunk, None]                                     # (P', 1)
+            positions = (columns - pad).clamp(min=0)                                        # (P', Tp)
+            query, key = columns[:, None], columns[None, :]                                 # (Tp, 1), (1, Tp)
+            attn_mask = ((key <= query) & (key >= pad[:, :, None])) | (key == query)        # (P', Tp, Tp)
+            cache.prefill_rows, cache.samples_per_prompt = slice(start * G, (start + pad.shape[0]) * G), G
+            logits, chunk_routes = model(prompt_ids[start:start + chunk], positions, attn_mask[:, None],
+                                         kv_cache=cache, return_routes=True)
+            last_logits.append(logits[:, -1])                                               # (P', V)
+            routes.append(chunk_routes)                                                     # (L, P', Tp, A)
+    finally:
+        cache.prefill_rows = None
+    return torch.cat(last_logits), torch.cat(routes, dim=1)
 
 
-def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash (xor-shift / multiply rounds) of int64 tensors holding values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = (x * MIX_MULTIPLIERS[0]) & MASK32
-    x = x ^ (x >> 15)
-    x = (x * MIX_MULTIPLIERS[1]) & MASK32
-    return x ^ (x >> 16)
-
-
-def seed_key(seed: int) -> int:
-    """A 64-bit seed folded and mixed into the 32-bit key the noise starts from (seeds that differ only
-    above bit 32 still differ)."""
-    return int(_mix32(torch.tensor((seed ^ (seed >> 32)) & MASK32)))
-
-
-def sampling_noise_reference(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int) -> Tensor:
-    """Twin of the noise kernel in torch integer ops: E (N, V) = -log(u), u in (0, 1) from the hash of
-    (seed key, row id, position, token id). seed_key and position are (1,) int64 tensors, rows (N,)."""
-    keys = _mix32((seed_key + rows * ROW_STRIDE + position * POSITION_STRIDE) & MASK32)      # (N,)
-    tokens = torch.arange(vocab, device=rows.device, dtype=torch.int64)
-    x = _mix32((keys[:, None] + tokens[None, :] * TOKEN_STRIDE) & MASK32)                    # (N, V)
-    uniform = ((x >> (32 - UNIFORM_BITS)).float() + 0.5) * 2.0 ** -UNIFORM_BITS
-    return uniform.log_().neg_()
-
-
-def use_noise_kernel(rows: Tensor) -> bool:
-    """Where the noise kernel (gpu_kernels/sampling.py) runs: CUDA. A benchmark may replace this."""
-    return sampling_kernels is not None and rows.is_cuda
-
-
-def sampling_noise(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int) -> Tensor:
-    """E (N, V) ~ Exp(1) i.i.d., a pure function of (seed, row id, position, token id): one Triton launch
-    on CUDA, the torch twin otherwise (the same hash bit for bit)."""
-    if use_noise_kernel(rows):
-        return sampling_kernels.sampling_noise(seed_key, rows, position, vocab)
-    return sampling_noise_reference(seed_key, rows, position, vocab)
-
-
-# ----------------------------------------------------------------------------------------------- sampling
-def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                  noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """logits (B, V) -> (tokens (B,) int64, logprobs (B,) fp32 of those tokens under log_softmax(z / tau)).
-
-    Sampling uses the top-k/top-p truncated distribution; the log-prob is the full tempered one (see the
-    module docstring). noise (B, V): i.i.d. Exp(1) draws, all > 0 (`sampling_noise`; needed unless greedy).
-    temperature 0: argmax, untempered log-prob. No host sync.
-    """
-    logits = logits.float()
-    if temperature == 0:
-        logprobs = F.log_softmax(logits, dim=-1)                                           # (B, V)
-        tokens = logprobs.argmax(dim=-1)
-    else:
-        logprobs = F.log_softmax(logits / temperature, dim=-1)                             # (B, V)
-        kept = truncate(logprobs, top_k, top_p)                                             # -inf outside
-        if noise is None:
-            raise ValueError("sample_tokens: temperature > 0 needs noise (B, V) of Exp(1) draws")
-        # p / E with E ~ Exp(1) is an exponential race: argmax picks v with probability p_v / sum(p).
-        # sampling_noise's E is never 0 (u <= 1 - 2^-24, so E >= 6e-8): a truncated token's 0 / E stays 0.
-        tokens = (kept.exp() / noise).argmax(dim=-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def use_fused_sampler(logits: Tensor, top_k: int, top_p: float) -> bool:
-    """Where the fused sampler (gpu_kernels/sampling.py) runs: CUDA, without top-k / top-p (RL's default; its
-    race needs the whole distribution), token ids below 2^24 (they pass through fp32). A benchmark may
-    replace this."""
-    V = logits.shape[-1]
-    return (sampling_kernels is not None and logits.is_cuda and not 0 < top_k < V and top_p >= 1.0
-            and V < 2 ** 24)
-
-
-def sample_next(logits: Tensor, sampling: dict, seed_key: Tensor, rows: Tensor,
-                position: Tensor) -> tuple[Tensor, Tensor]:
-    """One token per row of logits (B, V): the fused sampler where it applies, otherwise the noise tensor
-    and sample_tokens."""
-    temperature, top_k, top_p = sampling["temperature"], sampling["top_k"], sampling["top_p"]
-    if use_fused_sampler(logits, top_k, top_p):
-        return sampling_kernels.sample_tokens(logits, temperature, seed_key, rows, position)
-    noise = None if temperature == 0 else sampling_noise(seed_key, rows, position, logits.shape[-1])
-    return sample_tokens(logits, temperature, top_k, top_p, noise)
-
-
-def truncate(logprobs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Set to -inf every token outside the top-k, then outside the top-p mass of what is left (the smallest
-    set of most likely tokens whose probability reaches top_p; the most likely token always stays).
-    Tokens tied with the k-th keep their place. top_k 0 and top_p 1 switch each off."""
-    if 0 < top_k < logprobs.shape[-1]:
-        kth = logprobs.topk(top_k, dim=-1).values[..., -1:]                                 # (B, 1)
-        logprobs = logprobs.masked_fill(logprobs < kth, float("-inf"))
-    if top_p < 1.0:
-        logprobs = F.log_softmax(logprobs, dim=-1)  # renormalize over the top-k survivors
-        sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
-        sorted_probs = sorted_logprobs.exp()
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs                             # (B, V)
-        drop = torch.empty_like(mass_before, dtype=torch.bool).scatter_(-1, order, mass_before >= top_p)
-        logprobs = logprobs.masked_fill(drop, float("-inf"))
-    return logprobs
-
-
-# ----------------------------------------------------------------------------------------------- decode state
-@dataclass(eq=False)
 class DecodeState:
     """Everything one decode step reads and writes, allocated once per batch shape: the step is a fixed
     function of these buffers, which is what lets a CUDA graph replay it."""
-    cache: KVCache
-    prompt_width: int         # Tp: completion token t sits in cache slot Tp + t
-    pad_lengths: Tensor       # (N,) int64: left padding of each row (Tp - prompt length)
-    slots: Tensor             # (S,) int64: 0 .. S-1, for building the attention mask
-    next_input: Tensor        # (N, 1) int64: the token each row feeds next
-    alive: Tensor             # (N,) bool: the row's next_input is a completion token (it has not ended)
-    tokens: Tensor            # (N, Tmax + 1) int64: completion tokens; column Tmax is scratch
-    token_mask: Tensor        # (N, Tmax + 1) bool
-    token_logprobs: Tensor    # (N, Tmax + 1) fp32
-    routes: Tensor            # (L, N, Tmax, A) int64: experts of completion token t, recorded when it is fed
-    seed: Tensor              # (1,) int64: the current call's seed_key (read by the graph at each replay)
-    row_ids: Tensor           # (N,) int64: each row's id within the whole batch (row_offset + n)
-    sampling: dict            # temperature, top_k, top_p, eos_id, pad_id (constants of the captured step)
-    graph: "torch.cuda.CUDAGraph | None" = None
-    capture_tried: bool = False
 
-
-def new_decode_state(model: MoETransformer, rows: int, prompt_width: int, max_new_tokens: int,
-                     sampling: dict) -> DecodeState:
-    c = model.config
-    device, dtype = model.embed.weight.device, model.embed.weight.dtype
-    slots = prompt_width + max_new_tokens
-    slots = -(-slots // 16) * 16  # whole 16-element rows keep the attention mask aligned for fused kernels
-    return DecodeState(
-        cache=KVCache(c.n_layers, rows, c.n_kv_heads, slots, c.head_dim, dtype, device),
-        prompt_width=prompt_width,
-        pad_lengths=torch.zeros(rows, dtype=torch.int64, device=device),
-        slots=torch.arange(slots, device=device),
-        next_input=torch.zeros(rows, 1, dtype=torch.int64, device=device),
-        alive=torch.zeros(rows, dtype=torch.bool, device=device),
-        tokens=torch.zeros(rows, max_new_tokens + 1, dtype=torch.int64, device=device),
-        token_mask=torch.zeros(rows, max_new_tokens + 1, dtype=torch.bool, device=device),
-        token_logprobs=torch.zeros(rows, max_new_tokens + 1, dtype=torch.float32, device=device),
-        routes=torch.zeros(c.n_layers, rows, max_new_tokens, c.n_active, dtype=torch.int64, device=device),
-        seed=torch.zeros(1, dtype=torch.int64, device=device),
-        row_ids=torch.arange(rows, dtype=torch.int64, device=device),
-        sampling=sampling,
-    )
+    def __init__(self, model: MoETransformer, rows: int, prompt_width: int, max_new_tokens: int,
+                 sampling: dict):
+        c, device = model.config, model.embed.weight.device
+        zeros = lambda *shape, dtype=torch.int64: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        S, T = -(-(prompt_width + max_new_tokens) // 16) * 16, max_new_tokens + 1  # S: 16-wide mask rows
+        self.cache = KVCache(c.n_layers, rows, c.n_kv_heads, S, c.head_dim, model.embed.weight.dtype, device)
+        self.prompt_width = prompt_width      # Tp: completion token t sits in cache slot Tp + t
+        self.pad_lengths = zeros(rows)        # (N,) int64: left padding of each row (Tp - prompt length)
+        self.slots = torch.arange(S, device=device)   # (S,) int64, for building the attention mask
+        self.next_input = zeros(rows, 1)      # (N, 1) int64: the token each row feeds next
+        self.alive = zeros(rows, dtype=torch.bool)  # (N,): next_input is a completion token (not ended)
+        self.tokens = zeros(rows, T)          # (N, Tmax + 1) int64: completion tokens; column Tmax is scratch
+        self.token_mask = zeros(rows, T, dtype=torch.bool)                     # (N, Tmax + 1)
+        self.token_logprobs = zeros(rows, T, dtype=torch.float32)              # (N, Tmax + 1)
+        self.routes = zeros(c.n_layers, rows, max_new_tokens, c.n_active)  # (L, N, Tmax, A): token t's, fed
+        self.seed = zeros(1)                  # (1,) the current call's seed_key (read by the graph at replay)
+        self.row_ids = torch.arange(rows, device=device)  # (N,) ids within the whole batch: row_offset + n
+        self.sampling = sampling              # temperature, top_k, top_p, eos_id, pad_id: graph constants
+        self.graph: "torch.cuda.CUDAGraph | None" = None
+        self.capture_tried = False
 
 
 def decode_step(model: MoETransformer, state: DecodeState) -> None:
@@ -330,7 +212,6 @@ def decode_step(model: MoETransformer, state: DecodeState) -> None:
                            return_routes=True)                       # (N, 1, V), (L, N, 1, A)
     cache.length.add_(1)
     state.routes.index_copy_(2, step, routes)
-
     alive = state.alive
     if s["eos_id"] is not None:
         alive = alive & (state.next_input[:, 0] != s["eos_id"])     # a row that just fed EOS has ended
@@ -344,39 +225,42 @@ def decode_step(model: MoETransformer, state: DecodeState) -> None:
     state.next_input.copy_(tokens[:, None])
 
 
-def capture_decode_graph(model: MoETransformer, state: DecodeState) -> "torch.cuda.CUDAGraph":
+def capture_decode_graph(model: MoETransformer, state: DecodeState) -> None:
     """Warm up decode_step on a side stream (lazy initializations, Triton autotuning, cuBLAS workspaces,
     outside the capture), then capture one step. Called after a prefill: the warm-up's writes (cache slots
     Tp and Tp + 1, garbage in the other buffers) are overwritten or reset before use, and layers that set
-    themselves up from their first input (an uncalibrated RAC selector) have seen the prompts by then."""
+    themselves up from their first input (an uncalibrated RAC selector) have seen the prompts by then. Once
+    per state: a step that cannot be captured (a host sync, say) is reported and decodes eagerly."""
+    state.capture_tried = True
     state.cache.length.fill_(state.prompt_width)  # in-range slots and columns for the warm-up's writes
-    side = torch.cuda.Stream(state.cache.keys.device)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
+    try:
+        side = torch.cuda.Stream(state.cache.keys.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                decode_step(model, state)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # the noise reads state.seed, state.row_ids and the cache length at each replay: no generator state
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             decode_step(model, state)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # The noise is a function of state.seed, state.row_ids and the cache length, all device tensors the
-    # graph reads at each replay: no generator state to register.
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        decode_step(model, state)
-    return graph
+        state.graph = graph
+    except Exception as error:
+        warnings.warn(f"rollout.py: CUDA graph capture of the decode step failed, decoding eagerly "
+                      f"(cuda_graph=False skips the attempt): {type(error).__name__}: {error}")
+        torch.cuda.synchronize()
 
 
-# ----------------------------------------------------------------------------------------------- the pool
 # model -> (weights signature, {shape and sampling key: DecodeState}). Weak keys: a deleted model takes its
 # caches and graphs with it. The states never reference the model, or it could never be collected.
 _POOLS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 
 
 def weights_signature(model: nn.Module) -> tuple:
-    """What a captured decode graph has baked in: the identity of every module, the address of every
-    tensor the modules hold (parameters, buffers, plain tensor attributes, dataclass fields such as an
-    NVFP4Tensor's), and the modules' plain Python settings (ints, floats, bools, strings: a RAC selector's
-    ratio, a training flag), which choose branches while the step is captured. If any of these changes (a
-    layer swapped, a weight re-created rather than copied in place, a setting changed) the pooled graphs
-    are stale and are dropped. Weights updated in place (rac.sync_weights, calibrate_rac) keep them."""
+    """What a captured decode graph has baked in: every module's identity, the address of every tensor it
+    holds (parameters, buffers, tensor attributes, dataclass fields such as an NVFP4Tensor's) and its plain
+    Python settings (a RAC selector's ratio, a training flag: they choose branches at capture). If any
+    changes the pooled graphs are stale and dropped; weights updated in place (rac.sync_weights) keep them."""
     signature = []
     for module in model.modules():
         signature.append(id(module))
@@ -397,35 +281,19 @@ def get_decode_state(model: MoETransformer, rows: int, prompt_width: int, max_ne
     signature = weights_signature(model)
     pool = _POOLS.get(model)
     if pool is None or pool[0] != signature:
-        pool = [signature, OrderedDict()]
-        _POOLS[model] = pool
+        pool = _POOLS[model] = [signature, OrderedDict()]
     states = pool[1]
     key = (rows, prompt_width, max_new_tokens, cuda_graph, tuple(sorted(sampling.items())))
-    if key in states:
-        states.move_to_end(key)
-        return states[key]
-    while len(states) >= MAX_POOLED_STATES:
-        states.popitem(last=False)
-    state = new_decode_state(model, rows, prompt_width, max_new_tokens, sampling)
-    states[key] = state
-    return state
-
-
-def try_capture(model: MoETransformer, state: DecodeState) -> None:
-    """Capture the decode graph once per state; if the step cannot be captured, say exactly why, once,
-    and leave the state to decode eagerly."""
-    state.capture_tried = True
-    try:
-        state.graph = capture_decode_graph(model, state)
-    except Exception as error:  # something in the step a graph cannot hold (a host sync, say): report it
-        warnings.warn(f"rollout.py: CUDA graph capture of the decode step failed, decoding eagerly "
-                      f"(cuda_graph=False skips the attempt): {type(error).__name__}: {error}")
-        torch.cuda.synchronize()
+    if key not in states:
+        while len(states) >= MAX_POOLED_STATES:
+            states.popitem(last=False)
+        states[key] = DecodeState(model, rows, prompt_width, max_new_tokens, sampling)
+    states.move_to_end(key)
+    return states[key]
 
 
 def last_decode_state(model: nn.Module) -> "DecodeState | None":
-    """The pooled state the model's latest generate call decoded with (a benchmark replays its graph), or
-    None if it has none."""
+    """The pooled state of the model's latest generate call (a benchmark replays its graph), or None."""
     pool = _POOLS.get(model)
     return next(reversed(pool[1].values())) if pool and pool[1] else None
 
@@ -435,30 +303,109 @@ def free_decode_states(model: nn.Module) -> None:
     _POOLS.pop(model, None)
 
 
-# ----------------------------------------------------------------------------------------------- generate
+MASK32 = 0xFFFFFFFF
+MIX_MULTIPLIERS = (0x7FEB352D, 0x1B873593)    # odd and < 2^31: a product with a 32-bit value fits in int64
+ROW_STRIDE, POSITION_STRIDE, TOKEN_STRIDE = 0x27D4EB2F, 0x165667B1, 0x61C88647   # odd "Weyl" increments
+UNIFORM_BITS = 23                             # u = (top 23 bits + 1/2) * 2^-23: exact in fp32, never 0 or 1
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xor-shift / multiply rounds) of int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * MIX_MULTIPLIERS[0]) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * MIX_MULTIPLIERS[1]) & MASK32
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """A 64-bit seed folded and mixed into the noise's 32-bit key (bits above 32 still count)."""
+    return int(_mix32(torch.tensor((seed ^ (seed >> 32)) & MASK32)))
+
+
+def sampling_noise_reference(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int) -> Tensor:
+    """Twin of the noise kernel in torch integer ops: E (N, V) = -log(u), u in (0, 1) from the hash of
+    (seed key, row id, position, token id). seed_key and position are (1,) int64 tensors, rows (N,)."""
+    keys = _mix32((seed_key + rows * ROW_STRIDE + position * POSITION_STRIDE) & MASK32)      # (N,)
+    tokens = torch.arange(vocab, device=rows.device, dtype=torch.int64)
+    x = _mix32((keys[:, None] + tokens[None, :] * TOKEN_STRIDE) & MASK32)                    # (N, V)
+    uniform = ((x >> (32 - UNIFORM_BITS)).float() + 0.5) * 2.0 ** -UNIFORM_BITS
+    return uniform.log_().neg_()
+
+
+def use_noise_kernel(rows: Tensor) -> bool:
+    """Where the noise kernel (gpu_kernels/sampling.py) runs: CUDA. A benchmark may replace this."""
+    return sampling_kernels is not None and rows.is_cuda
+
+
+def sampling_noise(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int) -> Tensor:
+    """E (N, V) ~ Exp(1) of (seed, row id, position, token id): the kernel where it runs, else the twin."""
+    if use_noise_kernel(rows):
+        return sampling_kernels.sampling_noise(seed_key, rows, position, vocab)
+    return sampling_noise_reference(seed_key, rows, position, vocab)
+
+
+def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                  noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """logits (B, V) -> (tokens (B,) int64, logprobs (B,) fp32 of those tokens under log_softmax(z / tau)):
+    the reference sampler. The token is drawn from the top-k/top-p truncated distribution, the log-prob is
+    the full tempered one. noise (B, V): i.i.d. Exp(1) draws, all > 0 (`sampling_noise`; needed unless
+    greedy). temperature 0: argmax, untempered log-prob. No host sync."""
+    logits = logits.float()
+    if temperature == 0:
+        logprobs = F.log_softmax(logits, dim=-1)                                           # (B, V)
+        tokens = logprobs.argmax(dim=-1)
+    else:
+        logprobs = F.log_softmax(logits / temperature, dim=-1)                             # (B, V)
+        kept = truncate(logprobs, top_k, top_p)                                             # -inf outside
+        if noise is None:
+            raise ValueError("sample_tokens: temperature > 0 needs noise (B, V) of Exp(1) draws")
+        # p / E with E ~ Exp(1) is an exponential race: argmax picks v with probability p_v / sum(p).
+        # sampling_noise's E is never 0 (u <= 1 - 2^-24, so E >= 6e-8): a truncated token's 0 / E stays 0.
+        tokens = (kept.exp() / noise).argmax(dim=-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sample_next(logits: Tensor, sampling: dict, seed_key: Tensor, rows: Tensor,
+                position: Tensor) -> tuple[Tensor, Tensor]:
+    """One token per row of logits (B, V): the noise of (seed, row ids, position), then sample_tokens."""
+    temperature = sampling["temperature"]
+    noise = None if temperature == 0 else sampling_noise(seed_key, rows, position, logits.shape[-1])
+    return sample_tokens(logits, temperature, sampling["top_k"], sampling["top_p"], noise)
+
+
+def truncate(logprobs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Set to -inf every token outside the top-k, then outside the top-p mass of what is left (the smallest
+    set of most likely tokens whose probability reaches top_p; the most likely token always stays).
+    Tokens tied with the k-th keep their place. top_k 0 and top_p 1 switch each off."""
+    if 0 < top_k < logprobs.shape[-1]:
+        kth = logprobs.topk(top_k, dim=-1).values[..., -1:]                                 # (B, 1)
+        logprobs = logprobs.masked_fill(logprobs < kth, float("-inf"))
+    if top_p < 1.0:
+        logprobs = F.log_softmax(logprobs, dim=-1)  # renormalize over the top-k survivors
+        sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logprobs.exp()
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs                             # (B, V)
+        drop = torch.empty_like(mass_before, dtype=torch.bool).scatter_(-1, order, mass_before >= top_p)
+        logprobs = logprobs.masked_fill(drop, float("-inf"))
+    return logprobs
+
+
 @torch.no_grad()
 def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, eos_id: int | None = None, pad_id: int = 0, seed: int = 0,
              cuda_graph: bool = True, row_offset: int = 0) -> Rollout:
     """Sample num_samples completions of each prompt (a list of token-id lists, any lengths) -> Rollout.
-
     temperature 0 is greedy; top_k 0 and top_p 1 disable truncation. eos_id None: every row runs to
     max_new_tokens. pad_id fills prompt padding and the columns after EOS (any valid token id). seed and
     row_offset choose the sampling noise: row n of this call draws the noise of row id row_offset + n (so a
     process sampling rows [r, r + N) of a larger batch gets exactly those rows' tokens). cuda_graph: replay
-    the decode step as a CUDA graph (CUDA only; False runs it eagerly).
-    Runs under no_grad (not inference_mode, so the results can serve as constants in the trainer's graph).
-    """
-    c = model.config
+    the decode step as a CUDA graph (CUDA only). no_grad, not inference_mode: the results can serve as
+    constants in the trainer's graph."""
+    c, device = model.config, model.embed.weight.device
     prompts = _check_arguments(c, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id,
-                               pad_id)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
-        raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
-    if isinstance(row_offset, bool) or not isinstance(row_offset, int) or row_offset < 0:
-        raise ValueError(f"row_offset must be an int >= 0, got {row_offset!r}")
-    device = model.embed.weight.device
-    P, G = len(prompts), num_samples
-    N = P * G
+                               pad_id, seed, row_offset)
+    G, N = num_samples, len(prompts) * num_samples
     lengths = [len(p) for p in prompts]
     prompt_width = min(-(-max(lengths) // PROMPT_WIDTH_MULTIPLE) * PROMPT_WIDTH_MULTIPLE, c.max_seq_len)
     sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), eos_id=eos_id,
@@ -467,15 +414,11 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
     state = get_decode_state(model, N, prompt_width, max_new_tokens, sampling, use_graph)
 
     # ---- prefill: each prompt once, its keys/values copied to its G rows of the cache
-    prompt_ids = torch.full((P, prompt_width), pad_id, dtype=torch.int64)
-    for p, prompt in enumerate(prompts):
-        prompt_ids[p, prompt_width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
-    prompt_ids = prompt_ids.to(device)
+    prompt_ids = torch.tensor([[int(pad_id)] * (prompt_width - len(p)) + p for p in prompts], device=device)
     pad_lengths = prompt_width - torch.tensor(lengths, dtype=torch.int64, device=device)   # (P,)
-    last_logits, prompt_routes = prefill(model, state.cache, prompt_ids, pad_lengths, G)  # (P, V),
-                                                                                          # (L, P, Tp, A)
+    last_logits, prompt_routes = prefill(model, state.cache, prompt_ids, pad_lengths, G)  # (P, V), (L,P,Tp,A)
     if use_graph and not state.capture_tried:
-        try_capture(model, state)
+        capture_decode_graph(model, state)
 
     # ---- first token of every sample, from its prompt's last logits; reset the decode buffers
     state.seed.fill_(seed_key(seed))
@@ -486,127 +429,45 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
     state.cache.length.fill_(prompt_width)
     state.next_input.copy_(tokens[:, None])
     state.alive.fill_(True)
-    state.tokens.fill_(pad_id)
-    state.tokens[:, 0] = tokens
-    state.token_mask.zero_()
-    state.token_mask[:, 0] = True
-    state.token_logprobs.zero_()
-    state.token_logprobs[:, 0] = logprobs
+    state.tokens.fill_(pad_id)[:, 0] = tokens
+    state.token_mask.zero_()[:, 0] = True
+    state.token_logprobs.zero_()[:, 0] = logprobs
 
     # ---- decode: step t feeds completion token t (recording its routes) and samples token t + 1
     check_interval = FINISHED_CHECK_INTERVAL if device.type == "cuda" else 1
     for step in range(max_new_tokens):
-        if state.graph is not None:
-            state.graph.replay()
-        else:
-            decode_step(model, state)
-        if eos_id is not None and (step + 1) % check_interval == 0 and step + 1 < max_new_tokens:
-            if not bool(state.alive.any()):  # the one host sync, every check_interval steps
-                break
+        state.graph.replay() if state.graph is not None else decode_step(model, state)
+        if (eos_id is not None and (step + 1) % check_interval == 0 and step + 1 < max_new_tokens
+                and not bool(state.alive.any())):  # the one host sync, every check_interval steps
+            break
 
     # ---- trim to the longest completion (every kept token has been fed, so its routes are recorded)
     width = int(state.token_mask[:, :max_new_tokens].sum(dim=1).max())
-    rows_prompt_ids = prompt_ids.repeat_interleave(G, dim=0)                                 # (N, Tp)
     trim = prompt_width - max(lengths)  # columns of padding shared by every row
     prompt_mask = torch.arange(prompt_width, device=device) >= state.pad_lengths[:, None]   # (N, Tp)
     return Rollout(
-        prompt_ids=rows_prompt_ids[:, trim:],
-        prompt_mask=prompt_mask[:, trim:],
+        prompt_ids=prompt_ids.repeat_interleave(G, dim=0)[:, trim:], prompt_mask=prompt_mask[:, trim:],
         prompt_lengths=prompt_width - state.pad_lengths.clone(),
-        completion_ids=state.tokens[:, :width].clone(),
-        completion_mask=state.token_mask[:, :width].clone(),
-        logprobs=state.token_logprobs[:, :width].clone(),
-        routes=state.routes[:, :, :width].clone(),
-        prompt_routes=prompt_routes.repeat_interleave(G, dim=1)[:, :, trim:],
-        num_samples=G,
-        temperature=float(temperature),
-        pad_id=int(pad_id),
-        used_cuda_graph=state.graph is not None,
-    )
-
-
-def prefill(model: MoETransformer, cache: KVCache, prompt_ids: Tensor, pad_lengths: Tensor,
-            samples_per_prompt: int) -> tuple[Tensor, Tensor]:
-    """Run the left-padded prompts (P, Tp), filling slots [0, Tp) of each prompt's G cache rows.
-    Returns the last position's logits (P, V) and the prompt routes (L, P, Tp, A).
-
-    Prompts go through in chunks so that one forward never produces more than PREFILL_LOGITS_BUDGET logits
-    (the model computes logits at every position; only the last is needed)."""
-    P, Tp = prompt_ids.shape
-    G = samples_per_prompt
-    columns = torch.arange(Tp, device=prompt_ids.device)
-    chunk = max(1, PREFILL_LOGITS_BUDGET // (Tp * model.config.vocab_size))
-    last_logits, routes = [], []
-    try:
-        for start in range(0, P, chunk):
-            pad = pad_lengths[start:start + chunk, None]                                     # (P', 1)
-            positions = (columns - pad).clamp(min=0)                                        # (P', Tp)
-            query, key = columns[:, None], columns[None, :]                                 # (Tp, 1), (1, Tp)
-            real_key = key >= pad[:, :, None]                                               # (P', 1, Tp)
-            attn_mask = ((key <= query) & real_key) | (key == query)                        # (P', Tp, Tp)
-            cache.prefill_rows = slice(start * G, (start + pad.shape[0]) * G)
-            cache.samples_per_prompt = G
-            logits, chunk_routes = model(prompt_ids[start:start + chunk], positions, attn_mask[:, None],
-                                         kv_cache=cache, return_routes=True)
-            last_logits.append(logits[:, -1])                                               # (P', V)
-            routes.append(chunk_routes)                                                     # (L, P', Tp, A)
-    finally:
-        cache.prefill_rows = None
-    return torch.cat(last_logits), torch.cat(routes, dim=1)
-
-
-def _is_token_id(value) -> bool:
-    """A Python or NumPy integer, or an integer 0-d tensor (not a bool, not a float with an integer value)."""
-    if isinstance(value, Tensor):
-        return value.dim() == 0 and not value.is_floating_point() and not value.is_complex() \
-            and value.dtype != torch.bool
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return not isinstance(value, bool)
-
-
-def _token_ids(prompt, name) -> list[int]:
-    """One prompt (a list/tuple of integers or a 1-D integer tensor) -> list of ints; anything else, such
-    as a string or float ids, is a TypeError naming the argument (int() would silently truncate 2.7)."""
-    if isinstance(prompt, Tensor):
-        if (prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex()
-                or prompt.dtype == torch.bool):
-            raise TypeError(f"{name} must be a 1-D integer tensor of token ids, got {prompt.dtype} of shape "
-                            f"{tuple(prompt.shape)}")
-        return prompt.tolist()
-    if not isinstance(prompt, (list, tuple)):
-        raise TypeError(f"{name} must be a list of integer token ids, got {type(prompt).__name__}"
-                        + (" (encode text with the tokenizer first)" if isinstance(prompt, (str, bytes))
-                           else ""))
-    for t in prompt:
-        if not _is_token_id(t):
-            raise TypeError(f"{name} must hold integer token ids, got {t!r} ({type(t).__name__})")
-    return [int(t) for t in prompt]
+        completion_ids=state.tokens[:, :width].clone(), completion_mask=state.token_mask[:, :width].clone(),
+        logprobs=state.token_logprobs[:, :width].clone(), routes=state.routes[:, :, :width].clone(),
+        prompt_routes=prompt_routes.repeat_interleave(G, dim=1)[:, :, trim:], num_samples=G,
+        temperature=float(temperature), pad_id=int(pad_id), used_cuda_graph=state.graph is not None)
 
 
 @torch.no_grad()
 def score(model: MoETransformer, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """Re-score token rows with the rollout model in one prefill (no sampling, no cache): (N, W) -> (N, W).
 
-    fp32; column j holds log_softmax(z_{j-1} / temperature)[tokens[:, j]], the log-prob of token j given the
-    tokens before it, exactly what `generate` records while sampling (temperature 0: untempered); column
-    0 has no context and holds 0. Rows are right-padded (`Sequences.tokens`): with causal attention the
-    padding after a row's end never reaches its tokens, so no mask is needed; the values at padding
-    columns are meaningless (mask them with `Sequences.loss_mask`).
-
-    Why: the same tokens in one prefill instead of one decode step at a time separate the engine's own
-    nondeterminism (a token's rounding depends on the other rows of its GEMM, e.g. through a dynamic
-    activation scale) from the trainer's precision. Chunks of at most PREFILL_LOGITS_BUDGET logits.
-    """
-    if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"tokens must be an integer tensor (N, W), got {tuple(tokens.shape)} {tokens.dtype}")
-    if tokens.shape[1] < 2:
-        raise ValueError(f"tokens must have at least 2 columns (a context and a token), "
-                         f"got {tuple(tokens.shape)}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 = untempered), got {temperature!r}")
+    fp32; column j holds log_softmax(z_{j-1} / temperature)[tokens[:, j]], what `generate` records for
+    token j (temperature 0: untempered); column 0 holds 0. Rows are right-padded (`Sequences.tokens`; mask
+    the meaningless padding columns with `Sequences.loss_mask`). One prefill instead of a decode step at a
+    time separates the engine's nondeterminism (a token's rounding depends on the other rows of its GEMM)
+    from the trainer's precision. Chunks of at most PREFILL_LOGITS_BUDGET logits."""
+    _require(tokens.dim() == 2 and tokens.dtype in (torch.int64, torch.int32),
+             f"tokens must be an integer tensor (N, W), got {tuple(tokens.shape)} {tokens.dtype}")
+    _require(tokens.shape[1] >= 2, f"tokens must have at least 2 columns (a context and a token), got "
+             f"{tuple(tokens.shape)}")
+    _require(temperature >= 0, f"temperature must be >= 0 (0 = untempered), got {temperature!r}")
     N, W = tokens.shape
     chunk = max(1, PREFILL_LOGITS_BUDGET // (W * model.config.vocab_size))
     logprobs = torch.zeros(N, W, dtype=torch.float32, device=tokens.device)
@@ -619,40 +480,71 @@ def score(model: MoETransformer, tokens: Tensor, temperature: float = 1.0) -> Te
     return logprobs
 
 
-def _check_arguments(config, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id, pad_id):
-    """Validate generate's arguments; return the prompts as lists of ints."""
-    if isinstance(prompts, Tensor) or not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists (one list per prompt, any "
-                         "lengths)")
+def _require(ok, message: str, error: type = ValueError) -> None:
+    if not ok:
+        raise error(message)
+
+
+def _integer_dtype(t: Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _is_token_id(value) -> bool:
+    """A Python or NumPy integer, or an integer 0-d tensor (not a bool, not a float with an integer value)."""
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and _integer_dtype(value)
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
+
+
+def _token_ids(prompt, name) -> list[int]:
+    """One prompt (a list/tuple of integers or a 1-D integer tensor) -> list of ints; anything else is a
+    TypeError naming the argument (int() would silently truncate 2.7)."""
+    if isinstance(prompt, Tensor):
+        _require(prompt.dim() == 1 and _integer_dtype(prompt), f"{name} must be a 1-D integer tensor of "
+                 f"token ids, got {prompt.dtype} of shape {tuple(prompt.shape)}", TypeError)
+        return prompt.tolist()
+    text = " (encode text with the tokenizer first)" if isinstance(prompt, (str, bytes)) else ""
+    _require(isinstance(prompt, (list, tuple)),
+             f"{name} must be a list of integer token ids, got {type(prompt).__name__}{text}", TypeError)
+    bad = [t for t in prompt if not _is_token_id(t)]
+    if bad:
+        raise TypeError(f"{name} must hold integer token ids, got {bad[0]!r} ({type(bad[0]).__name__})")
+    return [int(t) for t in prompt]
+
+
+def _check_arguments(config, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id, pad_id,
+                     seed, row_offset) -> list[list[int]]:
+    """Validate generate's arguments (a failure: one line naming the argument) -> the prompts as int lists."""
+    _require(isinstance(prompts, (list, tuple)) and len(prompts) > 0,
+             "prompts must be a non-empty list of token-id lists (one list per prompt, any lengths)")
     prompts = [_token_ids(prompt, f"prompts[{i}]") for i, prompt in enumerate(prompts)]
-    V = config.vocab_size
+    V, max_len = config.vocab_size, config.max_seq_len
     for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        _require(len(prompt) > 0, f"prompt {i} is empty; every prompt needs at least one token")
         outside = [t for t in prompt if not 0 <= t < V]
         if outside:
             raise ValueError(f"prompts[{i}] holds token id {outside[0]}, outside [0, {V}) (the vocabulary)")
-    if not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > config.max_seq_len:
-        raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"the model's max_seq_len={config.max_seq_len}")
-    if not temperature >= 0:  # also catches NaN
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    if eos_id is not None and not _is_token_id(eos_id):
-        raise TypeError(f"eos_id must be None or an integer token id, got {eos_id!r}")
-    if not _is_token_id(pad_id):
-        raise TypeError(f"pad_id must be an integer token id, got {pad_id!r}")
-    if eos_id is not None and not 0 <= eos_id < V:
-        raise ValueError(f"eos_id must be None or a token id in [0, {V}), got {eos_id!r}")
-    if not 0 <= pad_id < V:
-        raise ValueError(f"pad_id must be a token id in [0, {V}) (finished rows feed it to the model), "
-                         f"got {pad_id!r}")
+    for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens)):
+        _require(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
+    longest = max(map(len, prompts))
+    _require(longest + max_new_tokens <= max_len, f"the longest prompt ({longest} tokens) + max_new_tokens "
+             f"({max_new_tokens}) exceeds the model's max_seq_len={max_len}")
+    _require(temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {temperature!r}")  # NaN fails
+    _require(0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
+    _require(isinstance(top_k, int) and top_k >= 0, f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    _require(eos_id is None or _is_token_id(eos_id),
+             f"eos_id must be None or an integer token id, got {eos_id!r}", TypeError)
+    _require(_is_token_id(pad_id), f"pad_id must be an integer token id, got {pad_id!r}", TypeError)
+    _require(eos_id is None or 0 <= eos_id < V,
+             f"eos_id must be None or a token id in [0, {V}), got {eos_id!r}")
+    _require(0 <= pad_id < V,
+             f"pad_id must be a token id in [0, {V}) (finished rows feed it to the model), got {pad_id!r}")
+    _require(not isinstance(seed, bool) and isinstance(seed, int) and 0 <= seed < 2 ** 63,
+             f"seed must be an int in [0, 2^63), got {seed!r}")
+    _require(not isinstance(row_offset, bool) and isinstance(row_offset, int) and row_offset >= 0,
+             f"row_offset must be an int >= 0, got {row_offset!r}")
     return prompts

@@ -21,11 +21,10 @@ expert multiplies one contiguous slice of rows, and the rows are put back in tok
 their router weights. On CUDA in BF16 the per-expert GEMMs are one `torch._grouped_mm` call; elsewhere a
 plain loop over the active experts, which is also the slow twin the fast path is tested against.
 
-Fast paths (gpu_kernels/norm.py, gpu_kernels/routing.py), each chosen in one `use_*_kernel` function below: on
-CUDA, RMSNorm and the router's softmax + top-k are one launch each for trainer and rollout alike (equal
-to their twins to fp32 rounding; under autograd the backward is the twin's); the q/k norm with RoPE
-without autograd, the routing's sort of a decode step's assignments and the sum of each token's expert
-rows equal their twins bit for bit. Next to its GEMMs a decode step is mostly small launches.
+Fast paths (gpu_kernels/norm.py, gpu_kernels/routing.py), each chosen in one `use_*_kernel` function below:
+on CUDA, RMSNorm and the router's softmax + top-k are one launch each (equal to their twins to fp32
+rounding; under autograd the backward is the twin's); the q/k norm with RoPE (without autograd) and the
+routing's sort of a decode step's assignments equal their twins bit for bit.
 
 Routes can be forced (R3, "rollout routing replay"): the trainer replays the experts the rollout chose,
 while the mixing weights still come from its own router, so the router keeps receiving gradients.
@@ -134,11 +133,6 @@ def use_norm_rope_kernel(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor) ->
 def use_routing_kernel(expert_ids: Tensor, n_experts: int) -> bool:  # a decode step's, not a prefill's
     return (routing_kernels is not None and expert_ids.is_cuda and n_experts <= routing_kernels.MAX_EXPERTS
             and expert_ids.numel() <= routing_kernels.MAX_ASSIGNMENTS)
-
-
-def use_sum_rows_kernel(y_sorted: Tensor) -> bool:
-    return (routing_kernels is not None and y_sorted.is_cuda
-            and y_sorted.dtype in routing_kernels.ROUNDED_DTYPES)
 
 
 def use_router_kernel(logits: Tensor) -> bool:
@@ -280,26 +274,19 @@ def combine_expert_outputs(y_sorted: Tensor, routing: Routing, expert_weights: T
     return torch.bmm(expert_weights.to(y.dtype).unsqueeze(1), y).squeeze(1)                # (T, D)
 
 
-def sum_expert_rows_reference(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
+def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
     """y_sorted (N, D) rows in expert order, already weighted -> (T, D): each token's A rows added in fp32
     in the order a = 0..A-1, rounded once to y_sorted's dtype. (The quantized expert layers apply the router
     weights in their GEMMs; combine_expert_outputs is the form that applies them.)"""
+    n = routing.inverse_order.numel()
+    if y_sorted.dim() != 2 or y_sorted.shape[0] != n or n_active < 1 or n % n_active:
+        raise ValueError(f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, "
+                         f"the routing's assignments, a multiple of n_active={n_active}")
     y = y_sorted[routing.inverse_order].view(-1, n_active, y_sorted.shape[-1]).float()    # (T, A, D)
     total = y[:, 0]
     for a in range(1, n_active):
         total = total + y[:, a]
     return total.to(y_sorted.dtype)
-
-
-def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
-    """Each token's A rows of y_sorted (N, D), already weighted, summed -> (T, D)."""
-    n = routing.inverse_order.numel()
-    if y_sorted.dim() != 2 or y_sorted.shape[0] != n or n_active < 1 or n % n_active:
-        raise ValueError(f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, "
-                         f"the routing's assignments, a multiple of n_active={n_active}")
-    if use_sum_rows_kernel(y_sorted):
-        return routing_kernels.sum_expert_rows(y_sorted, routing.inverse_order, n_active)
-    return sum_expert_rows_reference(y_sorted, routing, n_active)
 
 
 def expert_swiglu_loop(x_sorted: Tensor, counts: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:

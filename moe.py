@@ -38,13 +38,12 @@ Shape letters: B batch, T tokens (queries), S keys (cached + new), D model dim, 
 key/value heads, hd head dim, E experts, A active experts per token, I expert hidden dim, V vocab,
 L layers, N = T*A (token, expert) assignments
 """
-import dataclasses
 import glob
 import json
 import os
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -56,6 +55,12 @@ try:
     from gpu_kernels import norm as norm_kernels, routing as routing_kernels
 except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the plain twins run
     norm_kernels = routing_kernels = None
+
+
+def check(ok: bool, message: str):
+    """Bad input fails early with one line that names the field and the problem."""
+    if not ok:
+        raise ValueError(message)
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -80,26 +85,22 @@ class MoEConfig:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
                      "n_active", "expert_dim", "max_seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
-        problems = [
-            (self.n_heads % self.n_kv_heads != 0, f"n_heads={self.n_heads} is not divisible by n_kv_heads="
-             f"{self.n_kv_heads}; each key/value head must serve the same number of query heads"),
-            (self.n_active > self.n_experts, f"n_active={self.n_active} experts per token exceeds "
-             f"n_experts={self.n_experts}"),
-            (self.head_dim % 2 != 0, f"head_dim={self.head_dim} must be even, RoPE rotates pairs of halves"),
-            (not (self.rope_theta > 0 and self.rms_eps > 0), f"rope_theta={self.rope_theta} and rms_eps="
-             f"{self.rms_eps} must be positive")]
-        for problem, message in problems:
-            if problem:
-                raise ValueError(f"MoEConfig: {message}")
+            check(isinstance(value, int) and value > 0,
+                  f"MoEConfig.{name} must be a positive int, got {value!r}")
+        check(self.n_heads % self.n_kv_heads == 0, f"MoEConfig: n_heads={self.n_heads} is not divisible by "
+              f"n_kv_heads={self.n_kv_heads}; each key/value head must serve the same number of query heads")
+        check(self.n_active <= self.n_experts, f"MoEConfig: n_active={self.n_active} experts per token "
+              f"exceeds n_experts={self.n_experts}")
+        check(self.head_dim % 2 == 0, f"MoEConfig: head_dim={self.head_dim} must be even, RoPE rotates pairs "
+              f"of halves")
+        check(self.rope_theta > 0 and self.rms_eps > 0, f"MoEConfig: rope_theta={self.rope_theta} and "
+              f"rms_eps={self.rms_eps} must be positive")
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "MoEConfig":
         """A named preset with some fields replaced, e.g. from_preset("tiny", vocab_size=len(tokenizer))."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return dataclasses.replace(PRESETS[name], **overrides)
+        check(name in PRESETS, f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
 
 
 PRESETS = {
@@ -119,14 +120,18 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------- fast paths
 # Where each fused kernel (gpu_kernels/norm.py, gpu_kernels/routing.py) runs: on the CUDA tensors it applies to,
 # the plain twin everywhere else. A benchmark may set one to `lambda *args: False` to time its twin.
+def needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def use_norm_kernel(x: Tensor, weight: Tensor) -> bool:
     return (norm_kernels is not None and x.is_cuda and x.shape[-1] <= norm_kernels.MAX_DIM
             and x.dtype in norm_kernels.ROUNDED_DTYPES and weight.dtype in norm_kernels.ROUNDED_DTYPES)
 
 
 def use_norm_rope_kernel(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor) -> bool:
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # training: composed
-    return (norm_kernels is not None and x.is_cuda and x.shape[-1] <= norm_kernels.MAX_DIM and not needs_grad
+    return (norm_kernels is not None and x.is_cuda and x.shape[-1] <= norm_kernels.MAX_DIM
+            and not needs_grad(x, weight)  # training takes the composed twin
             and x.dtype == weight.dtype == cos.dtype == sin.dtype == torch.bfloat16)
 
 
@@ -157,7 +162,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not use_norm_kernel(x, self.weight):
             return rms_norm_reference(x, self.weight, self.eps)
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        if needs_grad(x, self.weight):
             return norm_kernels.RMSNormFunction.apply(x, self.weight, self.eps, rms_norm_reference)
         return norm_kernels.rms_norm(x, self.weight, self.eps)
 
@@ -187,11 +192,8 @@ def norm_rope(x: Tensor, norm: "RMSNorm", cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention with Qwen3's per-head RMSNorm on q and k (applied before RoPE).
-
-    q_proj, k_proj, v_proj and o_proj are only ever called as `self.q_proj(x)`, so quantized modules with
-    the same call can replace them in place.
-    """
+    """Causal GQA self-attention with Qwen3's per-head RMSNorm on q and k (before RoPE). The projections
+    are only ever called as `self.q_proj(x)`, so quantized modules with that call can replace them."""
 
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
@@ -213,7 +215,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, Hkv, hd).transpose(1, 2)                        # (B, Hkv, T, hd)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)                               # (B, Hkv, S, hd)
-        group = H // Hkv                                         # query heads per key/value head
+        group = H // Hkv  # query heads per key/value head
         if attn_mask is None:
             # Training (full causal sequence): expand the shared key/value heads so SDPA's fused causal
             # kernels apply; the copy is small next to the experts.
@@ -279,9 +281,9 @@ def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor
     in the order a = 0..A-1, rounded once to y_sorted's dtype. (The quantized expert layers apply the router
     weights in their GEMMs; combine_expert_outputs is the form that applies them.)"""
     n = routing.inverse_order.numel()
-    if y_sorted.dim() != 2 or y_sorted.shape[0] != n or n_active < 1 or n % n_active:
-        raise ValueError(f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, "
-                         f"the routing's assignments, a multiple of n_active={n_active}")
+    check(y_sorted.dim() == 2 and y_sorted.shape[0] == n and n_active >= 1 and n % n_active == 0,
+          f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, the routing's "
+          f"assignments, a multiple of n_active={n_active}")
     y = y_sorted[routing.inverse_order].view(-1, n_active, y_sorted.shape[-1]).float()    # (T, A, D)
     total = y[:, 0]
     for a in range(1, n_active):
@@ -303,8 +305,7 @@ def expert_swiglu_loop(x_sorted: Tensor, counts: Tensor, gate_up_proj: Tensor, d
     return torch.cat(outputs) if outputs else x_sorted.new_zeros(x_sorted.shape)
 
 
-def expert_swiglu_grouped(x_sorted: Tensor, offsets: Tensor, gate_up_proj: Tensor,
-                          down_proj: Tensor) -> Tensor:
+def expert_swiglu_grouped(x_sorted: Tensor, offsets: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
     """Fast path: the same computation as expert_swiglu_loop, as two grouped GEMMs without a host sync."""
     # torch._grouped_mm(a, b, offs) multiplies rows offs[e-1]:offs[e] of a by b[e]; b is (E, K, N), so the
     # stored (E, out, in) weights are passed transposed, which is also the column-major layout it wants.
@@ -313,8 +314,7 @@ def expert_swiglu_grouped(x_sorted: Tensor, offsets: Tensor, gate_up_proj: Tenso
     return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)  # (N, D)
 
 
-def expert_operands(x_sorted: Tensor, gate_up_proj: Tensor,
-                    down_proj: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def expert_operands(x_sorted: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> tuple[Tensor, ...]:
     """Under torch.autocast, the expert GEMMs run in the autocast dtype, as F.linear would (FP32 master
     weights, BF16 compute); the casts are differentiable, so gradients still reach the FP32 weights."""
     device = x_sorted.device.type
@@ -339,12 +339,9 @@ def use_grouped_mm(x: Tensor, expert_dim: int) -> bool:
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stored as two stacked weights, in Hugging Face's fused layout:
-    gate_up_proj (E, 2I, D), rows [0:I] gate and [I:2I] up; down_proj (E, D, I).
-
-    forward is route, gather, expert GEMMs, combine; a quantized replacement keeps route_tokens and
-    combine_expert_outputs and swaps only the GEMMs in the middle.
-    """
+    """E SwiGLU experts in Hugging Face's fused layout: gate_up_proj (E, 2I, D), rows [0:I] gate and
+    [I:2I] up; down_proj (E, D, I). forward is route, gather, expert GEMMs, combine; a quantized
+    replacement keeps route_tokens and combine_expert_outputs and swaps only the GEMMs in the middle."""
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -382,8 +379,8 @@ def _router_weights(probs: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
     return weights / weights.sum(dim=-1, keepdim=True) if norm_topk_prob else weights
 
 
-def _router_weights_of_logits(logits: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
-    return _router_weights(torch.softmax(logits.float(), dim=-1), ids, norm_topk_prob)  # fused backward
+def _router_weights_of(logits: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:  # the fused backward
+    return _router_weights(torch.softmax(logits.float(), dim=-1), ids, norm_topk_prob)
 
 
 def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool,
@@ -391,9 +388,8 @@ def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool,
     """The router, trainer and rollout alike (the same weights from the same logits on both sides)."""
     if not use_router_kernel(logits):
         return router_top_k_reference(logits, n_active, norm_topk_prob, routes)
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return routing_kernels.RouterTopK.apply(logits, n_active, norm_topk_prob, routes,
-                                                _router_weights_of_logits)
+    if needs_grad(logits):
+        return routing_kernels.RouterTopK.apply(logits, n_active, norm_topk_prob, routes, _router_weights_of)
     return routing_kernels.router_top_k(logits, n_active, norm_topk_prob, routes)
 
 
@@ -459,8 +455,7 @@ class MoETransformer(nn.Module):
                 module.weight.fill_(1.0)
 
     def num_params(self, active: bool = False) -> int:
-        """Parameter count (a tied head counted once); active=True counts only A of the E experts per
-        layer."""
+        """Parameter count (a tied head counted once); active=True counts A of the E experts per layer."""
         total = sum(p.numel() for p in self.parameters())
         if active:
             c = self.config
@@ -481,31 +476,27 @@ class MoETransformer(nn.Module):
             experts it would have chosen, not the replayed ones).
         """
         c = self.config
-        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"tokens must be an integer tensor of shape (B, T), "
-                             f"got {tuple(tokens.shape)} {tokens.dtype}")
+        check(tokens.dim() == 2 and tokens.dtype in (torch.int64, torch.int32), f"tokens must be an integer "
+              f"tensor of shape (B, T), got {tuple(tokens.shape)} {tokens.dtype}")
         B, T = tokens.shape
-        if T > c.max_seq_len:
-            raise ValueError(f"{T} tokens exceed max_seq_len={c.max_seq_len}")
-        if kv_cache is not None and (attn_mask is None or positions is None):
-            raise ValueError("with a kv_cache, pass attn_mask (B, 1, T, S) and positions (B, T): the model "
-                             "cannot know which cached keys each query may see, nor where the new tokens sit")
-        if attn_mask is not None and (attn_mask.dtype != torch.bool or attn_mask.dim() != 4):
-            raise ValueError(f"attn_mask must be bool, broadcastable to (B, 1, T, S), got "
-                             f"{tuple(attn_mask.shape)} {attn_mask.dtype}")
+        check(T <= c.max_seq_len, f"{T} tokens exceed max_seq_len={c.max_seq_len}")
+        check(kv_cache is None or (attn_mask is not None and positions is not None), "with a kv_cache, pass "
+              "attn_mask (B, 1, T, S) and positions (B, T): the model cannot know which cached keys each "
+              "query may see, nor where the new tokens sit")
+        if attn_mask is not None:
+            check(attn_mask.dtype == torch.bool and attn_mask.dim() == 4, f"attn_mask must be bool, "
+                  f"broadcastable to (B, 1, T, S), got {tuple(attn_mask.shape)} {attn_mask.dtype}")
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
-        elif positions.shape != (B, T):
-            raise ValueError(f"positions must have the shape of tokens {(B, T)}, "
-                             f"got {tuple(positions.shape)}")
+        check(positions.shape == (B, T), f"positions must have the shape of tokens {(B, T)}, "
+              f"got {tuple(positions.shape)}")
         if forced_routes is not None:
             expected = (c.n_layers, B, T, c.n_active)
-            if tuple(forced_routes.shape) != expected:
-                raise ValueError(f"forced_routes must be (L, B, T, A) = {expected}, "
-                                 f"got {tuple(forced_routes.shape)}")
+            check(tuple(forced_routes.shape) == expected, f"forced_routes must be (L, B, T, A) = {expected}, "
+                  f"got {tuple(forced_routes.shape)}")
             # one host sync: out-of-range ids would otherwise corrupt the output silently
-            if forced_routes.min() < 0 or forced_routes.max() >= c.n_experts:
-                raise ValueError(f"forced_routes must hold expert ids in [0, {c.n_experts})")
+            check(bool(forced_routes.min() >= 0) and bool(forced_routes.max() < c.n_experts),
+                  f"forced_routes must hold expert ids in [0, {c.n_experts})")
             forced_routes = forced_routes.long()
 
         x = self.embed(tokens)                                                             # (B, T, D)
@@ -551,9 +542,8 @@ _HF_PER_EXPERT = re.compile(
 
 def config_from_hf(hf_config) -> MoEConfig:
     """MoEConfig from a transformers Qwen3MoeConfig; anything this module does not implement is an error."""
-    if hf_config.model_type != "qwen3_moe":
-        raise ValueError(f"load_hf reads Qwen3-MoE checkpoints (model_type 'qwen3_moe'), "
-                         f"got model_type {hf_config.model_type!r}")
+    check(hf_config.model_type == "qwen3_moe", f"load_hf reads Qwen3-MoE checkpoints (model_type "
+          f"'qwen3_moe'), got model_type {hf_config.model_type!r}")
     # transformers 5 keeps RoPE settings in rope_parameters (rope_scaling is an alias of it); 4.x had a
     # rope_theta attribute and rope_scaling None unless scaled.
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
@@ -567,9 +557,8 @@ def config_from_hf(hf_config) -> MoEConfig:
         f"rope_type {rope_type!r}": rope_type != "default",
     }
     problems = [name for name, present in unsupported.items() if present]
-    if problems:
-        raise ValueError(f"this Qwen3-MoE checkpoint uses features moe.py does not implement: "
-                         f"{', '.join(problems)}")
+    check(not problems, f"this Qwen3-MoE checkpoint uses features moe.py does not implement: "
+          f"{', '.join(problems)}")
     return MoEConfig(
         vocab_size=hf_config.vocab_size, dim=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
         n_heads=hf_config.num_attention_heads, n_kv_heads=hf_config.num_key_value_heads,
@@ -589,8 +578,7 @@ def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tens
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {directory}")
+    check(bool(files), f"no *.safetensors files in {directory}")
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):  # sharded: read only the shards the index names
         with open(index) as f:

@@ -17,22 +17,17 @@ Formulas (the numerics follow Hugging Face's Qwen3MoeForCausalLM, so logits matc
     MoE          y = sum_a w_a f_{ids_a}(x)
 
 Experts run sparsely: the T*A (token, expert) assignments are sorted by expert once (`route_tokens`), each
-expert multiplies one contiguous slice of rows, and the rows are put back in token order and summed with
-their router weights. On CUDA in BF16 the per-expert GEMMs are one `torch._grouped_mm` call; elsewhere a
-plain loop over the active experts, which is also the slow twin the fast path is tested against.
-
-Fast paths (gpu_kernels/norm.py, gpu_kernels/routing.py), each chosen in one `use_*_kernel` function below:
-on CUDA, RMSNorm and the router's softmax + top-k are one launch each (equal to their twins to fp32
-rounding; under autograd the backward is the twin's); the q/k norm with RoPE (without autograd) and the
-routing's sort of a decode step's assignments equal their twins bit for bit.
+expert multiplies its contiguous slice of rows, and the rows go back to token order, summed with their
+router weights. The GEMMs are one `torch._grouped_mm` on CUDA in BF16, else a loop over the active experts
+(the slow twin). Fast paths (gpu_kernels/), each chosen in one `use_*_kernel` function: RMSNorm, q/k norm
+with RoPE, a decode step's routing sort, the router's softmax + top-k (bit for bit or to fp32 rounding).
 
 Routes can be forced (R3, "rollout routing replay"): the trainer replays the experts the rollout chose,
 while the mixing weights still come from its own router, so the router keeps receiving gradients.
 The KV cache belongs to rollout.py; each Attention layer only calls `k, v = kv_cache.update(layer_idx, k, v)`.
 
-Left out on purpose: quantization of any kind (qat.py and rac.py swap these layers in place), dropout,
-attention bias, sliding-window attention, RoPE scaling, dense-MLP layers between MoE layers
-(`mlp_only_layers`, `decoder_sparse_step`), and the auxiliary load-balancing loss.
+Left out on purpose: quantization (qat.py and rac.py swap these layers in place), dropout, attention bias,
+sliding windows, RoPE scaling, dense-MLP layers (`mlp_only_layers`), the load-balancing loss.
 
 Shape letters: B batch, T tokens (queries), S keys (cached + new), D model dim, H query heads, Hkv
 key/value heads, hd head dim, E experts, A active experts per token, I expert hidden dim, V vocab,
@@ -217,14 +212,12 @@ class Attention(nn.Module):
             k, v = kv_cache.update(self.layer_idx, k, v)                               # (B, Hkv, S, hd)
         group = H // Hkv  # query heads per key/value head
         if attn_mask is None:
-            # Training (full causal sequence): expand the shared key/value heads so SDPA's fused causal
-            # kernels apply; the copy is small next to the experts.
+            # Training: expand the shared key/value heads so SDPA's fused causal kernels apply (a small copy)
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, hd)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                 # (B, H, T, hd)
         else:
             # With a mask (the sampler's cache): fold each key/value head's `group` query heads into the
-            # query axis instead, so the cache is read in place, never copied per step. (reshape: some SDPA
-            # backends, e.g. fp32 with a mask on CUDA, return a non-contiguous result.)
+            # query axis, so the cache is read in place (reshape: some SDPA results are non-contiguous).
             S = k.shape[2]
             q = q.reshape(B, Hkv, group * T, hd)                                       # (B, Hkv, group*T, hd)
             mask = attn_mask.expand(B, 1, T, S).unsqueeze(2).expand(B, 1, group, T, S)
@@ -363,11 +356,9 @@ class Experts(nn.Module):
 
 def router_top_k_reference(logits: Tensor, n_active: int, norm_topk_prob: bool,
                            routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The router: logits (T, E) -> (weights (T, A) fp32, ids (T, A) int64): its own choice, the A most
-    probable experts in descending order, and the weights of those experts, or of `routes` (T, A) when
-    they are given (replayed routes, R3), renormalized to sum 1 if norm_topk_prob. The softmax runs in
-    fp32, as in HF: in BF16, close probabilities round to one value and top-k would choose among the ties
-    arbitrarily."""
+    """The router: logits (T, E) -> (weights (T, A) fp32, ids (T, A) int64): ids its A most probable experts
+    in descending order, weights theirs or those of `routes` (T, A) (R3), renormalized if norm_topk_prob.
+    The softmax runs in fp32, as in HF: in BF16 close probabilities tie and top-k would pick arbitrarily."""
     probs = torch.softmax(logits.float(), dim=-1)                                          # (T, E)
     ids = probs.topk(n_active, dim=-1).indices                                             # (T, A)
     return _router_weights(probs, ids if routes is None else routes, norm_topk_prob), ids
@@ -544,8 +535,7 @@ def config_from_hf(hf_config) -> MoEConfig:
     """MoEConfig from a transformers Qwen3MoeConfig; anything this module does not implement is an error."""
     check(hf_config.model_type == "qwen3_moe", f"load_hf reads Qwen3-MoE checkpoints (model_type "
           f"'qwen3_moe'), got model_type {hf_config.model_type!r}")
-    # transformers 5 keeps RoPE settings in rope_parameters (rope_scaling is an alias of it); 4.x had a
-    # rope_theta attribute and rope_scaling None unless scaled.
+    # transformers 5 keeps RoPE settings in rope_parameters; 4.x had rope_theta and rope_scaling (None)
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     unsupported = {
@@ -562,8 +552,7 @@ def config_from_hf(hf_config) -> MoEConfig:
     return MoEConfig(
         vocab_size=hf_config.vocab_size, dim=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
         n_heads=hf_config.num_attention_heads, n_kv_heads=hf_config.num_key_value_heads,
-        head_dim=(getattr(hf_config, "head_dim", None)
-                  or hf_config.hidden_size // hf_config.num_attention_heads),
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
         n_experts=hf_config.num_experts, n_active=hf_config.num_experts_per_tok,
         expert_dim=hf_config.moe_intermediate_size,
         rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
@@ -615,12 +604,9 @@ def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tens
 
 
 def load_hf(path_or_repo_id: str, dtype: torch.dtype = torch.float32):
-    """Load a Hugging Face Qwen3-MoE checkpoint -> (MoETransformer, tokenizer or None).
-
-    Reads a local directory, or downloads a hub repository with huggingface_hub. Both expert layouts
-    load: per-expert matrices (`mlp.experts.{e}.gate_proj.weight`, as on the hub and as save_pretrained
-    writes) and transformers' fused in-memory tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
-    """
+    """A Hugging Face Qwen3-MoE checkpoint (a local directory or a hub repository) -> (MoETransformer,
+    tokenizer or None). Experts load from per-expert matrices (the hub's and save_pretrained's layout) or
+    from transformers' fused tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`)."""
     from transformers import AutoConfig, AutoTokenizer
 
     directory = path_or_repo_id

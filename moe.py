@@ -58,6 +58,10 @@ def check(ok: bool, message: str):
         raise ValueError(message)
 
 
+def needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 # ----------------------------------------------------------------------------------------------- config
 @dataclass
 class MoEConfig:
@@ -115,10 +119,6 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------- fast paths
 # Where each fused kernel (gpu_kernels/norm.py, gpu_kernels/routing.py) runs: on the CUDA tensors it applies to,
 # the plain twin everywhere else. A benchmark may set one to `lambda *args: False` to time its twin.
-def needs_grad(*tensors: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def use_norm_kernel(x: Tensor, weight: Tensor) -> bool:
     return (norm_kernels is not None and x.is_cuda and x.shape[-1] <= norm_kernels.MAX_DIM
             and x.dtype in norm_kernels.ROUNDED_DTYPES and weight.dtype in norm_kernels.ROUNDED_DTYPES)
@@ -318,13 +318,11 @@ def expert_operands(x_sorted: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -
 
 
 def use_grouped_mm(x: Tensor, expert_dim: int) -> bool:
-    """The one place the expert GEMM path is chosen; on CUDA, a fallback to the loop is said once."""
-    # torch._grouped_mm's kernels take BF16 on CUDA (SM80+) with 16-byte aligned rows, i.e. D and I
-    # divisible by 8 (true of every preset). Everything else takes the loop.
+    """The one place the expert GEMM path is chosen: torch._grouped_mm takes BF16 on CUDA (SM80+) with
+    16-byte aligned rows (D and I divisible by 8, as in every preset); else the loop, said once on CUDA."""
     if not x.is_cuda:
         return False
-    aligned = x.shape[-1] % 8 == 0 and expert_dim % 8 == 0
-    if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and aligned:
+    if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[-1] % 8 == expert_dim % 8 == 0:
         return True
     warnings.warn(f"moe.py: experts run as a per-expert loop on CUDA (dtype {x.dtype}, D={x.shape[-1]}, "
                   f"I={expert_dim}); torch._grouped_mm needs BF16 and D, I divisible by 8")
@@ -359,19 +357,15 @@ def router_top_k_reference(logits: Tensor, n_active: int, norm_topk_prob: bool,
     """The router: logits (T, E) -> (weights (T, A) fp32, ids (T, A) int64): ids its A most probable experts
     in descending order, weights theirs or those of `routes` (T, A) (R3), renormalized if norm_topk_prob.
     The softmax runs in fp32, as in HF: in BF16 close probabilities tie and top-k would pick arbitrarily."""
-    probs = torch.softmax(logits.float(), dim=-1)                                          # (T, E)
-    ids = probs.topk(n_active, dim=-1).indices                                             # (T, A)
-    return _router_weights(probs, ids if routes is None else routes, norm_topk_prob), ids
+    ids = torch.softmax(logits.float(), dim=-1).topk(n_active, dim=-1).indices             # (T, A)
+    return router_weights(logits, ids if routes is None else routes, norm_topk_prob), ids
 
 
-def _router_weights(probs: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
-    """The router probabilities probs (T, E) of experts ids (T, A), renormalized if norm_topk_prob."""
-    weights = probs.gather(-1, ids)
+def router_weights(logits: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
+    """The fp32 router probabilities of experts ids (T, A), renormalized if norm_topk_prob (the reference's
+    weights, and the fused router's backward)."""
+    weights = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
     return weights / weights.sum(dim=-1, keepdim=True) if norm_topk_prob else weights
-
-
-def _router_weights_of(logits: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:  # the fused backward
-    return _router_weights(torch.softmax(logits.float(), dim=-1), ids, norm_topk_prob)
 
 
 def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool,
@@ -380,7 +374,7 @@ def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool,
     if not use_router_kernel(logits):
         return router_top_k_reference(logits, n_active, norm_topk_prob, routes)
     if needs_grad(logits):
-        return routing_kernels.RouterTopK.apply(logits, n_active, norm_topk_prob, routes, _router_weights_of)
+        return routing_kernels.RouterTopK.apply(logits, n_active, norm_topk_prob, routes, router_weights)
     return routing_kernels.router_top_k(logits, n_active, norm_topk_prob, routes)
 
 
@@ -397,8 +391,6 @@ class MoEBlock(nn.Module):
     def forward(self, x: Tensor, forced_routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
         lead_shape, D = x.shape[:-1], x.shape[-1]
         x = x.reshape(-1, D)                                                               # (T, D)
-        # Replayed routes decide which experts run; their weights still come from this router's own
-        # probabilities, so the router is trained exactly as if it had chosen them.
         routes = None if forced_routes is None else forced_routes.reshape(-1, self.n_active)      # (T, A)
         weights, own = router_top_k(self.gate(x), self.n_active, self.norm_topk_prob, routes)   # (T, A) each
         y = self.experts(x, own if routes is None else routes, weights)
@@ -434,8 +426,7 @@ class MoETransformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02):
-        """Random init for training from scratch, as Hugging Face initializes Qwen3-MoE: N(0, std) for
-        every matrix (embeddings, projections, router, experts), ones for the norms."""
+        """Hugging Face's Qwen3-MoE init, to train from scratch: N(0, std) every matrix, ones the norms."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std)
@@ -591,10 +582,10 @@ def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tens
     # Hub checkpoints (and save_pretrained) store one gate/up/down matrix per expert; stack them into the
     # fused (E, 2I, D) and (E, D, I) tensors. A missing expert leaves the fused name missing.
     for layer in sorted({layer for layer, _, _ in per_expert}):
-        experts = sorted({e for other_layer, e, _ in per_expert if other_layer == layer})
-        parts = [[per_expert.pop((layer, e, p), None) for e in experts]
+        n_experts = 1 + max(e for other_layer, e, _ in per_expert if other_layer == layer)
+        parts = [[per_expert.pop((layer, e, p), None) for e in range(n_experts)]
                  for p in ("gate_proj", "up_proj", "down_proj")]
-        if experts != list(range(len(experts))) or any(t is None for part in parts for t in part):
+        if any(t is None for part in parts for t in part):
             unexpected.append(f"model.layers.{layer}.mlp.experts.*: incomplete per-expert tensors")
             continue
         gate, up, down = (torch.stack(part) for part in parts)

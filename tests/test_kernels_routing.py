@@ -39,7 +39,7 @@ def test_fused_router_weights_replayed_routes_and_its_gradient_is_the_twins(kern
     grad = torch.randn(9, 4, generator=generator).to(kernel_device)
     for given in (None, routes):
         fused_logits, twin_logits = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-        weights_of = moe._router_weights_of
+        weights_of = moe.router_weights
         routing_kernels.RouterTopK.apply(fused_logits, 4, True, given, weights_of)[0].backward(grad)
         moe.router_top_k_reference(twin_logits, 4, True, ids if given is None else given)[0].backward(grad)
         assert torch.equal(fused_logits.grad, twin_logits.grad)

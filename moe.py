@@ -105,8 +105,8 @@ class MoEConfig:
 PRESETS = {
     # CPU: RL on the synthetic task finishes in minutes on two cores. ~0.2M parameters with V=64.
     "tiny": MoEConfig(),
-    # The default GPU experiment: ~107M parameters in total, ~19M active per token (+ embeddings).
-    # Every width is a multiple of 64, so NVFP4's 16-element blocks and GEMM tiles divide it evenly.
+    # The default GPU experiment: ~107M parameters, ~19M active per token (+ embeddings). Every width is a
+    # multiple of 64, so NVFP4's 16-element blocks and GEMM tiles divide it evenly.
     "small": MoEConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, n_experts=32, n_active=4,
                        expert_dim=256, max_seq_len=1024),
     # The real shapes of Qwen/Qwen3-30B-A3B (30.5B parameters, 3.3B active), for benchmarks and load_hf.
@@ -201,8 +201,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None = None,
-                kv_cache=None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None = None, kv_cache=None):
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         q = norm_rope(self.q_proj(x).view(B, T, H, hd), self.q_norm, cos, sin)        # (B, H, T, hd)
@@ -450,12 +449,10 @@ class MoETransformer(nn.Module):
 
         positions (B, T): RoPE positions, default 0..T-1.
         attn_mask: bool, broadcastable to (B, 1, T, S), True = may attend. It replaces the causal default,
-            so it must itself be causal; a query row allowed no key at all is undefined, so let padding
-            attend to itself. Required, with positions, when a kv_cache is given.
-        kv_cache: any object with update(layer_idx, k, v) -> (k, v), see Attention.
+            so it must be causal itself; let padding attend to itself (a row allowed no key is undefined).
+        kv_cache: any object with update(layer_idx, k, v) -> (k, v); needs attn_mask and positions.
         forced_routes (L, B, T, A) int64: replay these experts instead of each router's top-k.
-        return_routes: also return each router's own top-k, (L, B, T, A) int64 (with forced_routes: the
-            experts it would have chosen, not the replayed ones).
+        return_routes: also return each router's own top-k, (L, B, T, A) int64, replayed or not.
         """
         c = self.config
         check(tokens.dim() == 2 and tokens.dtype in (torch.int64, torch.int32), f"tokens must be an integer "
@@ -493,10 +490,9 @@ class MoETransformer(nn.Module):
 
 
 def swappable_layers(model: nn.Module, include_router: bool = False, include_lm_head: bool = False):
-    """[(parent, attribute, module)] for every layer a variant in another file may replace in place:
-    each Attention's nn.Linear projections and every Experts block, plus optionally the routers
-    (MoEBlock.gate) and the LM head. Chosen by isinstance, never by name; listed up front so callers
-    can setattr while walking it. (qat.py and rac.py convert exactly these.)"""
+    """[(parent, attribute, module)] for every layer qat.py and rac.py replace in place: each Attention's
+    nn.Linear projections and every Experts block, optionally the routers (MoEBlock.gate) and the LM head.
+    Chosen by isinstance, never by name; listed up front so callers can setattr while walking it."""
     layers = []
     for parent in model.modules():
         linears = (isinstance(parent, Attention) or (include_router and isinstance(parent, MoEBlock))

@@ -29,16 +29,15 @@ The KV cache belongs to rollout.py; each Attention layer only calls `k, v = kv_c
 Left out on purpose: quantization (qat.py and rac.py swap these layers in place), dropout, attention bias,
 sliding windows, RoPE scaling, dense-MLP layers (`mlp_only_layers`), the load-balancing loss.
 
-Shape letters: B batch, T tokens (queries), S keys (cached + new), D model dim, H query heads, Hkv
-key/value heads, hd head dim, E experts, A active experts per token, I expert hidden dim, V vocab,
-L layers, N = T*A (token, expert) assignments
+Shape letters: B batch, T tokens (queries), S keys (cached + new), D model dim, H query heads, Hkv key/value
+heads, hd head dim, E experts, A active experts per token, I expert hidden dim, V vocab, L layers, N = T*A
 """
 import glob
 import json
 import os
 import re
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -81,8 +80,7 @@ class MoEConfig:
     max_seq_len: int = 256        # longest prompt + completion a forward may see (also sizes KV caches)
 
     def __post_init__(self):
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
-                     "n_active", "expert_dim", "max_seq_len"):
+        for name in [field.name for field in fields(self) if field.type is int]:
             value = getattr(self, name)
             check(isinstance(value, int) and value > 0,
                   f"MoEConfig.{name} must be a positive int, got {value!r}")
@@ -219,8 +217,7 @@ class Attention(nn.Module):
             # query axis, so the cache is read in place (reshape: some SDPA results are non-contiguous).
             S = k.shape[2]
             q = q.reshape(B, Hkv, group * T, hd)                                       # (B, Hkv, group*T, hd)
-            mask = attn_mask.expand(B, 1, T, S).unsqueeze(2).expand(B, 1, group, T, S)
-            mask = mask.reshape(B, 1, group * T, S)                                    # (B, 1, group*T, S)
+            mask = attn_mask.expand(B, 1, T, S).repeat(1, 1, group, 1)                 # (B, 1, group*T, S)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))                   # (B, T, D)
 
@@ -244,19 +241,17 @@ def route_tokens(expert_ids: Tensor, n_experts: int) -> Routing:
 
 def route_tokens_reference(expert_ids: Tensor, n_experts: int) -> Routing:
     """route_tokens in torch ops: a stable sort on the narrowest key, searchsorted for the counts."""
-    n_active = expert_ids.shape[-1]
     flat_ids = expert_ids.reshape(-1)                                                      # (N,)
     # The narrowest key that holds an expert id: a radix sort costs a pass per key byte (int64 keys took
     # 27 us a layer at 512 assignments on an H200, most of the routing). The order is the same.
     key_dtype = torch.uint8 if n_experts <= 256 else torch.int32
     sorted_ids, order = torch.sort(flat_ids.to(key_dtype), stable=True)
-    positions = torch.arange(order.numel(), device=order.device)
-    inverse_order = torch.empty_like(order).scatter_(0, order, positions)
+    inverse_order = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     # searchsorted on the sorted ids keeps every size static: no host sync, nothing torch.compile must guess.
     experts = torch.arange(n_experts, device=flat_ids.device, dtype=key_dtype)
     ends = torch.searchsorted(sorted_ids, experts, right=True)                             # (E,)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    return Routing(order, order // n_active, inverse_order, counts, ends.to(torch.int32))
+    return Routing(order, order // expert_ids.shape[-1], inverse_order, counts, ends.to(torch.int32))
 
 
 def combine_expert_outputs(y_sorted: Tensor, routing: Routing, expert_weights: Tensor) -> Tensor:
@@ -277,10 +272,7 @@ def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor
           f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, the routing's "
           f"assignments, a multiple of n_active={n_active}")
     y = y_sorted[routing.inverse_order].view(-1, n_active, y_sorted.shape[-1]).float()    # (T, A, D)
-    total = y[:, 0]
-    for a in range(1, n_active):
-        total = total + y[:, a]
-    return total.to(y_sorted.dtype)
+    return sum(y.unbind(1)[1:], y[:, 0]).to(y_sorted.dtype)  # a = 0, 1, ... in turn, not y.sum(1)'s order
 
 
 def expert_swiglu_loop(x_sorted: Tensor, counts: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
@@ -319,13 +311,11 @@ def expert_operands(x_sorted: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -
 def use_grouped_mm(x: Tensor, expert_dim: int) -> bool:
     """The one place the expert GEMM path is chosen: torch._grouped_mm takes BF16 on CUDA (SM80+) with
     16-byte aligned rows (D and I divisible by 8, as in every preset); else the loop, said once on CUDA."""
-    if not x.is_cuda:
-        return False
-    if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[-1] % 8 == expert_dim % 8 == 0:
-        return True
-    warnings.warn(f"moe.py: experts run as a per-expert loop on CUDA (dtype {x.dtype}, D={x.shape[-1]}, "
-                  f"I={expert_dim}); torch._grouped_mm needs BF16 and D, I divisible by 8")
-    return False
+    ok = x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[-1] % 8 == expert_dim % 8 == 0
+    if x.is_cuda and not ok:
+        warnings.warn(f"moe.py: experts run as a per-expert loop on CUDA (dtype {x.dtype}, D={x.shape[-1]}, "
+                      f"I={expert_dim}); torch._grouped_mm needs BF16 and D, I divisible by 8")
+    return x.is_cuda and ok
 
 
 class Experts(nn.Module):
@@ -351,8 +341,7 @@ class Experts(nn.Module):
         return combine_expert_outputs(y_sorted, routing, expert_weights)
 
 
-def router_top_k_reference(logits: Tensor, n_active: int, norm_topk_prob: bool,
-                           routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def router_top_k_reference(logits: Tensor, n_active: int, norm_topk_prob: bool, routes: Tensor | None = None):
     """The router: logits (T, E) -> (weights (T, A) fp32, ids (T, A) int64): ids its A most probable experts
     in descending order, weights theirs or those of `routes` (T, A) (R3), renormalized if norm_topk_prob.
     The softmax runs in fp32, as in HF: in BF16 close probabilities tie and top-k would pick arbitrarily."""
@@ -367,8 +356,7 @@ def router_weights(logits: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
     return weights / weights.sum(dim=-1, keepdim=True) if norm_topk_prob else weights
 
 
-def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool,
-                 routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool, routes: Tensor | None = None):
     """The router, trainer and rollout alike (the same weights from the same logits on both sides)."""
     if not use_router_kernel(logits):
         return router_top_k_reference(logits, n_active, norm_topk_prob, routes)
@@ -481,9 +469,8 @@ class MoETransformer(nn.Module):
         x = self.embed(tokens)                                                             # (B, T, D)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)          # (B, 1, T, hd) each
         routes = []
-        for i, layer in enumerate(self.layers):
-            x, layer_routes = layer(x, cos, sin, attn_mask, kv_cache,
-                                    None if forced_routes is None else forced_routes[i])
+        for layer, forced in zip(self.layers, [None] * c.n_layers if forced_routes is None else forced_routes):
+            x, layer_routes = layer(x, cos, sin, attn_mask, kv_cache, forced)
             routes.append(layer_routes)                                                    # (B, T, A)
         logits = self.lm_head(self.norm(x))                                                # (B, T, V)
         return (logits, torch.stack(routes)) if return_routes else logits
@@ -544,15 +531,13 @@ def config_from_hf(hf_config) -> MoEConfig:
         expert_dim=hf_config.moe_intermediate_size,
         rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
         rms_eps=hf_config.rms_norm_eps, norm_topk_prob=bool(hf_config.norm_topk_prob),
-        tie_embeddings=bool(hf_config.tie_word_embeddings), max_seq_len=hf_config.max_position_embeddings,
-    )
+        tie_embeddings=bool(hf_config.tie_word_embeddings), max_seq_len=hf_config.max_position_embeddings)
 
 
 def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tensor], list[str]]:
     """Every tensor of a checkpoint directory under this module's names (per-expert weights fused per
     layer), and the checkpoint names that map to nothing here."""
     from safetensors import safe_open
-
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     check(bool(files), f"no *.safetensors files in {directory}")
     index = os.path.join(directory, "model.safetensors.index.json")
@@ -564,9 +549,8 @@ def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tens
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if match := _HF_PER_EXPERT.fullmatch(name):
-                    layer, expert, proj = int(match[1]), int(match[2]), match[3]
-                    per_expert[(layer, expert, proj)] = f.get_tensor(name).to(dtype)
+                if match := _HF_PER_EXPERT.fullmatch(name):  # key (layer, expert, projection)
+                    per_expert[(int(match[1]), int(match[2]), match[3])] = f.get_tensor(name).to(dtype)
                     continue
                 for pattern, ours in _HF_RENAMES:
                     if re.fullmatch(pattern, name):
@@ -595,7 +579,6 @@ def load_hf(path_or_repo_id: str, dtype: torch.dtype = torch.float32):
     tokenizer or None). Experts load from per-expert matrices (the hub's and save_pretrained's layout) or
     from transformers' fused tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`)."""
     from transformers import AutoConfig, AutoTokenizer
-
     directory = path_or_repo_id
     if not os.path.isdir(directory):
         from huggingface_hub import snapshot_download

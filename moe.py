@@ -22,9 +22,8 @@ router weights. The GEMMs are one `torch._grouped_mm` on CUDA in BF16, else a lo
 (the slow twin). Fast paths (gpu_kernels/), each chosen in one `use_*_kernel` function: RMSNorm, q/k norm
 with RoPE, a decode step's routing sort, the router's softmax + top-k (bit for bit or to fp32 rounding).
 
-Routes can be forced (R3, "rollout routing replay"): the trainer replays the experts the rollout chose,
-while the mixing weights still come from its own router, so the router keeps receiving gradients.
-The KV cache belongs to rollout.py; each Attention layer only calls `k, v = kv_cache.update(layer_idx, k, v)`.
+Routes can be forced (R3, "rollout routing replay"): the trainer replays the rollout's experts, weighted by
+its own router, which thus still gets gradients. The KV cache is rollout.py's; Attention only calls update().
 
 Left out on purpose: quantization (qat.py and rac.py swap these layers in place), dropout, attention bias,
 sliding windows, RoPE scaling, dense-MLP layers (`mlp_only_layers`), the load-balancing loss.
@@ -51,8 +50,7 @@ except ImportError:  # triton ships with CUDA builds of torch on Linux; without 
     norm_kernels = routing_kernels = None
 
 
-def check(ok: bool, message: str):
-    """Bad input fails early with one line that names the field and the problem."""
+def check(ok: bool, message: str):  # bad input fails early, in one line naming the field and the problem
     if not ok:
         raise ValueError(message)
 
@@ -215,9 +213,8 @@ class Attention(nn.Module):
         else:
             # With a mask (the sampler's cache): fold each key/value head's `group` query heads into the
             # query axis, so the cache is read in place (reshape: some SDPA results are non-contiguous).
-            S = k.shape[2]
             q = q.reshape(B, Hkv, group * T, hd)                                       # (B, Hkv, group*T, hd)
-            mask = attn_mask.expand(B, 1, T, S).repeat(1, 1, group, 1)                 # (B, 1, group*T, S)
+            mask = attn_mask.expand(B, 1, T, k.shape[2]).repeat(1, 1, group, 1)        # (B, 1, group*T, S)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))                   # (B, T, D)
 
@@ -302,10 +299,9 @@ def expert_operands(x_sorted: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -
     """Under torch.autocast, the expert GEMMs run in the autocast dtype, as F.linear would (FP32 master
     weights, BF16 compute); the casts are differentiable, so gradients still reach the FP32 weights."""
     device = x_sorted.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        return x_sorted.to(dtype), gate_up_proj.to(dtype), down_proj.to(dtype)
-    return x_sorted, gate_up_proj, down_proj
+    if not torch.is_autocast_enabled(device):
+        return x_sorted, gate_up_proj, down_proj
+    return tuple(t.to(torch.get_autocast_dtype(device)) for t in (x_sorted, gate_up_proj, down_proj))
 
 
 def use_grouped_mm(x: Tensor, expert_dim: int) -> bool:
@@ -332,12 +328,11 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, expert_ids: Tensor, expert_weights: Tensor) -> Tensor:
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) fp32 -> (T, D) in x.dtype."""
         routing = route_tokens(expert_ids, self.n_experts)
-        x_sorted, gate_up_proj, down_proj = expert_operands(x[routing.token_ids], self.gate_up_proj,
-                                                            self.down_proj)
-        if use_grouped_mm(x_sorted, down_proj.shape[-1]):
-            y_sorted = expert_swiglu_grouped(x_sorted, routing.offsets, gate_up_proj, down_proj)  # (N, D)
+        x_sorted, gate_up, down = expert_operands(x[routing.token_ids], self.gate_up_proj, self.down_proj)
+        if use_grouped_mm(x_sorted, down.shape[-1]):
+            y_sorted = expert_swiglu_grouped(x_sorted, routing.offsets, gate_up, down)            # (N, D)
         else:
-            y_sorted = expert_swiglu_loop(x_sorted, routing.counts, gate_up_proj, down_proj)
+            y_sorted = expert_swiglu_loop(x_sorted, routing.counts, gate_up, down)
         return combine_expert_outputs(y_sorted, routing, expert_weights)
 
 
@@ -425,11 +420,9 @@ class MoETransformer(nn.Module):
 
     def num_params(self, active: bool = False) -> int:
         """Parameter count (a tied head counted once); active=True counts A of the E experts per layer."""
-        total = sum(p.numel() for p in self.parameters())
-        if active:
-            c = self.config
-            total -= c.n_layers * (c.n_experts - c.n_active) * 3 * c.dim * c.expert_dim
-        return total
+        c = self.config
+        inactive = c.n_layers * (c.n_experts - c.n_active) * 3 * c.dim * c.expert_dim if active else 0
+        return sum(p.numel() for p in self.parameters()) - inactive
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None, attn_mask: Tensor | None = None,
                 kv_cache=None, forced_routes: Tensor | None = None, return_routes: bool = False):
@@ -499,8 +492,7 @@ _HF_RENAMES = [  # (checkpoint name pattern, this module's name); experts are ha
     (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
     (r"model\.layers\.(\d+)\.self_attn\.([qkvo]_proj|[qk]_norm)\.weight", r"layers.\1.attn.\2.weight"),
     (r"model\.layers\.(\d+)\.mlp\.gate\.weight", r"layers.\1.mlp.gate.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", r"layers.\1.mlp.experts.\2"),  # fused
-]
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", r"layers.\1.mlp.experts.\2")]  # fused
 _HF_PER_EXPERT = re.compile(
     r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
@@ -518,8 +510,7 @@ def config_from_hf(hf_config) -> MoEConfig:
         "attention_bias": getattr(hf_config, "attention_bias", False),
         "use_sliding_window": getattr(hf_config, "use_sliding_window", False),
         "hidden_act other than silu": getattr(hf_config, "hidden_act", "silu") != "silu",
-        f"rope_type {rope_type!r}": rope_type != "default",
-    }
+        f"rope_type {rope_type!r}": rope_type != "default"}
     problems = [name for name, present in unsupported.items() if present]
     check(not problems, f"this Qwen3-MoE checkpoint uses features moe.py does not implement: "
           f"{', '.join(problems)}")

@@ -17,35 +17,26 @@ Formulas (the numerics follow Hugging Face's Qwen3MoeForCausalLM, so logits matc
     MoE          y = sum_a w_a f_{ids_a}(x)
 
 Experts run sparsely: the T*A (token, expert) assignments are sorted by expert once (`route_tokens`), each
-expert multiplies one contiguous slice of rows, and the rows are put back in token order and summed with
-their router weights. On CUDA in BF16 the per-expert GEMMs are one `torch._grouped_mm` call; elsewhere a
-plain loop over the active experts, which is also the slow twin the fast path is tested against.
+expert multiplies its contiguous slice of rows, and the rows go back to token order, summed with their
+router weights. The GEMMs are one `torch._grouped_mm` on CUDA in BF16, else a loop over the active experts
+(the slow twin). Fast paths (gpu_kernels/), each chosen in one `use_*_kernel` function: RMSNorm, q/k norm
+with RoPE, a decode step's routing sort, the router's softmax + top-k (bit for bit or to fp32 rounding).
 
-Fast paths (gpu_kernels/norm.py, gpu_kernels/routing.py), each chosen in one `use_*_kernel` function below: on
-CUDA, RMSNorm and the router's softmax + top-k are one launch each for trainer and rollout alike (equal
-to their twins to fp32 rounding; under autograd the backward is the twin's); the q/k norm with RoPE
-without autograd, the routing's sort of a decode step's assignments and the sum of each token's expert
-rows equal their twins bit for bit. Next to its GEMMs a decode step is mostly small launches.
+Routes can be forced (R3, "rollout routing replay"): the trainer replays the rollout's experts, weighted by
+its own router, which thus still gets gradients. The KV cache is rollout.py's; Attention only calls update().
 
-Routes can be forced (R3, "rollout routing replay"): the trainer replays the experts the rollout chose,
-while the mixing weights still come from its own router, so the router keeps receiving gradients.
-The KV cache belongs to rollout.py; each Attention layer only calls `k, v = kv_cache.update(layer_idx, k, v)`.
+Left out on purpose: quantization (qat.py and rac.py swap these layers in place), dropout, attention bias,
+sliding windows, RoPE scaling, dense-MLP layers (`mlp_only_layers`), the load-balancing loss.
 
-Left out on purpose: quantization of any kind (qat.py and rac.py swap these layers in place), dropout,
-attention bias, sliding-window attention, RoPE scaling, dense-MLP layers between MoE layers
-(`mlp_only_layers`, `decoder_sparse_step`), and the auxiliary load-balancing loss.
-
-Shape letters: B batch, T tokens (queries), S keys (cached + new), D model dim, H query heads, Hkv
-key/value heads, hd head dim, E experts, A active experts per token, I expert hidden dim, V vocab,
-L layers, N = T*A (token, expert) assignments
+Shape letters: B batch, T tokens (queries), S keys (cached + new), D model dim, H query heads, Hkv key/value
+heads, hd head dim, E experts, A active experts per token, I expert hidden dim, V vocab, L layers, N = T*A
 """
-import dataclasses
 import glob
 import json
 import os
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -57,6 +48,15 @@ try:
     from gpu_kernels import norm as norm_kernels, routing as routing_kernels
 except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the plain twins run
     norm_kernels = routing_kernels = None
+
+
+def check(ok: bool, message: str):  # bad input fails early, in one line naming the field and the problem
+    if not ok:
+        raise ValueError(message)
+
+
+def needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -78,36 +78,31 @@ class MoEConfig:
     max_seq_len: int = 256        # longest prompt + completion a forward may see (also sizes KV caches)
 
     def __post_init__(self):
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts",
-                     "n_active", "expert_dim", "max_seq_len"):
+        for name in [field.name for field in fields(self) if field.type is int]:
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
-        problems = [
-            (self.n_heads % self.n_kv_heads != 0, f"n_heads={self.n_heads} is not divisible by n_kv_heads="
-             f"{self.n_kv_heads}; each key/value head must serve the same number of query heads"),
-            (self.n_active > self.n_experts, f"n_active={self.n_active} experts per token exceeds "
-             f"n_experts={self.n_experts}"),
-            (self.head_dim % 2 != 0, f"head_dim={self.head_dim} must be even, RoPE rotates pairs of halves"),
-            (not (self.rope_theta > 0 and self.rms_eps > 0), f"rope_theta={self.rope_theta} and rms_eps="
-             f"{self.rms_eps} must be positive")]
-        for problem, message in problems:
-            if problem:
-                raise ValueError(f"MoEConfig: {message}")
+            check(isinstance(value, int) and value > 0,
+                  f"MoEConfig.{name} must be a positive int, got {value!r}")
+        check(self.n_heads % self.n_kv_heads == 0, f"MoEConfig: n_heads={self.n_heads} is not divisible by "
+              f"n_kv_heads={self.n_kv_heads}; each key/value head must serve the same number of query heads")
+        check(self.n_active <= self.n_experts, f"MoEConfig: n_active={self.n_active} experts per token "
+              f"exceeds n_experts={self.n_experts}")
+        check(self.head_dim % 2 == 0, f"MoEConfig: head_dim={self.head_dim} must be even, RoPE rotates pairs "
+              f"of halves")
+        check(self.rope_theta > 0 and self.rms_eps > 0, f"MoEConfig: rope_theta={self.rope_theta} and "
+              f"rms_eps={self.rms_eps} must be positive")
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "MoEConfig":
         """A named preset with some fields replaced, e.g. from_preset("tiny", vocab_size=len(tokenizer))."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return dataclasses.replace(PRESETS[name], **overrides)
+        check(name in PRESETS, f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
 
 
 PRESETS = {
     # CPU: RL on the synthetic task finishes in minutes on two cores. ~0.2M parameters with V=64.
     "tiny": MoEConfig(),
-    # The default GPU experiment: ~107M parameters in total, ~19M active per token (+ embeddings).
-    # Every width is a multiple of 64, so NVFP4's 16-element blocks and GEMM tiles divide it evenly.
+    # The default GPU experiment: ~107M parameters, ~19M active per token (+ embeddings). Every width is a
+    # multiple of 64, so NVFP4's 16-element blocks and GEMM tiles divide it evenly.
     "small": MoEConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, n_experts=32, n_active=4,
                        expert_dim=256, max_seq_len=1024),
     # The real shapes of Qwen/Qwen3-30B-A3B (30.5B parameters, 3.3B active), for benchmarks and load_hf.
@@ -126,19 +121,14 @@ def use_norm_kernel(x: Tensor, weight: Tensor) -> bool:
 
 
 def use_norm_rope_kernel(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor) -> bool:
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # training: composed
-    return (norm_kernels is not None and x.is_cuda and x.shape[-1] <= norm_kernels.MAX_DIM and not needs_grad
+    return (norm_kernels is not None and x.is_cuda and x.shape[-1] <= norm_kernels.MAX_DIM
+            and not needs_grad(x, weight)  # training takes the composed twin
             and x.dtype == weight.dtype == cos.dtype == sin.dtype == torch.bfloat16)
 
 
 def use_routing_kernel(expert_ids: Tensor, n_experts: int) -> bool:  # a decode step's, not a prefill's
     return (routing_kernels is not None and expert_ids.is_cuda and n_experts <= routing_kernels.MAX_EXPERTS
             and expert_ids.numel() <= routing_kernels.MAX_ASSIGNMENTS)
-
-
-def use_sum_rows_kernel(y_sorted: Tensor) -> bool:
-    return (routing_kernels is not None and y_sorted.is_cuda
-            and y_sorted.dtype in routing_kernels.ROUNDED_DTYPES)
 
 
 def use_router_kernel(logits: Tensor) -> bool:
@@ -163,7 +153,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not use_norm_kernel(x, self.weight):
             return rms_norm_reference(x, self.weight, self.eps)
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        if needs_grad(x, self.weight):
             return norm_kernels.RMSNormFunction.apply(x, self.weight, self.eps, rms_norm_reference)
         return norm_kernels.rms_norm(x, self.weight, self.eps)
 
@@ -193,11 +183,8 @@ def norm_rope(x: Tensor, norm: "RMSNorm", cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention with Qwen3's per-head RMSNorm on q and k (applied before RoPE).
-
-    q_proj, k_proj, v_proj and o_proj are only ever called as `self.q_proj(x)`, so quantized modules with
-    the same call can replace them in place.
-    """
+    """Causal GQA self-attention with Qwen3's per-head RMSNorm on q and k (before RoPE). The projections
+    are only ever called as `self.q_proj(x)`, so quantized modules with that call can replace them."""
 
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
@@ -210,8 +197,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None = None,
-                kv_cache=None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None = None, kv_cache=None):
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         q = norm_rope(self.q_proj(x).view(B, T, H, hd), self.q_norm, cos, sin)        # (B, H, T, hd)
@@ -219,20 +205,16 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, Hkv, hd).transpose(1, 2)                        # (B, Hkv, T, hd)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)                               # (B, Hkv, S, hd)
-        group = H // Hkv                                         # query heads per key/value head
+        group = H // Hkv  # query heads per key/value head
         if attn_mask is None:
-            # Training (full causal sequence): expand the shared key/value heads so SDPA's fused causal
-            # kernels apply; the copy is small next to the experts.
+            # Training: expand the shared key/value heads so SDPA's fused causal kernels apply (a small copy)
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, hd)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                 # (B, H, T, hd)
         else:
             # With a mask (the sampler's cache): fold each key/value head's `group` query heads into the
-            # query axis instead, so the cache is read in place, never copied per step. (reshape: some SDPA
-            # backends, e.g. fp32 with a mask on CUDA, return a non-contiguous result.)
-            S = k.shape[2]
+            # query axis, so the cache is read in place (reshape: some SDPA results are non-contiguous).
             q = q.reshape(B, Hkv, group * T, hd)                                       # (B, Hkv, group*T, hd)
-            mask = attn_mask.expand(B, 1, T, S).unsqueeze(2).expand(B, 1, group, T, S)
-            mask = mask.reshape(B, 1, group * T, S)                                    # (B, 1, group*T, S)
+            mask = attn_mask.expand(B, 1, T, k.shape[2]).repeat(1, 1, group, 1)        # (B, 1, group*T, S)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))                   # (B, T, D)
 
@@ -256,19 +238,17 @@ def route_tokens(expert_ids: Tensor, n_experts: int) -> Routing:
 
 def route_tokens_reference(expert_ids: Tensor, n_experts: int) -> Routing:
     """route_tokens in torch ops: a stable sort on the narrowest key, searchsorted for the counts."""
-    n_active = expert_ids.shape[-1]
     flat_ids = expert_ids.reshape(-1)                                                      # (N,)
     # The narrowest key that holds an expert id: a radix sort costs a pass per key byte (int64 keys took
     # 27 us a layer at 512 assignments on an H200, most of the routing). The order is the same.
     key_dtype = torch.uint8 if n_experts <= 256 else torch.int32
     sorted_ids, order = torch.sort(flat_ids.to(key_dtype), stable=True)
-    positions = torch.arange(order.numel(), device=order.device)
-    inverse_order = torch.empty_like(order).scatter_(0, order, positions)
+    inverse_order = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     # searchsorted on the sorted ids keeps every size static: no host sync, nothing torch.compile must guess.
     experts = torch.arange(n_experts, device=flat_ids.device, dtype=key_dtype)
     ends = torch.searchsorted(sorted_ids, experts, right=True)                             # (E,)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    return Routing(order, order // n_active, inverse_order, counts, ends.to(torch.int32))
+    return Routing(order, order // expert_ids.shape[-1], inverse_order, counts, ends.to(torch.int32))
 
 
 def combine_expert_outputs(y_sorted: Tensor, routing: Routing, expert_weights: Tensor) -> Tensor:
@@ -280,26 +260,16 @@ def combine_expert_outputs(y_sorted: Tensor, routing: Routing, expert_weights: T
     return torch.bmm(expert_weights.to(y.dtype).unsqueeze(1), y).squeeze(1)                # (T, D)
 
 
-def sum_expert_rows_reference(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
+def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
     """y_sorted (N, D) rows in expert order, already weighted -> (T, D): each token's A rows added in fp32
     in the order a = 0..A-1, rounded once to y_sorted's dtype. (The quantized expert layers apply the router
     weights in their GEMMs; combine_expert_outputs is the form that applies them.)"""
-    y = y_sorted[routing.inverse_order].view(-1, n_active, y_sorted.shape[-1]).float()    # (T, A, D)
-    total = y[:, 0]
-    for a in range(1, n_active):
-        total = total + y[:, a]
-    return total.to(y_sorted.dtype)
-
-
-def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
-    """Each token's A rows of y_sorted (N, D), already weighted, summed -> (T, D)."""
     n = routing.inverse_order.numel()
-    if y_sorted.dim() != 2 or y_sorted.shape[0] != n or n_active < 1 or n % n_active:
-        raise ValueError(f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, "
-                         f"the routing's assignments, a multiple of n_active={n_active}")
-    if use_sum_rows_kernel(y_sorted):
-        return routing_kernels.sum_expert_rows(y_sorted, routing.inverse_order, n_active)
-    return sum_expert_rows_reference(y_sorted, routing, n_active)
+    check(y_sorted.dim() == 2 and y_sorted.shape[0] == n and n_active >= 1 and n % n_active == 0,
+          f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, the routing's "
+          f"assignments, a multiple of n_active={n_active}")
+    y = y_sorted[routing.inverse_order].view(-1, n_active, y_sorted.shape[-1]).float()    # (T, A, D)
+    return sum(y.unbind(1)[1:], y[:, 0]).to(y_sorted.dtype)  # a = 0, 1, ... in turn, not y.sum(1)'s order
 
 
 def expert_swiglu_loop(x_sorted: Tensor, counts: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
@@ -316,8 +286,7 @@ def expert_swiglu_loop(x_sorted: Tensor, counts: Tensor, gate_up_proj: Tensor, d
     return torch.cat(outputs) if outputs else x_sorted.new_zeros(x_sorted.shape)
 
 
-def expert_swiglu_grouped(x_sorted: Tensor, offsets: Tensor, gate_up_proj: Tensor,
-                          down_proj: Tensor) -> Tensor:
+def expert_swiglu_grouped(x_sorted: Tensor, offsets: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
     """Fast path: the same computation as expert_swiglu_loop, as two grouped GEMMs without a host sync."""
     # torch._grouped_mm(a, b, offs) multiplies rows offs[e-1]:offs[e] of a by b[e]; b is (E, K, N), so the
     # stored (E, out, in) weights are passed transposed, which is also the column-major layout it wants.
@@ -326,38 +295,29 @@ def expert_swiglu_grouped(x_sorted: Tensor, offsets: Tensor, gate_up_proj: Tenso
     return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)  # (N, D)
 
 
-def expert_operands(x_sorted: Tensor, gate_up_proj: Tensor,
-                    down_proj: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def expert_operands(x_sorted: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> tuple[Tensor, ...]:
     """Under torch.autocast, the expert GEMMs run in the autocast dtype, as F.linear would (FP32 master
     weights, BF16 compute); the casts are differentiable, so gradients still reach the FP32 weights."""
     device = x_sorted.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        return x_sorted.to(dtype), gate_up_proj.to(dtype), down_proj.to(dtype)
-    return x_sorted, gate_up_proj, down_proj
+    if not torch.is_autocast_enabled(device):
+        return x_sorted, gate_up_proj, down_proj
+    return tuple(t.to(torch.get_autocast_dtype(device)) for t in (x_sorted, gate_up_proj, down_proj))
 
 
 def use_grouped_mm(x: Tensor, expert_dim: int) -> bool:
-    """The one place the expert GEMM path is chosen; on CUDA, a fallback to the loop is said once."""
-    # torch._grouped_mm's kernels take BF16 on CUDA (SM80+) with 16-byte aligned rows, i.e. D and I
-    # divisible by 8 (true of every preset). Everything else takes the loop.
-    if not x.is_cuda:
-        return False
-    aligned = x.shape[-1] % 8 == 0 and expert_dim % 8 == 0
-    if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and aligned:
-        return True
-    warnings.warn(f"moe.py: experts run as a per-expert loop on CUDA (dtype {x.dtype}, D={x.shape[-1]}, "
-                  f"I={expert_dim}); torch._grouped_mm needs BF16 and D, I divisible by 8")
-    return False
+    """The one place the expert GEMM path is chosen: torch._grouped_mm takes BF16 on CUDA (SM80+) with
+    16-byte aligned rows (D and I divisible by 8, as in every preset); else the loop, said once on CUDA."""
+    ok = x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[-1] % 8 == expert_dim % 8 == 0
+    if x.is_cuda and not ok:
+        warnings.warn(f"moe.py: experts run as a per-expert loop on CUDA (dtype {x.dtype}, D={x.shape[-1]}, "
+                      f"I={expert_dim}); torch._grouped_mm needs BF16 and D, I divisible by 8")
+    return x.is_cuda and ok
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stored as two stacked weights, in Hugging Face's fused layout:
-    gate_up_proj (E, 2I, D), rows [0:I] gate and [I:2I] up; down_proj (E, D, I).
-
-    forward is route, gather, expert GEMMs, combine; a quantized replacement keeps route_tokens and
-    combine_expert_outputs and swaps only the GEMMs in the middle.
-    """
+    """E SwiGLU experts in Hugging Face's fused layout: gate_up_proj (E, 2I, D), rows [0:I] gate and
+    [I:2I] up; down_proj (E, D, I). forward is route, gather, expert GEMMs, combine; a quantized
+    replacement keeps route_tokens and combine_expert_outputs and swaps only the GEMMs in the middle."""
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -368,45 +328,35 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, expert_ids: Tensor, expert_weights: Tensor) -> Tensor:
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) fp32 -> (T, D) in x.dtype."""
         routing = route_tokens(expert_ids, self.n_experts)
-        x_sorted, gate_up_proj, down_proj = expert_operands(x[routing.token_ids], self.gate_up_proj,
-                                                            self.down_proj)
-        if use_grouped_mm(x_sorted, down_proj.shape[-1]):
-            y_sorted = expert_swiglu_grouped(x_sorted, routing.offsets, gate_up_proj, down_proj)  # (N, D)
+        x_sorted, gate_up, down = expert_operands(x[routing.token_ids], self.gate_up_proj, self.down_proj)
+        if use_grouped_mm(x_sorted, down.shape[-1]):
+            y_sorted = expert_swiglu_grouped(x_sorted, routing.offsets, gate_up, down)            # (N, D)
         else:
-            y_sorted = expert_swiglu_loop(x_sorted, routing.counts, gate_up_proj, down_proj)
+            y_sorted = expert_swiglu_loop(x_sorted, routing.counts, gate_up, down)
         return combine_expert_outputs(y_sorted, routing, expert_weights)
 
 
-def router_top_k_reference(logits: Tensor, n_active: int, norm_topk_prob: bool,
-                           routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The router: logits (T, E) -> (weights (T, A) fp32, ids (T, A) int64): its own choice, the A most
-    probable experts in descending order, and the weights of those experts, or of `routes` (T, A) when
-    they are given (replayed routes, R3), renormalized to sum 1 if norm_topk_prob. The softmax runs in
-    fp32, as in HF: in BF16, close probabilities round to one value and top-k would choose among the ties
-    arbitrarily."""
-    probs = torch.softmax(logits.float(), dim=-1)                                          # (T, E)
-    ids = probs.topk(n_active, dim=-1).indices                                             # (T, A)
-    return _router_weights(probs, ids if routes is None else routes, norm_topk_prob), ids
+def router_top_k_reference(logits: Tensor, n_active: int, norm_topk_prob: bool, routes: Tensor | None = None):
+    """The router: logits (T, E) -> (weights (T, A) fp32, ids (T, A) int64): ids its A most probable experts
+    in descending order, weights theirs or those of `routes` (T, A) (R3), renormalized if norm_topk_prob.
+    The softmax runs in fp32, as in HF: in BF16 close probabilities tie and top-k would pick arbitrarily."""
+    ids = torch.softmax(logits.float(), dim=-1).topk(n_active, dim=-1).indices             # (T, A)
+    return router_weights(logits, ids if routes is None else routes, norm_topk_prob), ids
 
 
-def _router_weights(probs: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
-    """The router probabilities probs (T, E) of experts ids (T, A), renormalized if norm_topk_prob."""
-    weights = probs.gather(-1, ids)
+def router_weights(logits: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
+    """The fp32 router probabilities of experts ids (T, A), renormalized if norm_topk_prob (the reference's
+    weights, and the fused router's backward)."""
+    weights = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
     return weights / weights.sum(dim=-1, keepdim=True) if norm_topk_prob else weights
 
 
-def _router_weights_of_logits(logits: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
-    return _router_weights(torch.softmax(logits.float(), dim=-1), ids, norm_topk_prob)  # fused backward
-
-
-def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool,
-                 routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool, routes: Tensor | None = None):
     """The router, trainer and rollout alike (the same weights from the same logits on both sides)."""
     if not use_router_kernel(logits):
         return router_top_k_reference(logits, n_active, norm_topk_prob, routes)
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return routing_kernels.RouterTopK.apply(logits, n_active, norm_topk_prob, routes,
-                                                _router_weights_of_logits)
+    if needs_grad(logits):
+        return routing_kernels.RouterTopK.apply(logits, n_active, norm_topk_prob, routes, router_weights)
     return routing_kernels.router_top_k(logits, n_active, norm_topk_prob, routes)
 
 
@@ -423,8 +373,6 @@ class MoEBlock(nn.Module):
     def forward(self, x: Tensor, forced_routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
         lead_shape, D = x.shape[:-1], x.shape[-1]
         x = x.reshape(-1, D)                                                               # (T, D)
-        # Replayed routes decide which experts run; their weights still come from this router's own
-        # probabilities, so the router is trained exactly as if it had chosen them.
         routes = None if forced_routes is None else forced_routes.reshape(-1, self.n_active)      # (T, A)
         weights, own = router_top_k(self.gate(x), self.n_active, self.norm_topk_prob, routes)   # (T, A) each
         y = self.experts(x, own if routes is None else routes, weights)
@@ -460,8 +408,7 @@ class MoETransformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02):
-        """Random init for training from scratch, as Hugging Face initializes Qwen3-MoE: N(0, std) for
-        every matrix (embeddings, projections, router, experts), ones for the norms."""
+        """Hugging Face's Qwen3-MoE init, to train from scratch: N(0, std) every matrix, ones the norms."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std)
@@ -472,13 +419,10 @@ class MoETransformer(nn.Module):
                 module.weight.fill_(1.0)
 
     def num_params(self, active: bool = False) -> int:
-        """Parameter count (a tied head counted once); active=True counts only A of the E experts per
-        layer."""
-        total = sum(p.numel() for p in self.parameters())
-        if active:
-            c = self.config
-            total -= c.n_layers * (c.n_experts - c.n_active) * 3 * c.dim * c.expert_dim
-        return total
+        """Parameter count (a tied head counted once); active=True counts A of the E experts per layer."""
+        c = self.config
+        inactive = c.n_layers * (c.n_experts - c.n_active) * 3 * c.dim * c.expert_dim if active else 0
+        return sum(p.numel() for p in self.parameters()) - inactive
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None, attn_mask: Tensor | None = None,
                 kv_cache=None, forced_routes: Tensor | None = None, return_routes: bool = False):
@@ -486,57 +430,49 @@ class MoETransformer(nn.Module):
 
         positions (B, T): RoPE positions, default 0..T-1.
         attn_mask: bool, broadcastable to (B, 1, T, S), True = may attend. It replaces the causal default,
-            so it must itself be causal; a query row allowed no key at all is undefined, so let padding
-            attend to itself. Required, with positions, when a kv_cache is given.
-        kv_cache: any object with update(layer_idx, k, v) -> (k, v), see Attention.
+            so it must be causal itself; let padding attend to itself (a row allowed no key is undefined).
+        kv_cache: any object with update(layer_idx, k, v) -> (k, v); needs attn_mask and positions.
         forced_routes (L, B, T, A) int64: replay these experts instead of each router's top-k.
-        return_routes: also return each router's own top-k, (L, B, T, A) int64 (with forced_routes: the
-            experts it would have chosen, not the replayed ones).
+        return_routes: also return each router's own top-k, (L, B, T, A) int64, replayed or not.
         """
         c = self.config
-        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"tokens must be an integer tensor of shape (B, T), "
-                             f"got {tuple(tokens.shape)} {tokens.dtype}")
+        check(tokens.dim() == 2 and tokens.dtype in (torch.int64, torch.int32), f"tokens must be an integer "
+              f"tensor of shape (B, T), got {tuple(tokens.shape)} {tokens.dtype}")
         B, T = tokens.shape
-        if T > c.max_seq_len:
-            raise ValueError(f"{T} tokens exceed max_seq_len={c.max_seq_len}")
-        if kv_cache is not None and (attn_mask is None or positions is None):
-            raise ValueError("with a kv_cache, pass attn_mask (B, 1, T, S) and positions (B, T): the model "
-                             "cannot know which cached keys each query may see, nor where the new tokens sit")
-        if attn_mask is not None and (attn_mask.dtype != torch.bool or attn_mask.dim() != 4):
-            raise ValueError(f"attn_mask must be bool, broadcastable to (B, 1, T, S), got "
-                             f"{tuple(attn_mask.shape)} {attn_mask.dtype}")
+        check(T <= c.max_seq_len, f"{T} tokens exceed max_seq_len={c.max_seq_len}")
+        check(kv_cache is None or (attn_mask is not None and positions is not None), "with a kv_cache, pass "
+              "attn_mask (B, 1, T, S) and positions (B, T): the model cannot know which cached keys each "
+              "query may see, nor where the new tokens sit")
+        if attn_mask is not None:
+            check(attn_mask.dtype == torch.bool and attn_mask.dim() == 4, f"attn_mask must be bool, "
+                  f"broadcastable to (B, 1, T, S), got {tuple(attn_mask.shape)} {attn_mask.dtype}")
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
-        elif positions.shape != (B, T):
-            raise ValueError(f"positions must have the shape of tokens {(B, T)}, "
-                             f"got {tuple(positions.shape)}")
+        check(positions.shape == (B, T), f"positions must have the shape of tokens {(B, T)}, "
+              f"got {tuple(positions.shape)}")
         if forced_routes is not None:
             expected = (c.n_layers, B, T, c.n_active)
-            if tuple(forced_routes.shape) != expected:
-                raise ValueError(f"forced_routes must be (L, B, T, A) = {expected}, "
-                                 f"got {tuple(forced_routes.shape)}")
+            check(tuple(forced_routes.shape) == expected, f"forced_routes must be (L, B, T, A) = {expected}, "
+                  f"got {tuple(forced_routes.shape)}")
             # one host sync: out-of-range ids would otherwise corrupt the output silently
-            if forced_routes.min() < 0 or forced_routes.max() >= c.n_experts:
-                raise ValueError(f"forced_routes must hold expert ids in [0, {c.n_experts})")
+            check(bool(forced_routes.min() >= 0) and bool(forced_routes.max() < c.n_experts),
+                  f"forced_routes must hold expert ids in [0, {c.n_experts})")
             forced_routes = forced_routes.long()
 
         x = self.embed(tokens)                                                             # (B, T, D)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)          # (B, 1, T, hd) each
         routes = []
-        for i, layer in enumerate(self.layers):
-            x, layer_routes = layer(x, cos, sin, attn_mask, kv_cache,
-                                    None if forced_routes is None else forced_routes[i])
+        for layer, forced in zip(self.layers, [None] * c.n_layers if forced_routes is None else forced_routes):
+            x, layer_routes = layer(x, cos, sin, attn_mask, kv_cache, forced)
             routes.append(layer_routes)                                                    # (B, T, A)
         logits = self.lm_head(self.norm(x))                                                # (B, T, V)
         return (logits, torch.stack(routes)) if return_routes else logits
 
 
 def swappable_layers(model: nn.Module, include_router: bool = False, include_lm_head: bool = False):
-    """[(parent, attribute, module)] for every layer a variant in another file may replace in place:
-    each Attention's nn.Linear projections and every Experts block, plus optionally the routers
-    (MoEBlock.gate) and the LM head. Chosen by isinstance, never by name; listed up front so callers
-    can setattr while walking it. (qat.py and rac.py convert exactly these.)"""
+    """[(parent, attribute, module)] for every layer qat.py and rac.py replace in place: each Attention's
+    nn.Linear projections and every Experts block, optionally the routers (MoEBlock.gate) and the LM head.
+    Chosen by isinstance, never by name; listed up front so callers can setattr while walking it."""
     layers = []
     for parent in model.modules():
         linears = (isinstance(parent, Attention) or (include_router and isinstance(parent, MoEBlock))
@@ -556,19 +492,16 @@ _HF_RENAMES = [  # (checkpoint name pattern, this module's name); experts are ha
     (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
     (r"model\.layers\.(\d+)\.self_attn\.([qkvo]_proj|[qk]_norm)\.weight", r"layers.\1.attn.\2.weight"),
     (r"model\.layers\.(\d+)\.mlp\.gate\.weight", r"layers.\1.mlp.gate.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", r"layers.\1.mlp.experts.\2"),  # fused
-]
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", r"layers.\1.mlp.experts.\2")]  # fused
 _HF_PER_EXPERT = re.compile(
     r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 def config_from_hf(hf_config) -> MoEConfig:
     """MoEConfig from a transformers Qwen3MoeConfig; anything this module does not implement is an error."""
-    if hf_config.model_type != "qwen3_moe":
-        raise ValueError(f"load_hf reads Qwen3-MoE checkpoints (model_type 'qwen3_moe'), "
-                         f"got model_type {hf_config.model_type!r}")
-    # transformers 5 keeps RoPE settings in rope_parameters (rope_scaling is an alias of it); 4.x had a
-    # rope_theta attribute and rope_scaling None unless scaled.
+    check(hf_config.model_type == "qwen3_moe", f"load_hf reads Qwen3-MoE checkpoints (model_type "
+          f"'qwen3_moe'), got model_type {hf_config.model_type!r}")
+    # transformers 5 keeps RoPE settings in rope_parameters; 4.x had rope_theta and rope_scaling (None)
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     unsupported = {
@@ -577,33 +510,27 @@ def config_from_hf(hf_config) -> MoEConfig:
         "attention_bias": getattr(hf_config, "attention_bias", False),
         "use_sliding_window": getattr(hf_config, "use_sliding_window", False),
         "hidden_act other than silu": getattr(hf_config, "hidden_act", "silu") != "silu",
-        f"rope_type {rope_type!r}": rope_type != "default",
-    }
+        f"rope_type {rope_type!r}": rope_type != "default"}
     problems = [name for name, present in unsupported.items() if present]
-    if problems:
-        raise ValueError(f"this Qwen3-MoE checkpoint uses features moe.py does not implement: "
-                         f"{', '.join(problems)}")
+    check(not problems, f"this Qwen3-MoE checkpoint uses features moe.py does not implement: "
+          f"{', '.join(problems)}")
     return MoEConfig(
         vocab_size=hf_config.vocab_size, dim=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
         n_heads=hf_config.num_attention_heads, n_kv_heads=hf_config.num_key_value_heads,
-        head_dim=(getattr(hf_config, "head_dim", None)
-                  or hf_config.hidden_size // hf_config.num_attention_heads),
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
         n_experts=hf_config.num_experts, n_active=hf_config.num_experts_per_tok,
         expert_dim=hf_config.moe_intermediate_size,
         rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
         rms_eps=hf_config.rms_norm_eps, norm_topk_prob=bool(hf_config.norm_topk_prob),
-        tie_embeddings=bool(hf_config.tie_word_embeddings), max_seq_len=hf_config.max_position_embeddings,
-    )
+        tie_embeddings=bool(hf_config.tie_word_embeddings), max_seq_len=hf_config.max_position_embeddings)
 
 
 def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tensor], list[str]]:
     """Every tensor of a checkpoint directory under this module's names (per-expert weights fused per
     layer), and the checkpoint names that map to nothing here."""
     from safetensors import safe_open
-
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {directory}")
+    check(bool(files), f"no *.safetensors files in {directory}")
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):  # sharded: read only the shards the index names
         with open(index) as f:
@@ -613,9 +540,8 @@ def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tens
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if match := _HF_PER_EXPERT.fullmatch(name):
-                    layer, expert, proj = int(match[1]), int(match[2]), match[3]
-                    per_expert[(layer, expert, proj)] = f.get_tensor(name).to(dtype)
+                if match := _HF_PER_EXPERT.fullmatch(name):  # key (layer, expert, projection)
+                    per_expert[(int(match[1]), int(match[2]), match[3])] = f.get_tensor(name).to(dtype)
                     continue
                 for pattern, ours in _HF_RENAMES:
                     if re.fullmatch(pattern, name):
@@ -627,10 +553,10 @@ def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tens
     # Hub checkpoints (and save_pretrained) store one gate/up/down matrix per expert; stack them into the
     # fused (E, 2I, D) and (E, D, I) tensors. A missing expert leaves the fused name missing.
     for layer in sorted({layer for layer, _, _ in per_expert}):
-        experts = sorted({e for other_layer, e, _ in per_expert if other_layer == layer})
-        parts = [[per_expert.pop((layer, e, p), None) for e in experts]
+        n_experts = 1 + max(e for other_layer, e, _ in per_expert if other_layer == layer)
+        parts = [[per_expert.pop((layer, e, p), None) for e in range(n_experts)]
                  for p in ("gate_proj", "up_proj", "down_proj")]
-        if experts != list(range(len(experts))) or any(t is None for part in parts for t in part):
+        if any(t is None for part in parts for t in part):
             unexpected.append(f"model.layers.{layer}.mlp.experts.*: incomplete per-expert tensors")
             continue
         gate, up, down = (torch.stack(part) for part in parts)
@@ -640,14 +566,10 @@ def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tens
 
 
 def load_hf(path_or_repo_id: str, dtype: torch.dtype = torch.float32):
-    """Load a Hugging Face Qwen3-MoE checkpoint -> (MoETransformer, tokenizer or None).
-
-    Reads a local directory, or downloads a hub repository with huggingface_hub. Both expert layouts
-    load: per-expert matrices (`mlp.experts.{e}.gate_proj.weight`, as on the hub and as save_pretrained
-    writes) and transformers' fused in-memory tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
-    """
+    """A Hugging Face Qwen3-MoE checkpoint (a local directory or a hub repository) -> (MoETransformer,
+    tokenizer or None). Experts load from per-expert matrices (the hub's and save_pretrained's layout) or
+    from transformers' fused tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`)."""
     from transformers import AutoConfig, AutoTokenizer
-
     directory = path_or_repo_id
     if not os.path.isdir(directory):
         from huggingface_hub import snapshot_download

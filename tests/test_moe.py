@@ -229,10 +229,10 @@ def test_sum_expert_rows_is_each_tokens_rows_added_in_order():
     y_sorted = torch.randn(T * A, D, generator=generator)
     rows_of = {int(n): i for i, n in enumerate(routing.order)}          # assignment t*A + a -> sorted row
     oracle = torch.stack([sum(y_sorted[rows_of[t * A + a]].double() for a in range(A)) for t in range(T)])
-    got = moe.sum_expert_rows_reference(y_sorted, routing, A)
+    got = moe.sum_expert_rows(y_sorted, routing, A)
     torch.testing.assert_close(got.double(), oracle, rtol=1e-6, atol=1e-6)
-    bf16 = moe.sum_expert_rows_reference(y_sorted.bfloat16(), routing, A)  # one rounding, at the end
-    from_fp32 = moe.sum_expert_rows_reference(y_sorted.bfloat16().float(), routing, A).bfloat16()
+    bf16 = moe.sum_expert_rows(y_sorted.bfloat16(), routing, A)  # one rounding, at the end
+    from_fp32 = moe.sum_expert_rows(y_sorted.bfloat16().float(), routing, A).bfloat16()
     assert torch.equal(bf16, from_fp32)
 
 

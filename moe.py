@@ -131,6 +131,10 @@ def use_routing_kernel(expert_ids: Tensor, n_experts: int) -> bool:  # a decode 
             and expert_ids.numel() <= routing_kernels.MAX_ASSIGNMENTS)
 
 
+def use_sum_rows_kernel(y_sorted: Tensor) -> bool:
+    return routing_kernels is not None and y_sorted.is_cuda and y_sorted.dtype in routing_kernels.ROUNDED_DTYPES
+
+
 def use_router_kernel(logits: Tensor) -> bool:
     return routing_kernels is not None and logits.is_cuda and logits.shape[-1] <= routing_kernels.MAX_LOGITS
 
@@ -268,6 +272,12 @@ def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor
     check(y_sorted.dim() == 2 and y_sorted.shape[0] == n and n_active >= 1 and n % n_active == 0,
           f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, the routing's "
           f"assignments, a multiple of n_active={n_active}")
+    if use_sum_rows_kernel(y_sorted):
+        return routing_kernels.sum_expert_rows(y_sorted, routing.inverse_order, n_active)
+    return sum_expert_rows_reference(y_sorted, routing, n_active)
+
+
+def sum_expert_rows_reference(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
     y = y_sorted[routing.inverse_order].view(-1, n_active, y_sorted.shape[-1]).float()    # (T, A, D)
     return sum(y.unbind(1)[1:], y[:, 0]).to(y_sorted.dtype)  # a = 0, 1, ... in turn, not y.sum(1)'s order
 

@@ -366,12 +366,22 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def use_fused_sampler(logits: Tensor, top_k: int, top_p: float) -> bool:
+    """Where the fused sampler (gpu_kernels/sampling.py: noise, tempered softmax, race and log-prob in one
+    kernel) runs: CUDA, no top-k / top-p (RL's default), token ids below 2^24 (they pass through fp32)."""
+    V = logits.shape[-1]
+    return sampling_kernels is not None and logits.is_cuda and not 0 < top_k < V and top_p >= 1.0 and V < 2 ** 24
+
+
 def sample_next(logits: Tensor, sampling: dict, seed_key: Tensor, rows: Tensor,
                 position: Tensor) -> tuple[Tensor, Tensor]:
-    """One token per row of logits (B, V): the noise of (seed, row ids, position), then sample_tokens."""
-    temperature = sampling["temperature"]
+    """One token per row of logits (B, V): the fused sampler where it applies, else the noise of (seed, row
+    ids, position), then sample_tokens."""
+    temperature, top_k, top_p = sampling["temperature"], sampling["top_k"], sampling["top_p"]
+    if use_fused_sampler(logits, top_k, top_p):
+        return sampling_kernels.sample_tokens(logits, temperature, seed_key, rows, position)
     noise = None if temperature == 0 else sampling_noise(seed_key, rows, position, logits.shape[-1])
-    return sample_tokens(logits, temperature, sampling["top_k"], sampling["top_p"], noise)
+    return sample_tokens(logits, temperature, top_k, top_p, noise)
 
 
 def truncate(logprobs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:

@@ -1,9 +1,11 @@
-"""Tests for gpu_kernels/routing.py: the counting sort and the fused router against
+"""Tests for gpu_kernels/routing.py: the counting sort, the sum of expert rows and the fused router against
 moe.py's plain twins and float64 oracles (on the CPU under TRITON_INTERPRET=1, on a GPU natively)."""
 import pytest
 import torch
+from conftest import raises_one_line, same_bits
 
 import moe
+from moe import route_tokens
 
 pytest.importorskip("triton")  # the kernels need it; a wrong name below must fail, not skip
 from gpu_kernels import routing as routing_kernels  # noqa: E402
@@ -57,3 +59,23 @@ def test_fused_routing_equals_the_torch_routing_in_every_integer(kernel_device):
         for name, got, expected in zip(moe.Routing._fields, fused, moe.route_tokens_reference(expert_ids,
                                                                                             n_experts)):
             assert got.dtype == expected.dtype and torch.equal(got.cpu(), expected), name
+
+
+def test_fused_sum_of_expert_rows_equals_its_twin_bit_for_bit(kernel_device):
+    generator = torch.Generator().manual_seed(6)
+    # one token and one expert; a partial D block; a decode layer's shape (D 2048 in two blocks)
+    for tokens, active, dim in ((1, 1, 16), (3, 2, 48), (17, 8, 1040), (4, 8, 2048)):
+        routing = route_tokens(torch.randint(8, (tokens, active), generator=generator), 8)
+        for dtype in (torch.bfloat16, torch.float32):
+            y_sorted = (torch.randn(tokens * active, dim, generator=generator) * 3).to(dtype)
+            y_sorted[0, :4] = -0.0  # a token whose first row holds -0: the sum starts from that row, not 0
+            fused = routing_kernels.sum_expert_rows(y_sorted.to(kernel_device),
+                                                    routing.inverse_order.to(kernel_device), active)
+            twin = moe.sum_expert_rows_reference(y_sorted, routing, active)
+            assert same_bits(fused.cpu(), twin), (tokens, dtype)
+
+
+def test_sum_of_expert_rows_refuses_rows_that_are_not_the_routings():
+    routing = route_tokens(torch.zeros(3, 2, dtype=torch.long), 4)
+    raises_one_line(lambda: routing_kernels.sum_expert_rows(torch.zeros(5, 4), routing.inverse_order, 2),
+                    "y_sorted (5, 4)", "N = 6")

@@ -222,23 +222,26 @@ def test_sampling_noise_matches_a_python_integer_oracle():
 
 
 @pytest.mark.cuda
-def test_sampler_on_cuda_is_the_noise_kernel_then_the_reference_exactly(monkeypatch):
+def test_sampler_takes_the_fused_kernels_on_cuda_only_without_truncation(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     calls = []
-    original = rollout.sampling_kernels.sampling_noise
-    monkeypatch.setattr(rollout.sampling_kernels, "sampling_noise", lambda *a: calls.append(1) or original(*a))
+    original = rollout.sampling_kernels.sample_tokens
+    monkeypatch.setattr(rollout.sampling_kernels, "sample_tokens", lambda *a: calls.append(1) or original(*a))
     logits = torch.randn(64, 32768, device="cuda", dtype=torch.bfloat16)
     args = (torch.tensor([rollout.seed_key(5)], device="cuda"), torch.arange(64, device="cuda"),
             torch.tensor([9], device="cuda"))
-    for temperature, top_k, top_p in ((1.0, 0, 1.0), (0.0, 0, 1.0), (1.0, 40, 1.0), (0.8, 0, 0.9)):
+    for temperature, top_k, top_p, fused in ((1.0, 0, 1.0, True), (0.0, 0, 1.0, True), (1.0, 40, 1.0, False),
+                                             (0.8, 0, 0.9, False)):
         calls.clear()
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         tokens, logprobs = rollout.sample_next(logits, sampling, *args)
-        assert bool(calls) == (temperature > 0)
-        noise = None if temperature == 0 else rollout.sampling_noise_reference(*args, logits.shape[-1])
-        reference_tokens, reference_logprobs = rollout.sample_tokens(logits, temperature, top_k, top_p, noise)
-        assert torch.equal(tokens, reference_tokens) and torch.equal(logprobs, reference_logprobs)
+        assert bool(calls) == fused
+        noise = None if temperature == 0 else rollout.sampling_noise(*args, logits.shape[-1])
+        twin_tokens, twin_logprobs = rollout.sample_tokens(logits, temperature, top_k, top_p, noise)
+        assert (tokens == twin_tokens).float().mean() > 0.98  # near-ties in fp32 may part, rarely
+        same = tokens == twin_tokens
+        torch.testing.assert_close(logprobs[same], twin_logprobs[same], rtol=0, atol=2e-5)
 
 
 def test_noise_is_exponential_and_independent_across_rows_positions_and_seeds():

@@ -4,13 +4,11 @@ rollout model gave it, and for every MoE layer the experts it was routed to.
 
     prefill    each prompt runs once, all in one left-padded batch; attention writes its keys/values straight
                into its G samples' cache rows; the last position's logits give each sample its first token.
-    decode     one token per row and step against a static KV cache (`KVCache`: N rows, S slots, allocated
-               once per batch shape and pooled per model with its graph); every shape is fixed, so on CUDA
-               the step (forward, sampling, bookkeeping) is captured once as a CUDA graph and replayed.
+    decode     one token per row and step against a static KV cache (`KVCache`, pooled per model with its
+               graph); every shape is fixed, so on CUDA the step (forward, sampling, bookkeeping) is one graph.
 
-Left padding: prompt p of length n_p sits in the last n_p of Tp columns (Tp a multiple of 16, so nearby
-lengths share a shape); positions count from its first real token, padded keys are masked out, a padded
-query attends only to itself: each row computes what it would alone, up to float summation order.
+Left padding: prompt p sits in the last n_p of Tp columns (Tp a multiple of 16); positions count from its
+first real token, padded keys are masked out: each row computes what it would alone, up to float order.
 
 Sampling, per row and step, from the logits z (fp32) at temperature tau:
 
@@ -20,21 +18,18 @@ Sampling, per row and step, from the logits z (fp32) at temperature tau:
                 restricted to kept and renormalized; no torch.multinomial, hence no host sync)
     returned  = logprobs[token]                     what the trainer recomputes for the same token
 
-temperature = 0 is greedy (argmax of z) and returns log_softmax(z). A row stops after eos_id (the EOS
-token is part of the completion, mask 1) or max_new_tokens; later columns hold pad_id, mask 0, log-prob 0.
-Routes are recorded when a token is fed (the last token is fed once more to record its own);
-`Rollout.sequences()` lays prompt + completion out as the trainer's rows, routes included (for R3).
+temperature = 0 is greedy. A row stops after eos_id (part of the completion) or max_new_tokens; later columns
+hold pad_id, mask 0, log-prob 0. `Rollout.sequences()` gives the trainer's rows, routes included (for R3).
 
-Random numbers are counter-based: E_v of row n at completion position t is a hash of (seed, row id, t, v)
-(`sampling_noise`), so a row's tokens depend only on its logits and (seed, row id), not on the CUDA graph
-or the other rows of its batch: torchrun ranks sampling their shares of a batch (`row_offset`) produce
-exactly the rollouts one process would. On CUDA the noise is one Triton launch (gpu_kernels/sampling.py,
-`use_noise_kernel`), bit for bit its torch twin. `score` re-scores given rows in one prefill (the audit's
-check). Left out: continuous batching, paged attention, speculative decoding, stop strings, penalties.
+Random numbers are counter-based: E_v of row n at position t hashes (seed, row id, t, v) (`sampling_noise`),
+so a row's tokens depend only on its logits and (seed, row id), not on the graph or the other rows: torchrun
+ranks sampling their shares of a batch (`row_offset`) produce exactly the rollouts one process would. On
+CUDA (gpu_kernels/sampling.py) the noise is one launch, bit for bit its torch twin; without top-k / top-p one
+fused kernel samples (`use_fused_sampler`). `score` re-scores rows in one prefill. Left out: continuous
+batching, paged attention, speculative decoding.
 
-Shape letters: P prompts, G samples per prompt, N = P*G rows (prompt-major: rows p*G .. p*G+G-1 are
-prompt p's), Tp padded prompt width, T completion width, W = prompt + completion width (trainer rows),
-S cache slots, V vocab, L layers, Hkv key/value heads, hd head dim, A experts per token
+Shape letters: P prompts, G samples per prompt, N = P*G rows (prompt-major), Tp padded prompt width, T
+completion width, W = Tp + T (trainer rows), S cache slots, V vocab, L layers, Hkv kv heads, hd head dim.
 """
 import dataclasses
 import operator
@@ -63,12 +58,9 @@ MAX_POOLED_STATES = 4             # decode states (cache + graph) kept per model
 
 
 class Sequences(NamedTuple):
-    """Prompt + completion as right-padded trainer rows: row n holds prompt n then its completion, then pad.
-
-    The trainer needs no mask or positions: `logits = model(tokens)` computes each row exactly as alone.
+    """Prompt + completion as right-padded trainer rows (`model(tokens)` needs no mask or positions).
     logprobs[:, j] is the rollout's log-prob of tokens[:, j] given tokens[:, :j]: compare `logprobs[:, 1:]`
-    with `log_softmax(logits[:, :-1] / temperature).gather(-1, tokens[:, 1:, None])` where `loss_mask[:, 1:]`.
-    """
+    with `log_softmax(logits[:, :-1] / temperature).gather(-1, tokens[:, 1:, None])` where `loss_mask[:, 1:]`."""
     tokens: Tensor      # (N, W) int64, pad_id after the end of each row
     valid_mask: Tensor  # (N, W) bool: prompt or completion token (not padding)
     loss_mask: Tensor   # (N, W) bool: completion token (the ones the policy is trained on)
@@ -93,8 +85,7 @@ class Rollout:
     used_cuda_graph: bool       # whether the decode loop replayed a captured CUDA graph
 
     @property
-    def completion_lengths(self) -> Tensor:
-        """(N,) int64: tokens per completion, EOS included."""
+    def completion_lengths(self) -> Tensor:  # (N,) int64, EOS included
         return self.completion_mask.sum(dim=1)
 
     def sequences(self) -> Sequences:
@@ -129,8 +120,7 @@ class KVCache:
       the write at the next slot); the layer gets all S slots back and the caller's mask hides the unwritten.
     """
 
-    def __init__(self, n_layers: int, rows: int, n_kv_heads: int, slots: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(self, n_layers, rows, n_kv_heads, slots, head_dim, dtype: torch.dtype, device: torch.device):
         shape = (n_layers, rows, n_kv_heads, slots, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)

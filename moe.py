@@ -6,7 +6,6 @@ One decoder layer, pre-norm with residuals:
     x = x + MoEBlock(RMSNorm(x))          top-k router over E SwiGLU experts
 
 Formulas (the numerics follow Hugging Face's Qwen3MoeForCausalLM, so logits match in fp32):
-
     RMSNorm(x)   = w * (x / sqrt(mean(x^2) + eps))          computed in fp32, cast back before * w
     RoPE         = x * cos + rotate_half(x) * sin           rotate_half([a, b]) = [-b, a] (halves, not pairs)
                    angle[pos, j] = pos * theta^(-2j / hd), the hd/2 angles repeated twice
@@ -20,10 +19,9 @@ Experts run sparsely: the T*A (token, expert) assignments are sorted by expert o
 expert multiplies its contiguous slice of rows, and the rows go back to token order, summed with their
 router weights. The GEMMs are one `torch._grouped_mm` on CUDA in BF16, else a loop over the active experts
 (the slow twin). Fast paths (gpu_kernels/), each chosen in one `use_*_kernel` function: RMSNorm, q/k norm
-with RoPE, a decode step's routing sort, the router's softmax + top-k (bit for bit or to fp32 rounding).
+with RoPE, a decode step's routing sort, the sum of each token's expert rows, the router's softmax + top-k.
 
-Routes can be forced (R3, "rollout routing replay"): the trainer replays the rollout's experts, weighted by
-its own router, which thus still gets gradients. The KV cache is rollout.py's; Attention only calls update().
+Routes can be forced (R3): the trainer replays the rollout's experts, weighted by its own router (still trained).
 
 Left out on purpose: quantization (qat.py and rac.py swap these layers in place), dropout, attention bias,
 sliding windows, RoPE scaling, dense-MLP layers (`mlp_only_layers`), the load-balancing loss.
@@ -113,8 +111,7 @@ PRESETS = {
 
 
 # ----------------------------------------------------------------------------------------------- fast paths
-# Where each fused kernel (gpu_kernels/norm.py, gpu_kernels/routing.py) runs: on the CUDA tensors it applies to,
-# the plain twin everywhere else. A benchmark may set one to `lambda *args: False` to time its twin.
+# Where each kernel (gpu_kernels/norm.py, routing.py) runs, else its twin; a benchmark may set one to False.
 def use_norm_kernel(x: Tensor, weight: Tensor) -> bool:
     return (norm_kernels is not None and x.is_cuda and x.shape[-1] <= norm_kernels.MAX_DIM
             and x.dtype in norm_kernels.ROUNDED_DTYPES and weight.dtype in norm_kernels.ROUNDED_DTYPES)
@@ -243,12 +240,10 @@ def route_tokens(expert_ids: Tensor, n_experts: int) -> Routing:
 def route_tokens_reference(expert_ids: Tensor, n_experts: int) -> Routing:
     """route_tokens in torch ops: a stable sort on the narrowest key, searchsorted for the counts."""
     flat_ids = expert_ids.reshape(-1)                                                      # (N,)
-    # The narrowest key that holds an expert id: a radix sort costs a pass per key byte (int64 keys took
-    # 27 us a layer at 512 assignments on an H200, most of the routing). The order is the same.
+    # the narrowest key: a radix sort costs a pass per key byte (int64: 27 us a layer at 512 rows, H200)
     key_dtype = torch.uint8 if n_experts <= 256 else torch.int32
     sorted_ids, order = torch.sort(flat_ids.to(key_dtype), stable=True)
     inverse_order = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    # searchsorted on the sorted ids keeps every size static: no host sync, nothing torch.compile must guess.
     experts = torch.arange(n_experts, device=flat_ids.device, dtype=key_dtype)
     ends = torch.searchsorted(sorted_ids, experts, right=True)                             # (E,)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
@@ -259,15 +254,13 @@ def combine_expert_outputs(y_sorted: Tensor, routing: Routing, expert_weights: T
     """y_sorted (N, D) rows in expert order -> (T, D): y[t] = sum_a expert_weights[t, a] * row of (t, a)."""
     T, A = expert_weights.shape
     y = y_sorted[routing.inverse_order].view(T, A, -1)                                      # (T, A, D)
-    # A gather and a batched (1, A) @ (A, D) product instead of index_add_: deterministic on the GPU (no
-    # atomics) and one rounding per token. The weights are cast to the activation dtype first, as in HF.
+    # a gather and a batched (1, A) @ (A, D) product, not index_add_: no atomics, one rounding (HF's dtype)
     return torch.bmm(expert_weights.to(y.dtype).unsqueeze(1), y).squeeze(1)                # (T, D)
 
 
 def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
-    """y_sorted (N, D) rows in expert order, already weighted -> (T, D): each token's A rows added in fp32
-    in the order a = 0..A-1, rounded once to y_sorted's dtype. (The quantized expert layers apply the router
-    weights in their GEMMs; combine_expert_outputs is the form that applies them.)"""
+    """y_sorted (N, D) rows in expert order, already weighted (the quantized experts apply the router weights
+    in their GEMMs) -> (T, D): each token's A rows added in fp32 in the order a = 0..A-1, rounded once."""
     n = routing.inverse_order.numel()
     check(y_sorted.dim() == 2 and y_sorted.shape[0] == n and n_active >= 1 and n % n_active == 0,
           f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, the routing's "
@@ -355,8 +348,7 @@ def router_top_k_reference(logits: Tensor, n_active: int, norm_topk_prob: bool, 
 
 
 def router_weights(logits: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
-    """The fp32 router probabilities of experts ids (T, A), renormalized if norm_topk_prob (the reference's
-    weights, and the fused router's backward)."""
+    """fp32 router probabilities of experts ids (T, A), renormalized if norm_topk_prob (kernel's backward too)."""
     weights = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
     return weights / weights.sum(dim=-1, keepdim=True) if norm_topk_prob else weights
 
@@ -423,8 +415,7 @@ class MoETransformer(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std)
             elif isinstance(module, Experts):
-                module.gate_up_proj.normal_(0.0, std)
-                module.down_proj.normal_(0.0, std)
+                module.gate_up_proj.normal_(0.0, std), module.down_proj.normal_(0.0, std)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
@@ -437,7 +428,6 @@ class MoETransformer(nn.Module):
     def forward(self, tokens: Tensor, positions: Tensor | None = None, attn_mask: Tensor | None = None,
                 kv_cache=None, forced_routes: Tensor | None = None, return_routes: bool = False):
         """tokens (B, T) int64 -> logits (B, T, V) in the model's dtype (upcast before a log-softmax).
-
         positions (B, T): RoPE positions, default 0..T-1.
         attn_mask: bool, broadcastable to (B, 1, T, S), True = may attend. It replaces the causal default,
             so it must be causal itself; let padding attend to itself (a row allowed no key is undefined).
@@ -536,8 +526,8 @@ def config_from_hf(hf_config) -> MoEConfig:
 
 
 def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tensor], list[str]]:
-    """Every tensor of a checkpoint directory under this module's names (per-expert weights fused per
-    layer), and the checkpoint names that map to nothing here."""
+    """A checkpoint directory's tensors under this module's names (experts fused per layer), and the names
+    that map to nothing here."""
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     check(bool(files), f"no *.safetensors files in {directory}")

@@ -26,6 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+# the format's arithmetic, shared with the NVFP4 quantizer (whose definition is nvfp4.py)
+from gpu_kernels.nvfp4_quantize import (_E2M1_MAX, _E4M3_MAX, _E4M3_NAN, _e2m1_code_blocks, _e2m1_value,
+                                        _e4m3_round, _load_pairs)
+
 BLOCK_SIZE = 16                   # NVFP4 block: 16 elements along K, one E4M3 scale
 GLOBAL_SCALE_DIVISOR = 6.0 * 448.0  # 2688: global_scale = amax / (E2M1 max * E4M3 max)
 OPERAND_SHIFT = 2.0 ** -6         # the Hopper kernels' fp16 operands hold value * block_scale * 2^-6
@@ -34,98 +38,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _DIVISOR = tl.constexpr(GLOBAL_SCALE_DIVISOR)
 _SHIFT = tl.constexpr(OPERAND_SHIFT)
-
-
-# ------------------------------------------------------------------------------ the format (nvfp4.py's)
-# the format's constants, as constexprs the kernels can read
-_E2M1_MAX = tl.constexpr(6.0)
-_E4M3_MAX = tl.constexpr(448.0)
-_E2M1_SIGN = tl.constexpr(8)
-_E4M3_NAN = tl.constexpr(0x7F)                   # the E4M3 NaN byte; also the mask of its 7 value bits
-_E4M3_MIN_NORMAL = tl.constexpr(2.0 ** -6)
-_E4M3_SUBNORMAL_STEP = tl.constexpr(2.0 ** -9)   # E4M3 subnormals are the multiples of 2^-9
-_E4M3_SUBNORMALS_PER_ONE = tl.constexpr(2.0 ** 9)
-_FP32_ROUND_TO_INT = tl.constexpr(2.0 ** 23)     # (x + 2^23) - 2^23 rounds 0 <= x < 2^23 to an integer
-# fp32 -> E4M3 keeps 3 of the 23 mantissa bits: add just under half of the dropped 20 bits' range
-# plus the kept lsb (ties to even), then clear them
-_E4M3_ROUND_BIAS = tl.constexpr((1 << 19) - 1)   # 0x7FFFF
-_E4M3_KEEP_MASK = tl.constexpr(-(1 << 20))       # sign, exponent and the top 3 mantissa bits
-_E4M3_EXPONENT_OFFSET = tl.constexpr(127 - 7)    # fp32 bias minus E4M3 bias
-_BF16_ROUND_BIAS = tl.constexpr((1 << 15) - 1)   # 0x7FFF: the same trick for fp32 -> bf16 (16 bits)
-_BF16_NAN = tl.constexpr(0x7FC0)
-_FP32_HALF = tl.constexpr(0x3F000000)            # the bit pattern of 0.5, E2M1 code 1
-
-
-@triton.jit
-def _e2m1_code_blocks(x, unit):
-    """Codes (int32 0..15) of x (BLOCKS, n) in blocks whose divisor is unit (BLOCKS, 1); equals
-    nvfp4._encode_blocks. The magnitude counts the E2M1_MIDPOINTS times the unit that |x| passes (>= at
-    the ties that round up, > at the others); the sign bit is x's own. Comparing with seven
-    products per block replaces a division and a rounding per element: a third of the arithmetic,
-    which is what bounds this kernel. A NaN unit (zero or NaN blocks) gives magnitude 0."""
-    mag = tl.abs(x)
-    code = (mag > unit * 0.25).to(tl.int32) + (mag >= unit * 0.75).to(tl.int32) \
-        + (mag > unit * 1.25).to(tl.int32) + (mag >= unit * 1.75).to(tl.int32) \
-        + (mag > unit * 2.5).to(tl.int32) + (mag >= unit * 3.5).to(tl.int32) \
-        + (mag > unit * 5.0).to(tl.int32)
-    negative = x.to(tl.int32, bitcast=True) < 0                             # the sign bit: -0.0 too
-    return code | (negative.to(tl.int32) << 3)
-
-
-@triton.jit
-def _e2m1_value(code):
-    """E2M1 codes (int32) -> fp32 values, built as fp32 bit patterns: code c >= 2 is
-    2^((c >> 1) - 1) * (1 + (c & 1) / 2); code 1 is 0.5; code 0 is 0; bit 3 is the sign."""
-    mag = code & 7
-    normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)                 # exponent bias 127 - 1
-    bits = tl.where(mag >= 2, normal, tl.where(mag == 1, _FP32_HALF, 0))
-    return (bits | ((code & _E2M1_SIGN) << 28)).to(tl.float32, bitcast=True)  # bit 3 -> bit 31
-
-
-@triton.jit
-def _e4m3_round(v):
-    """Round fp32 v in [0, 448] to E4M3, nearest-even; returns (value as fp32, E4M3 bit pattern).
-
-    Integer arithmetic rather than a float8 cast, so that every backend rounds as torch's cast
-    does. Normal range (v >= 2^-6): round the fp32 mantissa to 3 bits by adding the rounding bias
-    plus the kept lsb and truncating. Subnormal range: multiples of 2^-9, rounded to an integer
-    count of them with the 2^23 trick.
-    """
-    bits = v.to(tl.int32, bitcast=True)
-    normal = (bits + _E4M3_ROUND_BIAS + ((bits >> 20) & 1)) & _E4M3_KEEP_MASK
-    normal = normal.to(tl.float32, bitcast=True)
-    steps = (v * _E4M3_SUBNORMALS_PER_ONE + _FP32_ROUND_TO_INT) - _FP32_ROUND_TO_INT
-    value = tl.where(v >= _E4M3_MIN_NORMAL, normal, steps * _E4M3_SUBNORMAL_STEP)
-    vbits = value.to(tl.int32, bitcast=True)
-    normal_byte = ((((vbits >> 23) & 0xFF) - _E4M3_EXPONENT_OFFSET) << 3) | ((vbits >> 20) & 7)
-    subnormal_byte = (value * _E4M3_SUBNORMALS_PER_ONE).to(tl.int32)
-    byte = tl.where(value >= _E4M3_MIN_NORMAL, normal_byte, subnormal_byte)
-    return value, byte
-
-
-
-@triton.jit
-def _to_bf16_bits(value):
-    """fp32 -> bf16 bit pattern (int32, low 16 bits), nearest-even, by integer arithmetic: the CPU
-    interpreter's own fp32->bf16 cast truncates; on the GPU this equals torch's .to(bfloat16)."""
-    bits = value.to(tl.int32, bitcast=True)
-    bits = (bits + _BF16_ROUND_BIAS + ((bits >> 16) & 1)) >> 16
-    return tl.where(value == value, bits, _BF16_NAN) & 0xFFFF                # keep NaN a NaN
-
-
-@triton.jit
-def _load_pairs(x_ptr, rows, pairs, mask, X_BF16: tl.constexpr):
-    """(BLOCKS, 8) fp32 tiles of the even and the odd elements of blocks `rows`."""
-    if X_BF16:
-        words = tl.load(x_ptr + rows[:, None] * 8 + pairs[None, :], mask=mask, other=0)  # int32 view
-        even = (words << 16).to(tl.float32, bitcast=True)
-        odd = (words & -65536).to(tl.float32, bitcast=True)                 # the high half, in place
-    else:
-        offs = rows[:, None] * 16 + 2 * pairs[None, :]
-        even = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        odd = tl.load(x_ptr + offs + 1, mask=mask, other=0.0).to(tl.float32)
-    return even, odd
-
 
 
 @triton.jit

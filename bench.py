@@ -8,7 +8,7 @@
     python bench.py decode          # the second half of `rollout` alone: decode tokens/s per precision
     python bench.py racsweep        # decode tokens/s of NVFP4 rollouts at RAC ratios 0 .. 1 (study's sweep)
 
-Each subcommand prints a markdown table (GPU, shapes, median times) that goes into the README as is.
+Each subcommand prints a markdown table with its conditions (GPU, shapes, median times) for RESULTS.md.
 Timings use CUDA events through `triton.testing.do_bench` (median), after warm-up; inputs are random,
 never zeros. Bandwidth figures count the bytes each op must read plus write, divided by the measured
 time, and are set beside a device-to-device copy measured in the same run.

@@ -11,7 +11,8 @@ trainer's forward uses the weights *as the rollout will see them*, activations s
               grad_W = grad_y.T @ x_eff          to the master W (straight-through: dWq/dW = identity)
 
 Within `sharing` the weights of all layers are fake-quantized together, once per forward (their global
-scales in one multi-tensor pass); a layer called on its own quantizes its own. Modes (`convert_for_training(model, mode)`), for the attention projections and experts:
+scales in one multi-tensor pass); a layer called on its own quantizes its own. Modes
+(`convert_for_training(model, mode)`), for the attention projections and experts:
 - `bf16`: no change.   `qat`: the asymmetric recipe above.
 - `w4a4`: every layer input is fake-quantized as the rollout quantizes it (nvfp4.fake_quantize: a dynamic
   per-tensor global scale), straight-through to x. QUADS reports a *larger* mismatch than `qat`.
@@ -27,8 +28,8 @@ The router, embeddings, norms and LM head stay in full precision (`quantize_rout
 What the trainer takes from the rollout is an argument of its forward: `with sharing(model, state):`,
 state = SharedState(masks, codes) mapping each layer path to moeresq's masks or trace's codes, for that
 call only (as torch.func.functional_call passes tensors for one call). trace's codes are recorded on the
-rollout side (trace_rollout.py), keyed by the trainer's (row, column), and for the experts' down input
-by (position, expert).
+rollout side (RolloutRecorder, fed by train.py), keyed by the trainer's (row, column), and for the
+experts' down input by (position, expert).
 
 The quantized modules subclass the ones they replace and keep the *same* Parameter objects under the same
 names: state dicts, an optimizer built before conversion and rac.sync_weights keep working.
@@ -144,6 +145,110 @@ def guided_values(x, codes, row_keys, own):
             & found)
     rollout_value = rollout_code_value * block_scale * global_scale  # nvfp4.dequantize's order: bit for bit
     return torch.where(take, rollout_value, own.float()).to(own.dtype)
+
+
+# ----------------------------------------------------------------------------- trace: the rollout's record
+class RolloutRecorder:
+    """At each decode step the rollout's quantized layer inputs, re-quantized with nvfp4.quantize (the same
+    codes); afterwards only the completion tokens are kept (prompts come from the prefill and are not
+    recorded). Per completion token and input of width K: K/2 + K/16 + 12 bytes (1.5 KB per token and
+    layer on the small preset); every decode step is held until the rollout ends, freed after the update.
+    Fed from the rollout model (train.attach_recorder): `begin_forward(decoding)` at every model forward,
+    `route(path, expert_ids, n_experts)` at every experts layer, `record(path, index, x)` at every quantized
+    input (x as the quantizer sees it; index 0 for a linear layer and the experts' gate/up input, 1 for their
+    down input, rows sorted by expert as moe.route_tokens sorts them); only between `start()` and `stop()`,
+    never during prefills. `codes(...)` then gives each layer path its tuple of RolloutCodes."""
+
+    def __init__(self):
+        self.start()
+        self.stop()
+
+    def start(self):
+        self.steps, self.experts, self.order, self.n_experts, self._memo = {}, {}, {}, {}, {}
+        self.active = True
+
+    def stop(self):
+        self.active = self.decoding = False
+        self._memo = {}
+
+    def begin_forward(self, decoding):
+        self.decoding = bool(decoding)
+        self._memo = {}
+
+    @torch.no_grad()
+    def route(self, path, expert_ids, n_experts):
+        """An experts layer's routes (T, A) at this step, which fix the order of its down input's rows."""
+        if self.active and self.decoding:
+            self.order[path] = moe.route_tokens(expert_ids, n_experts).order
+            self.experts.setdefault(path, []).append(expert_ids)
+            self.n_experts[path] = n_experts
+
+    @torch.no_grad()
+    def record(self, path, index, x):
+        """x (M, K): input `index` of the layer at `path`, at this decode step."""
+        if not (self.active and self.decoding):
+            return
+        # q, k and v quantize one tensor: record it once. The memo holds x, so that no other tensor can
+        # take its address before the next forward.
+        memo_key = (x.data_ptr(), tuple(x.shape), x.dtype, index)
+        if memo_key not in self._memo:
+            q = nvfp4.quantize(x)
+            data, block_scale = q.data, q.block_scale.view(torch.uint8)
+            if index == 1:  # rows sorted by expert -> assignment order t * A + a
+                order = self.order[path]
+                data = data.index_copy(0, order, data)
+                block_scale = block_scale.index_copy(0, order, block_scale)
+            self._memo[memo_key] = (x, (data, block_scale, q.global_scale.reshape(()).float()))
+        self.steps.setdefault((path, index), []).append(self._memo[memo_key][1])
+
+    @torch.no_grad()
+    def codes(self, completion_mask, prompt_lengths, width):
+        """{layer path: (RolloutCodes, ...)} for the completion tokens only, keyed by trainer position
+        b * W + w, where completion token t of row b sits at column prompt_lengths[b] + t (right-padded
+        rows of width W); the experts' down inputs by (b * W + w) * E + expert. completion_mask (B, T)."""
+        B, T = completion_mask.shape
+        b, t = completion_mask.nonzero(as_tuple=True)                                   # (n,) each, ascending
+        position = b * width + prompt_lengths[b] + t                                    # (n,) trainer rows
+        stacked, by_path = {}, {}
+
+        def stack(records, i):  # T steps of (B[*A], ...) -> (B[*A], T, ...), once per recorded tensor
+            key = (id(records[0][i]), i)
+            if key not in stacked:
+                stacked[key] = torch.stack([r[i] for r in records[:T]], dim=1)
+            return stacked[key]
+
+        shared = {}  # sites that recorded one tensor (q, k, v) get one RolloutCodes object
+        for (path, index), records in self.steps.items():
+            if (id(records[0]), index) in shared:
+                by_path.setdefault(path, {})[index] = shared[(id(records[0]), index)]
+                continue
+            if len(records) < T:
+                raise ValueError(f"RolloutRecorder: {path!r} saw {len(records)} decode steps, "
+                                 f"the rollout has {T} tokens")
+            data, block_scale = stack(records, 0), stack(records, 1)
+            global_scale = torch.stack([r[2] for r in records[:T]])                     # (T,)
+            if index == 1:
+                experts = torch.stack(self.experts[path][:T], dim=1)                   # (B, T, A)
+                A = experts.shape[-1]
+                data = data.view(B, A, T, -1).transpose(1, 2)[b, t].flatten(0, 1)      # (n * A, K/2)
+                block_scale = block_scale.view(B, A, T, -1).transpose(1, 2)[b, t].flatten(0, 1)
+                keys = (position[:, None] * self.n_experts[path] + experts[b, t]).flatten()  # (n * A,)
+                order = keys.argsort()
+                codes = RolloutCodes(keys[order], data[order],
+                                         block_scale[order].view(torch.float8_e4m3fn),
+                                         global_scale[t].repeat_interleave(A)[order], self.n_experts[path])
+            else:
+                codes = RolloutCodes(position, data[b, t], block_scale[b, t].view(torch.float8_e4m3fn),
+                                         global_scale[t])
+            by_path.setdefault(path, {})[index] = shared[(id(records[0]), index)] = codes
+        return {path: tuple(sites.get(i) for i in range(max(sites) + 1)) for path, sites in by_path.items()}
+
+
+def recorded_codes(recorder, out):
+    """After a trace rollout: its recorded codes, keyed by the trainer's (row, column)."""
+    recorder.stop()
+    width = int((out.prompt_lengths + out.completion_lengths).max())  # = out.sequences().tokens.shape[1]
+    return recorder.codes(out.completion_mask, out.prompt_lengths, width)
 
 
 # ----------------------------------------------------------------------------- the activation rule, per mode
@@ -403,7 +508,7 @@ class SharedState:
     module tree, so a path names a layer's twin): moeresq's RAC block masks, one per quantized input (the
     rollout's own RACSelector masks: one selection for both sides), and trace's recorded RolloutCodes."""
     masks: dict | None = None   # {path: (mask (G,) bool, ...)}: (mask,) for a linear, (gate_up, down) experts
-    codes: dict | None = None   # {path: (RolloutCodes or None, ...)}, as trace_rollout records them
+    codes: dict | None = None   # {path: (RolloutCodes or None, ...)}, as RolloutRecorder records them
 
     def select_rows(self, rows, width):
         """The state of a forward on tokens[rows] (a mini-batch of the rollout's sequences, width W)."""

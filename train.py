@@ -23,7 +23,7 @@ A recipe (RECIPES) sets the trainer's forward (qat.py's mode) and the rollout's 
 mode): bf16, fp8 and nvfp4 train in BF16; qat fake-quantizes the trainer's weights, rac adds RAC to the
 NVFP4 rollout, quads does both; w4a4, moeresq and trace quantize the trainer's activations too. What the
 trainer takes from the rollout is an argument of its forward (qat.SharedState): moeresq the rollout's RAC
-block masks, trace the codes its rollout recorded (trace_rollout.py; an eager decode).
+block masks, trace the codes its rollout recorded (qat.RolloutRecorder; an eager decode).
 
 By default one update per rollout batch: `old_logp` is the forward that carries the gradient, detached,
 so the PPO ratio is 1 and what differs from the rollout engine is exactly the mismatch studied (`--tis C`
@@ -31,18 +31,20 @@ corrects it per token). `--minibatches N`: N optimizer steps on shuffled rows, s
 `--mipu`: ratios against the rollout's log-probs; an update is kept only if the synced rollout raises the
 batch's advantage-weighted likelihood (grpo.mipu_proxy), else weights and optimizer are restored.
 
-Around the loop: the starting policy (task, model, supervised warm-start): policy.py; a run's directory,
-checkpoints, --resume, Ctrl-C: runs.py; torchrun: distributed.py; the recipe comparison, figures and the
-log-prob audit: tools/. Defaults: on a CPU the tiny preset and a short run, on a GPU the small preset and
-the full experiment. Every field of TrainConfig is a command-line flag (see --help).
+The starting policy: the task, the model, a supervised warm-start on the task's (deliberately imperfect)
+demonstrations, cached by everything that determines it. Not the algorithm, in tools/: a run's directory,
+checkpoints, --resume, Ctrl-C, config checks (tools/runs.py), torchrun (tools/distributed.py, the one
+tools/ module beside runs.py that train.py imports), the comparison, figures, the audit. Defaults: on a
+CPU the tiny preset and a short run, on a GPU the small preset and the full experiment. Every field of
+TrainConfig is a command-line flag (see --help).
 """
 import copy
+import hashlib
 import dataclasses
 import json
 import math
 import os
 import random
-import re
 import shutil
 import sys
 import time
@@ -51,18 +53,16 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-import distributed
 import grpo
 import moe
 import qat
 import rac
 import rollout
-import runs
 import tasks
-import trace_rollout
-from distributed import SINGLE
-from policy import autocast, build_model, build_task, warmstart, warmstart_path
-from runs import ConfigError, HeldInterrupt, atomic_save, check_run_dir, read_metrics, write_text
+from tools import distributed, runs
+from tools.distributed import SINGLE
+from tools.runs import (ConfigError, HeldInterrupt, atomic_save, check_run_dir, load_checkpoint, one_line,
+                        read_metrics, write_text)
 
 # recipe -> (trainer mode for qat.convert_for_training, rollout mode for rac.convert_for_rollout, RAC on)
 RECIPES = {"bf16": ("bf16", "bf16", False), "fp8": ("bf16", "fp8", False), "nvfp4": ("bf16", "nvfp4", False),
@@ -117,7 +117,7 @@ class TrainConfig:
     rac_refresh: int = 1           # recalibrate the RAC block selection every N weight syncs
 
     def __post_init__(self):
-        validate(self)
+        runs.validate(self, CHOICES)
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         gpu = self.device.startswith("cuda")
         if self.preset is None and not self.model:
@@ -133,10 +133,10 @@ class TrainConfig:
                 setattr(self, name, default)
         if self.eval_every is None:
             self.eval_every = max(1, self.steps // 5)
-        require(self.minibatches <= self.prompts_per_step * self.group_size, "minibatches", self.minibatches,
+        runs.require(self.minibatches <= self.prompts_per_step * self.group_size, "minibatches", self.minibatches,
                 f"must be at most prompts x group size = {self.prompts_per_step * self.group_size}")
         world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun: each rank needs rows for every mini-batch
-        require(self.prompts_per_step // world * self.group_size >= self.minibatches, "prompts-per-step",
+        runs.require(self.prompts_per_step // world * self.group_size >= self.minibatches, "prompts-per-step",
                 self.prompts_per_step, f"must give each of the {world} ranks at least --minibatches "
                 f"{self.minibatches} rows ({self.group_size} per prompt)")
         self.run_name = self.run_name or variant_name(self)
@@ -150,80 +150,109 @@ def variant_name(cfg, ratio_given=False):
             + ("+mipu" if cfg.mipu else ""))
 
 
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # "org/name"; anything else must be a local directory
-AT_LEAST = dict(steps=1, prompts_per_step=1, max_new_tokens=1, warmstart_batch=1, eval_every=1,
-                eval_prompts=1, checkpoint_every=1, rac_refresh=1, threads=1, difficulty=1, minibatches=1,
-                group_size=2, seed=0, warmstart_steps=0)
-BOUNDED = dict(rac_ratio=(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-               demo_error_rate=(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-               clip_low=(lambda v: 0 <= v < 1, "must be in [0, 1)"),
-               clip_high=(lambda v: 0 <= v < math.inf, "must be a number >= 0"),
-               tis=(lambda v: 0 <= v < math.inf, "must be a number >= 0 (0 = off)"),
-               **{name: (lambda v: 0 < v < math.inf, "must be a number > 0")
-                  for name in ("lr", "warmstart_lr", "grad_clip", "temperature")})
+# ----------------------------------------------------------------------------- the starting policy
+def build_task(cfg):
+    """The task, loaded; a dataset that cannot be loaded is a ConfigError naming the source and the fix."""
+    if cfg.task == "arith":
+        return tasks.make_task("arith", difficulty=cfg.difficulty, demo_error_rate=cfg.demo_error_rate,
+                               seed=cfg.seed)
+    import datasets
+    source = cfg.task_source or "openai/gsm8k"
+    try:
+        return tasks.make_task(cfg.task, source=source, seed=cfg.seed)
+    except FileNotFoundError as error:
+        raise ConfigError(f"argument --task-source: {error}") from None
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as error:
+        cause = f"; {one_line(error.__cause__)}" if error.__cause__ else ""
+        raise ConfigError(f"argument --task-source: cannot load the {cfg.task} dataset {source!r} "
+                          f"({one_line(error)}{cause}); offline, give a local file: --task-source "
+                          "FILE.jsonl (one JSON object per line with 'question' and 'answer')") from None
 
 
-def validate(cfg):
-    """Every value as given, before the defaults fill in the rest: a ConfigError naming the flag."""
-    for name, low in AT_LEAST.items():
-        value, why = getattr(cfg, name), " (GRPO compares the samples of one prompt)" * (name == "group_size")
-        require(value is None or is_int(value) and value >= low, name, value,
-                f"must be an integer >= {low}{why}")
-    for name, (ok, allowed) in BOUNDED.items():
-        value = getattr(cfg, name)
-        require(value is None and name in ("lr", "warmstart_lr") or is_real(value) and ok(value), name, value,
-                 allowed)
-    for name, choices in CHOICES.items():
-        value = getattr(cfg, name)
-        require(value is None or value in choices, name, value, f"choose from {', '.join(choices)}")
-    kind, _, index = (cfg.device or "cpu").partition(":")
-    require(kind in ("cpu", "cuda") and (not index or kind == "cuda" and index.isdigit()), "device",
-            cfg.device, "choose from cpu, cuda, cuda:N")
-    refuse(kind == "cuda" and not torch.cuda.is_available(), "device", f"{cfg.device!r} but torch "
-            f"{torch.__version__} sees no CUDA GPU (built with CUDA {torch.version.cuda}); use --device cpu")
-    refuse(index and int(index) >= torch.cuda.device_count(), "device",
-            f"{cfg.device!r} but there are {torch.cuda.device_count()} GPUs")
-    refuse(cfg.preset and cfg.model, "preset", "not allowed with argument --model (it has its size)")
-    refuse(cfg.model and cfg.task == "arith", "model",
-           "a real checkpoint brings its own tokenizer: add --task gsm8k")
-    refuse(not cfg.model and cfg.task != "arith", "task", f"{cfg.task} needs a real model and its tokenizer: "
-            "add --model DIR")
-    refuse(cfg.task_source and cfg.task == "arith", "task-source", "applies to --task gsm8k only")
-    refuse(cfg.difficulty is not None and cfg.task != "arith", "difficulty", "applies to --task arith only")
-    refuse(cfg.model and not os.path.isdir(cfg.model) and not HUB_ID.fullmatch(cfg.model), "model",
-            f"no such directory: {cfg.model} (give a Hugging Face Qwen3-MoE directory, or a hub id such as "
-            "Qwen/Qwen3-30B-A3B)")
-    require(cfg.run_name == "" or os.path.basename(cfg.run_name) == cfg.run_name
-             and cfg.run_name not in (".", "..", "warmstart"), "run-name", cfg.run_name,
-             "must be a directory name under --out-dir (no '/'; 'warmstart' holds the warm-start cache)")
-    refuse(cfg.resume and cfg.overwrite, "overwrite", "not allowed with argument --resume")
-    refuse(cfg.fsdp and "RANK" not in os.environ, "fsdp", "shards the trainer across torchrun ranks: run it "
-           "as torchrun --nproc_per_node=N train.py --fsdp ...")
-    refuse(cfg.mipu and cfg.fsdp, "mipu", "not allowed with argument --fsdp (a rejected update restores "
-           "whole state dicts)")
-    refuse(cfg.mipu and cfg.tis, "mipu", "not allowed with argument --tis (MIPU takes its ratios against the "
-            "rollout's own log-probs, so there is no engine mismatch left for TIS to correct)")
+def build_model(cfg, task):
+    """The BF16 policy before warm-start: a preset with the task's vocabulary, or a real checkpoint."""
+    torch.manual_seed(cfg.seed)
+    if not cfg.model:
+        config = moe.MoEConfig.from_preset(cfg.preset, vocab_size=task.tokenizer.vocab_size)
+        model = moe.MoETransformer(config)
+        model.init_weights()
+        return model.to(cfg.device), task.tokenizer
+    try:
+        model, hf_tokenizer = moe.load_hf(cfg.model)
+    except (OSError, ValueError) as error:  # no config.json, weights that do not fit, an unreachable hub
+        where = "the directory" if os.path.isdir(cfg.model) else "no such directory, and the hub id"
+        raise ConfigError(f"argument --model: cannot load {cfg.model} ({where}): "
+                          f"{one_line(error)}") from None
+    if hf_tokenizer is None:
+        raise ConfigError(f"argument --model: {cfg.model} has no tokenizer files (tokenizer.json, "
+                          "tokenizer_config.json or vocab.json); RL needs one")
+    try:
+        return model.to(cfg.device), tasks.HFTokenizer(hf_tokenizer)
+    except ValueError as error:
+        raise ConfigError(f"argument --model: {error}") from None
 
 
-def is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
+def autocast(cfg):
+    """BF16 compute with FP32 master weights on the GPU; plain FP32 on the CPU (exact, for tests)."""
+    if cfg.device.startswith("cuda"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
 
 
-def is_real(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+# ----------------------------------------------------------------------------- warm-start
+def warmstart_path(cfg):
+    """The cache file of the warm-start, keyed by everything that determines it (not by the recipe)."""
+    key = json.dumps({k: getattr(cfg, k) for k in ("preset", "model", "task", "task_source", "difficulty",
+                                                   "demo_error_rate", "warmstart_steps", "warmstart_batch",
+                                                   "warmstart_lr", "seed", "device")}, sort_keys=True)
+    return os.path.join(cfg.out_dir, "warmstart", hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt")
 
 
-def require(ok, name, value, allowed):
-    if not ok:
-        raise ConfigError(f"argument --{name.replace('_', '-')}: {allowed}, got {value!r}")
+def warmstart(cfg, model, task, tokenizer):
+    """Supervised fine-tuning on demonstrations (loss on completion + EOS tokens), cached on disk."""
+    path = warmstart_path(cfg)
+    if os.path.exists(path):
+        model.load_state_dict(load_checkpoint(path, cfg.device, "delete it to recompute it",
+                                              "warm-start cache"))
+        print(f"warm-start: loaded {path}")
+        return model
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    rng = random.Random(cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr, weight_decay=0.0,
+                                  betas=(0.9, 0.95))
+    bar = tqdm(range(cfg.warmstart_steps), desc="warm-start", dynamic_ncols=True)
+    for step in bar:
+        warmup = min(1.0, (step + 1) / 50)
+        lr = cfg.warmstart_lr * warmup * 0.5 * (1 + math.cos(math.pi * step / cfg.warmstart_steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        rows, loss_starts = [], []
+        for p in task.sample(cfg.warmstart_batch, "train", rng):
+            prompt = tokenizer.encode(p.prompt)
+            rows.append(prompt + tokenizer.encode(task.demonstration(p, rng)) + [tokenizer.eos_id])
+            loss_starts.append(len(prompt))
+        width = max(map(len, rows))
+        tokens = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
+        target_mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, (row, start) in enumerate(zip(rows, loss_starts)):
+            tokens[i, :len(row)] = torch.tensor(row)
+            target_mask[i, start:len(row)] = True
+        tokens, target_mask = tokens.to(cfg.device), target_mask.to(cfg.device)
+        with autocast(cfg):
+            logits = model(tokens[:, :-1])
+        logp = grpo.token_logprobs(logits.float(), tokens[:, 1:])                # (N, W-1)
+        mask = target_mask[:, 1:]
+        loss = -(logp * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    atomic_save(model.state_dict(), path)
+    return model
 
 
-def refuse(bad, name, why):
-    if bad:
-        raise ConfigError(f"argument --{name.replace('_', '-')}: {why}")
-
-
-# ----------------------------------------------------------------------------- building blocks
 def rollout_dtype(cfg):
     return torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
 
@@ -266,7 +295,25 @@ def build_recipe(cfg, model, recipe, rac_ratio):
     rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype(cfg)), rollout_mode,
                                             rac_ratio=rac_ratio)
     trainer = qat.convert_for_training(model, train_mode)
-    return rollout_model, trainer, trace_rollout.attach(rollout_model) if train_mode == "trace" else None
+    return rollout_model, trainer, attach_recorder(rollout_model) if train_mode == "trace" else None
+
+
+def attach_recorder(rollout_model):
+    """A RolloutRecorder fed by hooks on the rollout's quantizers (their RACSelectors see each input
+    exactly as it is quantized); it keeps nothing outside recorder.start() ... recorder.stop()."""
+    recorder = qat.RolloutRecorder()
+    # a decode step is a forward with a KV cache that is not prefilling (rollout.KVCache)
+    rollout_model.register_forward_pre_hook(lambda m, args, kwargs: recorder.begin_forward(
+        getattr(kwargs.get("kv_cache"), "prefill_rows", 0) is None), with_kwargs=True)
+    for path, module in rollout_model.named_modules():
+        if isinstance(module, rac.NVFP4Linear):
+            module.rac.register_forward_pre_hook(lambda m, args, p=path: recorder.record(p, 0, args[0]))
+        elif isinstance(module, rac.NVFP4Experts):
+            module.register_forward_pre_hook(lambda m, args, p=path: recorder.route(p, args[1], m.n_experts))
+            for index, selector in enumerate((module.rac_gate_up, module.rac_down)):  # gate/up, down inputs
+                selector.register_forward_pre_hook(
+                    lambda m, args, p=path, i=index: recorder.record(p, i, args[0]))
+    return recorder
 
 
 def shared_state(rollout_model, train_mode, codes=None):
@@ -302,7 +349,7 @@ def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed, shared
     sampled: one forward without gradient first) and `new` (each mini-batch's forward, with the gradient).
     With one mini-batch, old is that forward, detached: the on-policy update. The ratio is new / old (new /
     rollout with --mipu); a mini-batch's loss is normalized by its valid tokens (DAPO), a rank's weighted by
-    its share of them (distributed.py). Returns old (N, W-1), the trainer's routes under the sampling
+    its share of them (tools/distributed.py). Returns old (N, W-1), the trainer's routes under the sampling
     weights (L, N, W, A) and per mini-batch a dict of floats (loss, grad_norm, grpo.policy_loss's)."""
     mask, rollout_logp = seq.loss_mask[:, 1:], seq.logprobs[:, 1:]
     minibatches = [slice(None)]
@@ -366,9 +413,9 @@ class Setup:
     rac_ratio: float                # 0 when the recipe has no RAC
     calib_tokens: torch.Tensor      # (16, W) prompts + demonstrations that choose RAC's compensated blocks
     eval_problems: list             # held-out problems for pass@1
-    run_dir: str                    # out_dir/run_name: config.json, metrics.jsonl, checkpoint.pt (runs.py)
+    run_dir: str                    # out_dir/run_name: config.json, metrics.jsonl, checkpoint.pt (tools/runs.py)
     start_step: int                 # 0, or the checkpoint's step under --resume
-    recorder: object = None         # trace: the trace_rollout.RolloutRecorder of the rollout
+    recorder: object = None         # trace: the qat.RolloutRecorder fed by the rollout
     ranks: distributed.Distributed = SINGLE  # this process's rank and the world size (1 without torchrun)
 
     def __post_init__(self):
@@ -550,7 +597,7 @@ def sample(s, problems, first, step):
                            pad_id=tokenizer.pad_id, seed=cfg.seed * 1_000_003 + step,
                            row_offset=first * cfg.group_size,
                            cuda_graph=cfg.cuda_graph and s.recorder is None)
-    codes = trace_rollout.codes(s.recorder, out) if s.recorder is not None else None
+    codes = qat.recorded_codes(s.recorder, out) if s.recorder is not None else None
     if cfg.device.startswith("cuda"):
         torch.cuda.synchronize()  # the rollout's time, not its launch's
     return out, codes

@@ -15,7 +15,6 @@ import nvfp4
 import qat
 import rac
 import rollout
-import trace_rollout
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -492,7 +491,7 @@ def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tok
     must give back exactly the rollout's dequantized values on every completion token, its own elsewhere."""
     model = tiny_model(std=0.2)
     rollout_model = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")
-    recorder = trace_rollout.RolloutRecorder()
+    recorder = qat.RolloutRecorder()
     rollout_model.register_forward_pre_hook(lambda m, args, kwargs: recorder.begin_forward(
         getattr(kwargs.get("kv_cache"), "prefill_rows", 0) is None), with_kwargs=True)
     q_proj = rollout_model.layers[0].attn.q_proj

@@ -880,3 +880,71 @@ def test_two_ranks_take_the_single_process_mipu_decisions(single_process_run, tm
     # Adam turns reduction-order noise in near-zero gradients into update noise: 5e-5 here after two
     # accepted steps at lr 1e-3, against a whole step (~1e-3) where the ranks' decisions part ways
     _same_run(one, two, steps=(0, 1, 2, 3), rel=1e-4, weight_atol=3e-4)
+
+
+# ============================================================================ the starting policy (warm-start)
+def warmstart_config(out_dir, **overrides):
+    return train.TrainConfig(**{**dict(preset="tiny", difficulty=1, warmstart_steps=40, warmstart_batch=16,
+                                       device="cpu", out_dir=str(out_dir)), **overrides})
+
+
+def demonstration_loss(cfg, model, task, tokenizer):
+    """Mean negative log-prob of 64 fixed demonstrations' completion + EOS tokens (the oracle: a loop)."""
+    import random
+    rng, total, count = random.Random(123), 0.0, 0
+    for p in task.sample(64, "train", rng):
+        prompt = tokenizer.encode(p.prompt)
+        row = torch.tensor([prompt + tokenizer.encode(task.demonstration(p, rng)) + [tokenizer.eos_id]])
+        with torch.no_grad():
+            logp = grpo.token_logprobs(model(row[:, :-1]).float(), row[:, 1:])[0, len(prompt) - 1:]
+        total, count = total - logp.sum().item(), count + logp.numel()
+    return total / count
+
+
+def test_the_warm_start_is_keyed_by_what_determines_it_and_not_by_the_recipe(tmp_path):
+    base = train.warmstart_path(warmstart_config(tmp_path))
+    assert train.warmstart_path(warmstart_config(tmp_path, recipe="nvfp4", tis=2.0)) == base
+    assert train.warmstart_path(warmstart_config(tmp_path, seed=1)) != base
+    assert train.warmstart_path(warmstart_config(tmp_path, warmstart_lr=1e-3)) != base
+
+
+def test_the_warm_start_lowers_the_demonstration_loss_and_loads_back_bit_for_bit(tmp_path, capsys):
+    cfg = warmstart_config(tmp_path)
+    task = train.build_task(cfg)
+    model, tokenizer = train.build_model(cfg, task)
+    before = demonstration_loss(cfg, model, task, tokenizer)
+    train.warmstart(cfg, model, task, tokenizer)
+    after = demonstration_loss(cfg, model, task, tokenizer)
+    assert after < 0.8 * before, (before, after)
+    again, _ = train.build_model(cfg, task)
+    train.warmstart(cfg, again, task, tokenizer)
+    assert f"warm-start: loaded {train.warmstart_path(cfg)}" in capsys.readouterr().out
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_a_model_that_cannot_be_loaded_is_one_line_naming_the_flag(tmp_path):
+    cfg = train.TrainConfig(model=str(tmp_path), task="gsm8k", device="cpu")
+    with pytest.raises(train.ConfigError, match="argument --model: cannot load") as error:
+        train.build_model(cfg, None)
+    assert str(error.value).startswith(f"argument --model: cannot load {tmp_path} (the directory)")
+
+
+# ============================================================================ trace: the rollout's record
+def test_the_rollout_records_only_when_asked_and_the_trainer_takes_the_codes_for_one_call():
+    torch.manual_seed(0)
+    model = moe.MoETransformer(moe.MoEConfig.from_preset("tiny"))
+    model.init_weights(std=0.2)
+    trace_trainer = qat.convert_for_training(copy.deepcopy(model), "trace")
+    rollout_model = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")
+    recorder = train.attach_recorder(rollout_model)
+    generate = dict(num_samples=2, max_new_tokens=4, eos_id=None, pad_id=0, seed=0)
+    rollout.generate(rollout_model, [[1, 2, 3]], **generate)  # an evaluation: not recorded
+    assert recorder.steps == {}
+    recorder.start()
+    out = rollout.generate(rollout_model, [[1, 2, 3]], **generate)
+    shared = qat.SharedState(codes=qat.recorded_codes(recorder, out))
+    assert shared.codes["layers.0.attn.o_proj"][0].keys.numel() == 2 * 4  # 2 samples x 4 decode steps
+    assert shared.codes["layers.1.mlp.experts"][1].keys.numel() == 2 * 4 * 2           # A = 2
+    with qat.sharing(trace_trainer, shared):  # the codes reach the layers for this call only
+        assert trace_trainer.layers[0].attn.o_proj.rollout_codes is shared.codes["layers.0.attn.o_proj"]
+    assert all(m.rollout_codes is None for m in trace_trainer.modules() if isinstance(m, qat.QATLinear))

@@ -30,11 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import grpo  # noqa: E402
-import policy  # noqa: E402
+import qat  # noqa: E402
 import rollout  # noqa: E402
-import runs  # noqa: E402
-import trace_rollout  # noqa: E402
 import train  # noqa: E402
+from tools import runs  # noqa: E402
 
 STATS = [("signed mean", "diff_mean"), ("MAE", "abs_diff_mean"), ("p95", "abs_diff_p95"),
          ("p99", "abs_diff_p99"), ("max", "abs_diff_max")]
@@ -59,8 +58,8 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
     known = {f.name for f in dataclasses.fields(train.TrainConfig)}
     cfg = train.TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in known and k not in SKIPPED},
                             device=device)
-    task = policy.build_task(cfg)
-    model, tokenizer = policy.build_model(cfg, task)
+    task = train.build_task(cfg)
+    model, tokenizer = train.build_model(cfg, task)
     model.load_state_dict(ckpt["trainer"])  # QAT layers keep moe.py's parameter names
     problems = task.sample(cfg.prompts_per_step, "train", random.Random(cfg.seed + 4242))
     calib_tokens = train.calibration_tokens(cfg, task, tokenizer)  # the run's RAC calibration batch
@@ -80,7 +79,7 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
                                train.max_new_tokens(cfg, task), temperature=cfg.temperature,
                                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=cfg.seed + 4242,
                                cuda_graph=cuda_graph and recorder is None)
-        codes = trace_rollout.codes(recorder, out) if recorder is not None else None
+        codes = qat.recorded_codes(recorder, out) if recorder is not None else None
         shared = train.shared_state(rollout_model, train.RECIPES[recipe][0], codes)
         seq = out.sequences()
         mask = seq.loss_mask[:, 1:]
@@ -133,7 +132,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         for recipe in args.recipes.split(","):  # (an empty name, as in "bf16,", is refused too)
-            train.require(recipe in train.RECIPES, "recipes", recipe,
+            runs.require(recipe in train.RECIPES, "recipes", recipe,
                           f"choose from {', '.join(train.RECIPES)}")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         train.TrainConfig(device=device)  # checks the device as train.py does

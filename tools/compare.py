@@ -22,8 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-import policy  # noqa: E402
-import runs  # noqa: E402
+from tools import runs  # noqa: E402
 import train  # noqa: E402
 from tools.plot import plot, summarize  # noqa: E402
 
@@ -107,9 +106,9 @@ def study(cfg, variants, jobs=1):
     if existing and not (cfg.resume or cfg.overwrite):
         raise runs.ConfigError(f"{existing[0]} exists: add --overwrite to replace it (or --resume to "
                                 "continue the runs)")
-    task = policy.build_task(configs[0])
-    model, tokenizer = policy.build_model(configs[0], task)
-    base_state = copy.deepcopy(policy.warmstart(configs[0], model, task, tokenizer).state_dict())
+    task = train.build_task(configs[0])
+    model, tokenizer = train.build_model(configs[0], task)
+    base_state = copy.deepcopy(train.warmstart(configs[0], model, task, tokenizer).state_dict())
     if jobs == 1:
         run_dirs = [train.run(config, base_state) for config in configs]
     else:
@@ -137,10 +136,10 @@ def main(argv=None):
     args = vars(parser.parse_args(argv))
     variants, jobs = args.pop("variants"), args.pop("jobs")
     try:
-        train.require(train.is_int(jobs) and jobs >= 1, "jobs", jobs, "must be an integer >= 1")
-        train.refuse(args["run_name"], "run-name", "not allowed with a comparison (it names each variant's "
+        runs.require(runs.is_int(jobs) and jobs >= 1, "jobs", jobs, "must be an integer >= 1")
+        runs.refuse(args["run_name"], "run-name", "not allowed with a comparison (it names each variant's "
                       "directory itself)")
-        train.refuse("RANK" in os.environ, "variants", "not allowed under torchrun (a comparison runs "
+        runs.refuse("RANK" in os.environ, "variants", "not allowed under torchrun (a comparison runs "
                       "processes of its own)")
         cfg = train.TrainConfig(**args)
         train.set_threads(cfg)

@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # also as a plain script
 
-import runs  # noqa: E402
+from tools import runs  # noqa: E402
 
 
 def smooth(values, window):

@@ -9,12 +9,14 @@ warm-started policy's pass@1) and checkpoint.pt (step, trainer and optimizer sta
 - Ctrl-C while a step changes the weights is held until that step is logged and saved (HeldInterrupt), so
   a checkpoint is always of a whole step, and a resumed run repeats the same data order and seeds;
 - what cannot run is one line (ConfigError: the CLI prints it and exits 2), never a traceback;
-- the command line is built from the config dataclass (build_parser): a field's comment is its --help.
+- the command line is built from the config dataclass (build_parser): a field's comment is its --help;
+  every value is checked before anything runs (validate), each problem one line naming its flag.
 """
 import argparse
 import dataclasses
 import inspect
 import json
+import math
 import os
 import pickle
 import re
@@ -27,6 +29,81 @@ import torch
 
 class ConfigError(ValueError):
     """A run that cannot start as asked: one line for the user (the CLI prints it and exits 2)."""
+
+
+# ----------------------------------------------------------------------------- the config's values, checked
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # "org/name"; anything else must be a local directory
+AT_LEAST = dict(steps=1, prompts_per_step=1, max_new_tokens=1, warmstart_batch=1, eval_every=1,
+                eval_prompts=1, checkpoint_every=1, rac_refresh=1, threads=1, difficulty=1, minibatches=1,
+                group_size=2, seed=0, warmstart_steps=0)
+BOUNDED = dict(rac_ratio=(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+               demo_error_rate=(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+               clip_low=(lambda v: 0 <= v < 1, "must be in [0, 1)"),
+               clip_high=(lambda v: 0 <= v < math.inf, "must be a number >= 0"),
+               tis=(lambda v: 0 <= v < math.inf, "must be a number >= 0 (0 = off)"),
+               **{name: (lambda v: 0 < v < math.inf, "must be a number > 0")
+                  for name in ("lr", "warmstart_lr", "grad_clip", "temperature")})
+
+
+def validate(cfg, choices):
+    """Every value as given, before the defaults fill in the rest: a ConfigError naming the flag."""
+    for name, low in AT_LEAST.items():
+        value, why = getattr(cfg, name), " (GRPO compares the samples of one prompt)" * (name == "group_size")
+        require(value is None or is_int(value) and value >= low, name, value,
+                f"must be an integer >= {low}{why}")
+    for name, (ok, allowed) in BOUNDED.items():
+        value = getattr(cfg, name)
+        require(value is None and name in ("lr", "warmstart_lr") or is_real(value) and ok(value), name, value,
+                 allowed)
+    for name, allowed_values in choices.items():
+        value = getattr(cfg, name)
+        require(value is None or value in allowed_values, name, value,
+                f"choose from {', '.join(allowed_values)}")
+    kind, _, index = (cfg.device or "cpu").partition(":")
+    require(kind in ("cpu", "cuda") and (not index or kind == "cuda" and index.isdigit()), "device",
+            cfg.device, "choose from cpu, cuda, cuda:N")
+    refuse(kind == "cuda" and not torch.cuda.is_available(), "device", f"{cfg.device!r} but torch "
+            f"{torch.__version__} sees no CUDA GPU (built with CUDA {torch.version.cuda}); use --device cpu")
+    refuse(index and int(index) >= torch.cuda.device_count(), "device",
+            f"{cfg.device!r} but there are {torch.cuda.device_count()} GPUs")
+    refuse(cfg.preset and cfg.model, "preset", "not allowed with argument --model (it has its size)")
+    refuse(cfg.model and cfg.task == "arith", "model",
+           "a real checkpoint brings its own tokenizer: add --task gsm8k")
+    refuse(not cfg.model and cfg.task != "arith", "task", f"{cfg.task} needs a real model and its tokenizer: "
+            "add --model DIR")
+    refuse(cfg.task_source and cfg.task == "arith", "task-source", "applies to --task gsm8k only")
+    refuse(cfg.difficulty is not None and cfg.task != "arith", "difficulty", "applies to --task arith only")
+    refuse(cfg.model and not os.path.isdir(cfg.model) and not HUB_ID.fullmatch(cfg.model), "model",
+            f"no such directory: {cfg.model} (give a Hugging Face Qwen3-MoE directory, or a hub id such as "
+            "Qwen/Qwen3-30B-A3B)")
+    require(cfg.run_name == "" or os.path.basename(cfg.run_name) == cfg.run_name
+             and cfg.run_name not in (".", "..", "warmstart"), "run-name", cfg.run_name,
+             "must be a directory name under --out-dir (no '/'; 'warmstart' holds the warm-start cache)")
+    refuse(cfg.resume and cfg.overwrite, "overwrite", "not allowed with argument --resume")
+    refuse(cfg.fsdp and "RANK" not in os.environ, "fsdp", "shards the trainer across torchrun ranks: run it "
+           "as torchrun --nproc_per_node=N train.py --fsdp ...")
+    refuse(cfg.mipu and cfg.fsdp, "mipu", "not allowed with argument --fsdp (a rejected update restores "
+           "whole state dicts)")
+    refuse(cfg.mipu and cfg.tis, "mipu", "not allowed with argument --tis (MIPU takes its ratios against the "
+            "rollout's own log-probs, so there is no engine mismatch left for TIS to correct)")
+
+
+def is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def require(ok, name, value, allowed):
+    if not ok:
+        raise ConfigError(f"argument --{name.replace('_', '-')}: {allowed}, got {value!r}")
+
+
+def refuse(bad, name, why):
+    if bad:
+        raise ConfigError(f"argument --{name.replace('_', '-')}: {why}")
 
 
 def one_line(error):

@@ -1,8 +1,8 @@
-"""distributed.py: the shards of a batch, and the statistics reduced over two gloo ranks (the torchrun runs
+"""tools/distributed.py: the shards of a batch, and the statistics reduced over two gloo ranks (the torchrun runs
 themselves, against one process, are in test_train.py)."""
 import torch
 
-import distributed
+from tools import distributed
 
 
 def test_shards_cover_every_item_once_in_order():

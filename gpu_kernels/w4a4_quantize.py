@@ -27,8 +27,7 @@ import triton
 import triton.language as tl
 
 # the format's arithmetic, shared with the NVFP4 quantizer (whose definition is nvfp4.py)
-from gpu_kernels.nvfp4_quantize import (_E2M1_MAX, _E4M3_MAX, _E4M3_NAN, _e2m1_code_blocks, _e2m1_value,
-                                        _e4m3_round, _load_pairs)
+from gpu_kernels.nvfp4_quantize import _e2m1_value, _load_pairs, _quantize_pairs
 
 BLOCK_SIZE = 16                   # NVFP4 block: 16 elements along K, one E4M3 scale
 GLOBAL_SCALE_DIVISOR = 6.0 * 448.0  # 2688: global_scale = amax / (E2M1 max * E4M3 max)
@@ -38,28 +37,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _DIVISOR = tl.constexpr(GLOBAL_SCALE_DIVISOR)
 _SHIFT = tl.constexpr(OPERAND_SHIFT)
-
-
-@triton.jit
-def _quantize_pairs(even, odd, global_scale):
-    """The format's arithmetic on a tile of blocks: (BLOCKS, 8) even and odd fp32 elements and a
-    global scale (scalar, or one per block) -> E2M1 codes of each half, the block scales as fp32
-    and as E4M3 bit patterns (BLOCKS,)."""
-    # block amax and NaN/Inf detection (tl.max does not promise to propagate NaN)
-    even_ok, odd_ok = tl.abs(even) < float("inf"), tl.abs(odd) < float("inf")  # False for NaN
-    non_finite = tl.max((~even_ok | ~odd_ok).to(tl.int32), axis=1) > 0     # (BLOCKS,)
-    block_amax = tl.maximum(tl.max(tl.where(even_ok, tl.abs(even), 0.0), axis=1),
-                            tl.max(tl.where(odd_ok, tl.abs(odd), 0.0), axis=1))
-    scale = tl.math.div_rn(tl.math.div_rn(block_amax, _E2M1_MAX), global_scale)
-    scale = tl.minimum(tl.maximum(scale, 0.0), _E4M3_MAX)
-    scale = tl.where(scale == scale, scale, 0.0)                            # NaN global scale
-    block_scale, scale_byte = _e4m3_round(scale)
-    block_scale = tl.where(non_finite, float("nan"), block_scale)
-    scale_byte = tl.where(non_finite, _E4M3_NAN, scale_byte)
-    denom = block_scale * global_scale                                      # (BLOCKS,)
-    ok = (denom > 0) & (denom < float("inf"))
-    unit = tl.where(ok, denom, float("nan"))[:, None]  # zero/NaN blocks: magnitude 0
-    return _e2m1_code_blocks(even, unit), _e2m1_code_blocks(odd, unit), block_scale, scale_byte
 
 
 # ------------------------------------------------------------------------------ the quantizer

@@ -7,6 +7,7 @@
     python bench.py rollout         # rollout.py sampler vs HF generate; decode tokens/s per precision
     python bench.py decode          # the second half of `rollout` alone: decode tokens/s per precision
     python bench.py racsweep        # decode tokens/s of NVFP4 rollouts at RAC ratios 0 .. 1 (study's sweep)
+    python bench.py prefill         # one forward over 4 x 1,024 prompt tokens per precision (CUDA graph)
 
 Each subcommand prints a markdown table with its conditions (GPU, shapes, median times) for RESULTS.md.
 Timings use CUDA events through `triton.testing.do_bench` (median), after warm-up; inputs are random,
@@ -459,9 +460,8 @@ def bench_qat(args):
         rows.append((mode, ms))
         if mode == "qat":
             layers = [m for m in model.modules() if isinstance(m, (qat.QATLinear, qat.QATExperts))]
-            refresh = [m.quantized_weight if isinstance(m, qat.QATLinear) else m.quantized_weights
-                       for m in layers]
-            rows.append(("qat: weight fake quantization alone", bench_ms(lambda: [f() for f in refresh])))
+            rows.append(("qat: weight fake quantization alone",
+                         bench_ms(lambda: [qat.quantized_weights(m) for m in layers])))
         del model, optimizer
         torch.cuda.empty_cache()
 
@@ -711,6 +711,55 @@ def bench_decode(args):
     _print_autotuned()
 
 
+def bench_prefill(args, batch=4, length=1024, rounds=5, replays=10):
+    """A prefill per precision: the forward of 4 Qwen3-30B-A3B layers on batch x length tokens, captured as a
+    CUDA graph (no launch or allocator noise), replayed `replays` times per round, rounds interleaved across
+    precisions (clock drift hits each alike); the median round and the spread."""
+    import copy
+    import statistics
+    import moe
+    import rac
+    config = moe.MoEConfig.from_preset("qwen3-30b-a3b", n_layers=4, vocab_size=32768, max_seq_len=length)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = moe.MoETransformer(config).to(torch.bfloat16).eval()
+    tokens = torch.randint(1, config.vocab_size, (batch, length), device="cuda")
+    graphs = {}
+    for name, mode, rac_ratio in DECODE_VARIANTS[1:]:
+        model = rac.convert_for_rollout(copy.deepcopy(base), mode, rac_ratio=rac_ratio)
+        with torch.no_grad():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up: autotuning, RAC's first-input selection, workspaces
+                for _ in range(3):
+                    model(tokens)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                model(tokens)
+        graphs[name] = (graph, model)
+    times = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, (graph, _) in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            graph.replay()
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / replays)
+    print(f"\n### prefill: one forward of {config.n_layers} Qwen3-30B-A3B layers on {batch} x {length} tokens "
+          f"(vocab {config.vocab_size}, random weights), CUDA graph; ms per forward, median of {rounds} "
+          f"interleaved rounds of {replays} replays (min - max)")
+    print("| rollout layers | ms / prefill | rounds min - max | vs rac bf16 |")
+    print("| --- | ---: | --- | ---: |")
+    bf16 = statistics.median(times["rac bf16"])
+    for name, t in times.items():
+        median = statistics.median(t)
+        print(f"| {name} | {median:.3f} | {min(t):.3f} - {max(t):.3f} | {bf16 / median:.2f}x |")
+
+
 COMMANDS = {
     "quantize": bench_quantize,
     "model": bench_model,
@@ -719,6 +768,7 @@ COMMANDS = {
     "rollout": bench_rollout,
     "decode": bench_decode,
     "racsweep": bench_racsweep,
+    "prefill": bench_prefill,
 }
 
 if __name__ == "__main__":

@@ -1,21 +1,19 @@
 """Trainer side: quantization-aware training with NVFP4 weights and a straight-through gradient, and the
 symmetric recipes that quantize the trainer's activations too.
 
-The rollout runs NVFP4 W4A4. A plain BF16 trainer computes another function, and the log-probs of the same
-tokens drift apart. The asymmetric recipe (QUADS) removes the weight half of that difference: the
-trainer's forward uses the weights *as the rollout will see them*, activations staying BF16,
+The rollout runs NVFP4 W4A4; a plain BF16 trainer computes another function, and the log-probs of the same
+tokens drift apart. The asymmetric recipe (QUADS) removes the weight half of that difference: the trainer's
+forward uses the weights *as the rollout will see them*, activations staying BF16,
 
     Wq = nvfp4.fake_quantize_weight(W) = dequantize(quantize_weight(W))    bit for bit what rac.py loads
     forward   y      = x_eff @ Wq.T              x_eff = x (qat), or x's fake-quantized form (below)
     backward  grad_x = grad_y @ Wq               the quantized weight, as the forward used
               grad_W = grad_y.T @ x_eff          to the master W (straight-through: dWq/dW = identity)
 
-Within `sharing` the weights of all layers are fake-quantized together, once per forward (their global
-scales in one multi-tensor pass); a layer called on its own quantizes its own. Modes
-(`convert_for_training(model, mode)`), for the attention projections and experts:
+Modes (`convert_for_training(model, mode)`), for the attention projections and experts:
 - `bf16`: no change.   `qat`: the asymmetric recipe above.
-- `w4a4`: every layer input is fake-quantized as the rollout quantizes it (nvfp4.fake_quantize: a dynamic
-  per-tensor global scale), straight-through to x. QUADS reports a *larger* mismatch than `qat`.
+- `w4a4`: every layer input is fake-quantized as the rollout quantizes it (a dynamic per-tensor global
+  scale), straight-through to x. QUADS reports a *larger* mismatch than `qat`.
 - `moeresq` (MoEResQ): `w4a4` plus the rollout's residual compensation, nvfp4's one activation rule,
       x_eff = DQ(Q(x)) + DQ(Q(S * (x - DQ(Q(x)))))          S = the rollout's own block mask
 - `trace` (TRACE): `w4a4`, except where the rollout recorded what it used for a row (RolloutCodes): with
@@ -25,16 +23,13 @@ scales in one multi-tensor pass); a layer called on its own quantizes its own. M
   (scale 0) keep the trainer's rounding.
 The router, embeddings, norms and LM head stay in full precision (`quantize_router`, `quantize_lm_head`).
 
-What the trainer takes from the rollout is an argument of its forward: `with sharing(model, state):`,
-state = SharedState(masks, codes) mapping each layer path to moeresq's masks or trace's codes, for that
-call only (as torch.func.functional_call passes tensors for one call). trace's codes are recorded on the
-rollout side (RolloutRecorder, fed by train.py), keyed by the trainer's (row, column), and for the
-experts' down input by (position, expert).
-
-The quantized modules subclass the ones they replace and keep the *same* Parameter objects under the same
-names: state dicts, an optimizer built before conversion and rac.sync_weights keep working.
-`bf16_forward(model)` switches every QAT layer back to full precision for a while. Under autocast an input
-is cast to the autocast dtype before it is quantized, as the BF16 rollout quantizes BF16 values.
+What the trainer takes from the rollout is an argument of one forward: `with sharing(model, state):`,
+state = SharedState(masks, codes) per layer path. Within it the weights of all layers are fake-quantized
+together, once per forward. trace's codes are recorded on the rollout side (RolloutRecorder), keyed by the
+trainer's (row, column), and for the experts' down input by (position, expert). The quantized modules
+subclass the ones they replace and keep the *same* Parameter objects under the same names: state dicts, an
+optimizer built before conversion and rac.sync_weights keep working. Under autocast an input is cast to
+the autocast dtype before it is quantized, as the BF16 rollout quantizes BF16 values.
 
 Shape letters: T tokens, K in-features, N out-features, G = K / 16 blocks, E experts, A active experts,
 D model dim, I expert hidden dim, R = T*A (token, expert) rows, M rows of a layer input, W trainer columns.
@@ -69,16 +64,7 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
-def straight_through(source, value):
-    """`value` in the forward, with d value / d source taken as the identity in the backward."""
-    return _StraightThrough.apply(source, value)
-
-
-def _compute_dtype(x):
-    """The dtype a GEMM on x runs in: autocast's, if enabled (the rollout model is BF16), else x's."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
+straight_through = _StraightThrough.apply  # straight_through(source, value): value, d value / d source = 1
 
 
 # ----------------------------------------------------------------------------- trace: rollout-guided rounding
@@ -91,10 +77,6 @@ class RolloutCodes:
     block_scale: torch.Tensor   # (M', G) float8_e4m3fn
     global_scale: torch.Tensor  # (M',) fp32
     n_experts: int = 1          # E for an experts layer's down input (its keys are row * E + expert), else 1
-
-    def nbytes(self):
-        tensors = (self.keys, self.data, self.block_scale, self.global_scale)
-        return sum(t.numel() * t.element_size() for t in tensors)
 
     def select_rows(self, rows, width):
         """The records of trainer rows `rows` (R',) int64, keyed as a forward on tokens[rows] (width W)
@@ -149,57 +131,29 @@ def guided_values(x, codes, row_keys, own):
 
 # ----------------------------------------------------------------------------- trace: the rollout's record
 class RolloutRecorder:
-    """At each decode step the rollout's quantized layer inputs, re-quantized with nvfp4.quantize (the same
-    codes); afterwards only the completion tokens are kept (prompts come from the prefill and are not
-    recorded). Per completion token and input of width K: K/2 + K/16 + 12 bytes (1.5 KB per token and
-    layer on the small preset); every decode step is held until the rollout ends, freed after the update.
-    Fed from the rollout model (train.attach_recorder): `begin_forward(decoding)` at every model forward,
-    `route(path, expert_ids, n_experts)` at every experts layer, `record(path, index, x)` at every quantized
-    input (x as the quantizer sees it; index 0 for a linear layer and the experts' gate/up input, 1 for their
-    down input, rows sorted by expert as moe.route_tokens sorts them); only between `start()` and `stop()`,
-    never during prefills. `codes(...)` then gives each layer path its tuple of RolloutCodes."""
+    """The rollout's quantized layer inputs at each decode step (fed by rac.recording around the decode
+    steps: train.sample), re-quantized with nvfp4.quantize (the same codes); `codes` keeps the completion
+    tokens' (prompts come from the prefill). Per token and input of width K: K/2 + K/16 + 12 bytes (1.5 KB
+    per token and layer on the small preset), held from the rollout to the update."""
 
     def __init__(self):
-        self.start()
-        self.stop()
-
-    def start(self):
-        self.steps, self.experts, self.order, self.n_experts, self._memo = {}, {}, {}, {}, {}
-        self.active = True
-
-    def stop(self):
-        self.active = self.decoding = False
-        self._memo = {}
-
-    def begin_forward(self, decoding):
-        self.decoding = bool(decoding)
-        self._memo = {}
+        self.steps, self.experts, self.n_experts = {}, {}, {}  # keyed by (paths, index)
 
     @torch.no_grad()
-    def route(self, path, expert_ids, n_experts):
-        """An experts layer's routes (T, A) at this step, which fix the order of its down input's rows."""
-        if self.active and self.decoding:
-            self.order[path] = moe.route_tokens(expert_ids, n_experts).order
-            self.experts.setdefault(path, []).append(expert_ids)
-            self.n_experts[path] = n_experts
-
-    @torch.no_grad()
-    def record(self, path, index, x):
-        """x (M, K): input `index` of the layer at `path`, at this decode step."""
-        if not (self.active and self.decoding):
-            return
-        # q, k and v quantize one tensor: record it once. The memo holds x, so that no other tensor can
-        # take its address before the next forward.
-        memo_key = (x.data_ptr(), tuple(x.shape), x.dtype, index)
-        if memo_key not in self._memo:
-            q = nvfp4.quantize(x)
-            data, block_scale = q.data, q.block_scale.view(torch.uint8)
-            if index == 1:  # rows sorted by expert -> assignment order t * A + a
-                order = self.order[path]
-                data = data.index_copy(0, order, data)
-                block_scale = block_scale.index_copy(0, order, block_scale)
-            self._memo[memo_key] = (x, (data, block_scale, q.global_scale.reshape(()).float()))
-        self.steps.setdefault((path, index), []).append(self._memo[memo_key][1])
+    def record(self, paths, index, x, routes=None):
+        """x (M, K): input `index` of the layers at `paths` (q, k and v read one tensor: one record) at this
+        decode step; index 1 (the experts' down input, rows sorted by expert): routes = (moe.Routing,
+        expert_ids (T, A)) of this step."""
+        q = nvfp4.quantize(x)
+        data, block_scale = q.data, q.block_scale.view(torch.uint8)
+        if index == 1:  # rows sorted by expert -> assignment order t * A + a
+            routing, expert_ids = routes
+            data = data.index_copy(0, routing.order, data)
+            block_scale = block_scale.index_copy(0, routing.order, block_scale)
+            self.experts.setdefault((paths, index), []).append(expert_ids)
+            self.n_experts[paths, index] = routing.counts.numel()
+        global_scale = q.global_scale.reshape(1).float()
+        self.steps.setdefault((paths, index), []).append((data, block_scale, global_scale))
 
     @torch.no_grad()
     def codes(self, completion_mask, prompt_lengths, width):
@@ -209,53 +163,43 @@ class RolloutRecorder:
         B, T = completion_mask.shape
         b, t = completion_mask.nonzero(as_tuple=True)                                   # (n,) each, ascending
         position = b * width + prompt_lengths[b] + t                                    # (n,) trainer rows
-        stacked, by_path = {}, {}
-
-        def stack(records, i):  # T steps of (B[*A], ...) -> (B[*A], T, ...), once per recorded tensor
-            key = (id(records[0][i]), i)
-            if key not in stacked:
-                stacked[key] = torch.stack([r[i] for r in records[:T]], dim=1)
-            return stacked[key]
-
-        shared = {}  # sites that recorded one tensor (q, k, v) get one RolloutCodes object
-        for (path, index), records in self.steps.items():
-            if (id(records[0]), index) in shared:
-                by_path.setdefault(path, {})[index] = shared[(id(records[0]), index)]
-                continue
+        by_path = {}
+        for (paths, index), records in self.steps.items():
             if len(records) < T:
-                raise ValueError(f"RolloutRecorder: {path!r} saw {len(records)} decode steps, "
+                raise ValueError(f"RolloutRecorder: {paths[0]!r} saw {len(records)} decode steps, "
                                  f"the rollout has {T} tokens")
-            data, block_scale = stack(records, 0), stack(records, 1)
-            global_scale = torch.stack([r[2] for r in records[:T]])                     # (T,)
+            data, block_scale, global_scale = (torch.stack(r, dim=1) for r in zip(*records[:T]))  # (B[*A], T, .)
             if index == 1:
-                experts = torch.stack(self.experts[path][:T], dim=1)                   # (B, T, A)
-                A = experts.shape[-1]
+                experts, E = torch.stack(self.experts[paths, index][:T], dim=1), self.n_experts[paths, index]
+                A = experts.shape[-1]                                                    # experts (B, T, A)
                 data = data.view(B, A, T, -1).transpose(1, 2)[b, t].flatten(0, 1)      # (n * A, K/2)
                 block_scale = block_scale.view(B, A, T, -1).transpose(1, 2)[b, t].flatten(0, 1)
-                keys = (position[:, None] * self.n_experts[path] + experts[b, t]).flatten()  # (n * A,)
+                keys = (position[:, None] * E + experts[b, t]).flatten()               # (n * A,)
                 order = keys.argsort()
-                codes = RolloutCodes(keys[order], data[order],
-                                         block_scale[order].view(torch.float8_e4m3fn),
-                                         global_scale[t].repeat_interleave(A)[order], self.n_experts[path])
+                codes = RolloutCodes(keys[order], data[order], block_scale[order].view(torch.float8_e4m3fn),
+                                     global_scale[0, t].repeat_interleave(A)[order], E)
             else:
                 codes = RolloutCodes(position, data[b, t], block_scale[b, t].view(torch.float8_e4m3fn),
-                                         global_scale[t])
-            by_path.setdefault(path, {})[index] = shared[(id(records[0]), index)] = codes
+                                     global_scale[0, t])
+            for path in paths:
+                by_path.setdefault(path, {})[index] = codes
         return {path: tuple(sites.get(i) for i in range(max(sites) + 1)) for path, sites in by_path.items()}
 
 
 def recorded_codes(recorder, out):
-    """After a trace rollout: its recorded codes, keyed by the trainer's (row, column)."""
-    recorder.stop()
+    """After a trace rollout: its recorded codes, keyed by the trainer's (row, column); the recorder empties."""
     width = int((out.prompt_lengths + out.completion_lengths).max())  # = out.sequences().tokens.shape[1]
-    return recorder.codes(out.completion_mask, out.prompt_lengths, width)
+    codes = recorder.codes(out.completion_mask, out.prompt_lengths, width)
+    recorder.__init__()
+    return codes
 
 
 # ----------------------------------------------------------------------------- the activation rule, per mode
 def quantize_input(x, mode, rac_mask=None, codes=None, row_keys=None):
     """A layer input x (M, K) as the symmetric modes' forward sees it, in the GEMM's dtype, with a
     straight-through gradient to x: fq(x) (w4a4), the rollout's RAC (moeresq), rollout-guided (trace)."""
-    dtype = _compute_dtype(x)
+    autocast = torch.is_autocast_enabled(x.device.type)  # the GEMM's dtype (the rollout model is BF16)
+    dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
     with torch.no_grad():
         source = x.detach().to(dtype)
         if mode == "moeresq":
@@ -270,10 +214,14 @@ def quantize_input(x, mode, rac_mask=None, codes=None, row_keys=None):
 
 def _check_settings(mode, layer=False):
     if layer and mode == "bf16":
-        raise ValueError("a QAT layer's mode is one of 'qat', 'w4a4', 'moeresq', 'trace'; "
-                         "use bf16_forward for full precision")
+        raise ValueError("a QAT layer's mode is one of 'qat', 'w4a4', 'moeresq', 'trace'")
     if mode not in MODES:
         raise ValueError(f"unknown QAT mode {mode!r}; choose one of {list(MODES)}")
+
+
+def _set_mode(layer, mode):
+    _check_settings(mode, layer=True)
+    layer.mode = mode
 
 
 def _check_masks(layer, masks, inputs):
@@ -306,7 +254,7 @@ class _WeightCache:
         self.layers, self.key, self.values = layers, None, {}
 
     def get(self, layer):
-        layers = [m for m in self.layers if m.fake_quant]
+        layers = self.layers
         key = (torch.is_grad_enabled(), tuple(p._version for m in layers for p in m.master_weights()))
         if key != self.key:
             values = iter(fake_quantize_weights([p for m in layers for p in m.master_weights()]))
@@ -322,24 +270,25 @@ def _fake_quantized(layer):
     return tuple(nvfp4.fake_quantize_weight(w) for w in layer.master_weights())
 
 
+@torch.no_grad()
+def quantized_weights(layer):
+    """What a QAT layer's forward uses, without autograd: (fq(W),), or (fq(gate_up_proj), fq(down_proj))."""
+    return tuple(nvfp4.fake_quantize_weight(w.detach()) for w in layer.master_weights())
+
+
 # ----------------------------------------------------------------------------- dense layers
 class QATLinear(nn.Linear):
     """nn.Linear whose forward uses the NVFP4 fake-quantized weight (straight-through to `weight`).
 
     mode "qat": y = x @ fq(W).T; the symmetric modes: y = x_eff @ fq(W).T with x_eff from quantize_input.
     Within `sharing`: `rac_masks` = (mask,) for moeresq, `rollout_codes` = (RolloutCodes or None,) for
-    trace. `fake_quant=False` (bf16_forward) makes it a plain nn.Linear again; the bias stays full precision.
+    trace. The bias stays full precision.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, mode="qat"):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.configure(mode)
-        self.fake_quant = True
+        _set_mode(self, mode)
         self.rac_masks = self.rollout_codes = self.weight_cache = None  # only within qat.sharing(...)
-
-    def configure(self, mode):
-        _check_settings(mode, layer=True)
-        self.mode = mode
 
     @classmethod
     def from_float(cls, linear, mode="qat"):
@@ -352,14 +301,7 @@ class QATLinear(nn.Linear):
     def master_weights(self):
         return (self.weight,)
 
-    @torch.no_grad()
-    def quantized_weight(self):
-        """fq(W): the weight the forward uses, (N, K) in the weight's dtype, without autograd."""
-        return nvfp4.fake_quantize_weight(self.weight.detach())
-
     def forward(self, x):
-        if not self.fake_quant:
-            return super().forward(x)
         if self.mode in SYMMETRIC:
             _check_masks(self, self.rac_masks, "(mask,)")
             mask = self.rac_masks[0] if self.rac_masks is not None else None
@@ -370,7 +312,7 @@ class QATLinear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
-        return f"{super().extra_repr()}, mode={self.mode}, fake_quant={self.fake_quant}"
+        return f"{super().extra_repr()}, mode={self.mode}"
 
 
 # ----------------------------------------------------------------------------- experts
@@ -395,16 +337,10 @@ class QATExperts(moe.Experts):
         backward  grad_x_e = grad_h_e @ fq(Wgu_e),  grad_Wgu_e = grad_h_e.T @ x_e  -> master gate_up_proj[e]
                   (and likewise for down_proj with input silu(gate) * up)
 
-    On CUDA in BF16 these are torch._grouped_mm calls, elsewhere a per-expert loop. In the symmetric
-    modes both GEMM inputs are quantized as the rollout quantizes them: x (T, D) before it is gathered
-    (one global scale over the T tokens) and silu(gate) * up (R, I) (one over all R rows). `rac_masks` =
-    (gate_up mask, down mask) for moeresq; `rollout_codes` = (gate_up codes keyed by token, down codes
-    keyed by token * E + expert) for trace.
-    """
-
-    def configure(self, mode):
-        _check_settings(mode, layer=True)
-        self.mode = mode
+    On CUDA in BF16 these are torch._grouped_mm calls, elsewhere a per-expert loop. The symmetric modes
+    quantize both GEMM inputs as the rollout does: x (T, D) before the gather (one global scale over T
+    tokens), silu(gate) * up (R, I) over all R rows. Within `sharing`: `rac_masks` = (gate_up, down) for
+    moeresq, `rollout_codes` = (gate_up codes by token, down codes by token * E + expert) for trace."""
 
     @classmethod
     def from_float(cls, experts, mode="qat"):
@@ -416,24 +352,15 @@ class QATExperts(moe.Experts):
                 setattr(qat, name, value)
         for name, param in experts.named_parameters(recurse=False):
             setattr(qat, name, param)
-        qat.configure(mode)
-        qat.fake_quant = True
+        _set_mode(qat, mode)
         qat.rac_masks = qat.rollout_codes = qat.weight_cache = None  # only within qat.sharing(...)
         return qat.train(experts.training)
 
     def master_weights(self):
         return (self.gate_up_proj, self.down_proj)
 
-    @torch.no_grad()
-    def quantized_weights(self):
-        """(fq(gate_up_proj) (E, 2I, D), fq(down_proj) (E, D, I)), without autograd."""
-        return (nvfp4.fake_quantize_weight(self.gate_up_proj.detach()),
-                nvfp4.fake_quantize_weight(self.down_proj.detach()))
-
     def forward(self, x, expert_ids, expert_weights):
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) fp32 -> (T, D), as moe.Experts."""
-        if not self.fake_quant:
-            return super().forward(x, expert_ids, expert_weights)
         gate_up, down = _fake_quantized(self)                                          # (E, 2I, D), (E, D, I)
         routing = moe.route_tokens(expert_ids, self.n_experts)
         if self.mode == "qat":  # moe.py's own path, only the weights swapped
@@ -461,45 +388,25 @@ class QATExperts(moe.Experts):
         return moe.combine_expert_outputs(y_sorted, routing, expert_weights)
 
     def extra_repr(self):
-        return f"mode={self.mode}, fake_quant={self.fake_quant}"
+        return f"mode={self.mode}"
 
 
 # ----------------------------------------------------------------------------- conversion
 def convert_for_training(model, mode, quantize_router=False, quantize_lm_head=False):
-    """Swap moe.py's layers for QAT layers in place and return the model.
-
-    mode: one of MODES (module docstring). Converted: every moe.Attention's nn.Linear projections and
-    every moe.Experts; with the flags, the routers (moe.MoEBlock's nn.Linear) and the LM head
-    (moe.MoETransformer's nn.Linear). Layers already converted are reconfigured to the new mode.
-    Parameters are reused, not copied, so an optimizer created before the conversion still updates the
-    weights the QAT layers use. moeresq layers compute only within `sharing` (their masks).
-    """
+    """Swap moe.py's layers for QAT layers in mode `mode` (MODES) in place; returns the model. Converted:
+    moe.Attention's projections and moe.Experts; with the flags the routers and the LM head. Converted
+    layers take the new mode. Parameters are reused, not copied (an existing optimizer keeps working)."""
     _check_settings(mode)
     if mode == "bf16":
         return model
     for parent, name, child in moe.swappable_layers(model, quantize_router, quantize_lm_head):
         if isinstance(child, (QATLinear, QATExperts)):
-            child.configure(mode)
+            _set_mode(child, mode)
         elif isinstance(child, moe.Experts):
             setattr(parent, name, QATExperts.from_float(child, mode))
         else:
             setattr(parent, name, QATLinear.from_float(child, mode))
     return model
-
-
-@contextlib.contextmanager
-def bf16_forward(model):
-    """Within the block every QAT layer of `model` computes in plain full precision (its master
-    weights, unquantized activations): the exact outputs of the unconverted model. Restored on exit."""
-    layers = [m for m in model.modules() if isinstance(m, (QATLinear, QATExperts))]
-    previous = [layer.fake_quant for layer in layers]
-    for layer in layers:
-        layer.fake_quant = False
-    try:
-        yield model
-    finally:
-        for layer, fake_quant in zip(layers, previous):
-            layer.fake_quant = fake_quant
 
 
 @dataclass

@@ -10,15 +10,15 @@ A rollout layer computes y = x @ W.T, W (N, K), both operands blocked by 16 alon
                                           with the largest mean |r| (calibrated), zero elsewhere
     y   = DQ(x_q) @ DQ(W_q).T + DQ(r_q) @ DQ(W_q).T  =  (DQ(x_q) + DQ(r_q)) @ DQ(W_q).T
 
-Whole blocks keep the weight's codes and block scales valid for the residual term: the GEMM applies both
-activation terms to the weight tile it already holds, so RAC never re-reads weights. rac_ratio 0 is naive
-NVFP4, 1 compensates every block (QUADS uses about 0.5). The residual shares x's global scale (its blocks are
-6-16x smaller than x's: their E4M3 scales still fit). In code: nvfp4.quantize_activation, as in training.
-Why a dynamic global scale: RL changes the weights every step, so a static scale goes stale between syncs and
-saturates the outlier channels that hurt NVFP4 most; the price: a token's rounding depends on its batch.
+Whole blocks keep the weight's codes and block scales valid for the residual term, so RAC never re-reads
+weights. rac_ratio 0 is naive NVFP4, 1 compensates every block (QUADS uses about 0.5). The residual shares
+x's global scale (its blocks are 6-16x smaller: their E4M3 scales still fit): nvfp4.quantize_activation, as
+in training. The global scale is dynamic because RL changes the weights every step (a static one goes stale
+and saturates the outlier channels that hurt NVFP4 most); the price: a token's rounding depends on its batch.
 
-Reading order: references (plain PyTorch, fp32), block selection, the experts' weight layout, the layers
-(q/k/v_proj share one selection, quantization and GEMM: SharedInput), conversion and sync, the fast path
+Reading order: references (plain PyTorch, fp32), block selection, the layers (q/k/v_proj share one
+selection, quantization and GEMM: SharedInput; the experts' weights in gpu_kernels/expert_layout.py's
+order), conversion and sync, TRACE's `recording`, the fast path
 (gpu_kernels/w4a4_*.py, each naming its reference here), and `backend`, the one place a path is chosen.
 Hopper (sm_89/sm_90): one quantizer launch, fp16 MMAs on the FP4 weight decoded in registers (or once, for
 prefill), the experts as one grouped GEMM with SwiGLU and router weights in its epilogues. Blackwell:
@@ -31,6 +31,8 @@ blocks, T tokens, A active experts per token, R = T * A assignments, E experts, 
 Left out: static activation scales, q/k/v stacking in the trainer, per-expert RAC block selection, a one-row
 GEMV (RL decodes whole batches: finished rows keep their slot), FP4 KV caches. The FP8 baseline is fp8.py.
 """
+import contextlib
+import functools
 import warnings
 from typing import NamedTuple
 
@@ -41,6 +43,8 @@ import torch.nn.functional as F
 import fp8
 import moe
 import nvfp4
+from gpu_kernels import expert_layout
+from gpu_kernels.expert_layout import ExpertWeights, chunk_experts
 from nvfp4 import BLOCK_SIZE, NVFP4Tensor
 
 try:  # triton ships with CUDA builds of torch on Linux; without it the references run
@@ -54,8 +58,6 @@ except ImportError:
     w4a4_experts_gluon = None
 
 MODES = ("bf16", "fp8", "nvfp4")
-EXPERT_ROW_BLOCK = 16              # expert weights are stored in blocks of 16 rows ...
-EXPERT_K_CHUNK = 128               # ... by chunks of 128 elements of K (all of K when it is not a multiple)
 GLUON_EXPERTS_BELOW = 2048         # tokens: from here on the experts run on the Triton kernel (prefill)
 KERNEL_CAPABILITY = (8, 9)         # the kernels' E4M3 conversions (cvt.*.e4m3x2) need sm_89 or later
 _PARTS = ("data", "block_scale", "global_scale")  # an NVFP4 weight's three buffers
@@ -124,6 +126,7 @@ class RACSelector(nn.Module):
         self.register_buffer("mask", torch.zeros(n_blocks, dtype=torch.bool, device=device))
         self.register_buffer("error_sum", torch.zeros_like(self.mask, dtype=torch.float64), persistent=False)
         self.set_ratio(rac_ratio)
+        self.record = None  # within `recording` only: what is told of each input this selector sees
 
     def set_ratio(self, rac_ratio):
         _check_ratio(rac_ratio)
@@ -141,8 +144,11 @@ class RACSelector(nn.Module):
         self.calibrating, self.calibrated = False, True
 
     @torch.no_grad()
-    def forward(self, x):
-        """x (M, K) -> the mask (G,) bool to use now, or None for naive NVFP4."""
+    def forward(self, x, routes=None):
+        """x (M, K) -> the mask (G,) bool to use now, or None for naive NVFP4. routes: (moe.Routing,
+        expert_ids) when x is an experts layer's down input (rows sorted by expert), for `recording`."""
+        if self.record is not None:
+            self.record(x, routes)
         if self.n_selected == 0:
             return None
         if self.calibrating or not self.calibrated:  # sum of M * mean |x - DQ(Q(x))| per block
@@ -158,46 +164,15 @@ class RACSelector(nn.Module):
         return f"n_blocks={self.n_blocks}, rac_ratio={self.rac_ratio}, n_selected={self.n_selected}"
 
 
-# ======================================================================== the experts' weight layout
-class ExpertWeights(NamedTuple):
-    """nvfp4.quantize_weight's codes and scales (E, N, K) in the order the grouped kernels stream them: rows in
-    blocks of 16, K in chunks, one run of 16 rows x chunk/2 bytes each (row-major: 64-byte pieces 1 KB apart,
-    102 us instead of 84 for the gate/up GEMM at 64 decode tokens on the H200)."""
-    data: torch.Tensor          # uint8 (E, N / 16, K / chunk, 16, chunk / 2)
-    block_scale: torch.Tensor   # float8_e4m3fn (E, N / 16, K / chunk, 16, chunk / 16)
-    global_scale: torch.Tensor  # float32 (E,)
-
-    @property
-    def shape(self):
-        E, blocks, chunks, rows, half = self.data.shape
-        return (E, blocks * rows, chunks * half * 2)
-
-    chunk = property(lambda self: self.data.shape[-1] * 2)
-    device = property(lambda self: self.data.device)
-
-
-def chunk_experts(w_q):
-    """NVFP4Tensor (E, N, K) -> ExpertWeights (N a multiple of 16)."""
-    E, N, K = w_q.shape
-    chunk, rows = EXPERT_K_CHUNK if K % EXPERT_K_CHUNK == 0 else K, EXPERT_ROW_BLOCK
-    if N % rows:
-        raise ValueError(f"chunk_experts: N={N} rows is not a multiple of {rows}")
-
-    def blocked(t, per_byte):  # (E, N, K / per_byte) -> (E, N / 16, K / chunk, 16, chunk / per_byte)
-        return t.reshape(E, N // rows, rows, K // chunk, chunk // per_byte).transpose(2, 3).contiguous()
-    return ExpertWeights(blocked(w_q.data, 2), blocked(w_q.block_scale, BLOCK_SIZE), w_q.global_scale)
-
-
 def unchunk_experts(w):
-    """ExpertWeights -> NVFP4Tensor (E, N, K): a view when K is one chunk, else a copy."""
-    E, N, _ = w.shape
-    return NVFP4Tensor(*(t.transpose(2, 3).reshape(E, N, -1) for t in (w.data, w.block_scale)), w.global_scale)
+    """ExpertWeights (gpu_kernels/expert_layout.py) -> NVFP4Tensor (E, N, K): views when K is one chunk."""
+    return NVFP4Tensor(*expert_layout.unchunk_experts(w))
 
 
 # ======================================================================== rollout layers
 class DequantizedWeight:
     """DQ(W) in fp32 for a layer's reference path, kept while W's buffers are the same tensors, unmodified
-    (version counters; inference tensors: never kept): else a sixth of a CPU `python train.py` redoes it."""
+    (inference tensors: never kept): else a sixth of a CPU `python train.py` redoes it."""
     held, value = (), None  # held: (tensor, version), so that their memory is not reused
 
     def __call__(self, q):
@@ -374,26 +349,26 @@ class NVFP4Experts(nn.Module):
         fp8.check_layer_input(x, self.dim, self.gate_up_data.device, "NVFP4Experts")
         routing = moe.route_tokens(expert_ids, self.n_experts)
         forward = self._forward_triton if use_triton(x) else self._forward_reference
-        y_sorted = forward(x, routing, expert_weights.reshape(-1))                       # (R, D), weighted
+        y_sorted = forward(x, routing, expert_weights.reshape(-1), (routing, expert_ids))  # (R, D), weighted
         return moe.sum_expert_rows(y_sorted, routing, expert_ids.shape[1]).to(x.dtype)
 
-    def _forward_triton(self, x, routing, expert_weights):
+    def _forward_triton(self, x, routing, expert_weights, routes=None):
         """x (T, D), routing, expert_weights (T * A,) -> (R, D): each sorted row times its router weight."""
         T = x.shape[0]  # the layer's token count chooses the experts' kernel, not its R rows
         act = quantize_activation_triton(x, self.rac_gate_up(x))
         hidden = grouped_matmul_triton(act, self.gate_up_w, routing.counts, row_ids=routing.token_ids,
                                        swiglu=True, out_dtype=x.dtype, tokens=T)          # (R, I)
-        act = quantize_activation_triton(hidden, self.rac_down(hidden))
+        act = quantize_activation_triton(hidden, self.rac_down(hidden, routes))
         return grouped_matmul_triton(act, self.down_w, routing.counts, row_weights=expert_weights,
                                      row_weight_ids=routing.order, out_dtype=x.dtype, tokens=T)  # (R, D)
 
-    def _forward_reference(self, x, routing, expert_weights):
+    def _forward_reference(self, x, routing, expert_weights, routes=None):
         """The twin: the same quantization steps, dequantized, a loop of fp32 matmuls over experts."""
         gate_up_w, down_w = self.gate_up_w, self.down_w
         x_q, residual = quantize_activation_reference(x, self.rac_gate_up(x))
         hidden = grouped_matmul_reference(x_q, gate_up_w, routing.counts, residual, row_ids=routing.token_ids,
                                           swiglu=True, out_dtype=x.dtype, w=self.gate_up_fp32(gate_up_w))
-        h_q, residual = quantize_activation_reference(hidden, self.rac_down(hidden))
+        h_q, residual = quantize_activation_reference(hidden, self.rac_down(hidden, routes))
         return grouped_matmul_reference(h_q, down_w, routing.counts, residual, row_weights=expert_weights,
                                         out_dtype=torch.float32, w=self.down_fp32(down_w),
                                         row_weight_ids=routing.order)
@@ -401,6 +376,14 @@ class NVFP4Experts(nn.Module):
     def extra_repr(self):
         return (f"n_experts={self.n_experts}, dim={self.dim}, expert_dim={self.expert_dim}, "
                 f"rac_ratio={self.rac_gate_up.rac_ratio}")
+
+
+def selectors(layer):
+    """A rollout layer's RACSelectors, one per quantized input: (rac,) of an NVFP4Linear, (gate/up, down)
+    of NVFP4Experts, () of any other module."""
+    if isinstance(layer, NVFP4Linear):
+        return (layer.rac,)
+    return (layer.rac_gate_up, layer.rac_down) if isinstance(layer, NVFP4Experts) else ()
 
 
 # ======================================================================== conversion, sync, calibration
@@ -470,6 +453,24 @@ def calibrate_rac(rollout_model, tokens):
         for selector in selectors:
             selector.finish_calibration()
     return rollout_model
+
+
+@contextlib.contextmanager
+def recording(model, record):
+    """Within the block, each NVFP4 layer input of `model` is also passed, as it is quantized, to
+    record(paths, index, x, routes): the paths of the layers reading x (q/k/v_proj share one), index 0 for a
+    linear layer's input and the experts' gate/up input, 1 for their down input (routes: see RACSelector)."""
+    sites = {}  # selector -> (paths, index)
+    for path, m in model.named_modules():
+        for index, selector in enumerate(selectors(m)):
+            sites[selector] = (sites.get(selector, ((), 0))[0] + (path,), index)
+    for selector, (paths, index) in sites.items():
+        selector.record = functools.partial(record, paths, index)
+    try:
+        yield model
+    finally:
+        for selector in sites:
+            selector.record = None
 
 
 # ==================================================================== the fast path (gpu_kernels/w4a4_*.py)
@@ -613,11 +614,9 @@ def _check_input(x, rac_mask, name, kernel=False):
     _check_blocks(name, x.shape[-1], "K={}")
     G, mask = x.shape[-1] // BLOCK_SIZE, rac_mask
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
-                                 and mask.shape == (G,)):
-        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"rac_mask must be a bool tensor of shape (G,) = ({G},), got {got}")
-    if mask is not None and mask.device != x.device:
-        raise ValueError(f"rac_mask is on {mask.device} but the activation is on {x.device}")
+                                 and mask.shape == (G,) and mask.device == x.device):
+        got = f"{mask.dtype} {tuple(mask.shape)} on {mask.device}" if isinstance(mask, torch.Tensor) else mask
+        raise ValueError(f"rac_mask must be a bool tensor of shape (G,) = ({G},) on {x.device}, got {got}")
 
 
 def _check_operands(x_q, w_q, residual, name, stacked=False):
@@ -626,17 +625,13 @@ def _check_operands(x_q, w_q, residual, name, stacked=False):
         if q is not None and not isinstance(q, (NVFP4Tensor, ExpertWeights) if experts else NVFP4Tensor):
             raise ValueError(f"{name}: {label} must be an NVFP4Tensor{' or ExpertWeights' * experts}, got "
                              f"{type(q).__name__}")
-    if len(x_q.shape) != 2 or len(w_q.shape) != 2 + stacked:
-        raise ValueError(f"{name}: expected x_q (M, K) and w_q {'(E, N, K)' if stacked else '(N, K)'}, "
-                         f"got {x_q.shape} and {w_q.shape}")
-    if x_q.shape[-1] != w_q.shape[-1]:
-        raise ValueError(f"{name}: K differs: x_q {x_q.shape} vs w_q {w_q.shape}")
-    if x_q.device != w_q.device:
-        raise ValueError(f"{name}: x_q is on {x_q.device} but w_q is on {w_q.device}")
-    if residual is not None and (residual.shape != x_q.shape or residual.device != x_q.device):
-        raise ValueError(f"{name}: residual {residual.shape} on {residual.device} does not match x_q")
-    if residual is not None and not torch.equal(residual.global_scale.reshape(()),
-                                                x_q.global_scale.reshape(())):
+    if len(x_q.shape) != 2 or len(w_q.shape) != 2 + stacked or x_q.shape[-1] != w_q.shape[-1]:
+        raise ValueError(f"{name}: expected x_q (M, K) and w_q {'(E, N, K)' if stacked else '(N, K)'}, K "
+                         f"differs: x_q {x_q.shape} vs w_q {w_q.shape}")
+    if x_q.device != w_q.device or residual is not None and (residual.shape, residual.device) != (
+            x_q.shape, x_q.device):
+        raise ValueError(f"{name}: x_q, w_q and residual must be on one device, the residual x_q's shape")
+    if residual is not None and not torch.equal(residual.global_scale.reshape(()), x_q.global_scale.reshape(())):
         raise ValueError(f"{name}: the residual must share x_q's global scale")
 
 

@@ -31,6 +31,7 @@ batching, paged attention, speculative decoding.
 Shape letters: P prompts, G samples per prompt, N = P*G rows (prompt-major), Tp padded prompt width, T
 completion width, W = Tp + T (trainer rows), S cache slots, V vocab, L layers, Hkv kv heads, hd head dim.
 """
+import contextlib
 import dataclasses
 import operator
 import warnings
@@ -394,14 +395,15 @@ def truncate(logprobs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
 @torch.no_grad()
 def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, eos_id: int | None = None, pad_id: int = 0, seed: int = 0,
-             cuda_graph: bool = True, row_offset: int = 0) -> Rollout:
+             cuda_graph: bool = True, row_offset: int = 0, decode_context=None) -> Rollout:
     """Sample num_samples completions of each prompt (a list of token-id lists, any lengths) -> Rollout.
     temperature 0 is greedy; top_k 0 and top_p 1 disable truncation. eos_id None: every row runs to
     max_new_tokens. pad_id fills prompt padding and the columns after EOS (any valid token id). seed and
     row_offset choose the sampling noise: row n of this call draws the noise of row id row_offset + n (so a
     process sampling rows [r, r + N) of a larger batch gets exactly those rows' tokens). cuda_graph: replay
-    the decode step as a CUDA graph (CUDA only). no_grad, not inference_mode: the results can serve as
-    constants in the trainer's graph."""
+    the decode step as a CUDA graph (CUDA only). decode_context: a function returning a context entered
+    around the decode steps, eager ones (train.py's TRACE records the rollout's inputs there). no_grad, not
+    inference_mode: the results can serve as constants in the trainer's graph."""
     c, device = model.config, model.embed.weight.device
     prompts = _check_arguments(c, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id,
                                pad_id, seed, row_offset)
@@ -410,7 +412,7 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
     prompt_width = min(-(-max(lengths) // PROMPT_WIDTH_MULTIPLE) * PROMPT_WIDTH_MULTIPLE, c.max_seq_len)
     sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), eos_id=eos_id,
                     pad_id=int(pad_id))
-    use_graph = cuda_graph and device.type == "cuda"
+    use_graph = cuda_graph and device.type == "cuda" and decode_context is None
     state = get_decode_state(model, N, prompt_width, max_new_tokens, sampling, use_graph)
 
     # ---- prefill: each prompt once, its keys/values copied to its G rows of the cache
@@ -435,11 +437,12 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
 
     # ---- decode: step t feeds completion token t (recording its routes) and samples token t + 1
     check_interval = FINISHED_CHECK_INTERVAL if device.type == "cuda" else 1
-    for step in range(max_new_tokens):
-        state.graph.replay() if state.graph is not None else decode_step(model, state)
-        if (eos_id is not None and (step + 1) % check_interval == 0 and step + 1 < max_new_tokens
-                and not bool(state.alive.any())):  # the one host sync, every check_interval steps
-            break
+    with decode_context() if decode_context is not None else contextlib.nullcontext():
+        for step in range(max_new_tokens):
+            state.graph.replay() if state.graph is not None else decode_step(model, state)
+            if (eos_id is not None and (step + 1) % check_interval == 0 and step + 1 < max_new_tokens
+                    and not bool(state.alive.any())):  # the one host sync, every check_interval steps
+                break
 
     # ---- trim to the longest completion (every kept token has been fed, so its routes are recorded)
     width = int(state.token_mask[:, :max_new_tokens].sum(dim=1).max())

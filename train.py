@@ -23,7 +23,7 @@ A recipe (RECIPES) sets the trainer's forward (qat.py's mode) and the rollout's 
 mode): bf16, fp8 and nvfp4 train in BF16; qat fake-quantizes the trainer's weights, rac adds RAC to the
 NVFP4 rollout, quads does both; w4a4, moeresq and trace quantize the trainer's activations too. What the
 trainer takes from the rollout is an argument of its forward (qat.SharedState): moeresq the rollout's RAC
-block masks, trace the codes its rollout recorded (qat.RolloutRecorder; an eager decode).
+block masks, trace the codes its rollout recorded (rac.recording into qat.RolloutRecorder; eager decode).
 
 By default one update per rollout batch: `old_logp` is the forward that carries the gradient, detached,
 so the PPO ratio is 1 and what differs from the rollout engine is exactly the mismatch studied (`--tis C`
@@ -32,11 +32,10 @@ corrects it per token). `--minibatches N`: N optimizer steps on shuffled rows, s
 batch's advantage-weighted likelihood (grpo.mipu_proxy), else weights and optimizer are restored.
 
 The starting policy: the task, the model, a supervised warm-start on the task's (deliberately imperfect)
-demonstrations, cached by everything that determines it. Not the algorithm, in tools/: a run's directory,
-checkpoints, --resume, Ctrl-C, config checks (tools/runs.py), torchrun (tools/distributed.py, the one
-tools/ module beside runs.py that train.py imports), the comparison, figures, the audit. Defaults: on a
-CPU the tiny preset and a short run, on a GPU the small preset and the full experiment. Every field of
-TrainConfig is a command-line flag (see --help).
+demonstrations, cached by everything that determines it. In tools/: a run's directory, checkpoints,
+--resume, Ctrl-C, config checks (runs.py), torchrun (distributed.py), the comparison, figures, the audit.
+Defaults: on a CPU the tiny preset and a short run, on a GPU the small preset and the full experiment.
+Every field of TrainConfig is a command-line flag (see --help).
 """
 import copy
 import hashlib
@@ -46,7 +45,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 
@@ -81,7 +79,7 @@ class TrainConfig:
     overwrite: bool = False        # start over where a run is (deletes the run's directory)
     seed: int = 0                  # model init, warm-start, data order and sampling all derive from it
     device: str = ""               # cpu, cuda or cuda:N ("" = cuda if available, else cpu)
-    threads: int | None = None     # torch's CPU threads (default 1 on the tiny preset, see set_threads)
+    threads: int | None = None     # torch's CPU threads (default 1 on the tiny preset, see runs.set_threads)
     checkpoint_every: int = 25     # steps between checkpoints (also written at the end and on Ctrl-C)
     cuda_graph: bool = True        # decode steps as a captured CUDA graph (GPU only)
     fsdp: bool = False             # under torchrun: shard the trainer per block (FSDP2) instead of DDP
@@ -226,17 +224,11 @@ def warmstart(cfg, model, task, tokenizer):
         lr = cfg.warmstart_lr * warmup * 0.5 * (1 + math.cos(math.pi * step / cfg.warmstart_steps))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        rows, loss_starts = [], []
-        for p in task.sample(cfg.warmstart_batch, "train", rng):
-            prompt = tokenizer.encode(p.prompt)
-            rows.append(prompt + tokenizer.encode(task.demonstration(p, rng)) + [tokenizer.eos_id])
-            loss_starts.append(len(prompt))
-        width = max(map(len, rows))
-        tokens = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
-        target_mask = torch.zeros(len(rows), width, dtype=torch.bool)
-        for i, (row, start) in enumerate(zip(rows, loss_starts)):
-            tokens[i, :len(row)] = torch.tensor(row)
-            target_mask[i, start:len(row)] = True
+        rows = [(tokenizer.encode(p.prompt), tokenizer.encode(task.demonstration(p, rng)) + [tokenizer.eos_id])
+                for p in task.sample(cfg.warmstart_batch, "train", rng)]          # (prompt, target) ids
+        width = max(len(a) + len(b) for a, b in rows)
+        tokens = torch.tensor([a + b + [tokenizer.pad_id] * (width - len(a) - len(b)) for a, b in rows])
+        target_mask = torch.tensor([[len(a) <= i < len(a) + len(b) for i in range(width)] for a, b in rows])
         tokens, target_mask = tokens.to(cfg.device), target_mask.to(cfg.device)
         with autocast(cfg):
             logits = model(tokens[:, :-1])
@@ -295,36 +287,14 @@ def build_recipe(cfg, model, recipe, rac_ratio):
     rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype(cfg)), rollout_mode,
                                             rac_ratio=rac_ratio)
     trainer = qat.convert_for_training(model, train_mode)
-    return rollout_model, trainer, attach_recorder(rollout_model) if train_mode == "trace" else None
-
-
-def attach_recorder(rollout_model):
-    """A RolloutRecorder fed by hooks on the rollout's quantizers (their RACSelectors see each input
-    exactly as it is quantized); it keeps nothing outside recorder.start() ... recorder.stop()."""
-    recorder = qat.RolloutRecorder()
-    # a decode step is a forward with a KV cache that is not prefilling (rollout.KVCache)
-    rollout_model.register_forward_pre_hook(lambda m, args, kwargs: recorder.begin_forward(
-        getattr(kwargs.get("kv_cache"), "prefill_rows", 0) is None), with_kwargs=True)
-    for path, module in rollout_model.named_modules():
-        if isinstance(module, rac.NVFP4Linear):
-            module.rac.register_forward_pre_hook(lambda m, args, p=path: recorder.record(p, 0, args[0]))
-        elif isinstance(module, rac.NVFP4Experts):
-            module.register_forward_pre_hook(lambda m, args, p=path: recorder.route(p, args[1], m.n_experts))
-            for index, selector in enumerate((module.rac_gate_up, module.rac_down)):  # gate/up, down inputs
-                selector.register_forward_pre_hook(
-                    lambda m, args, p=path, i=index: recorder.record(p, i, args[0]))
-    return recorder
+    return rollout_model, trainer, qat.RolloutRecorder() if train_mode == "trace" else None
 
 
 def shared_state(rollout_model, train_mode, codes=None):
     """What the trainer's forward takes from the rollout (qat.SharedState): moeresq's current RAC block
     masks, read off the rollout's layers (one selection for both sides), and trace's recorded codes."""
-    masks = {} if train_mode == "moeresq" else None
-    for path, m in rollout_model.named_modules() if train_mode == "moeresq" else ():
-        if isinstance(m, rac.NVFP4Linear):
-            masks[path] = (m.rac.mask,)
-        elif isinstance(m, rac.NVFP4Experts):
-            masks[path] = (m.rac_gate_up.mask, m.rac_down.mask)
+    masks = {path: tuple(selector.mask for selector in rac.selectors(m))
+             for path, m in rollout_model.named_modules() if rac.selectors(m)} if train_mode == "moeresq" else None
     return qat.SharedState(masks, codes)
 
 
@@ -588,16 +558,14 @@ def rl_step(s, step, interrupt, accepted):
 
 def sample(s, problems, first, step):
     """The rollout of this rank's groups in the recipe's precision -> (rollout.Rollout, trace's recorded
-    codes or None). trace records its codes through hooks, which a CUDA graph's replay would skip: eager."""
-    cfg, tokenizer = s.cfg, s.tokenizer
-    if s.recorder is not None:
-        s.recorder.start()
+    codes or None). trace records what its layers quantize at each decode step (rac.recording): eager."""
+    cfg, tokenizer, recorder = s.cfg, s.tokenizer, s.recorder
+    record = (lambda: rac.recording(s.rollout_model, recorder.record)) if recorder is not None else None
     out = rollout.generate(s.rollout_model, encode_prompts(tokenizer, problems), cfg.group_size,
                            max_new_tokens(cfg, s.task), temperature=cfg.temperature, eos_id=tokenizer.eos_id,
                            pad_id=tokenizer.pad_id, seed=cfg.seed * 1_000_003 + step,
-                           row_offset=first * cfg.group_size,
-                           cuda_graph=cfg.cuda_graph and s.recorder is None)
-    codes = qat.recorded_codes(s.recorder, out) if s.recorder is not None else None
+                           row_offset=first * cfg.group_size, cuda_graph=cfg.cuda_graph, decode_context=record)
+    codes = qat.recorded_codes(recorder, out) if recorder is not None else None
     if cfg.device.startswith("cuda"):
         torch.cuda.synchronize()  # the rollout's time, not its launch's
     return out, codes
@@ -663,34 +631,19 @@ def parse_args(argv=None):
     return TrainConfig(**vars(build_parser().parse_args(argv)))
 
 
-def set_threads(cfg):
-    """CPU: torch's threads (--threads, or 1 on the tiny preset, whose matmuls gain nothing from a second
-    thread, which stalls whenever another process holds a core: several times slower on 2 shared cores)."""
-    threads = cfg.threads or (1 if cfg.preset == "tiny" else None)
-    if cfg.device == "cpu" and threads:
-        torch.set_num_threads(threads)
-
-
-def interrupted_before_rl():
-    """Ctrl-C before the RL loop (warm-start, loading, the step-0 evaluation): one line, exit 130."""
-    print("\ninterrupted before the first RL step: no checkpoint written, and the warm-start is cached only "
-          "once complete; run the command again to start", file=sys.stderr)
-    sys.exit(130)
-
-
 def main(argv=None):
     """The command line: one run (under torchrun, one rank's). A ConfigError exits 2 with its one line."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         cfg = TrainConfig(**vars(args))
-        set_threads(cfg)  # here, not in run(): a program that imports train.py keeps its own setting
+        runs.set_threads(cfg)  # here, not in run(): a program that imports train.py keeps its own setting
         ranks = distributed.init_distributed(cfg)
         return [distributed.run_distributed(run, cfg, ranks) if ranks.enabled else run(cfg)]
     except ConfigError as error:
         parser.error(str(error))
     except KeyboardInterrupt:
-        interrupted_before_rl()
+        runs.interrupted_before_rl()
 
 
 if __name__ == "__main__":

@@ -28,11 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_kernels.expert_layout import EXPERT_ROW_BLOCK
 from gpu_kernels.nvfp4_quantize import _to_bf16_bits
 from gpu_kernels.w4a4_quantize import INTERPRET, OPERAND_SHIFT, empty_planes
 
 PREFILL_ROWS = 257                 # from this many rows on, the weight is decoded once per call
-EXPERT_ROW_BLOCK = 16              # the experts' weights are stored in blocks of 16 rows (rac.ExpertWeights)
 _EPILOGUE = tl.constexpr(OPERAND_SHIFT ** -2)  # 2^12: undoes the two operands' 2^-6
 EXPERT_ROWS = tl.constexpr(EXPERT_ROW_BLOCK)
 

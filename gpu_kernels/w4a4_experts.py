@@ -10,7 +10,7 @@ sync), so experts without tokens cost nothing and the grid is an upper bound who
 The gate/up GEMM gathers token rows (row_ids) and applies SwiGLU in its epilogue: a tile's weight rows are
 its gate rows stacked on the matching up rows, so that one product holds both halves. The down GEMM scales
 each row by its router weight, read through routing.order (no gather launch). The weights are in the
-experts' blocked layout (rac.ExpertWeights: 16-row blocks by CHUNK-element K chunks, each one contiguous
+experts' blocked layout (expert_layout.ExpertWeights: 16-row blocks by CHUNK-element K chunks, each one contiguous
 run), so that a program streams a few contiguous regions. The weight tile is decoded in registers as in
 gpu_kernels/w4a4_dense.py, whose building blocks this file uses.
 

@@ -14,7 +14,7 @@ against the reference.
     8-byte load, its block scale one byte, and the decode feeds the MMA operand with no data movement.
   - SwiGLU: the tile's weight rows alternate 8 gate rows and their 8 up rows, so that gate and up of one
     output sit in the same thread's accumulator registers; the epilogue splits them in registers.
-  - The experts' blocked layout (rac.ExpertWeights): a program's K steps read a few contiguous runs.
+  - The experts' blocked layout (expert_layout.ExpertWeights): a program's K steps read a few contiguous runs.
   - A tile holding at most half its rows runs as a tile of half the rows, one of 32 rows or more at most
     three quarters full as that half plus a quarter (the loop and epilogue are compiled for each size): at
     16 rows an expert most 32-row tiles skip 8 or 16 padding rows' MMAs and activation loads.

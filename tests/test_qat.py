@@ -1,7 +1,7 @@
 """qat.py: QAT layers use exactly nvfp4's weight rule (the rollout's weights; checked against a float64
 oracle), gradients are straight-through to the master weights, weights follow every optimizer step, QAT
 trains, the symmetric modes (w4a4; moeresq against the rollout layers' torch twins; trace's rounding rule
-on hand-made cases and its recorder on a real rollout), bf16_forward, conversion, and clear errors."""
+on hand-made cases and its recorder on a real rollout), conversion, and clear errors."""
 import copy
 
 import pytest
@@ -78,12 +78,12 @@ def test_every_qat_layer_uses_the_rollout_weight_rule_bit_for_bit(dtype):
     experts = [m for m in model.modules() if isinstance(m, qat.QATExperts)]
     assert len(linears) == 4 * 2 and len(experts) == 2
     for layer in linears:
-        assert same_bits(layer.quantized_weight(), oracle_weight_fake_quant(layer.weight))
-        assert not torch.equal(layer.quantized_weight(), layer.weight)  # it really is quantized
+        assert same_bits(qat.quantized_weights(layer)[0], oracle_weight_fake_quant(layer.weight))
+        assert not torch.equal(qat.quantized_weights(layer)[0], layer.weight)  # it really is quantized
         x = torch.randn(3, layer.in_features, dtype=dtype)
-        assert torch.equal(layer(x), F.linear(x, layer.quantized_weight()))  # and the forward uses it
+        assert torch.equal(layer(x), F.linear(x, qat.quantized_weights(layer)[0]))  # and the forward uses it
     for layer in experts:
-        gate_up_q, down_q = layer.quantized_weights()
+        gate_up_q, down_q = qat.quantized_weights(layer)
         assert same_bits(gate_up_q, oracle_weight_fake_quant(layer.gate_up_proj))
         assert same_bits(down_q, oracle_weight_fake_quant(layer.down_proj))
         # one global scale per expert, as rac.py's stacked expert weights
@@ -104,9 +104,9 @@ def test_cuda_triton_fake_quantized_weights_match_the_cpu_reference():
     model = qat.convert_for_training(tiny_model(std=0.1).cuda().bfloat16(), "qat")
     for layer in model.modules():
         if isinstance(layer, qat.QATLinear):
-            pairs = [(layer.quantized_weight(), layer.weight)]
+            pairs = [(qat.quantized_weights(layer)[0], layer.weight)]
         elif isinstance(layer, qat.QATExperts):
-            pairs = zip(layer.quantized_weights(), (layer.gate_up_proj, layer.down_proj))
+            pairs = zip(qat.quantized_weights(layer), (layer.gate_up_proj, layer.down_proj))
         else:
             continue
         for quantized, master in pairs:
@@ -132,8 +132,8 @@ def test_trainer_weights_equal_rac_rollout_weights_after_sync():
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             layer = getattr(ours.attn, name)
             rollout_weight = getattr(theirs.attn, name).weight_q.dequantize(layer.weight.dtype)
-            assert same_bits(layer.quantized_weight(), rollout_weight), name
-        gate_up_q, down_q = ours.mlp.experts.quantized_weights()
+            assert same_bits(qat.quantized_weights(layer)[0], rollout_weight), name
+        gate_up_q, down_q = qat.quantized_weights(ours.mlp.experts)
         experts = theirs.mlp.experts
         assert same_bits(gate_up_q, rac.unchunk_experts(experts.gate_up_w).dequantize(gate_up_q.dtype))
         assert same_bits(down_q, rac.unchunk_experts(experts.down_w).dequantize(down_q.dtype))
@@ -146,7 +146,7 @@ def test_qat_linear_gradients_are_the_analytic_straight_through_ones():
     x = torch.randn(2, 5, 32, requires_grad=True)
     grad_y = torch.randn(2, 5, 48)
     layer(x).backward(grad_y)
-    weight_q = layer.quantized_weight()
+    weight_q = qat.quantized_weights(layer)[0]
     # grad_W = grad_y.T @ x (to the master weight); grad_x = grad_y @ Wq (the weight the forward used)
     expected_grad_weight = grad_y.reshape(-1, 48).T @ x.detach().reshape(-1, 32)
     torch.testing.assert_close(layer.weight.grad, expected_grad_weight, rtol=1e-6, atol=1e-6)
@@ -158,7 +158,7 @@ def test_qat_experts_gradients_reach_the_master_weights_straight_through():
     _, qat_experts, x, ids, weights = random_experts()
     # Reference: plain moe.Experts math with the quantized weights as leaves; its weight gradients are
     # what a straight-through estimator must hand to the master weights.
-    gate_up_q, down_q = (w.clone().requires_grad_() for w in qat_experts.quantized_weights())
+    gate_up_q, down_q = (w.clone().requires_grad_() for w in qat.quantized_weights(qat_experts))
     reference = moe.Experts(moe.MoEConfig.from_preset("tiny"))
     del reference.gate_up_proj, reference.down_proj
     reference.gate_up_proj, reference.down_proj = gate_up_q, down_q
@@ -214,9 +214,6 @@ def test_a_models_forward_fake_quantizes_each_weight_once_and_keeps_nothing(monk
     assert not model._forward_pre_hooks and not model._forward_hooks  # no hooks
     after = {name: value for name, value in vars(layer).items() if not name.startswith("_")}
     assert after.keys() == before.keys()  # nothing left on a layer by the forward
-    with qat.bf16_forward(model):
-        model(batch)
-    assert len(calls) == 12  # nothing quantized in full precision
     layer = model.layers[0].attn.q_proj
     x = torch.randn(3, 64)
     assert torch.equal(layer(x), F.linear(x, weight_rule(layer.weight)))
@@ -264,18 +261,18 @@ def test_w4a4_fake_quantizes_activations_with_a_straight_through_gradient():
     x = torch.randn(6, 64, requires_grad=True)
     y = layer_w4a4(x)
     x_q = nvfp4.fake_quantize(x.detach())
-    assert torch.equal(y, F.linear(x_q, layer_w4a4.quantized_weight()))
+    assert torch.equal(y, F.linear(x_q, qat.quantized_weights(layer_w4a4)[0]))
     assert not torch.equal(y, layer_qat(x))
     grad_y = torch.randn(6, 32)
     y.backward(grad_y)
     # straight-through: grad_x = grad_y @ Wq as if x were not quantized; grad_W uses the quantized input
-    torch.testing.assert_close(x.grad, grad_y @ layer_w4a4.quantized_weight(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, grad_y @ qat.quantized_weights(layer_w4a4)[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(layer_w4a4.weight.grad, grad_y.T @ x_q, rtol=1e-6, atol=1e-6)
 
 
 def test_w4a4_experts_quantize_both_gemm_inputs():
     _, qat_experts, x, ids, weights = random_experts(mode="w4a4")
-    gate_up_q, down_q = qat_experts.quantized_weights()
+    gate_up_q, down_q = qat.quantized_weights(qat_experts)
     # Dense reference: every (token, expert) row; per-tensor activation scales over all rows.
     rows = x.detach()[torch.arange(24).repeat_interleave(2)]                               # (R, D)
     experts_of_rows = ids.reshape(-1)
@@ -301,22 +298,6 @@ def test_w4a4_grouped_linear_matches_its_loop_twin_in_bf16():
     fast = qat._grouped_linear(x, routing, weight, grouped=True)
     slow = qat._grouped_linear(x, routing, weight, grouped=False)
     assert report_diff(fast, slow, "grouped vs loop")[0] <= 1e-2 * slow.float().abs().max()
-
-
-# ----------------------------------------------------------------------------------------------- bf16_forward
-def test_bf16_forward_restores_exact_full_precision_outputs_and_reenters_qat():
-    model = tiny_model(std=0.1)
-    batch = tokens()
-    reference = model(batch)
-    qat.convert_for_training(model, "w4a4")
-    quantized = model(batch)
-    assert not torch.equal(quantized, reference)
-    with qat.bf16_forward(model):
-        assert torch.equal(model(batch), reference)
-    assert torch.equal(model(batch), quantized)
-    with pytest.raises(RuntimeError), qat.bf16_forward(model):
-        raise RuntimeError("an error inside the block")
-    assert torch.equal(model(batch), quantized)  # restored on the way out of an error too
 
 
 # ----------------------------------------------------------------------------------------------- conversion
@@ -492,23 +473,19 @@ def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tok
     model = tiny_model(std=0.2)
     rollout_model = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")
     recorder = qat.RolloutRecorder()
-    rollout_model.register_forward_pre_hook(lambda m, args, kwargs: recorder.begin_forward(
-        getattr(kwargs.get("kv_cache"), "prefill_rows", 0) is None), with_kwargs=True)
-    q_proj = rollout_model.layers[0].attn.q_proj
-    q_proj.rac.register_forward_pre_hook(lambda m, args: recorder.record("q", 0, args[0]))
-    experts = rollout_model.layers[1].mlp.experts
-    experts.register_forward_pre_hook(lambda m, args: recorder.route("e", args[1], m.n_experts))
-    experts.rac_down.register_forward_pre_hook(lambda m, args: recorder.record("e", 1, args[0]))
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
-    recorder.start()
-    out = rollout.generate(rollout_model, prompts, 3, 6, eos_id=9, pad_id=0, seed=0)
-    recorder.stop()
+    out = rollout.generate(rollout_model, prompts, 3, 6, eos_id=9, pad_id=0, seed=0,
+                           decode_context=lambda: rac.recording(rollout_model, recorder.record))
     seq = out.sequences()
     B, W = seq.tokens.shape
-    codes = recorder.codes(out.completion_mask, out.prompt_lengths, W)
+    recorded = recorder.codes(out.completion_mask, out.prompt_lengths, W)
+    codes = {"q": recorded["layers.0.attn.q_proj"], "e": recorded["layers.1.mlp.experts"]}
     n_tokens = int(out.completion_mask.sum())
     assert codes["q"][0].keys.numel() == n_tokens                                    # completion tokens only
-    assert codes["q"][0].nbytes() == n_tokens * (64 // 2 + 64 // 16 + 4 + 8)         # the docstring's bound
+    record = codes["q"][0]
+    nbytes = sum(t.numel() * t.element_size() for t in (record.keys, record.data, record.block_scale,
+                                                         record.global_scale))
+    assert nbytes == n_tokens * (64 // 2 + 64 // 16 + 4 + 8)                           # the docstring's bound
 
     trainer = qat.convert_for_training(copy.deepcopy(model), "trace")
     layer = trainer.layers[0].attn.q_proj

@@ -23,6 +23,7 @@ import qat
 import rac
 import rollout
 import train
+from tools import runs
 
 TINY = dict(preset="tiny", difficulty=1, steps=3, prompts_per_step=4, group_size=4, warmstart_steps=150,
             warmstart_batch=32, eval_prompts=16, eval_every=3, checkpoint_every=2, device="cpu", seed=0)
@@ -500,9 +501,9 @@ def test_help_documents_every_option_in_its_group_with_its_default():
 def test_cpu_threads_default_to_one_on_the_tiny_preset(monkeypatch):
     calls = []
     monkeypatch.setattr(train.torch, "set_num_threads", calls.append)
-    train.set_threads(train.TrainConfig(device="cpu", preset="tiny"))
-    train.set_threads(train.TrainConfig(device="cpu", preset="tiny", threads=2))
-    train.set_threads(train.TrainConfig(device="cpu", preset="small"))  # torch's own default: untouched
+    runs.set_threads(train.TrainConfig(device="cpu", preset="tiny"))
+    runs.set_threads(train.TrainConfig(device="cpu", preset="tiny", threads=2))
+    runs.set_threads(train.TrainConfig(device="cpu", preset="small"))  # torch's own default: untouched
     assert calls == [1, 2]
 
 
@@ -936,12 +937,13 @@ def test_the_rollout_records_only_when_asked_and_the_trainer_takes_the_codes_for
     model.init_weights(std=0.2)
     trace_trainer = qat.convert_for_training(copy.deepcopy(model), "trace")
     rollout_model = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")
-    recorder = train.attach_recorder(rollout_model)
+    recorder = qat.RolloutRecorder()
     generate = dict(num_samples=2, max_new_tokens=4, eos_id=None, pad_id=0, seed=0)
     rollout.generate(rollout_model, [[1, 2, 3]], **generate)  # an evaluation: not recorded
     assert recorder.steps == {}
-    recorder.start()
-    out = rollout.generate(rollout_model, [[1, 2, 3]], **generate)
+    out = rollout.generate(rollout_model, [[1, 2, 3]], **generate,
+                           decode_context=lambda: rac.recording(rollout_model, recorder.record))
+    assert all(m.record is None for m in rollout_model.modules() if isinstance(m, rac.RACSelector))
     shared = qat.SharedState(codes=qat.recorded_codes(recorder, out))
     assert shared.codes["layers.0.attn.o_proj"][0].keys.numel() == 2 * 4  # 2 samples x 4 decode steps
     assert shared.codes["layers.1.mlp.experts"][1].keys.numel() == 2 * 4 * 2           # A = 2

@@ -73,12 +73,11 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
         rollout_model, trainer, recorder = train.build_recipe(cfg, copy.deepcopy(model), recipe, rac_ratio)
         if rac_ratio > 0:
             train.rac.calibrate_rac(rollout_model, calib_tokens)
-        if recorder is not None:
-            recorder.start()
+        record = (lambda m=rollout_model: train.rac.recording(m, recorder.record)) if recorder else None
         out = rollout.generate(rollout_model, train.encode_prompts(tokenizer, problems), cfg.group_size,
                                train.max_new_tokens(cfg, task), temperature=cfg.temperature,
                                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=cfg.seed + 4242,
-                               cuda_graph=cuda_graph and recorder is None)
+                               cuda_graph=cuda_graph, decode_context=record)
         codes = qat.recorded_codes(recorder, out) if recorder is not None else None
         shared = train.shared_state(rollout_model, train.RECIPES[recipe][0], codes)
         seq = out.sequences()

@@ -142,12 +142,12 @@ def main(argv=None):
         runs.refuse("RANK" in os.environ, "variants", "not allowed under torchrun (a comparison runs "
                       "processes of its own)")
         cfg = train.TrainConfig(**args)
-        train.set_threads(cfg)
+        runs.set_threads(cfg)
         return study(cfg, variants, jobs)
     except runs.ConfigError as error:
         parser.error(str(error))
     except KeyboardInterrupt:
-        train.interrupted_before_rl()
+        runs.interrupted_before_rl()
 
 
 if __name__ == "__main__":

@@ -288,3 +288,18 @@ def build_parser(config_class, choices, prog, usage, description):
             group.add_argument(flag, type=kind, default=field.default, help=text,
                                metavar={int: "N", float: "X"}.get(kind, "STR"))
     return parser
+
+
+def set_threads(cfg):
+    """CPU: torch's threads (--threads, or 1 on the tiny preset, whose matmuls gain nothing from a second
+    thread, which stalls whenever another process holds a core: several times slower on 2 shared cores)."""
+    threads = cfg.threads or (1 if cfg.preset == "tiny" else None)
+    if cfg.device == "cpu" and threads:
+        torch.set_num_threads(threads)
+
+
+def interrupted_before_rl():
+    """Ctrl-C before the RL loop (warm-start, loading, the step-0 evaluation): one line, exit 130."""
+    print("\ninterrupted before the first RL step: no checkpoint written, and the warm-start is cached only "
+          "once complete; run the command again to start", file=sys.stderr)
+    sys.exit(130)

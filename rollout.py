@@ -22,11 +22,10 @@ temperature = 0 is greedy. A row stops after eos_id (part of the completion) or 
 hold pad_id, mask 0, log-prob 0. `Rollout.sequences()` gives the trainer's rows, routes included (for R3).
 
 Random numbers are counter-based: E_v of row n at position t hashes (seed, row id, t, v) (`sampling_noise`),
-so a row's tokens depend only on its logits and (seed, row id), not on the graph or the other rows: torchrun
-ranks sampling their shares of a batch (`row_offset`) produce exactly the rollouts one process would. On
-CUDA (gpu_kernels/sampling.py) the noise is one launch, bit for bit its torch twin; without top-k / top-p one
-fused kernel samples (`use_fused_sampler`). `score` re-scores rows in one prefill. Left out: continuous
-batching, paged attention, speculative decoding.
+so a row's tokens depend only on its logits and (seed, row id): torchrun ranks sampling their shares of a
+batch (`row_offset`) produce exactly the rollouts one process would. On CUDA (gpu_kernels/sampling.py) the
+noise is one launch, bit for bit its torch twin; without top-k / top-p one fused kernel samples. `score`
+re-scores rows in one prefill. Left out: continuous batching, paged attention, speculative decoding.
 
 Shape letters: P prompts, G samples per prompt, N = P*G rows (prompt-major), Tp padded prompt width, T
 completion width, W = Tp + T (trainer rows), S cache slots, V vocab, L layers, Hkv kv heads, hd head dim.
@@ -37,7 +36,6 @@ import operator
 import warnings
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -69,7 +67,7 @@ class Sequences(NamedTuple):
     routes: Tensor | None  # (L, N, W, A) int64: experts of every valid token; padding repeats a valid token's
 
 
-@dataclass
+@dataclasses.dataclass
 class Rollout:
     """G sampled completions of P prompts, rows prompt-major (row p*G + g is sample g of prompt p)."""
     prompt_ids: Tensor          # (N, Tp) int64, left-padded with pad_id
@@ -401,9 +399,8 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
     max_new_tokens. pad_id fills prompt padding and the columns after EOS (any valid token id). seed and
     row_offset choose the sampling noise: row n of this call draws the noise of row id row_offset + n (so a
     process sampling rows [r, r + N) of a larger batch gets exactly those rows' tokens). cuda_graph: replay
-    the decode step as a CUDA graph (CUDA only). decode_context: a function returning a context entered
-    around the decode steps, eager ones (train.py's TRACE records the rollout's inputs there). no_grad, not
-    inference_mode: the results can serve as constants in the trainer's graph."""
+    the decode step as a CUDA graph (CUDA only). decode_context: a function returning a context entered around
+    eager decode steps (TRACE records there). no_grad: the results can be constants in the trainer's graph."""
     c, device = model.config, model.embed.weight.device
     prompts = _check_arguments(c, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id,
                                pad_id, seed, row_offset)
@@ -437,7 +434,7 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
 
     # ---- decode: step t feeds completion token t (recording its routes) and samples token t + 1
     check_interval = FINISHED_CHECK_INTERVAL if device.type == "cuda" else 1
-    with decode_context() if decode_context is not None else contextlib.nullcontext():
+    with (decode_context or contextlib.nullcontext)():
         for step in range(max_new_tokens):
             state.graph.replay() if state.graph is not None else decode_step(model, state)
             if (eos_id is not None and (step + 1) % check_interval == 0 and step + 1 < max_new_tokens

@@ -8,7 +8,8 @@ block_scale * global_scale:
 - Blocks of 16 consecutive elements along the last (K) dimension share one block scale, an FP8 E4M3
   number (max 448, no infinities, 0x7F is NaN).
 - One FP32 global scale, a *decode* scale amax(|x|) / (6 * 448), so that the largest block scale lands
-  on E4M3's maximum; a stack of matrices (E, N, K) may carry one per matrix, shape (E,).
+  on E4M3's maximum; a stack of matrices (E, N, K) may carry one per matrix, shape (E,), and an
+  activation (M, K) one per row, shape (M,).
 - Two codes per byte along the last dimension: element 2i in the low nibble, 2i+1 in the high one.
 
 Quantizing x (..., K), K a multiple of 16 (G = K / 16 blocks per row):
@@ -39,11 +40,12 @@ Edge cases, one behaviour each:
 The weight rule, one on both sides of RL: quantize_weight (the rollout's packed weights) and
 fake_quantize_weight (the trainer's QAT forward) share weight_global_scale, one scale per linear
 weight (N, K) and one per expert of stacked (E, N, K) weights, so they agree bit for bit. The
-activation rule (quantize_activation: dynamic scale, RAC residual on selected blocks) is also here.
+activation rule (quantize_activation: a dynamic scale per tensor or per row, RAC residual on selected
+blocks) is also here.
 
 Fast path: on CUDA tensors quantize, dequantize and fake_quantize run the Triton kernels of
 gpu_kernels/nvfp4_quantize.py (one read of x, one write; fake_quantize fused), chosen in `_use_triton`.
-Left out: MX formats, stochastic rounding, per-row global scales, Blackwell's swizzled scale layout.
+Left out: MX formats, stochastic rounding, per-row weight scales, Blackwell's swizzled scale layout.
 
 Shape letters: K = last (reduction) dim, G = K / 16 blocks per row, M = product of the leading dims.
 """
@@ -57,6 +59,7 @@ except ImportError:  # triton ships with CUDA builds of torch on Linux; without 
     nvfp4_quantize = None
 
 BLOCK_SIZE = 16
+ACT_SCALES = ("tensor", "row")  # an activation's global scale: one per tensor, or one per row
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 GLOBAL_SCALE_DIVISOR = E2M1_MAX * E4M3_MAX  # 2688: the tensor's amax maps onto the largest block scale
@@ -176,16 +179,16 @@ def _resolve_global_scale(x, global_scale, name="quantize"):
         raise ValueError(f"{name}: global_scale is on {global_scale.device} but x is on {x.device}")
     if global_scale.numel() == 1:
         return global_scale.reshape(()).float()
-    if x.dim() >= 3 and tuple(global_scale.shape) == tuple(x.shape[:-2]):
+    if tuple(global_scale.shape) in (tuple(x.shape[:-2]) if x.dim() >= 3 else None, tuple(x.shape[:-1])):
         return global_scale.float()
-    raise ValueError(f"{name}: global_scale must be a scalar or one per matrix (shape "
-                     f"{tuple(x.shape[:-2])}), got shape {tuple(global_scale.shape)} for x of shape "
-                     f"{tuple(x.shape)}")
+    raise ValueError(f"{name}: global_scale must be a scalar, one per matrix (shape {tuple(x.shape[:-2])}) "
+                     f"or one per row (shape {tuple(x.shape[:-1])}), got shape {tuple(global_scale.shape)} "
+                     f"for x of shape {tuple(x.shape)}")
 
 
-def _broadcastable(global_scale, extra_dims):
-    """View a per-matrix global scale (shape[:-2]) so it broadcasts over `extra_dims` trailing dims."""
-    return global_scale.reshape(*global_scale.shape, *([1] * extra_dims))
+def _broadcastable(global_scale, ndim):
+    """View a global scale (a scalar, x.shape[:-2] or x.shape[:-1]) with trailing 1s up to ndim dims."""
+    return global_scale.reshape(*global_scale.shape, *([1] * (ndim - global_scale.dim())))
 
 
 # ----------------------------------------------------------------------------- reference (slow twin)
@@ -196,7 +199,7 @@ def quantize_reference(x, global_scale=None):
     blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK_SIZE)           # (..., G, 16)
     block_amax = blocks.abs().amax(dim=-1)                              # (..., G), NaN if any is
     non_finite = ~torch.isfinite(block_amax)                            # (..., G) blocks with NaN/Inf
-    gs = _broadcastable(global_scale, 2)                                # (..., 1, 1) or ()
+    gs = _broadcastable(global_scale, x.dim())                          # (..., 1, 1), (..., 1) or ()
     six = torch.full_like(block_amax, E2M1_MAX)  # a tensor divisor: true division on CUDA too
     scale = (block_amax / six / gs).clamp(0.0, E4M3_MAX).to(torch.float8_e4m3fn).float()
     block_scale = torch.where(non_finite, torch.full_like(scale, float("nan")), scale)
@@ -212,7 +215,7 @@ def dequantize_reference(q, dtype=torch.bfloat16):
     """Plain-PyTorch dequantization: code_value * block_scale * global_scale in fp32, then cast."""
     values = decode_e2m1(unpack_codes(q.data))                          # (..., K)
     values = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE)         # (..., G, 16)
-    out = values * q.block_scale.float().unsqueeze(-1) * _broadcastable(q.global_scale, 3)
+    out = values * q.block_scale.float().unsqueeze(-1) * _broadcastable(q.global_scale, values.dim())
     return out.reshape(q.shape).to(dtype)
 
 
@@ -290,14 +293,22 @@ def fake_quantize_weight(w):
 
 
 # ----------------------------------------------------------------------------- the activation rule
-def quantize_activation(x, rac_mask=None):
+def activation_global_scale(x, act_scale="tensor"):
+    """The dynamic global scale of an activation x (M, K): amax(|x|) / 2688 over the tensor () ("tensor",
+    the paper's), or over each row (M,) ("row": a row's rounding then does not depend on its batch)."""
+    if act_scale not in ACT_SCALES:
+        raise ValueError(f"act_scale must be one of {list(ACT_SCALES)}, got {act_scale!r}")
+    return compute_global_scale(x) if act_scale == "tensor" else compute_global_scale(x[:, None], True)
+
+
+def quantize_activation(x, rac_mask=None, act_scale="tensor"):
     """The activation rule both sides of RL share: x (M, K) -> (x_q, residual_q).
 
-    x_q = quantize(x) with the dynamic global scale amax(|x|) / 2688. With rac_mask (G,) bool, the
-    residual r = x - DQ(x_q) (exact in fp32) is kept on the selected blocks, zeroed elsewhere, and
-    quantized with x_q's global scale: residual_q. Without a mask residual_q is None (naive NVFP4).
+    x_q = quantize(x) with the dynamic global scale activation_global_scale(x, act_scale). With rac_mask
+    (G,) bool, the residual r = x - DQ(x_q) (exact in fp32) is kept on the selected blocks, zeroed
+    elsewhere, and quantized with x_q's global scale: residual_q. Without a mask residual_q is None.
     """
-    x_q = quantize(x)
+    x_q = quantize(x, activation_global_scale(x, act_scale))
     if rac_mask is None:
         return x_q, None
     M, K = x.shape
@@ -306,10 +317,10 @@ def quantize_activation(x, rac_mask=None):
     return x_q, quantize(residual, x_q.global_scale)
 
 
-def fake_quantize_activation(x, rac_mask=None):
-    """DQ(x_q) + DQ(residual_q) of quantize_activation(x, rac_mask), in fp32, no gradient: the values
-    a W4A4 GEMM multiplies (the residual term only where rac_mask selects)."""
+def fake_quantize_activation(x, rac_mask=None, act_scale="tensor"):
+    """DQ(x_q) + DQ(residual_q) of quantize_activation(x, rac_mask, act_scale), in fp32, no gradient: the
+    values a W4A4 GEMM multiplies (the residual term only where rac_mask selects)."""
     with torch.no_grad():
-        x_q, residual_q = quantize_activation(x, rac_mask)
+        x_q, residual_q = quantize_activation(x, rac_mask, act_scale)
         values = dequantize(x_q, torch.float32)
         return values if residual_q is None else values + dequantize(residual_q, torch.float32)

@@ -21,15 +21,15 @@ Modes (`convert_for_training(model, mode)`), for the attention projections and e
   rollout's value when that value is lo or hi, else its own rounding. Choices TRACE's text leaves open:
   the rollout's block scales are used where its code is taken, the grid test is in fp32, and zero blocks
   (scale 0) keep the trainer's rounding.
-The router, embeddings, norms and LM head stay in full precision (`quantize_router`, `quantize_lm_head`).
+The symmetric modes scale activations per tensor or per row, as the rollout (act_scale). The router,
+embeddings, norms and LM head stay in full precision (`quantize_router`, `quantize_lm_head`).
 
 What the trainer takes from the rollout is an argument of one forward: `with sharing(model, state):`,
-state = SharedState(masks, codes) per layer path. Within it the weights of all layers are fake-quantized
-together, once per forward. trace's codes are recorded on the rollout side (RolloutRecorder), keyed by the
-trainer's (row, column), and for the experts' down input by (position, expert). The quantized modules
-subclass the ones they replace and keep the *same* Parameter objects under the same names: state dicts, an
-optimizer built before conversion and rac.sync_weights keep working. Under autocast an input is cast to
-the autocast dtype before it is quantized, as the BF16 rollout quantizes BF16 values.
+state = SharedState(masks, codes) per layer path; within it all weights are fake-quantized together. trace's
+codes are recorded on the rollout side (RolloutRecorder), keyed by the trainer's (row, column), for the
+experts' down input by (position, expert). The quantized modules subclass the ones they replace and keep
+the *same* Parameter objects: state dicts, an optimizer built before conversion and rac.sync_weights keep
+working. Under autocast an input is cast to the autocast dtype before it is quantized, as the rollout's.
 
 Shape letters: T tokens, K in-features, N out-features, G = K / 16 blocks, E experts, A active experts,
 D model dim, I expert hidden dim, R = T*A (token, expert) rows, M rows of a layer input, W trainer columns.
@@ -70,8 +70,7 @@ straight_through = _StraightThrough.apply  # straight_through(source, value): va
 # ----------------------------------------------------------------------------- trace: rollout-guided rounding
 @dataclass
 class RolloutCodes:
-    """What the rollout's quantizer produced for some rows of one layer input, keyed by row: codes, block
-    scales and global scale per row (the rollout quantizes a whole decode step at one global scale)."""
+    """What the rollout's quantizer produced for some rows of one layer input: codes and scales, by row."""
     keys: torch.Tensor          # (M',) int64, ascending: trainer row b * W + w (down: row * E + expert)
     data: torch.Tensor          # (M', K/2) uint8 packed E2M1 codes, low nibble first
     block_scale: torch.Tensor   # (M', G) float8_e4m3fn
@@ -136,7 +135,8 @@ class RolloutRecorder:
     tokens' (prompts come from the prefill). Per token and input of width K: K/2 + K/16 + 12 bytes (1.5 KB
     per token and layer on the small preset), held from the rollout to the update."""
 
-    def __init__(self):
+    def __init__(self, act_scale="tensor"):
+        self.act_scale = act_scale  # the rollout's: one global scale per tensor or per row
         self.steps, self.experts, self.n_experts = {}, {}, {}  # keyed by (paths, index)
 
     @torch.no_grad()
@@ -144,15 +144,15 @@ class RolloutRecorder:
         """x (M, K): input `index` of the layers at `paths` (q, k and v read one tensor: one record) at this
         decode step; index 1 (the experts' down input, rows sorted by expert): routes = (moe.Routing,
         expert_ids (T, A)) of this step."""
-        q = nvfp4.quantize(x)
+        q = nvfp4.quantize(x, nvfp4.activation_global_scale(x, self.act_scale))
         data, block_scale = q.data, q.block_scale.view(torch.uint8)
+        global_scale = q.global_scale.float().expand(x.shape[0])                        # (M,)
         if index == 1:  # rows sorted by expert -> assignment order t * A + a
             routing, expert_ids = routes
-            data = data.index_copy(0, routing.order, data)
-            block_scale = block_scale.index_copy(0, routing.order, block_scale)
+            data, block_scale, global_scale = (t.index_copy(0, routing.order, t)
+                                               for t in (data, block_scale, global_scale))
             self.experts.setdefault((paths, index), []).append(expert_ids)
             self.n_experts[paths, index] = routing.counts.numel()
-        global_scale = q.global_scale.reshape(1).float()
         self.steps.setdefault((paths, index), []).append((data, block_scale, global_scale))
 
     @torch.no_grad()
@@ -174,13 +174,14 @@ class RolloutRecorder:
                 A = experts.shape[-1]                                                    # experts (B, T, A)
                 data = data.view(B, A, T, -1).transpose(1, 2)[b, t].flatten(0, 1)      # (n * A, K/2)
                 block_scale = block_scale.view(B, A, T, -1).transpose(1, 2)[b, t].flatten(0, 1)
+                global_scale = global_scale.view(B, A, T).transpose(1, 2)[b, t].flatten()  # (n * A,)
                 keys = (position[:, None] * E + experts[b, t]).flatten()               # (n * A,)
                 order = keys.argsort()
                 codes = RolloutCodes(keys[order], data[order], block_scale[order].view(torch.float8_e4m3fn),
-                                     global_scale[0, t].repeat_interleave(A)[order], E)
+                                     global_scale[order], E)
             else:
                 codes = RolloutCodes(position, data[b, t], block_scale[b, t].view(torch.float8_e4m3fn),
-                                     global_scale[0, t])
+                                     global_scale[b, t])
             for path in paths:
                 by_path.setdefault(path, {})[index] = codes
         return {path: tuple(sites.get(i) for i in range(max(sites) + 1)) for path, sites in by_path.items()}
@@ -195,33 +196,34 @@ def recorded_codes(recorder, out):
 
 
 # ----------------------------------------------------------------------------- the activation rule, per mode
-def quantize_input(x, mode, rac_mask=None, codes=None, row_keys=None):
-    """A layer input x (M, K) as the symmetric modes' forward sees it, in the GEMM's dtype, with a
-    straight-through gradient to x: fq(x) (w4a4), the rollout's RAC (moeresq), rollout-guided (trace)."""
+def quantize_input(x, mode, rac_mask=None, codes=None, row_keys=None, act_scale="tensor"):
+    """A layer input x (M, K) as the symmetric modes see it, in the GEMM's dtype, straight-through to x:
+    fq(x) (w4a4), the rollout's RAC (moeresq), rollout-guided (trace); act_scale as the rollout's."""
     autocast = torch.is_autocast_enabled(x.device.type)  # the GEMM's dtype (the rollout model is BF16)
     dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
     with torch.no_grad():
         source = x.detach().to(dtype)
         if mode == "moeresq":
-            values = nvfp4.fake_quantize_activation(source, rac_mask).to(dtype)
+            values = nvfp4.fake_quantize_activation(source, rac_mask, act_scale).to(dtype)
         else:
-            values = nvfp4.fake_quantize(source)
+            values = nvfp4.fake_quantize(source, nvfp4.activation_global_scale(source, act_scale))
             if mode == "trace":
                 keys = torch.arange(x.shape[0], device=x.device) if row_keys is None else row_keys
                 values = guided_values(source, codes, keys, values)
     return straight_through(x, values)
 
 
-def _check_settings(mode, layer=False):
+def _check_settings(mode, layer=False, act_scale="tensor"):
     if layer and mode == "bf16":
         raise ValueError("a QAT layer's mode is one of 'qat', 'w4a4', 'moeresq', 'trace'")
-    if mode not in MODES:
-        raise ValueError(f"unknown QAT mode {mode!r}; choose one of {list(MODES)}")
+    if mode not in MODES or act_scale not in nvfp4.ACT_SCALES:
+        raise ValueError(f"QAT mode {mode!r}, act_scale {act_scale!r}: choose a mode of {list(MODES)} and an "
+                         f"act_scale of {list(nvfp4.ACT_SCALES)}")
 
 
-def _set_mode(layer, mode):
-    _check_settings(mode, layer=True)
-    layer.mode = mode
+def _set_mode(layer, mode, act_scale="tensor"):
+    _check_settings(mode, True, act_scale)
+    layer.mode, layer.act_scale = mode, act_scale
 
 
 def _check_masks(layer, masks, inputs):
@@ -233,10 +235,8 @@ def _check_masks(layer, masks, inputs):
 
 # ----------------------------------------------------------------------------- the weights, once per forward
 def fake_quantize_weights(weights):
-    """[nvfp4.fake_quantize_weight(w) for w in weights], bit for bit, with the same straight-through
-    gradients, but the global scales of all of them computed together: one multi-tensor amax and one
-    application of nvfp4's scale rule instead of a few small launches per weight. On the GPU a training
-    step waits on launches, not on this arithmetic (the results log has the measurement)."""
+    """[nvfp4.fake_quantize_weight(w) for w in weights], bit for bit, straight-through gradients too, with
+    all global scales from one multi-tensor amax (not a few small launches per weight: results log)."""
     with torch.no_grad():
         matrices = [m for w in weights for m in (w.detach().unbind(0) if w.dim() >= 3 else (w.detach(),))]
         amax = torch.stack(torch._foreach_norm(matrices, float("inf"))).float()        # exact: a max
@@ -246,9 +246,8 @@ def fake_quantize_weights(weights):
 
 
 class _WeightCache:
-    """Within `sharing`: the fake-quantized weights of all of a model's QAT layers, computed together
-    (fake_quantize_weights) when the first layer asks, again whenever a weight changed or the grad mode
-    did (an optimizer step between two forwards of one block, a no_grad forward before a graded one)."""
+    """Within `sharing`: all QAT layers' fake-quantized weights (fake_quantize_weights) when the first layer
+    asks, again after a weight or the grad mode changed (an optimizer step, a no_grad forward first)."""
 
     def __init__(self, layers):
         self.layers, self.key, self.values = layers, None, {}
@@ -285,16 +284,17 @@ class QATLinear(nn.Linear):
     trace. The bias stays full precision.
     """
 
-    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, mode="qat"):
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, mode="qat",
+                 act_scale="tensor"):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        _set_mode(self, mode)
+        _set_mode(self, mode, act_scale)
         self.rac_masks = self.rollout_codes = self.weight_cache = None  # only within qat.sharing(...)
 
     @classmethod
-    def from_float(cls, linear, mode="qat"):
+    def from_float(cls, linear, mode="qat", act_scale="tensor"):
         """A QATLinear holding `linear`'s own Parameter objects (an existing optimizer keeps working)."""
         qat = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
-                  mode=mode)
+                  mode=mode, act_scale=act_scale)
         qat.weight, qat.bias = linear.weight, linear.bias
         return qat.train(linear.training)
 
@@ -306,7 +306,8 @@ class QATLinear(nn.Linear):
             _check_masks(self, self.rac_masks, "(mask,)")
             mask = self.rac_masks[0] if self.rac_masks is not None else None
             codes = self.rollout_codes[0] if self.rollout_codes is not None else None
-            x = quantize_input(x.reshape(-1, x.shape[-1]), self.mode, mask, codes).view(x.shape)  # (..., K)
+            x = quantize_input(x.reshape(-1, x.shape[-1]), self.mode, mask, codes, None,
+                               self.act_scale).view(x.shape)                            # (..., K)
         (weight,) = _fake_quantized(self)
         y = F.linear(x, weight)                                                         # (..., N)
         return y if self.bias is None else y + self.bias
@@ -343,7 +344,7 @@ class QATExperts(moe.Experts):
     moeresq, `rollout_codes` = (gate_up codes by token, down codes by token * E + expert) for trace."""
 
     @classmethod
-    def from_float(cls, experts, mode="qat"):
+    def from_float(cls, experts, mode="qat", act_scale="tensor"):
         """A QATExperts holding `experts`' own Parameter objects (an existing optimizer keeps working)."""
         qat = cls.__new__(cls)
         nn.Module.__init__(qat)
@@ -352,7 +353,7 @@ class QATExperts(moe.Experts):
                 setattr(qat, name, value)
         for name, param in experts.named_parameters(recurse=False):
             setattr(qat, name, param)
-        _set_mode(qat, mode)
+        _set_mode(qat, mode, act_scale)
         qat.rac_masks = qat.rollout_codes = qat.weight_cache = None  # only within qat.sharing(...)
         return qat.train(experts.training)
 
@@ -374,7 +375,7 @@ class QATExperts(moe.Experts):
         _check_masks(self, self.rac_masks, "(gate_up mask, down mask)")
         masks = self.rac_masks or (None, None)
         codes = self.rollout_codes or (None, None)
-        x_eff = quantize_input(x, self.mode, masks[0], codes[0])                       # (T, D)
+        x_eff = quantize_input(x, self.mode, masks[0], codes[0], None, self.act_scale)  # (T, D)
         dtype = x_eff.dtype
         gate_up, down = gate_up.to(dtype), down.to(dtype)
         x_sorted = x_eff[routing.token_ids]                                            # (R, D)
@@ -383,7 +384,7 @@ class QATExperts(moe.Experts):
         down_keys = None
         if codes[1] is not None:  # which (token, expert) pair each sorted row is
             down_keys = routing.token_ids * self.n_experts + expert_ids.reshape(-1)[routing.order]
-        hidden = quantize_input(F.silu(gate) * up, self.mode, masks[1], codes[1], down_keys)
+        hidden = quantize_input(F.silu(gate) * up, self.mode, masks[1], codes[1], down_keys, self.act_scale)
         y_sorted = _grouped_linear(hidden, routing, down, grouped)                     # (R, D)
         return moe.combine_expert_outputs(y_sorted, routing, expert_weights)
 
@@ -392,20 +393,20 @@ class QATExperts(moe.Experts):
 
 
 # ----------------------------------------------------------------------------- conversion
-def convert_for_training(model, mode, quantize_router=False, quantize_lm_head=False):
+def convert_for_training(model, mode, quantize_router=False, quantize_lm_head=False, act_scale="tensor"):
     """Swap moe.py's layers for QAT layers in mode `mode` (MODES) in place; returns the model. Converted:
     moe.Attention's projections and moe.Experts; with the flags the routers and the LM head. Converted
-    layers take the new mode. Parameters are reused, not copied (an existing optimizer keeps working)."""
-    _check_settings(mode)
+    layers take the new mode. Parameters are reused, not copied (an existing optimizer keeps working).
+    act_scale: the symmetric modes' activation global scale, per "tensor" or per "row" (the rollout's)."""
+    _check_settings(mode, act_scale=act_scale)
     if mode == "bf16":
         return model
     for parent, name, child in moe.swappable_layers(model, quantize_router, quantize_lm_head):
         if isinstance(child, (QATLinear, QATExperts)):
-            _set_mode(child, mode)
-        elif isinstance(child, moe.Experts):
-            setattr(parent, name, QATExperts.from_float(child, mode))
+            _set_mode(child, mode, act_scale)
         else:
-            setattr(parent, name, QATLinear.from_float(child, mode))
+            setattr(parent, name, (QATExperts if isinstance(child, moe.Experts) else QATLinear).from_float(
+                child, mode, act_scale))
     return model
 
 

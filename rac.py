@@ -12,24 +12,22 @@ A rollout layer computes y = x @ W.T, W (N, K), both operands blocked by 16 alon
 
 Whole blocks keep the weight's codes and block scales valid for the residual term, so RAC never re-reads
 weights. rac_ratio 0 is naive NVFP4, 1 compensates every block (QUADS uses about 0.5). The residual shares
-x's global scale (its blocks are 6-16x smaller: their E4M3 scales still fit): nvfp4.quantize_activation, as
-in training. The global scale is dynamic because RL changes the weights every step (a static one goes stale
-and saturates the outlier channels that hurt NVFP4 most); the price: a token's rounding depends on its batch.
+x's global scale (nvfp4.quantize_activation, as in training). That scale is dynamic, since RL changes the
+weights every step, per tensor (the paper's: a token's rounding then depends on its batch) or per row
+(act_scale="row": it does not). Modes beside W4A4, to separate the two error sources: "w4a16" (the same
+weights and GEMMs, activations unquantized) and "w16a4" (full-precision weights on the reference path).
 
 Reading order: references (plain PyTorch, fp32), block selection, the layers (q/k/v_proj share one
-selection, quantization and GEMM: SharedInput; the experts' weights in gpu_kernels/expert_layout.py's
-order), conversion and sync, TRACE's `recording`, the fast path
-(gpu_kernels/w4a4_*.py, each naming its reference here), and `backend`, the one place a path is chosen.
-Hopper (sm_89/sm_90): one quantizer launch, fp16 MMAs on the FP4 weight decoded in registers (or once, for
-prefill), the experts as one grouped GEMM with SwiGLU and router weights in its epilogues. Blackwell:
-`tl.dot_scaled` on the codes, numerics UNTESTED (no such GPU here), checked against the Hopper kernels on
-first use and dropped with a one-line warning if they differ.
+selection, quantization and GEMM: SharedInput), conversion and sync, TRACE's `recording`, the fast path
+(gpu_kernels/w4a4_*.py and expert_layout.py), and `backend`, the one place a path is chosen. Hopper:
+one quantizer launch, fp16 MMAs on the FP4 weight decoded in registers (or once, for prefill), the experts
+as one grouped GEMM with SwiGLU and router weights in its epilogues. Blackwell: `tl.dot_scaled` on the
+codes, numerics UNTESTED (no such GPU here), checked against the Hopper kernels on first use.
 
 Shape letters: M rows (tokens or token-expert assignments), K reduction dim, N output features, G = K / 16
 blocks, T tokens, A active experts per token, R = T * A assignments, E experts, D model dim, I expert hidden.
-
-Left out: static activation scales, q/k/v stacking in the trainer, per-expert RAC block selection, a one-row
-GEMV (RL decodes whole batches: finished rows keep their slot), FP4 KV caches. The FP8 baseline is fp8.py.
+Left out: static activation scales, per-expert RAC block selection, a one-row GEMV (RL decodes whole
+batches: finished rows keep their slot), FP4 KV caches. The FP8 baseline is fp8.py.
 """
 import contextlib
 import functools
@@ -57,7 +55,8 @@ try:  # no Triton, or one before 3.5 (no Gluon): the experts run on the Triton k
 except ImportError:
     w4a4_experts_gluon = None
 
-MODES = ("bf16", "fp8", "nvfp4")
+MODES = ("bf16", "fp8", "nvfp4", "w4a16", "w16a4")
+NVFP4_MODES = ("nvfp4", "w4a16", "w16a4")  # the NVFP4 layers' modes: W4A4, weights only, activations only
 GLUON_EXPERTS_BELOW = 2048         # tokens: from here on the experts run on the Triton kernel (prefill)
 KERNEL_CAPABILITY = (8, 9)         # the kernels' E4M3 conversions (cvt.*.e4m3x2) need sm_89 or later
 _PARTS = ("data", "block_scale", "global_scale")  # an NVFP4 weight's three buffers
@@ -65,11 +64,11 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # ======================================================================== the references (plain PyTorch)
-def quantize_activation_reference(x, rac_mask=None):
-    """x (M, K) -> (x_q, residual): NVFP4 codes of x (dynamic global scale) and of x - DQ(x_q) on the blocks
-    where rac_mask (G,) is True (zero elsewhere; x's global scale), or None without a mask."""
+def quantize_activation_reference(x, rac_mask=None, act_scale="tensor"):
+    """x (M, K) -> (x_q, residual): NVFP4 codes of x (dynamic global scale, per tensor or row) and of
+    x - DQ(x_q) on the blocks where rac_mask (G,) is True (zero elsewhere; x's global scale), or None."""
     _check_input(x, rac_mask, "quantize_activation_reference")
-    return nvfp4.quantize_activation(x, rac_mask)
+    return nvfp4.quantize_activation(x, rac_mask, act_scale)
 
 
 def matmul_reference(x_q, w_q, residual=None, out_dtype=torch.bfloat16, w=None):
@@ -108,9 +107,10 @@ def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_
 
 
 def _dequantized(q, residual=None):
-    """DQ(q) in fp32, (..., N, K), q an NVFP4Tensor or experts' ExpertWeights; plus DQ(residual) if given."""
+    """DQ(q) in fp32, (..., N, K), q an NVFP4Tensor or experts' ExpertWeights (a float tensor: itself, as
+    w4a16's activations); plus DQ(residual) if given."""
     q = unchunk_experts(q) if isinstance(q, ExpertWeights) else q
-    x = nvfp4.dequantize_reference(q, torch.float32)
+    x = q.float() if isinstance(q, torch.Tensor) else nvfp4.dequantize_reference(q, torch.float32)
     return x if residual is None else x + nvfp4.dequantize_reference(residual, torch.float32)
 
 
@@ -120,9 +120,9 @@ class RACSelector(nn.Module):
     round(rac_ratio * G) (half up) blocks with the largest mean |x - DQ(Q(x))| over the calibration inputs
     (calibrate_rac: start / finish), else over the first input seen. Ratio 0 selects nothing."""
 
-    def __init__(self, n_blocks, rac_ratio=0.0, device=None):
+    def __init__(self, n_blocks, rac_ratio=0.0, device=None, act_scale="tensor"):
         super().__init__()
-        self.n_blocks = n_blocks
+        self.n_blocks, self.act_scale = n_blocks, act_scale
         self.register_buffer("mask", torch.zeros(n_blocks, dtype=torch.bool, device=device))
         self.register_buffer("error_sum", torch.zeros_like(self.mask, dtype=torch.float64), persistent=False)
         self.set_ratio(rac_ratio)
@@ -152,7 +152,7 @@ class RACSelector(nn.Module):
         if self.n_selected == 0:
             return None
         if self.calibrating or not self.calibrated:  # sum of M * mean |x - DQ(Q(x))| per block
-            residual = x.float() - nvfp4.dequantize(nvfp4.quantize(x), torch.float32)  # (M, K)
+            residual = x.float() - nvfp4.fake_quantize_activation(x, None, self.act_scale)  # (M, K)
             error = residual.abs().reshape(-1, x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE).mean(dim=(0, 2))  # (G,)
             self.error_sum += error.double() * x.shape[0]
             self.mask.zero_()
@@ -173,9 +173,11 @@ def unchunk_experts(w):
 class DequantizedWeight:
     """DQ(W) in fp32 for a layer's reference path, kept while W's buffers are the same tensors, unmodified
     (inference tensors: never kept): else a sixth of a CPU `python train.py` redoes it."""
-    held, value = (), None  # held: (tensor, version), so that their memory is not reused
+    held, value, full = (), None, None  # held: (tensor, version), so that their memory is not reused
 
     def __call__(self, q):
+        if self.full is not None:  # w16a4: the full-precision weight itself
+            return self.full
         tensors = (q.data, q.block_scale, q.global_scale)
         if any(t.is_inference() for t in tensors):
             return _dequantized(q)
@@ -184,35 +186,47 @@ class DequantizedWeight:
         return self.value
 
 
-def _quantized_input(x2, rac_mask):
-    """What a layer's GEMM takes of x2 (M, K): the quantizer's Activation on the kernels, else the codes."""
-    return (quantize_activation_triton if use_triton(x2) else quantize_activation_reference)(x2, rac_mask)
+def _kernels(x, layer):
+    """Does `layer` run the kernels on x? Not in mode w16a4: a full-precision weight (an ablation)."""
+    return use_triton(x) and layer.mode != "w16a4"
+
+
+def _quantized_input(x2, rac_mask, layer, kernels=None):
+    """What a layer's GEMM takes of x2 (M, K): on the kernels the quantizer's Activation (w4a16: x's operand,
+    unquantized), else the codes (x_q, residual) (w4a16: x2 itself, no residual)."""
+    if _kernels(x2, layer) if kernels is None else kernels:
+        return quantize_activation_triton(x2, rac_mask, act_scale=layer.act_scale, quantize=layer.mode != "w4a16")
+    return (x2, None) if layer.mode == "w4a16" else quantize_activation_reference(x2, rac_mask, layer.act_scale)
+
 
 
 class NVFP4Linear(nn.Module):
-    """W4A4 nn.Linear: NVFP4 weights (`weight_q`), activations quantized per call, RAC where `rac` picks."""
+    """W4A4 nn.Linear: NVFP4 weights (`weight_q`), activations quantized per call, RAC where `rac` picks.
+    mode "w4a16": activations unquantized; "w16a4": full-precision weights (the twin path), NVFP4 inputs."""
 
-    def __init__(self, in_features, out_features, bias=False, rac_ratio=0.0, device=None):
+    def __init__(self, in_features, out_features, bias=False, rac_ratio=0.0, device=None, mode="nvfp4",
+                 act_scale="tensor"):
         super().__init__()
         _check_blocks("NVFP4Linear", in_features)
-        self.in_features, self.out_features = in_features, out_features
+        _check_mode(mode, rac_ratio, act_scale, NVFP4_MODES)
+        self.in_features, self.out_features, self.mode, self.act_scale = in_features, out_features, mode, act_scale
         for part, buffer in zip(_PARTS, (
                 torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device),
                 torch.zeros(out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
                 torch.ones((), dtype=torch.float32, device=device))):
             self.register_buffer(f"weight_{part}", buffer)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
-        self.rac = RACSelector(in_features // BLOCK_SIZE, rac_ratio, device=device)
-        self.weight_fp32 = DequantizedWeight()  # the twin path's DQ(W)
+        self.rac = RACSelector(in_features // BLOCK_SIZE, rac_ratio, device=device, act_scale=act_scale)
+        self.weight_fp32 = DequantizedWeight()  # the twin path's DQ(W) (w16a4: W)
         self.shared_input = None  # a SharedInput when layers read the same input (convert_for_rollout)
 
     weight_q = property(lambda self: NVFP4Tensor(self.weight_data, self.weight_block_scale,
                                                  self.weight_global_scale))
 
     @classmethod
-    def from_float(cls, linear, rac_ratio=0.0):
+    def from_float(cls, linear, rac_ratio=0.0, mode="nvfp4", act_scale="tensor"):
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    rac_ratio=rac_ratio, device=linear.weight.device)
+                    rac_ratio=rac_ratio, device=linear.weight.device, mode=mode, act_scale=act_scale)
         layer.load_weight(linear.weight, linear.bias)
         return layer
 
@@ -225,6 +239,8 @@ class NVFP4Linear(nn.Module):
         q = nvfp4.quantize_weight(weight.detach())
         for part in _PARTS:
             getattr(self, f"weight_{part}").copy_(getattr(q, part))
+        if self.mode == "w16a4":
+            self.weight_fp32.full = weight.detach().float().clone()
         if bias is not None and self.bias is not None:
             self.bias.copy_(bias)
 
@@ -232,7 +248,7 @@ class NVFP4Linear(nn.Module):
         fp8.check_layer_input(x, self.in_features, self.weight_data.device, "NVFP4Linear")
         x2 = x.reshape(-1, self.in_features)                                             # (M, K)
         y = (self.shared_input.output(self, x, x2) if self.shared_input is not None
-             else self._matmul(x2, _quantized_input(x2, self.rac(x2))))
+             else self._matmul(x2, _quantized_input(x2, self.rac(x2), self)))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -240,13 +256,14 @@ class NVFP4Linear(nn.Module):
     def _matmul(self, x2, act):
         """x2 (M, K) @ DQ(W).T in x2's dtype, on act = _quantized_input(x2, rac_mask)."""
         w_q = self.weight_q
-        if use_triton(x2):
+        if isinstance(act, Activation):
             return layer_matmul(act, w_q, x2.dtype)
         x_q, residual = act                                                              # the twin's codes
         return matmul_reference(x_q, w_q, residual, torch.float32, self.weight_fp32(w_q)).to(x2.dtype)
 
     def extra_repr(self):
-        return f"in={self.in_features}, out={self.out_features}, rac_ratio={self.rac.rac_ratio}"
+        return (f"in={self.in_features}, out={self.out_features}, rac_ratio={self.rac.rac_ratio}, mode={self.mode}, "
+                f"act_scale={self.act_scale}")
 
 
 def stack_weights(weights):
@@ -277,13 +294,11 @@ class SharedInput:
 
     def _stacked(self):
         """The stacked weight, or None (and one warning) if a layer's buffers are no longer views of it."""
-        if self._offsets() == self.offsets:
-            return self.weight_q
-        if not self.warned:
+        if self._offsets() != self.offsets and not self.warned:
             warnings.warn("rac.SharedInput: q/k/v_proj's weights are no longer views of their stacked weight "
                           "(moved or replaced after convert_for_rollout?): running three GEMMs")
             self.warned = True
-        return None
+        return self.weight_q if self._offsets() == self.offsets else None
 
     def output(self, layer, x, x2):
         """`layer`'s output on x (x2: x as (M, K)), computed now or kept from the first reader of x."""
@@ -293,10 +308,10 @@ class SharedInput:
             if not self.waiting:  # everyone has read it: keep nothing alive
                 self.input = self.outputs = None
             return y
-        act = _quantized_input(x2, layer.rac(x2))
+        act = _quantized_input(x2, layer.rac(x2), layer)
         if x.is_inference():
             return layer._matmul(x2, act)
-        stacked = self._stacked() if use_triton(x2) else None
+        stacked = self._stacked() if _kernels(x2, layer) else None
         outputs = (layer_matmul(act, stacked, x2.dtype, self.splits) if stacked is not None
                    else [other._matmul(x2, act) for other in self.layers])
         self.input, self.version, self.outputs = x, x._version, outputs
@@ -305,30 +320,33 @@ class SharedInput:
 
 
 class NVFP4Experts(nn.Module):
-    """W4A4 moe.Experts: NVFP4 weights (a global scale per expert), two grouped GEMMs, RAC on each input."""
+    """W4A4 moe.Experts: NVFP4 weights (a global scale per expert), two grouped GEMMs, RAC on each input;
+    the modes as NVFP4Linear's."""
 
-    def __init__(self, n_experts, dim, expert_dim, rac_ratio=0.0, device=None):
+    def __init__(self, n_experts, dim, expert_dim, rac_ratio=0.0, device=None, mode="nvfp4", act_scale="tensor"):
         super().__init__()
         _check_blocks("NVFP4Experts (model dim)", dim)
         _check_blocks("NVFP4Experts (expert dim)", expert_dim)
+        _check_mode(mode, rac_ratio, act_scale, NVFP4_MODES)
         self.n_experts, self.dim, self.expert_dim = E, D, I = n_experts, dim, expert_dim
+        self.mode, self.act_scale = mode, act_scale
         for name, (N, K) in (("gate_up", (2 * I, D)), ("down", (D, I))):  # in ExpertWeights' layout
             empty = NVFP4Tensor(torch.zeros(E, N, K // 2, dtype=torch.uint8, device=device),
                                 torch.zeros(E, N, K // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
                                 torch.ones(E, dtype=torch.float32, device=device))
             for part, buffer in zip(_PARTS, chunk_experts(empty)):
                 self.register_buffer(f"{name}_{part}", buffer)
-        self.rac_gate_up = RACSelector(D // BLOCK_SIZE, rac_ratio, device=device)
-        self.rac_down = RACSelector(I // BLOCK_SIZE, rac_ratio, device=device)
-        self.gate_up_fp32, self.down_fp32 = DequantizedWeight(), DequantizedWeight()  # the twin path's
+        self.rac_gate_up = RACSelector(D // BLOCK_SIZE, rac_ratio, device=device, act_scale=act_scale)
+        self.rac_down = RACSelector(I // BLOCK_SIZE, rac_ratio, device=device, act_scale=act_scale)
+        self.gate_up_fp32, self.down_fp32 = DequantizedWeight(), DequantizedWeight()  # the twin path's (w16a4: W)
 
     gate_up_w = property(lambda self: ExpertWeights(*(getattr(self, f"gate_up_{part}") for part in _PARTS)))
     down_w = property(lambda self: ExpertWeights(*(getattr(self, f"down_{part}") for part in _PARTS)))
 
     @classmethod
-    def from_float(cls, experts, rac_ratio=0.0):
+    def from_float(cls, experts, rac_ratio=0.0, mode="nvfp4", act_scale="tensor"):
         E, two_I, D = experts.gate_up_proj.shape
-        layer = cls(E, D, two_I // 2, rac_ratio, device=experts.gate_up_proj.device)
+        layer = cls(E, D, two_I // 2, rac_ratio, experts.gate_up_proj.device, mode, act_scale)
         layer.load_weights(experts.gate_up_proj, experts.down_proj)
         return layer
 
@@ -343,39 +361,41 @@ class NVFP4Experts(nn.Module):
             q = chunk_experts(nvfp4.quantize_weight(w.detach()))
             for part in _PARTS:
                 getattr(self, f"{name}_{part}").copy_(getattr(q, part))
+            if self.mode == "w16a4":
+                getattr(self, f"{name}_fp32").full = w.detach().float().clone()
 
     def forward(self, x, expert_ids, expert_weights):
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) -> (T, D) in x.dtype, as moe.Experts."""
         fp8.check_layer_input(x, self.dim, self.gate_up_data.device, "NVFP4Experts")
         routing = moe.route_tokens(expert_ids, self.n_experts)
-        forward = self._forward_triton if use_triton(x) else self._forward_reference
+        forward = self._forward_triton if _kernels(x, self) else self._forward_reference
         y_sorted = forward(x, routing, expert_weights.reshape(-1), (routing, expert_ids))  # (R, D), weighted
         return moe.sum_expert_rows(y_sorted, routing, expert_ids.shape[1]).to(x.dtype)
 
     def _forward_triton(self, x, routing, expert_weights, routes=None):
         """x (T, D), routing, expert_weights (T * A,) -> (R, D): each sorted row times its router weight."""
         T = x.shape[0]  # the layer's token count chooses the experts' kernel, not its R rows
-        act = quantize_activation_triton(x, self.rac_gate_up(x))
+        act = _quantized_input(x, self.rac_gate_up(x), self, kernels=True)
         hidden = grouped_matmul_triton(act, self.gate_up_w, routing.counts, row_ids=routing.token_ids,
                                        swiglu=True, out_dtype=x.dtype, tokens=T)          # (R, I)
-        act = quantize_activation_triton(hidden, self.rac_down(hidden, routes))
+        act = _quantized_input(hidden, self.rac_down(hidden, routes), self, kernels=True)
         return grouped_matmul_triton(act, self.down_w, routing.counts, row_weights=expert_weights,
                                      row_weight_ids=routing.order, out_dtype=x.dtype, tokens=T)  # (R, D)
 
     def _forward_reference(self, x, routing, expert_weights, routes=None):
         """The twin: the same quantization steps, dequantized, a loop of fp32 matmuls over experts."""
         gate_up_w, down_w = self.gate_up_w, self.down_w
-        x_q, residual = quantize_activation_reference(x, self.rac_gate_up(x))
+        x_q, residual = _quantized_input(x, self.rac_gate_up(x), self, kernels=False)
         hidden = grouped_matmul_reference(x_q, gate_up_w, routing.counts, residual, row_ids=routing.token_ids,
                                           swiglu=True, out_dtype=x.dtype, w=self.gate_up_fp32(gate_up_w))
-        h_q, residual = quantize_activation_reference(hidden, self.rac_down(hidden, routes))
+        h_q, residual = _quantized_input(hidden, self.rac_down(hidden, routes), self, kernels=False)
         return grouped_matmul_reference(h_q, down_w, routing.counts, residual, row_weights=expert_weights,
                                         out_dtype=torch.float32, w=self.down_fp32(down_w),
                                         row_weight_ids=routing.order)
 
     def extra_repr(self):
         return (f"n_experts={self.n_experts}, dim={self.dim}, expert_dim={self.expert_dim}, "
-                f"rac_ratio={self.rac_gate_up.rac_ratio}")
+                f"rac_ratio={self.rac_gate_up.rac_ratio}, mode={self.mode}, act_scale={self.act_scale}")
 
 
 def selectors(layer):
@@ -387,22 +407,20 @@ def selectors(layer):
 
 
 # ======================================================================== conversion, sync, calibration
-def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quantize_lm_head=False):
+def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quantize_lm_head=False,
+                        act_scale="tensor"):
     """Swap a moe.py model's layers for rollout layers in place; returns the model. mode "bf16": unchanged,
-    "fp8": W8A8 (fp8.py), "nvfp4": W4A4 with RAC on round(rac_ratio * G) blocks of each layer input. Swapped:
-    moe.Attention's projections and moe.Experts (qat.py's subclass them), with the flags the routers and the
-    LM head; q/k/v_proj share one SharedInput. Embeddings and norms stay."""
-    if mode not in MODES:
-        raise ValueError(f"unknown rollout mode {mode!r}; choose one of {list(MODES)}")
-    _check_ratio(rac_ratio)
-    if rac_ratio > 0 and mode != "nvfp4":
-        raise ValueError(f"rac_ratio={rac_ratio} compensates NVFP4 activations; mode {mode!r} has none")
+    "fp8": W8A8 (fp8.py), "nvfp4": W4A4 with RAC on round(rac_ratio * G) blocks of each layer input (each
+    input's global scale per "tensor" or "row": act_scale), "w4a16": NVFP4 weights alone, "w16a4": NVFP4
+    activations alone (an ablation on the reference path). Swapped: moe.Attention's projections and moe.Experts
+    (qat.py's subclass them), with the flags the routers and the LM head; q/k/v_proj share one SharedInput."""
+    _check_mode(mode, rac_ratio, act_scale)
     if mode == "bf16":
         return model
     for parent, name, child in moe.swappable_layers(model, quantize_router, quantize_lm_head):
         experts = isinstance(child, moe.Experts)
-        setattr(parent, name, (NVFP4Experts if experts else NVFP4Linear).from_float(child, rac_ratio)
-                if mode == "nvfp4" else (fp8.FP8Experts if experts else fp8.FP8Linear).from_float(child))
+        setattr(parent, name, (NVFP4Experts if experts else NVFP4Linear).from_float(child, rac_ratio, mode, act_scale)
+                if mode in NVFP4_MODES else (fp8.FP8Experts if experts else fp8.FP8Linear).from_float(child))
     for attention in model.modules():
         layers = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
         if isinstance(attention, moe.Attention) and all(isinstance(m, NVFP4Linear) for m in layers):
@@ -430,8 +448,7 @@ def sync_weights(rollout_model, trainer_model):
                  if isinstance(m, (NVFP4Linear, NVFP4Experts, fp8.FP8Linear, fp8.FP8Experts))}
     for path, module in rollout_model.named_modules():
         if isinstance(module, (NVFP4Linear, fp8.FP8Linear)):
-            module.load_weight(master(path, "weight"),
-                               master(path, "bias") if module.bias is not None else None)
+            module.load_weight(master(path, "weight"), master(path, "bias") if module.bias is not None else None)
         elif isinstance(module, (NVFP4Experts, fp8.FP8Experts)):
             module.load_weights(master(path, "gate_up_proj"), master(path, "down_proj"))
     for name, param in rollout_model.named_parameters(remove_duplicate=False):
@@ -487,14 +504,15 @@ class Activation(NamedTuple):
         return self.x_q.data, self.x_q.block_scale, *((None, None) if r is None else (r.data, r.block_scale))
 
 
-def quantize_activation_triton(x, rac_mask=None, codes=None, operand=None):
+def quantize_activation_triton(x, rac_mask=None, codes=None, operand=None, act_scale="tensor", quantize=True):
     """x (M, K) -> Activation: the codes of x and its RAC residual (codes=True: quantize_activation_reference
     bit for bit), the Hopper GEMMs' fp16 operand (operand=True); None: what this device's GEMMs take."""
     _check_input(x, rac_mask, "quantize_activation_triton", kernel=True)
     native = backend(x.device) == "native"
     codes, operand = native if codes is None else codes, (not native) if operand is None else operand
+    extra = {} if (act_scale, quantize) == ("tensor", True) else dict(row_scale=act_scale == "row", quantize=quantize)
     data, scale, r_data, r_scale, planes, global_scale = w4a4_quantize.quantize_activation(
-        x, rac_mask, codes, operand)
+        x, rac_mask, codes, operand, **extra)
     return Activation(NVFP4Tensor(data, scale, global_scale) if codes else None,
                       NVFP4Tensor(r_data, r_scale, global_scale) if r_data is not None else None,
                       planes, global_scale)
@@ -598,6 +616,16 @@ def _check_ratio(rac_ratio):
         raise ValueError(f"rac_ratio must be a number in [0, 1], got {rac_ratio!r}")
 
 
+def _check_mode(mode, rac_ratio, act_scale, modes=MODES):
+    if mode not in modes:
+        raise ValueError(f"unknown rollout mode {mode!r}; choose one of {list(modes)}")
+    if act_scale not in nvfp4.ACT_SCALES:
+        raise ValueError(f"act_scale must be one of {list(nvfp4.ACT_SCALES)}, got {act_scale!r}")
+    for name, value, default in (("rac_ratio", rac_ratio, 0), ("act_scale", act_scale, "tensor")):
+        if value != default and mode not in ("nvfp4", "w16a4"):
+            raise ValueError(f"{name}={value!r} concerns NVFP4 activations; mode {mode!r} has none")
+
+
 def _check_blocks(name, n, label="{} features"):
     if n % BLOCK_SIZE:
         raise ValueError(f"{name}: {label.format(n)} is not a multiple of the NVFP4 block size {BLOCK_SIZE}")
@@ -620,18 +648,17 @@ def _check_input(x, rac_mask, name, kernel=False):
 
 
 def _check_operands(x_q, w_q, residual, name, stacked=False):
-    for label, q in (("x_q", x_q), ("w_q", w_q), ("residual", residual)):
-        experts = stacked and label == "w_q"  # an NVFP4Tensor or ExpertWeights
-        if q is not None and not isinstance(q, (NVFP4Tensor, ExpertWeights) if experts else NVFP4Tensor):
-            raise ValueError(f"{name}: {label} must be an NVFP4Tensor{' or ExpertWeights' * experts}, got "
-                             f"{type(q).__name__}")
+    for label, q, other in (("x_q", x_q, torch.Tensor), ("w_q", w_q, ExpertWeights if stacked else NVFP4Tensor),
+                            ("residual", residual, NVFP4Tensor)):  # x_q: a float tensor in mode w4a16
+        if q is not None and not isinstance(q, (NVFP4Tensor, other)):
+            raise ValueError(f"{name}: {label} must be an NVFP4Tensor or {other.__name__}, got {type(q).__name__}")
     if len(x_q.shape) != 2 or len(w_q.shape) != 2 + stacked or x_q.shape[-1] != w_q.shape[-1]:
         raise ValueError(f"{name}: expected x_q (M, K) and w_q {'(E, N, K)' if stacked else '(N, K)'}, K "
                          f"differs: x_q {x_q.shape} vs w_q {w_q.shape}")
     if x_q.device != w_q.device or residual is not None and (residual.shape, residual.device) != (
             x_q.shape, x_q.device):
         raise ValueError(f"{name}: x_q, w_q and residual must be on one device, the residual x_q's shape")
-    if residual is not None and not torch.equal(residual.global_scale.reshape(()), x_q.global_scale.reshape(())):
+    if residual is not None and not torch.equal(residual.global_scale, x_q.global_scale):
         raise ValueError(f"{name}: the residual must share x_q's global scale")
 
 

@@ -21,7 +21,8 @@ One RL step, as `rl_step` reads:
 
 A recipe (RECIPES) sets the trainer's forward (qat.py's mode) and the rollout's linear layers (rac.py's
 mode): bf16, fp8 and nvfp4 train in BF16; qat fake-quantizes the trainer's weights, rac adds RAC to the
-NVFP4 rollout, quads does both; w4a4, moeresq and trace quantize the trainer's activations too. What the
+NVFP4 rollout, quads does both; w4a4, moeresq and trace quantize the trainer's activations too; w4a16,
+qat-w4a16 and w16a4 quantize one rollout operand (--act-scale row: activation scales per row). What the
 trainer takes from the rollout is an argument of its forward (qat.SharedState): moeresq the rollout's RAC
 block masks, trace the codes its rollout recorded (rac.recording into qat.RolloutRecorder; eager decode).
 
@@ -31,11 +32,10 @@ corrects it per token). `--minibatches N`: N optimizer steps on shuffled rows, s
 `--mipu`: ratios against the rollout's log-probs; an update is kept only if the synced rollout raises the
 batch's advantage-weighted likelihood (grpo.mipu_proxy), else weights and optimizer are restored.
 
-The starting policy: the task, the model, a supervised warm-start on the task's (deliberately imperfect)
-demonstrations, cached by everything that determines it. In tools/: a run's directory, checkpoints,
---resume, Ctrl-C, config checks (runs.py), torchrun (distributed.py), the comparison, figures, the audit.
-Defaults: on a CPU the tiny preset and a short run, on a GPU the small preset and the full experiment.
-Every field of TrainConfig is a command-line flag (see --help).
+The starting policy: a supervised warm-start on the task's (deliberately imperfect) demonstrations, cached.
+In tools/: a run's directory, checkpoints, --resume, Ctrl-C and config checks (runs.py), torchrun
+(distributed.py), the comparison, figures, the audit. Defaults: on a CPU the tiny preset and a short run,
+on a GPU the small preset and the full experiment. Every field of TrainConfig is a flag (see --help).
 """
 import copy
 import hashlib
@@ -53,6 +53,7 @@ from tqdm import tqdm
 
 import grpo
 import moe
+import nvfp4
 import qat
 import rac
 import rollout
@@ -66,8 +67,10 @@ from tools.runs import (ConfigError, HeldInterrupt, atomic_save, check_run_dir, 
 RECIPES = {"bf16": ("bf16", "bf16", False), "fp8": ("bf16", "fp8", False), "nvfp4": ("bf16", "nvfp4", False),
            "qat": ("qat", "nvfp4", False), "rac": ("bf16", "nvfp4", True), "quads": ("qat", "nvfp4", True),
            "w4a4": ("w4a4", "nvfp4", False), "moeresq": ("moeresq", "nvfp4", True),
-           "trace": ("trace", "nvfp4", False)}
-CHOICES = {"recipe": RECIPES, "preset": moe.PRESETS, "task": tasks.TASKS}  # checked, and listed in --help
+           "trace": ("trace", "nvfp4", False), "w4a16": ("bf16", "w4a16", False),
+           "qat-w4a16": ("qat", "w4a16", False), "w16a4": ("bf16", "w16a4", False)}
+CHOICES = {"recipe": RECIPES, "preset": moe.PRESETS, "task": tasks.TASKS,  # checked, and listed in --help
+           "act_scale": nvfp4.ACT_SCALES}
 
 
 @dataclass
@@ -113,6 +116,7 @@ class TrainConfig:
     r3: bool = False               # replay the rollout's expert routes in the trainer (R3)
     rac_ratio: float = 0.5         # fraction of activation blocks compensated by RAC (rac, quads, moeresq)
     rac_refresh: int = 1           # recalibrate the RAC block selection every N weight syncs
+    act_scale: str = "tensor"      # NVFP4 activations' global scale: per tensor (the paper's) or per row
 
     def __post_init__(self):
         runs.validate(self, CHOICES)
@@ -129,23 +133,24 @@ class TrainConfig:
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, default)
-        if self.eval_every is None:
-            self.eval_every = max(1, self.steps // 5)
+        self.eval_every = max(1, self.steps // 5) if self.eval_every is None else self.eval_every
         runs.require(self.minibatches <= self.prompts_per_step * self.group_size, "minibatches", self.minibatches,
                 f"must be at most prompts x group size = {self.prompts_per_step * self.group_size}")
         world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun: each rank needs rows for every mini-batch
         runs.require(self.prompts_per_step // world * self.group_size >= self.minibatches, "prompts-per-step",
                 self.prompts_per_step, f"must give each of the {world} ranks at least --minibatches "
                 f"{self.minibatches} rows ({self.group_size} per prompt)")
+        runs.refuse(self.act_scale != "tensor" and RECIPES[self.recipe][1] not in ("nvfp4", "w16a4"), "act-scale",
+                    f"{self.act_scale!r} scales NVFP4 activations; recipe {self.recipe} has none")
         self.run_name = self.run_name or variant_name(self)
 
 
 def variant_name(cfg, ratio_given=False):
-    """recipe[@rac_ratio][+tisC][+r3][+mbN][+mipu]: the ratio when not the default, or when asked."""
+    """recipe[@rac_ratio][+row][+tisC][+r3][+mbN][+mipu]: the ratio when not the default, or when asked."""
     ratio = RECIPES[cfg.recipe][2] and (ratio_given or cfg.rac_ratio != TrainConfig.rac_ratio)
-    return (cfg.recipe + (f"@{cfg.rac_ratio:g}" if ratio else "") + (f"+tis{cfg.tis:g}" if cfg.tis else "")
-            + ("+r3" if cfg.r3 else "") + (f"+mb{cfg.minibatches}" if cfg.minibatches > 1 else "")
-            + ("+mipu" if cfg.mipu else ""))
+    return (cfg.recipe + (f"@{cfg.rac_ratio:g}" if ratio else "") + "+row" * (cfg.act_scale == "row")
+            + (f"+tis{cfg.tis:g}" if cfg.tis else "") + "+r3" * cfg.r3
+            + (f"+mb{cfg.minibatches}" if cfg.minibatches > 1 else "") + "+mipu" * cfg.mipu)
 
 
 # ----------------------------------------------------------------------------- the starting policy
@@ -192,9 +197,8 @@ def build_model(cfg, task):
 
 def autocast(cfg):
     """BF16 compute with FP32 master weights on the GPU; plain FP32 on the CPU (exact, for tests)."""
-    if cfg.device.startswith("cuda"):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+    gpu = cfg.device.startswith("cuda")
+    return torch.autocast("cuda", dtype=torch.bfloat16) if gpu else torch.autocast("cpu", enabled=False)
 
 
 # ----------------------------------------------------------------------------- warm-start
@@ -245,7 +249,7 @@ def warmstart(cfg, model, task, tokenizer):
     return model
 
 
-def rollout_dtype(cfg):
+def rollout_dtype(cfg):  # it and the two helpers below serve tools/ too
     return torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
 
 
@@ -285,9 +289,9 @@ def build_recipe(cfg, model, recipe, rac_ratio):
     converted in place) and, for trace, the recorder of the rollout's codes (else None)."""
     train_mode, rollout_mode, _ = RECIPES[recipe]
     rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype(cfg)), rollout_mode,
-                                            rac_ratio=rac_ratio)
-    trainer = qat.convert_for_training(model, train_mode)
-    return rollout_model, trainer, qat.RolloutRecorder() if train_mode == "trace" else None
+                                            rac_ratio=rac_ratio, act_scale=cfg.act_scale)
+    trainer = qat.convert_for_training(model, train_mode, act_scale=cfg.act_scale)
+    return rollout_model, trainer, qat.RolloutRecorder(cfg.act_scale) if train_mode == "trace" else None
 
 
 def shared_state(rollout_model, train_mode, codes=None):
@@ -581,8 +585,7 @@ def step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_roll
     if seq.routes is not None:
         pairs = seq.loss_mask.sum().item() * routes.shape[0]          # valid (token, layer) pairs
         local = grpo.routing_disagreement(routes, seq.routes, seq.loss_mask) if pairs else 0.0
-        disagreed, total_pairs = distributed.all_sum([local * pairs, pairs], ranks).tolist()
-        disagreement = disagreed / total_pairs if total_pairs else math.nan
+        disagreement = distributed.weighted_mean([local], pairs, ranks)[0]
     n_tokens, n_rows = distributed.all_sum([out.completion_mask.sum().item(), out.completion_mask.shape[0]],
                                            ranks).tolist()
     return {"reward": gather(rewards, ranks).mean().item(), **update_metrics(s.cfg, minibatch_stats),
@@ -606,10 +609,7 @@ def mipu_decide(s, step, seq, advantages, old_logp, shared, before, accepted):
         trainer_logp = trainer_logprobs(cfg, s.trainer, seq, shared)[0]
     trainer_proxy = grpo.mipu_proxy(trainer_logp, old_logp, advantages, mask)
     if s.ranks.enabled:
-        tokens = mask.sum().item()
-        proxy, trainer_proxy, total = distributed.all_sum([proxy * tokens, trainer_proxy * tokens, tokens],
-                                                          s.ranks).tolist()
-        proxy, trainer_proxy = proxy / max(total, 1), trainer_proxy / max(total, 1)
+        proxy, trainer_proxy = distributed.weighted_mean([proxy, trainer_proxy], mask.sum().item(), s.ranks, 0.0)
     if proxy <= 0:
         s.trainer.load_state_dict(state[0])
         s.optimizer.load_state_dict(state[1])

@@ -323,10 +323,12 @@ def test_conversion_keeps_parameters_names_and_full_precision_layers():
 
 
 BAD_CALLS = [  # (id, call, what the message names, the problem it states)
-    ("unknown mode", lambda: qat.convert_for_training(tiny_model(std=0.1), mode="nvfp4"), "'nvfp4'",
-     "unknown QAT mode"),
+    ("unknown mode", lambda: qat.convert_for_training(tiny_model(std=0.1), mode="nvfp4"), "QAT mode 'nvfp4'",
+     "choose a mode of ['bf16', 'qat', 'w4a4', 'moeresq', 'trace']"),
     ("mode case", lambda: qat.convert_for_training(tiny_model(std=0.1), mode="QAT"), "'QAT'",
-     "choose one of"),
+     "choose a mode of"),
+    ("act_scale", lambda: qat.convert_for_training(tiny_model(std=0.1), "w4a4", act_scale="col"),
+     "act_scale 'col'", "an act_scale of ['tensor', 'row']"),
     ("moeresq without the rollout's selection",
      lambda: qat.convert_for_training(tiny_model(std=0.1), "moeresq")(tokens()), "mode 'moeresq'",
      "has no RAC selection"),
@@ -465,14 +467,16 @@ def test_trace_rounds_to_the_rollouts_code_across_a_boundary_and_its_own_elsewhe
     assert torch.equal(x.grad, torch.ones_like(x))
 
 
-def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tokens():
+@pytest.mark.parametrize("act_scale", ["tensor", "row"])
+def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tokens(act_scale):
     """A real rollout: the recorder keeps, per completion token, what the rollout's quantizer used. In
     layer 0 the q projection's input of a token depends on that token alone, so the trainer sees the same
-    values as the rollout but quantizes the whole batch at another global scale: rollout-guided rounding
-    must give back exactly the rollout's dequantized values on every completion token, its own elsewhere."""
+    values as the rollout; with one global scale per tensor it quantizes the whole batch at another scale:
+    rollout-guided rounding must give back exactly the rollout's dequantized values on every completion
+    token, its own elsewhere. With one per row the trainer's own rounding already is the rollout's."""
     model = tiny_model(std=0.2)
-    rollout_model = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")
-    recorder = qat.RolloutRecorder()
+    rollout_model = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4", act_scale=act_scale)
+    recorder = qat.RolloutRecorder(act_scale)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     out = rollout.generate(rollout_model, prompts, 3, 6, eos_id=9, pad_id=0, seed=0,
                            decode_context=lambda: rac.recording(rollout_model, recorder.record))
@@ -487,14 +491,14 @@ def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tok
                                                          record.global_scale))
     assert nbytes == n_tokens * (64 // 2 + 64 // 16 + 4 + 8)                           # the docstring's bound
 
-    trainer = qat.convert_for_training(copy.deepcopy(model), "trace")
+    trainer = qat.convert_for_training(copy.deepcopy(model), "trace", act_scale=act_scale)
     layer = trainer.layers[0].attn.q_proj
     seen = {}
     layer.register_forward_hook(lambda m, args, output: seen.update(x=args[0].reshape(-1, 64)))
     trainer(seq.tokens)
     x = seen["x"]                                                                    # (B * W, K)
-    guided = qat.quantize_input(x, "trace", codes=codes["q"][0])
-    own = nvfp4.fake_quantize(x)
+    guided = qat.quantize_input(x, "trace", codes=codes["q"][0], act_scale=act_scale)
+    own = qat.quantize_input(x, "w4a4", act_scale=act_scale)
     rows = codes["q"][0].keys
     q_codes = codes["q"][0]
     rollout_values = torch.cat([nvfp4.dequantize(nvfp4.NVFP4Tensor(data, scale, global_scale), torch.float32)
@@ -502,7 +506,8 @@ def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tok
                                                                      q_codes.block_scale[:, None],
                                                                      q_codes.global_scale)])
     assert torch.equal(guided[rows], rollout_values)
-    assert not torch.equal(own[rows], rollout_values)  # the trainer's own rounding differs (another scale)
+    # the trainer's own rounding differs with another global scale, is the rollout's with the row's own
+    assert torch.equal(own[rows], rollout_values) == (act_scale == "row")
     others = torch.ones(B * W, dtype=torch.bool)
     others[rows] = False
     assert torch.equal(guided[others], own[others])
@@ -510,7 +515,7 @@ def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tok
     rows = torch.tensor([3, 0])
     sub = codes["q"][0].select_rows(rows, W)
     trainer(seq.tokens[rows])
-    guided_sub = qat.quantize_input(seen["x"], "trace", codes=sub)
+    guided_sub = qat.quantize_input(seen["x"], "trace", codes=sub, act_scale=act_scale)
     old_keys = rows[sub.keys // W] * W + sub.keys % W
     assert sub.keys.numel() == int(seq.loss_mask[rows].sum())
     assert torch.equal(guided_sub[sub.keys], guided[old_keys])
@@ -520,6 +525,15 @@ def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tok
     b, w = position // W, position % W
     assert seq.loss_mask[b, w].all()
     assert (seq.routes[1, b, w] == expert[:, None]).any(-1).all()
+
+
+def test_symmetric_modes_with_row_scales_quantize_each_row_as_if_alone():
+    x = torch.randn(6, 64) * torch.logspace(-2, 2, 6)[:, None]                      # rows of every size
+    mask = torch.tensor([True, False, False, True])
+    for mode, rac_mask in (("w4a4", None), ("moeresq", mask)):
+        alone = torch.cat([qat.quantize_input(row[None], mode, rac_mask) for row in x])  # tensor = the row
+        assert torch.equal(qat.quantize_input(x, mode, rac_mask, act_scale="row"), alone), mode
+        assert not torch.equal(qat.quantize_input(x, mode, rac_mask), alone), mode
 
 
 def test_layers_sharing_a_record_share_its_mini_batch_too():

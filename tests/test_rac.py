@@ -292,6 +292,67 @@ def test_the_twin_path_dequantizes_a_weight_again_whenever_it_changes():
     assert not torch.equal(after, before)
 
 
+# ============================================================================ the error sources: w4a16, w16a4
+def _oracle_w16a4(x, w, mask, act_scale):
+    """Each row quantized alone (per row) or the tensor at once, then a float64 product with w itself."""
+    rows = [nvfp4.fake_quantize_activation(r[None], mask) for r in x] if act_scale == "row" else [
+        nvfp4.fake_quantize_activation(x, mask)]
+    return (torch.cat(rows).double() @ w.double().T).float()
+
+
+@pytest.mark.parametrize("act_scale", ["tensor", "row"])
+def test_w16a4_layer_is_the_fake_quantized_input_times_the_full_precision_weight(act_scale):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=False)
+    x = _outlier_activations(6, 64, seed=1, dtype=torch.float32)()
+    layer = rac.NVFP4Linear.from_float(linear, rac_ratio=0.5, mode="w16a4", act_scale=act_scale)
+    mask = layer.rac(x)                                      # calibrated on x: half of the 4 blocks
+    assert int(mask.sum()) == 2
+    expected = _oracle_w16a4(x, linear.weight.detach(), mask, act_scale)
+    assert report_diff(layer(x), expected, "w16a4 vs oracle")[0] <= 1e-5 * expected.abs().max()
+    quantized = rac.NVFP4Linear.from_float(linear, rac_ratio=0.5, act_scale=act_scale)(x)  # W4A4 differs
+    assert (quantized - expected).abs().max() > 1e-3 * expected.abs().max()
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w16a4"])
+def test_weight_only_and_activation_only_experts_equal_moe_with_one_operand_quantized(mode):
+    torch.manual_seed(0)
+    experts, x = moe.Experts(moe.MoEConfig.from_preset("tiny")), torch.randn(10, 64)
+    nn.init.normal_(experts.gate_up_proj, std=0.2), nn.init.normal_(experts.down_proj, std=0.2)
+    ids, weights = torch.rand(10, experts.n_experts).topk(2, dim=-1).indices, torch.rand(10, 2)
+    layer = rac.NVFP4Experts.from_float(experts, mode=mode)
+    reference = copy.deepcopy(experts)
+    fq = nvfp4.fake_quantize_activation
+    if mode == "w4a16":  # moe.py's experts with DQ(W): the activations untouched
+        with torch.no_grad():
+            for name in ("gate_up_proj", "down_proj"):
+                getattr(reference, name).copy_(nvfp4.fake_quantize_weight(getattr(experts, name)))
+        expected = reference(x, ids, weights)
+    else:  # an independent loop: each input fake-quantized as one tensor, float64 products
+        routing = moe.route_tokens(ids, experts.n_experts)
+        x_sorted = fq(x)[routing.token_ids].double()
+        gate_up = torch.cat([x_e @ w.double().T for x_e, w in zip(x_sorted.split(routing.counts.tolist()),
+                                                                    experts.gate_up_proj.detach())])
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        h = fq(torch.nn.functional.silu(gate) * up).double()
+        y = torch.cat([h_e @ w.double().T for h_e, w in zip(h.split(routing.counts.tolist()),
+                                                              experts.down_proj.detach())]).float()
+        expected = moe.combine_expert_outputs(y, routing, weights)
+    got = layer(x, ids, weights)
+    assert report_diff(got, expected, f"{mode} experts")[0] <= 1e-5 * expected.abs().max()
+
+
+def test_a_rows_quantization_under_row_scales_does_not_depend_on_its_batch():
+    x = _outlier_activations(64, 64, seed=2, dtype=torch.float32)()
+    x[5] *= 1000.0                                             # one loud row sets the tensor's scale
+    mask = torch.tensor([True, False, True, False])
+    for act_scale, same in (("row", True), ("tensor", False)):
+        batch, _ = nvfp4.quantize_activation(x, mask, act_scale)
+        alone, _ = nvfp4.quantize_activation(x[:1], mask, act_scale)
+        assert torch.equal(batch.data[:1], alone.data) == same, act_scale
+        assert same_bits(batch.block_scale[:1], alone.block_scale) == same, act_scale
+
+
 def test_sync_weights_reloads_exactly_the_qat_weights():
     trainer = tiny_model(vocab_size=48)
     rollout = rac.convert_for_rollout(copy.deepcopy(trainer), "nvfp4", rac_ratio=0.5)
@@ -367,8 +428,8 @@ BAD_CALLS = [  # (id, call, what the message names, the problem it states)
                                                     nvfp4.quantize(torch.randn(4, 32)),
                                                     nvfp4.quantize(torch.randn(2, 32))),
     "residual", "must share x_q's global scale"),
-    ("x_q type", lambda: rac.matmul_reference(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 32))),
-     "x_q", "must be an NVFP4Tensor, got Tensor"),
+    ("x_q type", lambda: rac.matmul_reference([1.0], nvfp4.quantize(torch.randn(4, 32))),
+     "x_q", "must be an NVFP4Tensor or Tensor, got list"),
     ("router weight ids", lambda: rac.grouped_matmul_triton(*_grouped_call(), row_weights=torch.ones(6),
                                                             row_weight_ids=torch.arange(3)),
      "row_weight_ids", "one id per row (4,), got (3,) and row_weights (6,)"),
@@ -408,7 +469,15 @@ BAD_CALLS = [  # (id, call, what the message names, the problem it states)
     ("mode", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "int4"), "'int4'",
      "unknown rollout mode"),
     ("fp8 with RAC", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "fp8", rac_ratio=0.5),
-     "rac_ratio=0.5", "compensates NVFP4 activations; mode 'fp8' has none"),
+     "rac_ratio=0.5", "concerns NVFP4 activations; mode 'fp8' has none"),
+    ("w4a16 with RAC", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "w4a16", rac_ratio=0.5),
+     "rac_ratio=0.5", "mode 'w4a16' has none"),
+    ("act_scale", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4", act_scale="col"),
+     "act_scale", "one of ['tensor', 'row'], got 'col'"),
+    ("w4a16 row scale", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "w4a16", act_scale="row"),
+     "act_scale='row'", "mode 'w4a16' has none"),
+    ("layer mode", lambda: rac.NVFP4Linear(32, 8, mode="fp8"), "'fp8'",
+     "choose one of ['nvfp4', 'w4a16', 'w16a4']"),
     ("sync target", lambda: rac.sync_weights(rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4"),
                                              nn.Linear(2, 2)),
      "sync_weights", "has no parameter 'layers.0.attn.q_proj.weight'"),

@@ -272,6 +272,46 @@ def test_sampled_rows_do_not_depend_on_the_rest_of_the_batch(model):
         completion_list(shifted, 1) != completion_list(batch, 1)
 
 
+def _alone_and_in_a_batch(model, n_others=63, **kwargs):
+    """Row 0's rollout alone and in a batch with n_others random prompts (the same row id and seed)."""
+    generator = torch.Generator().manual_seed(11)
+    others = [torch.randint(1, VOCAB, (int(n),), generator=generator).tolist()
+              for n in torch.randint(2, 16, (n_others,), generator=generator)]
+    kwargs = dict(num_samples=1, max_new_tokens=16, temperature=1.0, seed=5, **kwargs)
+    return rollout.generate(model, PROMPTS[:1], **kwargs), rollout.generate(model, PROMPTS[:1] + others, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["nvfp4", "w16a4"])
+def test_row_scales_make_a_quantized_rows_rollout_independent_of_its_batch(mode):
+    """Per tensor, a token's NVFP4 rounding depends on the largest value anywhere in its decode batch; per
+    row, on its own row only: the row's tokens are the same alone and among 63 other rows, and its log-probs
+    differ by the fp32 order of the model's GEMMs only (as a BF16 rollout's do; those are not batch-invariant
+    on the CPU either)."""
+    import rac
+    for act_scale in ("row", "tensor"):
+        model = rac.convert_for_rollout(peaked_model(), mode, act_scale=act_scale)
+        alone, batch = _alone_and_in_a_batch(model)
+        same_tokens = completion_list(alone, 0) == completion_list(batch, 0)
+        gap = (alone.logprobs[0] - batch.logprobs[0]).abs().max().item() if same_tokens else math.inf
+        print(f"{mode} {act_scale}: tokens {'equal' if same_tokens else 'differ'}, max |dlogp| {gap:.2e}")
+        assert (same_tokens and gap < 1e-5) == (act_scale == "row"), act_scale
+
+
+@pytest.mark.cuda
+def test_cuda_row_scales_make_a_rows_rollout_independent_of_its_batch():
+    import rac
+    gaps = {}
+    for act_scale in ("row", "tensor"):
+        model = rac.convert_for_rollout(peaked_model(device="cuda", dtype=torch.bfloat16), "nvfp4",
+                                        act_scale=act_scale)
+        alone, batch = _alone_and_in_a_batch(model)
+        assert alone.used_cuda_graph and batch.used_cuda_graph
+        same = completion_list(alone, 0) == completion_list(batch, 0)
+        gaps[act_scale] = (alone.logprobs[0] - batch.logprobs[0]).abs().max().item() if same else math.inf
+    print("H200 row 0 alone vs among 63 others, max |dlogp|:", gaps)
+    assert gaps["row"] < gaps["tensor"]
+
+
 # -------------------------------------------------------------------------------------------- arguments, pool
 def _generate(**kwargs):
     """rollout.generate on valid defaults with kwargs replacing some of them, as a call given the model."""

@@ -276,12 +276,15 @@ def test_a_hugging_face_checkpoint_trains_on_a_local_gsm8k_file(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["fp8", "rac", "w4a4"])
+@pytest.mark.parametrize("recipe", ["fp8", "rac", "w4a4", "w4a16", "qat-w4a16", "w16a4"])
 def test_the_other_recipes_run_end_to_end(out_dir, recipe):
     records = read_metrics(train.run(tiny_config(out_dir, recipe=recipe, steps=2, eval_every=2)),
                            rl_steps_only=True)
     assert [r["step"] for r in records] == [1, 2]
-    assert records[0]["mismatch/abs_diff_mean"] > 1e-4  # every one of them rolls out in low precision
+    if recipe == "qat-w4a16":  # the trainer's fake-quantized weights are the rollout's: one function
+        assert records[0]["mismatch/abs_diff_mean"] < 1e-5
+    else:                      # every other one rolls out in a precision its trainer does not compute in
+        assert records[0]["mismatch/abs_diff_mean"] > 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -374,6 +377,9 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(),
      "argument --minibatches: must be at most prompts x group size = 128, got 129"),
     (["--mipu", "--tis", "2"], "argument --mipu: not allowed with argument --tis"),
     (["--fsdp"], "argument --fsdp: shards the trainer across torchrun ranks"),
+    (["--act-scale", "col"], "argument --act-scale: choose from tensor, row, got 'col'"),
+    (["--recipe", "w4a16", "--act-scale", "row"],
+     "argument --act-scale: 'row' scales NVFP4 activations; recipe w4a16 has none"),
 ])
 def test_a_bad_value_exits_2_with_one_line_naming_the_flag_and_writes_nothing(flags, message, tmp_path,
                                                                               capsys):
@@ -785,6 +791,19 @@ def test_mipu_keeps_an_accepted_candidate_and_restores_a_rejected_one(out_dir, m
 def test_minibatches_and_mipu_name_the_run():
     cfg = train.TrainConfig(device="cpu", recipe="nvfp4", minibatches=4, mipu=True)
     assert cfg.run_name == "nvfp4+mb4+mipu"
+    assert train.TrainConfig(device="cpu", recipe="quads", act_scale="row").run_name == "quads+row"
+
+
+@pytest.mark.slow
+def test_row_scales_let_a_symmetric_trainer_round_each_token_as_its_rollout_did(out_dir):
+    # the trainer quantizes the whole batch at once, the rollout one decode step of it at a time: with one
+    # global scale per tensor their roundings differ, with one per row they are the same function of the row
+    gap = {act_scale: read_metrics(train.run(tiny_config(out_dir, recipe="w4a4", steps=1, eval_every=1,
+                                                         act_scale=act_scale, run_name=f"w4a4-{act_scale}")),
+                                   rl_steps_only=True)[0]["mismatch/abs_diff_mean"]
+           for act_scale in ("tensor", "row")}
+    print("step-1 mean |dlogp| of w4a4:", gap)
+    assert gap["tensor"] > 1e-3 and gap["row"] < 1e-5
 
 
 # --------------------------------------------------------------------------- torchrun (gloo, 2 CPU processes)

@@ -90,6 +90,13 @@ def all_sum(values, ranks):
     return values.cpu()
 
 
+def weighted_mean(values, weight, ranks, empty=math.nan):
+    """Each of `values` (this rank's means) averaged over the ranks, weighted by each rank's `weight` (its
+    tokens): one all-reduce; `empty` where no rank has any weight."""
+    *sums, total = all_sum([v * weight for v in values] + [weight], ranks).tolist()
+    return [v / total if total else empty for v in sums]
+
+
 def _collective_device(ranks):
     return (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
             else torch.device("cpu"))

@@ -176,11 +176,9 @@ class DequantizedWeight:
     held, value, full = (), None, None  # held: (tensor, version), so that their memory is not reused
 
     def __call__(self, q):
-        if self.full is not None:  # w16a4: the full-precision weight itself
-            return self.full
         tensors = (q.data, q.block_scale, q.global_scale)
-        if any(t.is_inference() for t in tensors):
-            return _dequantized(q)
+        if self.full is not None or any(t.is_inference() for t in tensors):  # w16a4: the full weight itself
+            return self.full if self.full is not None else _dequantized(q)
         if len(self.held) != 3 or any(t is not h or t._version != v for t, (h, v) in zip(tensors, self.held)):
             self.held, self.value = [(t, t._version) for t in tensors], _dequantized(q)
         return self.value
@@ -498,10 +496,8 @@ class Activation(NamedTuple):
     operand: torch.Tensor | None  # (2, M, K/2) fp16 planes of (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
     global_scale: torch.Tensor    # () fp32
 
-    @property
-    def codes(self):  # as the Blackwell kernels take them: x's data and scales, the residual's (or None)
-        r = self.residual
-        return self.x_q.data, self.x_q.block_scale, *((None, None) if r is None else (r.data, r.block_scale))
+    codes = property(lambda self: (self.x_q.data, self.x_q.block_scale, *(  # as the Blackwell kernels take them
+        (None, None) if self.residual is None else (self.residual.data, self.residual.block_scale))))
 
 
 def quantize_activation_triton(x, rac_mask=None, codes=None, operand=None, act_scale="tensor", quantize=True):
@@ -663,10 +659,9 @@ def _check_operands(x_q, w_q, residual, name, stacked=False):
 
 
 def _check_row_weights(row_weights, row_weight_ids, n_rows, name):
-    if row_weight_ids is not None and (row_weights is None or row_weight_ids.shape != (n_rows,)):
-        weights = None if row_weights is None else tuple(row_weights.shape)
+    weights = None if row_weights is None else tuple(row_weights.shape)
+    if row_weight_ids is not None and (weights is None or row_weight_ids.shape != (n_rows,)):
         raise ValueError(f"{name}: row_weight_ids must index row_weights with one id per row ({n_rows},), "
                          f"got {tuple(row_weight_ids.shape)} and row_weights {weights}")
-    if row_weights is not None and row_weight_ids is None and row_weights.shape != (n_rows,):
-        raise ValueError(f"{name}: row_weights must hold one weight per row ({n_rows},), got "
-                         f"{tuple(row_weights.shape)}")
+    if weights is not None and row_weight_ids is None and weights != (n_rows,):
+        raise ValueError(f"{name}: row_weights must hold one weight per row ({n_rows},), got {weights}")

@@ -65,6 +65,20 @@ def test_audit_scores_one_batch_three_ways_per_recipe(quads_run, capsys):
     assert sorted(os.listdir(folder)) == ["audit.json", "audit.md", "batch_nvfp4.pt"]
 
 
+def test_row_scales_and_batches_are_audited_and_row_scales_close_the_engines_own_gap(quads_run, tmp_path,
+                                                                                    capsys):
+    main_exit([quads_run, "--recipes", "nvfp4,nvfp4+row", "--batches", "2", "--device", "cpu", "--out",
+               str(tmp_path)], capsys)
+    with open(tmp_path / "audit.json") as f:
+        results = json.load(f)["recipes"]
+    assert sorted(results) == ["nvfp4 (batch 1)", "nvfp4 (batch 2)", "nvfp4+row (batch 1)", "nvfp4+row (batch 2)"]
+    for batch in (1, 2):  # per row, decode and prefill round each token alike: A - B at the fp32 order
+        tensor, row = results[f"nvfp4 (batch {batch})"], results[f"nvfp4+row (batch {batch})"]
+        assert tensor["A-B"]["abs_diff_mean"] > 1e-3 and row["A-B"]["abs_diff_max"] < 1e-4
+        assert row["A-C"]["abs_diff_mean"] > 1e-3  # the BF16 trainer still computes another function
+    assert os.path.isfile(tmp_path / "batch_nvfp4+row_2.pt")
+
+
 def test_audit_builds_the_symmetric_recipes_as_training_does(quads_run, tmp_path, capsys):
     """moeresq's trainer takes the rollout's RAC masks and trace's the codes its rollout recorded: so
     moeresq's trainer equals the rollout's prefill (B = C), and trace's follows its decode (C ~ A)."""
@@ -82,7 +96,10 @@ def test_audit_builds_the_symmetric_recipes_as_training_does(quads_run, tmp_path
 
 @pytest.mark.parametrize("argv, message", [
     (["RUN", "--recipes", "bf16,int3"], "argument --recipes: choose from bf16"),
-    (["RUN", "--recipes", "bf16,"], f"argument --recipes: choose from {', '.join(train.RECIPES)}, got ''"),
+    (["RUN", "--recipes", "bf16,"], f"argument --recipes: choose from {', '.join(train.RECIPES)}, each "
+     "optionally with +row, got ''"),
+    (["RUN", "--recipes", "nvfp4+col"], "argument --recipes: choose from bf16"),
+    (["RUN", "--batches", "0"], "argument --batches: must be an integer >= 1, got 0"),
     (["/nonexistent/run"], "argument RUN: no checkpoint at '/nonexistent/run'"),
     (["RUN", "--device", "tpu"], "argument --device: choose from cpu, cuda, cuda:N, got 'tpu'"),
 ])

@@ -2,6 +2,7 @@
 
     python -m tools.audit runs/quads                                   # bf16, nvfp4, quads
     python -m tools.audit runs/quads/checkpoint.pt --recipes moeresq,trace --device cpu
+    python -m tools.audit runs/quads --recipes nvfp4,nvfp4+row,w4a16,w16a4 --batches 2
 
     A  the log-probs the rollout engine recorded while it generated the batch (decode, one token a step)
     B  the same rollout model re-scoring the same tokens in one prefill (rollout.score), done twice
@@ -9,8 +10,9 @@
 
 A - B isolates the engine's own nondeterminism (decode vs prefill numerics; the dynamic per-tensor
 activation scale that makes a token's rounding depend on the rest of its GEMM); B - C is precision (the
-rollout's quantized layers against the trainer's); B - B' must be 0 (a repeatable prefill). For each, over
-the completion tokens: signed mean, mean absolute error, p95, p99 and max of |d|.
+rollout's quantized layers against the trainer's); A - C is what the loss sees; B - B' must be 0 (a
+repeatable prefill). For each, over the completion tokens: signed mean, mean absolute error, p95, p99 and
+max of |d|. A recipe name with `+row` runs it with --act-scale row; --batches N scores N batches each.
 
 The run's own config (preset, task, batch shape, temperature, RAC ratio, seed) is used, with this
 command's device. Every recipe starts from the checkpoint's weights and scores a batch it sampled itself
@@ -41,7 +43,7 @@ SKIPPED = ("device", "run_name", "resume", "overwrite", "threads", "mipu", "tis"
 
 
 def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", overwrite=False,
-          cuda_graph=True):
+          cuda_graph=True, batches=1):
     """Audit the checkpoint at `path` (a run directory or a checkpoint file) -> the path of audit.md."""
     ckpt_path = path if os.path.isfile(path) else os.path.join(path, "checkpoint.pt")
     if not os.path.isfile(ckpt_path):
@@ -61,14 +63,16 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
     task = train.build_task(cfg)
     model, tokenizer = train.build_model(cfg, task)
     model.load_state_dict(ckpt["trainer"])  # QAT layers keep moe.py's parameter names
-    problems = task.sample(cfg.prompts_per_step, "train", random.Random(cfg.seed + 4242))
     calib_tokens = train.calibration_tokens(cfg, task, tokenizer)  # the run's RAC calibration batch
     for name in earlier:  # --overwrite: the earlier audit's files, nothing else of the directory
         os.remove(os.path.join(out_dir, name))
     os.makedirs(out_dir, exist_ok=True)
 
     results = {}
-    for recipe in recipes:
+    for spec, batch in ((spec, b) for spec in recipes for b in range(batches)):
+        recipe, _, scale = spec.partition("+")
+        cfg = dataclasses.replace(cfg, recipe=recipe, act_scale=scale or "tensor", run_name="audit")
+        problems = task.sample(cfg.prompts_per_step, "train", random.Random(cfg.seed + 4242 + batch))
         rac_ratio = cfg.rac_ratio if train.RECIPES[recipe][2] else 0.0
         rollout_model, trainer, recorder = train.build_recipe(cfg, copy.deepcopy(model), recipe, rac_ratio)
         if rac_ratio > 0:
@@ -76,7 +80,7 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
         record = (lambda m=rollout_model: train.rac.recording(m, recorder.record)) if recorder else None
         out = rollout.generate(rollout_model, train.encode_prompts(tokenizer, problems), cfg.group_size,
                                train.max_new_tokens(cfg, task), temperature=cfg.temperature,
-                               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=cfg.seed + 4242,
+                               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=cfg.seed + 4242 + batch,
                                cuda_graph=cuda_graph, decode_context=record)
         codes = qat.recorded_codes(recorder, out) if recorder is not None else None
         shared = train.shared_state(rollout_model, train.RECIPES[recipe][0], codes)
@@ -87,23 +91,25 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
                               for _ in range(2))                                         # B, B'
         with torch.no_grad():
             trainer_logp, _ = train.trainer_logprobs(cfg, trainer, seq, shared)            # C
-        results[recipe] = {"tokens": int(mask.sum()), "A-B": grpo.mismatch_metrics(recorded, rescored, mask),
-                           "B-C": grpo.mismatch_metrics(rescored, trainer_logp, mask),
-                           "B-B replay max": (rescored - replayed)[mask].abs().max().item()}
+        name = spec + (f" (batch {batch + 1})" if batches > 1 else "")
+        results[name] = {"tokens": int(mask.sum()), "A-B": grpo.mismatch_metrics(recorded, rescored, mask),
+                         "B-C": grpo.mismatch_metrics(rescored, trainer_logp, mask),
+                         "A-C": grpo.mismatch_metrics(recorded, trainer_logp, mask),
+                         "B-B replay max": (rescored - replayed)[mask].abs().max().item()}
         runs.atomic_save({"tokens": seq.tokens.cpu(), "loss_mask": seq.loss_mask.cpu(), "A": recorded.cpu(),
                            "B": rescored.cpu(), "C": trainer_logp.cpu()},
-                          os.path.join(out_dir, f"batch_{recipe}.pt"))
+                          os.path.join(out_dir, f"batch_{spec}" + (f"_{batch + 1}" if batches > 1 else "") + ".pt"))
         del rollout_model, trainer
 
     header = (f"Log-prob audit of {ckpt_path} (RL step {ckpt['step']}): {cfg.prompts_per_step} prompts x "
               f"{cfg.group_size} samples per recipe, preset {cfg.preset or cfg.model}, temperature "
               f"{cfg.temperature:g}, {device}, torch {torch.__version__}. d in nats over completion tokens; "
               "A recorded at decode, B one-prefill re-score, C trainer forward.")
-    columns = (["recipe", "tokens"] + [f"{pair} {name}" for pair in ("A-B", "B-C") for name, _ in STATS]
+    columns = (["recipe", "tokens"] + [f"{pair} {name}" for pair in ("A-B", "B-C", "A-C") for name, _ in STATS]
                + ["B replay max"])
     lines = [header, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for recipe, r in results.items():
-        cells = [recipe, str(r["tokens"])] + [f"{r[pair][key]:.2e}" for pair in ("A-B", "B-C")
+        cells = [recipe, str(r["tokens"])] + [f"{r[pair][key]:.2e}" for pair in ("A-B", "B-C", "A-C")
                                               for _, key in STATS]
         lines.append("| " + " | ".join(cells + [f"{r['B-B replay max']:.1e}"]) + " |")
     table = "\n".join(lines) + "\n"
@@ -126,16 +132,21 @@ def main(argv=None):
     parser.add_argument("--device", default="", help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--out", default="", help="the audit's directory (default: RUN/audit_step<N>)")
     parser.add_argument("--overwrite", action="store_true", help="replace an audit that is there")
+    parser.add_argument("--batches", type=int, default=1, help="batches scored per recipe, each its own prompts "
+                        "and sampling seed (default: 1)")
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                         help="decode steps as a captured CUDA graph (GPU only) (default: True)")
     args = parser.parse_args(argv)
     try:
-        for recipe in args.recipes.split(","):  # (an empty name, as in "bf16,", is refused too)
-            runs.require(recipe in train.RECIPES, "recipes", recipe,
-                          f"choose from {', '.join(train.RECIPES)}")
+        for spec in args.recipes.split(","):  # (an empty name, as in "bf16,", is refused too)
+            recipe, plus, scale = spec.partition("+")
+            runs.require(recipe in train.RECIPES and scale in (("row",) if plus else ("",)), "recipes", spec,
+                         f"choose from {', '.join(train.RECIPES)}, each optionally with +row")
+        runs.require(args.batches >= 1, "batches", args.batches, "must be an integer >= 1")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         train.TrainConfig(device=device)  # checks the device as train.py does
-        return audit(args.run, args.recipes.split(","), device, args.out, args.overwrite, args.cuda_graph)
+        return audit(args.run, args.recipes.split(","), device, args.out, args.overwrite, args.cuda_graph,
+                     args.batches)
     except runs.ConfigError as error:
         parser.error(str(error))
 

@@ -618,12 +618,16 @@ def _bench_rollout_vs_hf(n_prompts=16, num_samples=16, max_new_tokens=128, vocab
     torch.cuda.empty_cache()
 
 
+# (name, rollout mode, RAC ratio[, activation scale])
 DECODE_VARIANTS = [("moe.py BF16 (not converted)", None, 0.0), ("rac bf16", "bf16", 0.0),
                    ("rac fp8", "fp8", 0.0), ("rac nvfp4", "nvfp4", 0.0),
-                   ("rac nvfp4 + RAC 0.5", "nvfp4", 0.5)]
+                   ("rac nvfp4, row scales", "nvfp4", 0.0, "row"), ("rac nvfp4 + RAC 0.5", "nvfp4", 0.5),
+                   ("rac w4a16", "w4a16", 0.0)]
 DECODE_CHECKS = [("rac nvfp4 / rac fp8", "rac nvfp4", "rac fp8", 1.3),
                  ("rac nvfp4 / rac bf16", "rac nvfp4", "rac bf16", 1.6),
-                 ("rac nvfp4 + RAC 0.5 / rac nvfp4", "rac nvfp4 + RAC 0.5", "rac nvfp4", 0.95)]
+                 ("rac nvfp4 + RAC 0.5 / rac nvfp4", "rac nvfp4 + RAC 0.5", "rac nvfp4", 0.95),
+                 ("rac nvfp4, row scales / rac nvfp4", "rac nvfp4, row scales", "rac nvfp4", 0.97),
+                 ("rac w4a16 / rac nvfp4", "rac w4a16", "rac nvfp4", 1.0)]
 
 
 def bench_racsweep(args):
@@ -652,11 +656,11 @@ def _bench_decode_per_precision(rac, batches=(64, 256), prompt_len=64, short=16,
 
     rates = {}  # (name, batch) -> decode tokens/s
     rows = []
-    for name, mode, rac_ratio in variants:
+    for name, mode, rac_ratio, *act_scale in variants:
         model = copy.deepcopy(base)
         try:
             if mode is not None:
-                rac.convert_for_rollout(model, mode, rac_ratio=rac_ratio)
+                rac.convert_for_rollout(model, mode, rac_ratio=rac_ratio, act_scale=(act_scale or ["tensor"])[0])
             for batch in batches:
                 # end to end (the side column): the fastest of five calls per length, as a disturbed
                 # call moves a difference of two times by several %; the rate itself is timed from
@@ -725,8 +729,9 @@ def bench_prefill(args, batch=4, length=1024, rounds=5, replays=10):
         base = moe.MoETransformer(config).to(torch.bfloat16).eval()
     tokens = torch.randint(1, config.vocab_size, (batch, length), device="cuda")
     graphs = {}
-    for name, mode, rac_ratio in DECODE_VARIANTS[1:]:
-        model = rac.convert_for_rollout(copy.deepcopy(base), mode, rac_ratio=rac_ratio)
+    for name, mode, rac_ratio, *act_scale in DECODE_VARIANTS[1:]:
+        model = rac.convert_for_rollout(copy.deepcopy(base), mode, rac_ratio=rac_ratio,
+                                        act_scale=(act_scale or ["tensor"])[0])
         with torch.no_grad():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

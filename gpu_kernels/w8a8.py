@@ -155,13 +155,15 @@ def _mainloop(x_ptr, x_rows, row_mask, stride_x, x_scale, w_ptr, w_rows, w_mask,
 # ------------------------------------------------------------------ autotuning
 # (BLOCK_M token rows, BLOCK_N weight rows, BLOCK_K, warps, stages, SPLIT_K) per M bucket. Decode buckets stream
 # the weight: few token rows, long contiguous runs per weight row (BLOCK_K bytes), and enough (N tile, K split)
-# programs to keep every SM's loads in flight; prefill tiles are square-ish for the tensor cores. Under the
-# interpreter one small configuration per bucket, splitting K in the decode buckets so that tests run the
-# split-K epilogue.
+# programs to keep every SM's loads in flight (k/v_proj's 512 rows are 8 tiles of 64: splits of 8); prefill tiles
+# are square-ish for the tensor cores. All compile for sm_90 with Triton 3.6 without spilling (ptxas), but for the
+# fused variant of (128, 64, 128) (a few registers). Under the interpreter one small configuration per bucket,
+# splitting K in the decode buckets so that tests run the split-K epilogue.
 DENSE_CONFIGS = {
-    16: [(16, 64, 256, 4, 4, 2), (16, 64, 256, 4, 3, 4), (16, 128, 256, 4, 3, 2), (16, 64, 128, 4, 4, 4)],
+    16: [(16, 64, 256, 4, 4, 2), (16, 64, 256, 4, 3, 4), (16, 128, 256, 4, 3, 2), (16, 64, 128, 4, 4, 4),
+         (16, 64, 128, 4, 3, 8)],
     64: [(32, 64, 256, 4, 3, 2), (64, 64, 256, 4, 3, 2), (64, 128, 128, 4, 4, 1), (32, 128, 256, 8, 3, 1),
-         (64, 64, 128, 4, 4, 4)],
+         (64, 64, 128, 4, 4, 4), (64, 64, 128, 4, 3, 8)],
     256: [(64, 128, 128, 4, 4, 1), (128, 128, 128, 8, 3, 1), (64, 64, 256, 4, 3, 2), (128, 64, 128, 4, 4, 1)],
     4096: [(128, 128, 128, 8, 3, 1), (128, 128, 128, 8, 4, 1), (64, 128, 128, 4, 4, 1), (128, 64, 128, 4, 4, 1)],
 }
@@ -199,7 +201,8 @@ def _configs(table):
 @triton.heuristics(_HEURISTICS)
 @triton.jit(do_not_specialize=["M"])
 def _dense_kernel(
-    # pointers: x's codes and row scales, or (FUSED) x itself; the weight's codes and row scales; y; split-K: partial tiles and per-tile arrival counters
+    # pointers: x's codes and row scales, or (FUSED) x itself; the weight's codes and row scales; y; split-K:
+    # partial tiles and per-tile arrival counters
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, y_ptr, workspace_ptr, counter_ptr,
     # sizes (M_BUCKET: the autotuning key)
     M, N, K, M_BUCKET,

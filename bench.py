@@ -371,22 +371,24 @@ def _config_label(config, sep):
     kw = config.kwargs
     if "BLOCK_T" in kw:  # the experts' Gluon kernel: rows of a tile, output columns, K step, warps
         return sep.join([f"{kw['BLOCK_T']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"{config.num_warps}w"])
-    parts = [f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"split-K {kw['SPLIT_K']}",
+    parts = [f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"split-K {kw.get('SPLIT_K', 1)}",
              f"{config.num_warps}w", f"{config.num_stages}s"]
     parts += ["x-first"] * bool(kw.get("X_FIRST")) + [f"maxnreg {config.maxnreg}"] * bool(config.maxnreg)
     return sep.join(parts)
 
 
 def _print_autotuned():
-    """The configurations the W4A4 kernels' autotuner chose in this process, per key (shape bucket, N, K, ...)."""
-    from gpu_kernels import w4a4_dense, w4a4_experts
+    """The configurations the W4A4 and W8A8 kernels' autotuner chose in this process, per key (shape bucket, N, K,
+    ...)."""
+    from gpu_kernels import w4a4_dense, w4a4_experts, w8a8
     try:
         from gpu_kernels.w4a4_experts_gluon import _grouped_gluon_kernel
         gluon = (_grouped_gluon_kernel,)
     except ImportError:  # Triton without Gluon
         gluon = ()
     print("\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages; Gluon: BLOCK_T/N/K, warps):")
-    for kernel in (w4a4_dense._dense_kernel, w4a4_experts._grouped_kernel, *gluon):
+    for kernel in (w4a4_dense._dense_kernel, w4a4_experts._grouped_kernel, *gluon, w8a8._dense_kernel,
+                   w8a8._grouped_kernel):
         for key, config in kernel.cache.items():
             print(f"  {kernel.fn.fn.__name__} {key[:5]} -> {_config_label(config, ', ')}")
 

@@ -296,11 +296,12 @@ def _check(ok, message):
         raise ValueError(message)
 
 
-def _check_rows(name, x, dtypes, what):
+def _rows(name, x, dtypes, what):
+    """x checked to be a 2-D tensor of one of `dtypes`, with unit stride along its last dim (a copy if not)."""
     _check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in dtypes,
            f"w8a8: {name} must be a 2-D {what} tensor, got "
            f"{(x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    _check(x.shape[1] == 0 or x.stride(1) == 1, f"w8a8: {name} must be contiguous along its last dim")
+    return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
 
 
 def _check_weight(w_codes, w_scale, K, device, experts=False):
@@ -333,7 +334,7 @@ def _check_out_dtype(out_dtype):
 def quantize_rows(x):
     """x (M, K) bf16/fp16/fp32 -> (codes (M, K) float8_e4m3fn, scale (M, 1) fp32): fp8.quantize_rowwise, bit for
     bit, in one launch."""
-    _check_rows("x", x, _FLOATS, "bfloat16/float16/float32")
+    x = _rows("x", x, _FLOATS, "bfloat16/float16/float32")
     M, K = x.shape
     codes = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)
@@ -389,7 +390,7 @@ def _dense(x, x_scale, w_codes, w_scale, out_dtype, fused):
 def linear_codes(x_codes, x_scale, w_codes, w_scale, out_dtype=torch.bfloat16):
     """The dense GEMM on a quantized activation: x_codes (M, K) float8_e4m3fn and x_scale (M, 1) fp32 (quantize_rows),
     w_codes (N, K) float8_e4m3fn and w_scale (N,) fp32 (fp8.quantize_weight) -> y (M, N) out_dtype."""
-    _check_rows("x_codes", x_codes, (torch.float8_e4m3fn,), "float8_e4m3fn")
+    x_codes = _rows("x_codes", x_codes, (torch.float8_e4m3fn,), "float8_e4m3fn")
     _check_scale(x_scale, x_codes.shape[0], x_codes.device)
     _check_weight(w_codes, w_scale, x_codes.shape[1], x_codes.device)
     _check_out_dtype(out_dtype)
@@ -400,7 +401,7 @@ def linear(x, w_codes, w_scale, fused=None, out_dtype=torch.bfloat16):
     """The W8A8 layer: x (M, K) bf16/fp16/fp32 quantized per row, times (w_codes * w_scale[:, None]).T -> (M, N)
     out_dtype. fused: the GEMM quantizes x itself, one launch (None: up to FUSE_MAX_ROWS rows); else the quantizer
     runs first. Either way the codes are fp8.quantize_rowwise's."""
-    _check_rows("x", x, _FLOATS, "bfloat16/float16/float32")
+    x = _rows("x", x, _FLOATS, "bfloat16/float16/float32")
     _check_weight(w_codes, w_scale, x.shape[1], x.device)
     _check_out_dtype(out_dtype)
     if x.shape[0] <= FUSE_MAX_ROWS if fused is None else fused:
@@ -415,7 +416,7 @@ def grouped_linear(x_codes, x_scale, w_codes, w_scale, counts, row_ids=None, row
     w_scale (E, N) fp32; x_scale (rows of x_codes, 1) fp32. swiglu: the weight rows are [gate; up] and the output
     is silu(gate) * up. Output row r is scaled by row_weights[r], or row_weights[row_weight_ids[r]].
     -> y (rows, N or N/2) out_dtype. Reference: fp8.grouped_linear_reference."""
-    _check_rows("x_codes", x_codes, (torch.float8_e4m3fn,), "float8_e4m3fn")
+    x_codes = _rows("x_codes", x_codes, (torch.float8_e4m3fn,), "float8_e4m3fn")
     device = x_codes.device
     _check_scale(x_scale, x_codes.shape[0], device)
     _check_weight(w_codes, w_scale, x_codes.shape[1], device, experts=True)

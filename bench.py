@@ -625,7 +625,8 @@ DECODE_VARIANTS = [("moe.py BF16 (not converted)", None, 0.0), ("rac bf16", "bf1
                    ("rac nvfp4 + RAC 0.5", "nvfp4", 0.5)]
 DECODE_CHECKS = [("rac nvfp4 / rac fp8", "rac nvfp4", "rac fp8", 1.3),
                  ("rac nvfp4 / rac bf16", "rac nvfp4", "rac bf16", 1.6),
-                 ("rac nvfp4 + RAC 0.5 / rac nvfp4", "rac nvfp4 + RAC 0.5", "rac nvfp4", 0.95)]
+                 ("rac nvfp4 + RAC 0.5 / rac nvfp4", "rac nvfp4 + RAC 0.5", "rac nvfp4", 0.95),
+                 ("rac fp8 / rac bf16", "rac fp8", "rac bf16", 1.3)]
 
 
 def bench_racsweep(args):

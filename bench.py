@@ -123,7 +123,7 @@ def bench_gemm(args):
     1. dense decode (M = 1, 16, 64, 256), the whole layer: W4A4 = rac.nvfp4_linear_triton (its activation
        quantization included: one quantizer launch, then the tiled GEMM, gpu_kernels/w4a4_dense.py);
        W4A4 RAC 0.5 = the same with half the blocks compensated; FP8 = fp8.linear (per-token
-       quantization in torch + torch._scaled_mm); int4 = torch._weight_int4pack_mm (W4A16, group 128,
+       quantization and the W8A8 GEMM, gpu_kernels/w8a8.py); int4 = torch._weight_int4pack_mm (W4A16, group 128,
        gpt-fast's kernel); BF16 F.linear. "% floor": the NVFP4 weight bytes over the measured copy
        bandwidth, divided by the time. "q/k/v stacked": the rollout's attention input projections as
        one GEMM (each weight its own global scale, as rac.SharedInput runs them), against one stacked
@@ -131,8 +131,8 @@ def bench_gemm(args):
     2. the decode layer's stages (the GEMM alone on a given operand; the quantizer alone), and each
        autotuning configuration forced in turn.
     3. expert layer decode (64, 128 and 256 tokens routed top-8 at random): quantize x, grouped gate/up
-       (SwiGLU in its epilogue), quantize h, grouped down with the router weights; FP8 =
-       torch._scaled_grouped_mm; BF16 = torch._grouped_mm. Floor: bytes of the experts hit. Also each
+       (SwiGLU in its epilogue), quantize h, grouped down with the router weights; FP8 = the same steps
+       in fp8.FP8Experts (gpu_kernels/w8a8.py); BF16 = torch._grouped_mm. Floor: bytes of the experts hit. Also each
        grouped configuration forced in turn, and each GEMM alone.
     4. prefill (M = 4096), dense shapes.
     Timing: each op is captured in a CUDA graph and the replays are timed (do_bench, median): GPU time
@@ -291,7 +291,8 @@ def bench_gemm(args):
     # ------------------------------------------------------------------ 3. experts
     gate_up = torch.randn(E, 2 * I, D, device="cuda", dtype=bf16) * 0.02
     down = torch.randn(E, D, I, device="cuda", dtype=bf16) * 0.02
-    (gate_up8, gate_up_s), (down8, down_s) = fp8.quantize_weight(gate_up), fp8.quantize_weight(down)
+    fp8_experts = fp8.FP8Experts(E, D, I, device="cuda")
+    fp8_experts.load_weights(gate_up, down)
     print("\n### Expert layer, decode (128 experts, top-8; gate/up 2048 -> 2x768, SwiGLU, "
           "down 768 -> 2048)\n")
     print("| tokens | experts hit | BF16 | FP8 | W4A4 | W4A4 RAC 0.5 | vs BF16 | vs FP8 | % floor | "
@@ -319,8 +320,7 @@ def bench_gemm(args):
             return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=routing.offsets)
 
         def fp8_layer():
-            g, u = fp8.grouped_linear(x_sorted, routing, gate_up8, gate_up_s).chunk(2, dim=-1)
-            return fp8.grouped_linear(F.silu(g) * u, routing, down8, down_s)
+            return fp8_experts.sorted_rows(x, routing, expert_weights)
 
         act_x = rac.quantize_activation_triton(x)
         act_h = rac.quantize_activation_triton(torch.randn(T * A, I, device="cuda", dtype=bf16))
@@ -348,7 +348,7 @@ def bench_gemm(args):
               f"{t['bf16'] / t['rac']:.2f}x | {t['fp8'] / t['rac']:.2f}x | {100 * total / t['rac']:.0f}% | "
               f"{t['gate_up']:.1f}, {t['down']:.1f} | {floor['gate_up']:.1f}, {floor['down']:.1f} | "
               f"{configs} |")
-    del gate_up, down, gate_up8, down8
+    del gate_up, down, fp8_experts
 
     # ------------------------------------------------------------------ 4. prefill
     print("\n### Dense projections, prefill (M = 4096; the W4A4 GEMM decodes the weight once, "
@@ -372,22 +372,24 @@ def _config_label(config, sep):
     kw = config.kwargs
     if "BLOCK_T" in kw:  # the experts' Gluon kernel: rows of a tile, output columns, K step, warps
         return sep.join([f"{kw['BLOCK_T']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"{config.num_warps}w"])
-    parts = [f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"split-K {kw['SPLIT_K']}",
+    parts = [f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"split-K {kw.get('SPLIT_K', 1)}",
              f"{config.num_warps}w", f"{config.num_stages}s"]
     parts += ["x-first"] * bool(kw.get("X_FIRST")) + [f"maxnreg {config.maxnreg}"] * bool(config.maxnreg)
     return sep.join(parts)
 
 
 def _print_autotuned():
-    """The configurations the W4A4 kernels' autotuner chose in this process, per key (shape bucket, N, K, ...)."""
-    from gpu_kernels import w4a4_dense, w4a4_experts
+    """The configurations the W4A4 and W8A8 kernels' autotuner chose in this process, per key (shape bucket, N, K,
+    ...)."""
+    from gpu_kernels import w4a4_dense, w4a4_experts, w8a8
     try:
         from gpu_kernels.w4a4_experts_gluon import _grouped_gluon_kernel
         gluon = (_grouped_gluon_kernel,)
     except ImportError:  # Triton without Gluon
         gluon = ()
     print("\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages; Gluon: BLOCK_T/N/K, warps):")
-    for kernel in (w4a4_dense._dense_kernel, w4a4_experts._grouped_kernel, *gluon):
+    for kernel in (w4a4_dense._dense_kernel, w4a4_experts._grouped_kernel, *gluon, w8a8._dense_kernel,
+                   w8a8._grouped_kernel):
         for key, config in kernel.cache.items():
             print(f"  {kernel.fn.fn.__name__} {key[:5]} -> {_config_label(config, ', ')}")
 
@@ -627,7 +629,8 @@ DECODE_CHECKS = [("rac nvfp4 / rac fp8", "rac nvfp4", "rac fp8", 1.3),
                  ("rac nvfp4 / rac bf16", "rac nvfp4", "rac bf16", 1.6),
                  ("rac nvfp4 + RAC 0.5 / rac nvfp4", "rac nvfp4 + RAC 0.5", "rac nvfp4", 0.95),
                  ("rac nvfp4, row scales / rac nvfp4", "rac nvfp4, row scales", "rac nvfp4", 0.97),
-                 ("rac w4a16 / rac nvfp4", "rac w4a16", "rac nvfp4", 1.0)]
+                 ("rac w4a16 / rac nvfp4", "rac w4a16", "rac nvfp4", 1.0),
+                 ("rac fp8 / rac bf16", "rac fp8", "rac bf16", 1.3)]
 
 
 def bench_racsweep(args):

@@ -10,22 +10,34 @@ its 8-value grid, needs one per 16 elements). Row-wise scaling:
 
 A linear layer y = x @ W.T quantizes its weight per output channel (a row of W (N, K), once per weight
 sync) and its activation per token (a row of x (M, K), every call), so both scales factor out of the
-dot product: y[m, n] = x_scale[m] * w_scale[n] * sum_k x_codes[m, k] * w_codes[n, k]. That is what
-torch._scaled_mm computes on GPUs with FP8 tensor cores (sm_89+: fp8 row-major x fp8 column-major,
-fp32 scales (M, 1) and (1, N)), and torch._scaled_grouped_mm for the experts (rows grouped by expert).
-Elsewhere the twin dequantizes both operands and multiplies in fp32; it rounds to BF16 like the GPU op.
+dot product: y[m, n] = x_scale[m] * w_scale[n] * sum_k x_codes[m, k] * w_codes[n, k]: the GEMM runs
+on the codes (FP8 tensor cores, sm_89+) and scales its fp32 tile once. The references define the
+numbers: dequantize, multiply in fp32, round to BF16 (the experts' also apply SwiGLU and the router
+weights in fp32 first, as their GEMMs' epilogues do).
 
-Shape letters: M rows (tokens, or token-expert assignments R), K reduction dim, N output features,
-E experts, D model dim, I expert hidden dim. Left out: per-tensor or block-wise FP8 scales, E5M2, a
-Triton kernel of our own (the torch ops are the baseline as the field runs it).
+Where it runs (`use_kernels`, the one place a path is chosen): gpu_kernels/w8a8.py's Triton kernels
+on CUDA GPUs with FP8 tensor cores when Triton imports (one quantizer launch, or none: at decode sizes
+the dense GEMM quantizes x itself; the experts as two grouped GEMMs, no host sync), the references
+elsewhere. The kernels equal the references up to fp32 accumulation order (the quantizer bit for bit).
+
+Shape letters: M rows (tokens, or token-expert assignments R), K reduction dim, N output features, E
+experts, D model dim, I expert hidden dim. Left out: per-tensor or block-wise scales, E5M2, q/k/v stacking.
 """
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import moe
 
+try:  # triton ships with CUDA builds of torch on Linux; without it the references run
+    from gpu_kernels import w8a8
+except ImportError:
+    w8a8 = None
+
 E4M3_MAX = 448.0
+KERNEL_CAPABILITY = (8, 9)  # FP8 tensor cores: sm_89 (Ada) and later
 
 
 def quantize_rowwise(x):
@@ -48,34 +60,50 @@ def linear_reference(x_codes, x_scale, w_codes, w_scale):
     return (x @ w.T).to(torch.bfloat16)
 
 
-def _has_scaled_mm(x, *dims):
-    # torch._scaled_mm with row-wise scales needs CUDA sm_89+ and K, N multiples of 16
-    return (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
-            and all(d % 16 == 0 for d in dims))
+def grouped_linear_reference(x_codes, x_scale, counts, w_codes, w_scale, swiglu=False, row_weights=None):
+    """Twin of the experts' GEMM: rows grouped by expert (counts (E,) rows each) times their expert's weight
+    (E, N, K), in fp32 (a loop, one host sync); swiglu: silu(gate) * up of the [gate; up] outputs; each row
+    times row_weights (R,); rounded once to BF16."""
+    x = x_codes.float() * x_scale                                                       # (R, K)
+    w = w_codes.float() * w_scale.float()[..., None]                                    # (E, N, K)
+    y = torch.cat([x_e @ w_e.T for x_e, w_e in zip(x.split(counts.tolist()), w)])       # (R, N)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up                                                           # (R, N/2)
+    if row_weights is not None:
+        y = y * row_weights.float()[:, None]
+    return y.to(torch.bfloat16)
+
+
+def use_kernels(x):
+    """Do the FP8 layers run gpu_kernels/w8a8.py on x? Yes on CUDA GPUs with FP8 tensor cores (sm_89+)
+    when Triton imports; the references elsewhere (the kernel tests run the kernels on the CPU themselves)."""
+    return w8a8 is not None and x.is_cuda and _capability(x.device) >= KERNEL_CAPABILITY
+
+
+_capability = functools.lru_cache(maxsize=None)(torch.cuda.get_device_capability)
 
 
 def linear(x, w_codes, w_scale):
     """x (M, K) @ (w_codes * w_scale[:, None]).T, x quantized per token -> (M, N) BF16."""
+    if use_kernels(x):
+        return w8a8.linear(x, w_codes, w_scale)
+    return linear_reference(*quantize_rowwise(x), w_codes, w_scale)
+
+
+def grouped_linear(x, counts, w_codes, w_scale, row_ids=None, swiglu=False, row_weights=None,
+                   row_weight_ids=None):
+    """x (T, K), quantized per row; rows x[row_ids] (or x's own) grouped by expert, counts (E,) rows each,
+    times weight (E, N, K) -> (R, N or N/2) BF16. swiglu and row_weights (read at row_weight_ids if given)
+    as in grouped_linear_reference."""
+    if use_kernels(x):
+        return w8a8.grouped_linear(*w8a8.quantize_rows(x), w_codes, w_scale, counts, row_ids, row_weights,
+                                   row_weight_ids, swiglu)
     x_codes, x_scale = quantize_rowwise(x)
-    if _has_scaled_mm(x, *w_codes.shape):
-        return torch._scaled_mm(x_codes, w_codes.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1),
-                                out_dtype=torch.bfloat16)
-    return linear_reference(x_codes, x_scale, w_codes, w_scale)
-
-
-def grouped_linear(x_sorted, routing, w_codes, w_scale):
-    """x_sorted (R, K), rows grouped by expert (moe.Routing) @ weight (E, N, K) per expert -> (R, N) BF16."""
-    x_codes, x_scale = quantize_rowwise(x_sorted)
-    E, N, K = w_codes.shape
-    if _has_scaled_mm(x_sorted, N, K) and x_sorted.shape[0] > 0:
-        return torch._scaled_grouped_mm(x_codes, w_codes.transpose(-2, -1), x_scale.view(-1), w_scale,
-                                        offs=routing.offsets, out_dtype=torch.bfloat16)
-    outputs, start = [], 0
-    for e, n in enumerate(routing.counts.tolist()):  # the twin: one host sync, a loop over experts
-        outputs.append(linear_reference(x_codes[start:start + n], x_scale[start:start + n], w_codes[e],
-                                        w_scale[e]))
-        start += n
-    return torch.cat(outputs) if outputs else x_sorted.new_zeros((0, N), dtype=torch.bfloat16)
+    if row_ids is not None:  # quantizing rows, then gathering them, is gathering, then quantizing
+        x_codes, x_scale = x_codes[row_ids], x_scale[row_ids]
+    row_weights = row_weights[row_weight_ids] if row_weight_ids is not None else row_weights
+    return grouped_linear_reference(x_codes, x_scale, counts, w_codes, w_scale, swiglu, row_weights)
 
 
 def check_layer_input(x, in_features, device, name):
@@ -129,7 +157,7 @@ class FP8Linear(nn.Module):
 
 
 class FP8Experts(nn.Module):
-    """W8A8 replacement for moe.Experts: two grouped FP8 GEMMs around SwiGLU, routing as moe.Experts."""
+    """W8A8 moe.Experts: two grouped FP8 GEMMs, SwiGLU in the first, the router weights in the second."""
 
     def __init__(self, n_experts, dim, expert_dim, device=None):
         super().__init__()
@@ -161,9 +189,12 @@ class FP8Experts(nn.Module):
         """x (T, D), expert_ids (T, A), expert_weights (T, A) -> (T, D) in x.dtype, as moe.Experts."""
         check_layer_input(x, self.dim, self.gate_up_fp8.device, "FP8Experts")
         routing = moe.route_tokens(expert_ids, self.n_experts)
-        x_sorted = x[routing.token_ids]                                                      # (R, D)
-        gate, up = (grouped_linear(x_sorted, routing, self.gate_up_fp8, self.gate_up_scale)    # (R, 2I)
-                    .to(x.dtype).chunk(2, -1))
-        y_sorted = (grouped_linear(F.silu(gate) * up, routing, self.down_fp8, self.down_scale)  # (R, D)
-                    .to(x.dtype))
-        return moe.combine_expert_outputs(y_sorted, routing, expert_weights)
+        y_sorted = self.sorted_rows(x, routing, expert_weights.reshape(-1))
+        return moe.sum_expert_rows(y_sorted, routing, expert_ids.shape[1]).to(x.dtype)
+
+    def sorted_rows(self, x, routing, expert_weights):
+        """x (T, D), routing, expert_weights (T * A,) -> (R, D) BF16: each sorted row times its router weight."""
+        hidden = grouped_linear(x, routing.counts, self.gate_up_fp8, self.gate_up_scale,      # (R, I)
+                                row_ids=routing.token_ids, swiglu=True)
+        return grouped_linear(hidden, routing.counts, self.down_fp8, self.down_scale,          # (R, D)
+                              row_weights=expert_weights, row_weight_ids=routing.order)

@@ -1,5 +1,6 @@
 """fp8.py: row-wise FP8 quantization against a float64 oracle, the layers against full precision, the
-grouped experts against a per-expert loop, torch._scaled_mm against the twin (GPU), and clear errors."""
+grouped experts against a per-expert loop, the layers' dispatch to gpu_kernels/w8a8.py (forced on the CPU,
+under the interpreter; natively on a GPU) against their reference path, and clear errors."""
 import pytest
 import torch
 import torch.nn as nn
@@ -48,20 +49,59 @@ def test_fp8_experts_match_a_per_expert_loop_and_moe():
     expert_ids = torch.tensor([[0, 1], [1, 3], [3, 0]] * 3)  # expert 2 and 4: no tokens
     weights = torch.softmax(torch.randn(9, 2), dim=-1)
     y = layer(x, expert_ids, weights)
-    loop = torch.zeros(9, 64)  # oracle: token by token
-    for t in range(9):
+    loop = torch.zeros(9, 64)  # oracle: token by token, the GEMMs' numbers (SwiGLU and router weight in fp32,
+    for t in range(9):         # then one BF16 rounding each)
         for a in range(2):
             e = int(expert_ids[t, a])
             w_gu = layer.gate_up_fp8[e].float() * layer.gate_up_scale[e][:, None]
             w_d = layer.down_fp8[e].float() * layer.down_scale[e][:, None]
             codes, scale = fp8.quantize_rowwise(x[t:t + 1])
-            gate, up = (codes.float() * scale @ w_gu.T).bfloat16().float().chunk(2, dim=-1)
-            h = (torch.nn.functional.silu(gate) * up)
+            gate, up = (codes.float() * scale @ w_gu.T).chunk(2, dim=-1)
+            h = (torch.nn.functional.silu(gate) * up).bfloat16()
             codes, scale = fp8.quantize_rowwise(h)
-            loop[t] += weights[t, a] * (codes.float() * scale @ w_d.T).bfloat16().float()[0]
-    assert report_diff(y, loop, "fp8 experts vs loop")[0] < 2e-2 * loop.abs().max().item()
+            loop[t] += (weights[t, a] * (codes.float() * scale @ w_d.T)).bfloat16().float()[0]
+    assert report_diff(y, loop, "fp8 experts vs loop")[0] <= 2 ** -7 * loop.abs().max().item()
     with torch.no_grad():
         assert relative_error(y, experts(x, expert_ids, weights)) < 0.1
+
+
+def _counting(monkeypatch, module, names):
+    """Wrap module's functions `names` so that each call is counted -> the counts (a dict)."""
+    counts = dict.fromkeys(names, 0)
+    for name in names:
+        def counted(*args, _name=name, _call=getattr(module, name), **kwargs):
+            counts[_name] += 1
+            return _call(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("tokens", [5, 21])  # the dense GEMM with its own quantization (<= 16 rows), and without
+def test_layers_dispatch_to_the_kernels_and_agree_with_their_references(kernel_device, monkeypatch, tokens):
+    # The kernels run where use_kernels says (CUDA sm_89+); on the CPU it says no. Forced on, the same layers
+    # run gpu_kernels/w8a8.py (under the interpreter on the CPU) and agree with their reference path.
+    assert fp8.use_kernels(torch.zeros(1)) is False
+    torch.manual_seed(tokens)
+    linear = fp8.FP8Linear.from_float(nn.Linear(64, 48, bias=False).to(kernel_device))
+    config = moe.MoEConfig(dim=64, expert_dim=32, n_experts=5, n_active=2)
+    experts = moe.Experts(config).to(kernel_device)
+    nn.init.normal_(experts.gate_up_proj, std=0.1)
+    nn.init.normal_(experts.down_proj, std=0.1)
+    layer = fp8.FP8Experts.from_float(experts)
+    x = torch.randn(tokens, 64, device=kernel_device, dtype=torch.bfloat16)
+    expert_ids = torch.rand(tokens, 5, device=kernel_device).topk(2, dim=-1).indices
+    weights = torch.softmax(torch.randn(tokens, 2, device=kernel_device), dim=-1)
+    monkeypatch.setattr(fp8, "use_kernels", lambda x: False)
+    references = linear(x), layer(x, expert_ids, weights)
+    monkeypatch.setattr(fp8, "use_kernels", lambda x: True)
+    calls = _counting(monkeypatch, fp8.w8a8, ["linear", "grouped_linear", "quantize_rows"])
+    fast = linear(x), layer(x, expert_ids, weights)
+    assert calls == {"linear": 1, "grouped_linear": 2, "quantize_rows": 2 + (tokens > fp8.w8a8.FUSE_MAX_ROWS)}
+    # the dense layer: the same codes, sums in another order (one BF16 ulp at most)
+    assert ((fast[0].float() - references[0].float()).abs() <= 2 ** -7 * references[0].float().abs()).all()
+    # the experts: a hidden value one ulp off may move a code of h, so only close
+    assert report_diff(fast[1], references[1], "fp8 experts kernels vs reference")[0] <= (
+        2e-2 * references[1].abs().max().item())
 
 
 BAD_CALLS = [  # (id, call, what the message names, the problem it states)
@@ -83,19 +123,24 @@ def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(call, nam
 
 
 @pytest.mark.cuda
-def test_scaled_mm_and_scaled_grouped_mm_match_their_twins():
+def test_the_layers_take_the_kernels_on_gpus_with_fp8_tensor_cores_and_match_their_cpu_twins():
     torch.manual_seed(0)
+    linear = fp8.FP8Linear.from_float(nn.Linear(2048, 512, device="cuda"))
     x = torch.randn(33, 2048, device="cuda", dtype=torch.bfloat16)
-    w_codes, w_scale = fp8.quantize_weight(torch.randn(512, 2048, device="cuda") * 0.02)
-    fast = fp8.linear(x, w_codes, w_scale)
-    twin = fp8.linear_reference(*fp8.quantize_rowwise(x), w_codes, w_scale)
-    assert report_diff(fast.float(), twin.float(),
-                       "fp8 _scaled_mm vs twin")[0] <= 1e-2 * twin.abs().max().item()
-    routing = moe.route_tokens(torch.rand(16, 8, device="cuda").topk(2, dim=-1).indices, 8)
-    stacked_codes, stacked_scale = fp8.quantize_weight(torch.randn(8, 256, 2048, device="cuda") * 0.02)
-    x_sorted = x[:16][routing.token_ids]
-    fast = fp8.grouped_linear(x_sorted, routing, stacked_codes, stacked_scale)
-    twin = fp8.grouped_linear(x_sorted.cpu(), routing._replace(counts=routing.counts.cpu()),  # the CPU loop
-                              stacked_codes.cpu(), stacked_scale.cpu())
-    assert report_diff(fast.float().cpu(), twin.float(),
-                       "fp8 grouped vs loop")[0] <= 1e-2 * twin.abs().max().item()
+    assert fp8.use_kernels(x) == (torch.cuda.get_device_capability() >= (8, 9))
+    twin = fp8.FP8Linear.from_float(nn.Linear(2048, 512)).cpu()
+    twin.load_state_dict({k: v.cpu() for k, v in linear.state_dict().items()})
+    assert report_diff(linear(x).float().cpu(), twin(x.cpu()).float(),
+                       "fp8 linear gpu vs cpu")[0] <= 1e-2 * twin(x.cpu()).float().abs().max().item()
+    config = moe.MoEConfig(dim=2048, expert_dim=768, n_experts=8, n_active=2)
+    experts = moe.Experts(config).cuda()
+    nn.init.normal_(experts.gate_up_proj, std=0.02)
+    nn.init.normal_(experts.down_proj, std=0.02)
+    layer = fp8.FP8Experts.from_float(experts)
+    expert_ids = torch.rand(33, 8, device="cuda").topk(2, dim=-1).indices
+    weights = torch.softmax(torch.randn(33, 2, device="cuda"), dim=-1)
+    y = layer(x, expert_ids, weights).float().cpu()
+    cpu_layer = fp8.FP8Experts(8, 2048, 768)
+    cpu_layer.load_state_dict({k: v.cpu() for k, v in layer.state_dict().items()})
+    twin_y = cpu_layer(x.cpu(), expert_ids.cpu(), weights.cpu()).float()
+    assert report_diff(y, twin_y, "fp8 experts gpu vs cpu")[0] <= 2e-2 * twin_y.abs().max().item()

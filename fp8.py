@@ -20,9 +20,8 @@ on CUDA GPUs with FP8 tensor cores when Triton imports (one quantizer launch, or
 the dense GEMM quantizes x itself; the experts as two grouped GEMMs, no host sync), the references
 elsewhere. The kernels equal the references up to fp32 accumulation order (the quantizer bit for bit).
 
-Shape letters: M rows (tokens, or token-expert assignments R), K reduction dim, N output features, E
-experts, D model dim, I expert hidden dim. Left out: per-tensor or block-wise scales, E5M2, q/k/v stacking.
-"""
+Shape letters: M rows (tokens, or assignments R), K reduction dim, N output features, E experts, D model
+dim, I expert hidden dim. Left out: per-tensor or block-wise scales, E5M2, q/k/v stacking."""
 import functools
 
 import torch
@@ -43,7 +42,8 @@ KERNEL_CAPABILITY = (8, 9)  # FP8 tensor cores: sm_89 (Ada) and later
 def quantize_rowwise(x):
     """x (..., K) -> (codes (..., K) float8_e4m3fn, scale (..., 1) fp32) with x ~ codes * scale."""
     amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # a tensor divisor: CUDA turns division by a Python scalar into a reciprocal multiply (not the CPU's bits)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 

@@ -19,6 +19,7 @@ Averages skip NaN values; "trainer NLL" is log(mean trainer perplexity) over the
 import json
 import math
 import os
+import random
 import statistics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -203,6 +204,63 @@ def per_recipe_table(base, recipes, seeds):
                      cell([mean(s, "routing_disagreement") for s in runs], ".2%"),
                      cell([mean(s, "reward", s[-1]["step"] // 2) for s in runs], ".3f"), cell(finals, ".3f")])
     return table(["recipe", "mean abs dlogp", "routing disagr.", "reward 301-600", "final pass@1"], rows)
+
+
+def bootstrap_interval(values, draws=10000, seed=0):
+    """95% percentile-bootstrap interval of the mean of `values` (per-seed paired differences)."""
+    rng, n = random.Random(seed), len(values)
+    means = sorted(sum(rng.choice(values) for _ in range(n)) / n for _ in range(draws))
+    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
+
+
+def replication_runs(base):
+    """{recipe: {seed: run dir}} of a study whose runs are named recipe_s<seed> and finished (600 steps)."""
+    runs = {}
+    for name in sorted(os.listdir(base)):
+        recipe, _, seed = name.rpartition("_s")
+        path = os.path.join(base, name)
+        if seed.isdigit() and os.path.isfile(os.path.join(path, "metrics.jsonl")) and steps_of(path):
+            if steps_of(path)[-1]["step"] == 600:
+                runs.setdefault(recipe, {})[int(seed)] = path
+    return runs
+
+
+REPLICATION_METRICS = [  # (column, format, per-run value)
+    ("late reward (301-600)", ".3f", lambda s, e: mean(s, "reward", 300)),
+    ("pass@1 rollout", ".3f", lambda s, e: e[-1]["pass@1"]),
+    ("pass@1 BF16 trainer", ".3f", lambda s, e: e[-1]["pass@1_bf16_trainer"]),
+    ("mean abs dlogp", ".2e", lambda s, e: mean(s, "mismatch/abs_diff_mean")),
+    ("per-step max abs dlogp", ".3f", lambda s, e: mean(s, "mismatch/abs_diff_max")),
+    ("routing disagr.", ".2%", lambda s, e: mean(s, "routing_disagreement")),
+    ("gap growth (501-600 / 1-100)", ".2f",
+     lambda s, e: mean(s, "mismatch/abs_diff_mean", 500) / mean(s, "mismatch/abs_diff_mean", 0, 100)),
+]
+
+
+def replication_tables(base, order):
+    """Per recipe the mean over seeds (and the seed count) of each metric; then, for late reward and final
+    pass@1, the paired per-seed differences against bf16 and against nvfp4 with 95% bootstrap intervals."""
+    runs = replication_runs(base)
+    values = {r: {s: [f(steps_of(p), evals_of(p)) for _, _, f in REPLICATION_METRICS] for s, p in runs[r].items()}
+              for r in order if r in runs}
+    rows = [[r, str(len(v))] + [f"{statistics.mean(x[i] for x in v.values()):{fmt}}"
+                                for i, (_, fmt, _) in enumerate(REPLICATION_METRICS)] for r, v in values.items()]
+    out = [table(["recipe", "seeds"] + [c for c, _, _ in REPLICATION_METRICS], rows,
+                 ["---", "---:"] + ["---:"] * len(REPLICATION_METRICS))]
+    for index, label in ((0, "late reward"), (1, "final pass@1 of the rollout")):
+        rows = []
+        for recipe, v in values.items():
+            cells = [recipe]
+            for ref in ("bf16", "nvfp4"):
+                seeds = sorted(set(v) & set(values.get(ref, {})))
+                diffs = [v[s][index] - values[ref][s][index] for s in seeds]
+                lo, hi = bootstrap_interval(diffs) if len(diffs) > 1 else (math.nan, math.nan)
+                cells.append(f"{statistics.mean(diffs):+.3f} [{lo:+.3f}, {hi:+.3f}] (n={len(diffs)})"
+                             if diffs and recipe != ref else "-")
+            rows.append(cells)
+        out.append(f"Paired differences of {label}, per seed, mean [95% bootstrap interval]:\n\n"
+                   + table(["recipe", "minus bf16", "minus nvfp4"], rows))
+    return "\n\n".join(out)
 
 
 def check_table(base, names):

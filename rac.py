@@ -487,14 +487,15 @@ class Activation(NamedTuple):
         return self.x_q.data, self.x_q.block_scale, *((None, None) if r is None else (r.data, r.block_scale))
 
 
-def quantize_activation_triton(x, rac_mask=None, codes=None, operand=None):
+def quantize_activation_triton(x, rac_mask=None, codes=None, operand=None, act_scale="tensor", quantize=True):
     """x (M, K) -> Activation: the codes of x and its RAC residual (codes=True: quantize_activation_reference
     bit for bit), the Hopper GEMMs' fp16 operand (operand=True); None: what this device's GEMMs take."""
     _check_input(x, rac_mask, "quantize_activation_triton", kernel=True)
     native = backend(x.device) == "native"
     codes, operand = native if codes is None else codes, (not native) if operand is None else operand
+    extra = {} if (act_scale, quantize) == ("tensor", True) else dict(row_scale=act_scale == "row", quantize=quantize)
     data, scale, r_data, r_scale, planes, global_scale = w4a4_quantize.quantize_activation(
-        x, rac_mask, codes, operand)
+        x, rac_mask, codes, operand, **extra)
     return Activation(NVFP4Tensor(data, scale, global_scale) if codes else None,
                       NVFP4Tensor(r_data, r_scale, global_scale) if r_data is not None else None,
                       planes, global_scale)

@@ -8,8 +8,7 @@ block_scale * global_scale:
 - Blocks of 16 consecutive elements along the last (K) dimension share one block scale, an FP8 E4M3
   number (max 448, no infinities, 0x7F is NaN).
 - One FP32 global scale, a *decode* scale amax(|x|) / (6 * 448), so that the largest block scale lands
-  on E4M3's maximum; a stack of matrices (E, N, K) may carry one per matrix, shape (E,), and an
-  activation (M, K) one per row, shape (M,).
+  on E4M3's maximum; one per matrix (E,) of a stack (E, N, K), or per row (M,) of an activation (M, K).
 - Two codes per byte along the last dimension: element 2i in the low nibble, 2i+1 in the high one.
 
 Quantizing x (..., K), K a multiple of 16 (G = K / 16 blocks per row):
@@ -40,8 +39,7 @@ Edge cases, one behaviour each:
 The weight rule, one on both sides of RL: quantize_weight (the rollout's packed weights) and
 fake_quantize_weight (the trainer's QAT forward) share weight_global_scale, one scale per linear
 weight (N, K) and one per expert of stacked (E, N, K) weights, so they agree bit for bit. The
-activation rule (quantize_activation: a dynamic scale per tensor or per row, RAC residual on selected
-blocks) is also here.
+activation rule (quantize_activation: dynamic scale per tensor or row, RAC residual) is also here.
 
 Fast path: on CUDA tensors quantize, dequantize and fake_quantize run the Triton kernels of
 gpu_kernels/nvfp4_quantize.py (one read of x, one write; fake_quantize fused), chosen in `_use_triton`.

@@ -7,6 +7,7 @@ as train.py writes them) and a README.md with the command, the commit and the ma
 script reads only those files (it imports nothing from the project, so it runs on any checkout), prints
 every table of RESULTS.md as markdown and draws the figures into figures/.
 
+    cpu_replication_600steps       11 recipes incl. w4a16, w16a4 and row scales, seeds as finished (CPU)
     h200_200steps                  every recipe, 200 steps, two seeds; the RAC ratio sweep (H200)
     h200_lr1e-4, h200_d6           the two knobs tried to make naive NVFP4 drift (H200)
     h200_audit                     the three-way log-prob audit of a quads checkpoint (H200)
@@ -359,7 +360,11 @@ def main():
     symmetric = ("bf16", "nvfp4", "quads", "moeresq", "trace")
     sym_runs = [f"seed{s}_{r}" for s in (0, 1, 2) for r in symmetric]
 
+    replication = ["bf16", "nvfp4", "w4a16", "w16a4", "qat", "rac", "quads", "moeresq", "trace", "nvfp4+row",
+                   "quads+row"]
     sections = [
+        ("CPU replication: 11 recipes, tiny preset, lr 3e-4, 600 steps, per-seed pairs",
+         lambda: replication_tables(os.path.join(HERE, "cpu_replication_600steps"), replication)),
         ("H200, 200 steps, lr 2e-5: 10-step windows", lambda: summarize(b200, main_runs)),
         ("H200, 200 steps, lr 2e-5: whole run", lambda: whole_run_table(b200, main_runs)),
         ("H200: RAC ratio sweep", lambda: sweep_table(b200)),

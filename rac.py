@@ -632,7 +632,7 @@ def _check_operands(x_q, w_q, residual, name, stacked=False):
     if x_q.device != w_q.device or residual is not None and (residual.shape, residual.device) != (
             x_q.shape, x_q.device):
         raise ValueError(f"{name}: x_q, w_q and residual must be on one device, the residual x_q's shape")
-    if residual is not None and not torch.equal(residual.global_scale.reshape(()), x_q.global_scale.reshape(())):
+    if residual is not None and not torch.equal(residual.global_scale, x_q.global_scale):
         raise ValueError(f"{name}: the residual must share x_q's global scale")
 
 

@@ -5,9 +5,10 @@ the grouped one rac.grouped_matmul_reference, up to fp32 accumulation order:
     y = (DQ(x_q) + DQ(r_q)) @ DQ(W).T = (x_q @ W.T  +  r_q @ W.T) * g_x * g_w
 
 where each product is a dot_scaled over all of K with the block scales, and the global scales come in
-the epilogue. Numerics UNTESTED (no Blackwell GPU here; the interpreter reads E4M3 scales as E8M0): a CPU
-test compiles both kernels for sm_100, and rac.py checks them against the Hopper kernels on first use
-(`disagreement`, at the end).
+the epilogue: g_x one per activation, or one per row (the quantizer's row_scale; at gate/up that of the
+gathered row, at down the sorted row's), times g_w. Numerics UNTESTED (no Blackwell GPU here; the interpreter
+reads E4M3 scales as E8M0): a CPU test compiles both kernels for sm_100, and rac.py checks them against the
+Hopper kernels on first use (`disagreement`, at the end).
 
 One tl.dot_scaled per loop body: with two (x and its residual, or gate and up) Triton 3.6's automatic warp
 specialization fails to compile for sm_100. So the residual is a second pass over K (the weight tiles read
@@ -53,7 +54,7 @@ def _native_k_loop(acc, x_ptr, xs_ptr, rows, row_mask, stride_x, stride_xs, w_ro
 def _dense_native_kernel(
     x_ptr, x_scale_ptr, r_ptr, r_scale_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, y_ptr,
     M, N, K, N1, N2, stride_x, stride_xs, stride_w, stride_ws,
-    HAS_RESIDUAL: tl.constexpr, OUT_BF16: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OUT_BF16: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """y = (x + r) @ W.T: packed codes and E4M3 scales go to tl.dot_scaled as they are."""
@@ -68,7 +69,11 @@ def _dense_native_kernel(
         acc = _native_k_loop(acc, r_ptr, r_scale_ptr, rows, row_mask, stride_x, stride_xs, w_rows,
                              ws_rows, col_mask, BLOCK_K // 2, BLOCK_K // 16, K, BLOCK_K)
     which, col_base, col_stride = _split_columns(cols, M, N, N1, N2)
-    scale = tl.load(x_global_ptr) * tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[None, :]
+    if ROW_SCALE:  # each row's own x scale
+        x_global = tl.load(x_global_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    else:
+        x_global = tl.load(x_global_ptr)
+    scale = x_global * tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[None, :]
     _store_split(y_ptr, rows, row_mask, col_base, col_stride, col_mask, tl.trans(acc * scale), OUT_BF16)
 
 
@@ -79,8 +84,8 @@ def _grouped_native_kernel(
     N, K, E, stride_x, stride_xs, stride_we, stride_wb, stride_wr, w_step, stride_se, stride_sb,
     stride_sr, s_step, stride_y,
     GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, WEIGHT_IDS: tl.constexpr, SWIGLU: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, OUT_BF16: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OUT_BF16: tl.constexpr, ROW_SCALE: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The grouped kernel on FP4 tensor cores (SWIGLU: the gate and up rows as one stacked tile)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -103,7 +108,11 @@ def _grouped_native_kernel(
     if HAS_RESIDUAL:
         acc = _native_k_loop(acc, r_ptr, r_scale_ptr, x_rows, row_mask, stride_x, stride_xs, w_base,
                              ws_base, w_mask, w_step, s_step, K, BLOCK_K)
-    out = acc * (tl.load(x_global_ptr) * tl.load(w_global_ptr + expert))
+    if ROW_SCALE:  # the x scale of each activation row the tile read (gathered: row_ids)
+        x_global = tl.load(x_global_ptr + x_rows, mask=row_mask, other=0.0)
+        out = acc * (x_global * tl.load(w_global_ptr + expert))[:, None]
+    else:
+        out = acc * (tl.load(x_global_ptr) * tl.load(w_global_ptr + expert))
     if SWIGLU:
         out = _swiglu(out, BLOCK_N, BLOCK_M, False)                                  # (BLOCK_M, BLOCK_N)
     if ROW_WEIGHTS:
@@ -117,9 +126,10 @@ def _grouped_native_kernel(
 def dense_matmul(x_data, x_block_scale, r_data, r_block_scale, x_global_scale, w_data, w_block_scale,
                  w_global_scale, out_dtype, splits=None):
     """y = (x + r) @ W.T on codes: x's and its residual's packed codes (M, K/2) and E4M3 scales (M, K/16)
-    (r_data None: no residual), x's global scale () fp32, the weight's codes (N, K/2), scales (N, K/16) and
-    global scales (1 to 3,) -> (M, N) out_dtype, or one (M, n) per stacked weight (splits)."""
+    (r_data None: no residual), x's global scale () or (M,) fp32 (per row), the weight's codes (N, K/2), scales
+    (N, K/16) and global scales (1 to 3,) -> (M, N) out_dtype, or one (M, n) per stacked weight (splits)."""
     M = x_data.shape[0]
+    row_scale = w4a4_dense.x_scale_is_per_row(x_global_scale, M, "dense_matmul")
     N, K = w_data.shape[0], w_data.shape[1] * 2
     y = torch.empty(M * N, dtype=out_dtype, device=x_data.device)
     has_residual = r_data is not None
@@ -129,15 +139,18 @@ def dense_matmul(x_data, x_block_scale, r_data, r_block_scale, x_global_scale, w
         x_data, x_block_scale, r_data, r_block_scale, x_global_scale, w_data, w_block_scale, w_global_scale,
         as_int16(y), M, N, K, *column_splits(N, splits), x_data.stride(0), x_block_scale.stride(0),
         w_data.stride(0), w_block_scale.stride(0), HAS_RESIDUAL=has_residual,
-        OUT_BF16=out_dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        OUT_BF16=out_dtype == torch.bfloat16, ROW_SCALE=row_scale, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=4)
     return split_output(y, M, N, splits)
 
 
 def grouped_matmul(x_data, x_block_scale, r_data, r_block_scale, x_global_scale, w_data, w_block_scale,
                    w_global_scale, counts, out_dtype, row_ids=None, row_weights=None, row_weight_ids=None,
                    swiglu=False):
-    """gpu_kernels.w4a4_experts.grouped_matmul on codes (x's and its residual's, as dense_matmul takes them)."""
+    """gpu_kernels.w4a4_experts.grouped_matmul on codes (x's and its residual's, as dense_matmul takes them;
+    x_global_scale one, or one per row of x)."""
     E, N, K, chunk = expert_shape(w_data)
+    row_scale = w4a4_dense.x_scale_is_per_row(x_global_scale, x_data.shape[0], "grouped_matmul")
     n_rows = row_ids.numel() if row_ids is not None else x_data.shape[0]
     y, flags, (row_ids, row_weights, row_weight_ids) = grouped_output(
         n_rows, N, counts, out_dtype, row_ids, row_weights, row_weight_ids, swiglu)
@@ -153,8 +166,8 @@ def grouped_matmul(x_data, x_block_scale, r_data, r_block_scale, x_global_scale,
         w_data, w_block_scale, w_global_scale, counts, as_int16(y), N, K, E, x_data.stride(0),
         x_block_scale.stride(0), w_data.stride(0), w_data.stride(1), w_data.stride(3), steps[0],
         w_block_scale.stride(0), w_block_scale.stride(1), w_block_scale.stride(3), steps[1], y.stride(0),
-        HAS_RESIDUAL=has_residual, OUT_BF16=out_dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=4, **flags)
+        HAS_RESIDUAL=has_residual, OUT_BF16=out_dtype == torch.bfloat16, ROW_SCALE=row_scale, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **flags)
     return y
 
 

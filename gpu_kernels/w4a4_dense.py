@@ -8,7 +8,7 @@ registers. An E2M1 code c put in an E4M3 byte as (c & 7) << 2 | (c & 8) << 4 *is
 the hardware E4M3 -> fp16 conversion times the block scale s gives
 
     W_tile = value * s * 2^-6        exact in fp16 (<= 6 significant bits)
-    X_tile = (DQ(x_q) + DQ(r_q)) / g_x * 2^-6          the quantizer's operand
+    X_tile = (DQ(x_q) + DQ(r_q)) / g_x * 2^-6          the quantizer's operand (W4A16: x / g_x * 2^-6)
     y      = (W_tile @ X_tile.T) * 2^12 * g_x * g_w    fp32 accumulation; scales in the epilogue
 
 A weight byte holds elements 2i and 2i+1, so K is consumed as an even and an odd half: two products per K
@@ -20,6 +20,8 @@ step, no shuffles. Variants, each chosen per call or by the autotuner:
     stream through shared memory; decoding in registers would repeat M / BLOCK_M times.
   - Stacked weights: up to three weights (q/k/v_proj) along N, each with its own global scale on its
     columns and its output stored as its own (M, N_i) tensor.
+  - Per-row x scales (the quantizer's row_scale): g_x one per operand row, read in the epilogue, where
+    (2^12 g_x) g_w is formed in the order of the one-scale product: equal scales give equal bits.
 The experts' kernels (w4a4_experts.py) reuse the building blocks here.
 """
 import itertools
@@ -295,13 +297,15 @@ def _bench_in_graph(kernel_call, quantiles):
 
 # ------------------------------------------------------------------ the dense GEMM
 # Reference: rac.matmul_reference (on the quantizer's operand).
+# ROW_SCALE is left out of the autotuning key: both modes run the configuration tuned first (they differ
+# in the epilogue's loads alone), so that equal scales give equal bits.
 @triton.autotune(configs=_configs(DENSE_CONFIGS, x_first=False), key=["M_BUCKET", "N", "K", "W_FP16"],
                  prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
 @triton.heuristics(_HEURISTICS)
 @triton.jit(do_not_specialize=["M"])
 def _dense_kernel(
-    # pointers: the operand planes and their global scale; split-K: partial tiles and per-tile arrival
-    # counters
+    # pointers: the operand planes and their global scale (one, or one per row: ROW_SCALE); split-K: partial
+    # tiles and per-tile arrival counters
     x_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, y_ptr, workspace_ptr, counter_ptr,
     # sizes (M_BUCKET: the autotuning key; *_plane: elements in one operand plane; the columns from N1
     # on take the second weight global scale, from N2 on the third: stacked q/k/v weights)
@@ -309,9 +313,9 @@ def _dense_kernel(
     # strides (operand planes and y in elements, w in bytes, scales in blocks)
     stride_x, stride_w, stride_ws,
     # meta-parameters
-    W_FP16: tl.constexpr, OUT_BF16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    W_FP16: tl.constexpr, ROW_SCALE: tl.constexpr, OUT_BF16: tl.constexpr, GPU: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BUCKET: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     # N tiles vary fastest: programs running together share the activation rows and stream
     # disjoint weight rows, which is what a weight-bound decode wants.
@@ -329,7 +333,10 @@ def _dense_kernel(
                     rows, False)
     which, col_base, col_stride = _split_columns(cols, M, N, N1, N2)
     w_global = tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[:, None]
-    scale = _EPILOGUE * tl.load(x_global_ptr) * w_global
+    if ROW_SCALE:  # each row's own x scale, multiplied in the order of the one scale's: (2^12 g_x) g_w
+        scale = _EPILOGUE * tl.load(x_global_ptr + rows, mask=rows < M, other=0.0)[None, :] * w_global
+    else:
+        scale = _EPILOGUE * tl.load(x_global_ptr) * w_global
     if SPLIT_K == 1:
         _store_split(y_ptr, rows, rows < M, col_base, col_stride, col_mask, acc * scale, OUT_BF16)
     else:
@@ -402,14 +409,24 @@ def weight_operand(w_data, w_block_scale):
     return out
 
 
+def x_scale_is_per_row(x_global_scale, rows, name):
+    """Is an operand's global scale one per row ((rows,) fp32), not one for all (() or (1,))? One row's
+    one scale is both: the kernels then read the same value either way."""
+    if x_global_scale.numel() not in (1, rows):
+        raise ValueError(f"{name}: x_global_scale must be one scale or one per operand row ({rows},), got shape "
+                         f"{tuple(x_global_scale.shape)}")
+    return x_global_scale.numel() > 1
+
+
 def dense_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scale, out_dtype, splits=None,
                  prefill=None):
-    """y = x @ W.T: operand (2, M, K/2) fp16 and x_global_scale () fp32 from the quantizer; the weight's
-    codes (N, K/2) uint8, block scales (N, K/16) E4M3 and global scales (1 to 3,) fp32 -> (M, N) out_dtype,
-    or with splits (the row counts of up to three stacked weights, one global scale each) one contiguous
-    (M, n) tensor per weight. prefill: decode the weight to fp16 once first (None: from PREFILL_ROWS rows
-    on)."""
+    """y = x @ W.T: operand (2, M, K/2) fp16 and x_global_scale () or (M,) fp32 (per row) from the quantizer
+    (a W4A16 operand too); the weight's codes (N, K/2) uint8, block scales (N, K/16) E4M3 and global scales
+    (1 to 3,) fp32 -> (M, N) out_dtype, or with splits (the row counts of up to three stacked weights, one
+    global scale each) one contiguous (M, n) tensor per weight. prefill: decode the weight to fp16 once first
+    (None: from PREFILL_ROWS rows on)."""
     M = operand.shape[1]
+    row_scale = x_scale_is_per_row(x_global_scale, M, "dense_matmul")
     N, K = w_data.shape[0], w_data.shape[1] * 2
     device = w_data.device
     y = torch.empty(M * N, dtype=out_dtype, device=device)  # splits: each weight's (M, n) after another
@@ -428,5 +445,6 @@ def dense_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scale,
     _dense_kernel[grid](operand, x_global_scale, w_ptr, w_scale, w_global_scale.contiguous(), as_int16(y),
                         workspace, counters, M, N, K, bucket, operand.stride(0), w_plane,
                         *column_splits(N, splits), operand.stride(1), stride_w, w_scale.stride(0),
-                        W_FP16=w_fp16, OUT_BF16=out_dtype == torch.bfloat16, GPU=not INTERPRET)
+                        W_FP16=w_fp16, ROW_SCALE=row_scale, OUT_BF16=out_dtype == torch.bfloat16,
+                        GPU=not INTERPRET)
     return split_output(y, M, N, splits)

@@ -4,6 +4,11 @@ quantizer's operand makes).
 
     rows sorted by expert (counts (E,) rows each; moe.route_tokens sorts them once)
     y[r] = (x[row_ids[r]] @ W[e].T) * router_weight[r]        for the rows r of expert e
+         = (X[row_ids[r]] @ W_tile[e].T) * 2^12 * g_x * g_w[e] * router_weight[r]     (w4a4_dense.py's tiles)
+
+g_x is the operand's one global scale, or with per-row scales (the quantizer's row_scale) that of the row the
+product reads: the gathered activation row row_ids[r] at gate/up, the sorted row r at down (whose operand rows
+are the sorted rows). The operand may also be a W4A16 one (x / g_x * 2^-6, the quantizer's quantize=False).
 
 A program finds its (expert, row tile) from the per-expert counts on the device (a prefix sum: no host
 sync), so experts without tokens cost nothing and the grid is an upper bound whose surplus programs exit.
@@ -23,7 +28,7 @@ import triton
 import triton.language as tl
 
 from gpu_kernels.w4a4_dense import (_EPILOGUE, _HEURISTICS, INTERPRET, _bench_in_graph, _configs, _m_bucket,
-                                _mainloop, _prune, _store_tile, as_int16)
+                                    _mainloop, _prune, _store_tile, as_int16, x_scale_is_per_row)
 
 
 # Not (128, 128, 64, 8 warps, 3 stages): under Triton 3.6 on the H200 the grouped kernel compiled
@@ -121,13 +126,14 @@ def _grouped_prune(configs, named_args, **kwargs):
                           num_stages=c.num_stages, maxnreg=c.maxnreg) for c in kept]
 
 
-# Reference: rac.grouped_matmul_reference.
+# Reference: rac.grouped_matmul_reference. (ROW_SCALE is not in the autotuning key: see _dense_kernel.)
 @triton.autotune(configs=_configs(GROUPED_CONFIGS), key=["M_BUCKET", "N", "K"],
                  prune_configs_by={"early_config_prune": _grouped_prune}, do_bench=_bench_in_graph)
 @triton.heuristics(_HEURISTICS)
 @triton.jit
 def _grouped_kernel(
-    # pointers (weight_ids: where each sorted row's router weight is, routing.order)
+    # pointers (weight_ids: where each sorted row's router weight is, routing.order; x_global: one scale,
+    # or one per operand row with ROW_SCALE)
     x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, weight_ids_ptr, w_ptr, w_scale_ptr, w_global_ptr,
     counts_ptr, y_ptr,
     # sizes: N is the weight's rows (2I for SwiGLU, whose output has N/2 columns)
@@ -138,7 +144,7 @@ def _grouped_kernel(
     GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, WEIGHT_IDS: tl.constexpr, SWIGLU: tl.constexpr,
     OUT_BF16: tl.constexpr, GPU: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    BUCKET: tl.constexpr, EVEN_K: tl.constexpr, X_FIRST: tl.constexpr,
+    BUCKET: tl.constexpr, EVEN_K: tl.constexpr, X_FIRST: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert, row0, end_row = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
@@ -149,7 +155,11 @@ def _grouped_kernel(
     n_out = N // 2 if SWIGLU else N
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     ws_base = w_scale_ptr + expert.to(tl.int64) * stride_se
-    scale = _EPILOGUE * tl.load(x_global_ptr) * tl.load(w_global_ptr + expert)
+    if ROW_SCALE:  # the x scale of each activation row the tile reads, in the one-scale product's order
+        x_global = tl.load(x_global_ptr + x_rows, mask=row_mask, other=0.0)[None, :]
+        scale = _EPILOGUE * x_global * tl.load(w_global_ptr + expert)                   # (1, BLOCK_M)
+    else:
+        scale = _EPILOGUE * tl.load(x_global_ptr) * tl.load(w_global_ptr + expert)
     W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
     w_rows, w_mask = _expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
     acc = _mainloop(x_ptr, row0, end_row, stride_x, x_plane, w_base, ws_base, w_rows, w_mask, stride_wb,
@@ -178,12 +188,13 @@ def grouped_output(n_rows, N, counts, out_dtype, row_ids, row_weights, row_weigh
 
 def grouped_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scale, counts, out_dtype,
                    row_ids=None, row_weights=None, row_weight_ids=None, swiglu=False):
-    """The experts' GEMM on the quantizer's operand (2, rows, K/2) fp16 and x_global_scale () fp32: rows
-    (operand's, or operand's row_ids[r]) grouped by expert per counts (E,) int64; the weights' codes and E4M3
-    scales in the experts' layout, global scales (E,) fp32. swiglu: the weight rows are [gate; up] and the
-    output is silu(gate) * up. Output row r is scaled by row_weights[r], or row_weights[row_weight_ids[r]].
-    -> y (rows, N or N/2) out_dtype."""
+    """The experts' GEMM on the quantizer's operand (2, rows, K/2) fp16 and x_global_scale () fp32, or one per
+    operand row (rows,): rows (operand's, or operand's row_ids[r]) grouped by expert per counts (E,) int64; the
+    weights' codes and E4M3 scales in the experts' layout, global scales (E,) fp32. swiglu: the weight rows are
+    [gate; up] and the output is silu(gate) * up. Output row r is scaled by row_weights[r], or
+    row_weights[row_weight_ids[r]]. -> y (rows, N or N/2) out_dtype."""
     E, N, K, chunk = expert_shape(w_data)
+    row_scale = x_scale_is_per_row(x_global_scale, operand.shape[1], "grouped_matmul")
     n_rows = row_ids.numel() if row_ids is not None else operand.shape[1]
     y, flags, (row_ids, row_weights, row_weight_ids) = grouped_output(
         n_rows, N, counts, out_dtype, row_ids, row_weights, row_weight_ids, swiglu)
@@ -200,5 +211,5 @@ def grouped_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scal
                           _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS), operand.stride(0),
                           operand.stride(1), *w_data.stride()[:3], *w_scale.stride()[:3], y.stride(0),
                           GPU=not INTERPRET, CHUNK=chunk, OUT_BF16=out_dtype == torch.bfloat16,
-                          **flags)
+                          ROW_SCALE=row_scale, **flags)
     return y

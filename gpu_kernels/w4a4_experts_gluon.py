@@ -15,6 +15,8 @@ against the reference.
   - SwiGLU: the tile's weight rows alternate 8 gate rows and their 8 up rows, so that gate and up of one
     output sit in the same thread's accumulator registers; the epilogue splits them in registers.
   - The experts' blocked layout (expert_layout.ExpertWeights): a program's K steps read a few contiguous runs.
+  - Per-row x scales (ROW_SCALE): the epilogue reads each row's own, that of its gathered activation row
+    (row_ids) at gate/up, of its sorted row at down, and forms (2^12 g_x) g_w in the one-scale order.
   - A tile holding at most half its rows runs as a tile of half the rows, one of 32 rows or more at most
     three quarters full as that half plus a quarter (the loop and epilogue are compiled for each size): at
     16 rows an expert most 32-row tiles skip 8 or 16 padding rows' MMAs and activation loads.
@@ -27,7 +29,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from gpu_kernels.w4a4_dense import EXPERT_ROWS, _E2M1_PAIRS_PTX, _EPILOGUE, _bench_in_graph, _m_bucket
+from gpu_kernels.w4a4_dense import EXPERT_ROWS, _E2M1_PAIRS_PTX, _EPILOGUE, _bench_in_graph, _m_bucket, \
+    x_scale_is_per_row
 from gpu_kernels.w4a4_experts import expert_shape, grouped_output
 
 
@@ -115,14 +118,21 @@ def _gluon_token_rows(x_ptr, row_ids_ptr, stride_x, t0, end_row, GATHER: gl.cons
 
 @gluon.jit
 def _gluon_expert_store(acc, scale, t0, end_row, pid_n, n_out, y_ptr, stride_y, row_weights_ptr,
-                        weight_ids_ptr, ROW_WEIGHTS: gl.constexpr, WEIGHT_IDS: gl.constexpr,
-                        SWIGLU: gl.constexpr, T: gl.constexpr, BLOCK_N: gl.constexpr,
+                        weight_ids_ptr, x_global_ptr, row_ids_ptr, ROW_WEIGHTS: gl.constexpr,
+                        WEIGHT_IDS: gl.constexpr, SWIGLU: gl.constexpr, GATHER: gl.constexpr,
+                        ROW_SCALE: gl.constexpr, T: gl.constexpr, BLOCK_N: gl.constexpr,
                         NUM_WARPS: gl.constexpr):
-    """The epilogue of rows t0 .. t0 + T: both global scales and 2^12 (scale), SwiGLU, router weights."""
+    """The epilogue of rows t0 .. t0 + T: both global scales and 2^12 (scale; ROW_SCALE: g_w alone, each row's
+    g_x read here), SwiGLU, router weights."""
     W_ROWS: gl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
     mma: gl.constexpr = _gluon_mma_layout(NUM_WARPS)
-    out = acc * scale                                                                # (W_ROWS, T)
+    if not ROW_SCALE:
+        out = acc * scale                                                            # (W_ROWS, T)
     t_y = t0 + gl.arange(0, T, layout=gl.SliceLayout(0, mma))
+    if ROW_SCALE:  # the x scale of the activation row each column reads: (2^12 g_x) g_w, the one-scale order
+        x_rows = gl.load(row_ids_ptr + t_y, mask=t_y < end_row, other=0) if GATHER else t_y
+        x_global = gl.load(x_global_ptr + x_rows, mask=t_y < end_row, other=0.0)
+        out = acc * (_EPILOGUE * x_global * scale)[None, :]
     r_y = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, mma))
     col_y = pid_n * BLOCK_N + ((r_y // 16) * 8 + r_y % 8 if SWIGLU else r_y)
     y_ptrs = y_ptr + t_y.to(gl.int64)[None, :] * stride_y + col_y[:, None]
@@ -145,7 +155,8 @@ def _gluon_expert_store(acc, scale, t0, end_row, pid_n, n_out, y_ptr, stride_y, 
 
 @gluon.jit
 def _gluon_expert_rows(args, tile, GATHER: gl.constexpr, ROW_WEIGHTS: gl.constexpr,
-                       WEIGHT_IDS: gl.constexpr, SWIGLU: gl.constexpr, CHUNK: gl.constexpr,
+                       WEIGHT_IDS: gl.constexpr, SWIGLU: gl.constexpr, ROW_SCALE: gl.constexpr,
+                       CHUNK: gl.constexpr,
                        BLOCK_T: gl.constexpr, EXTRA: gl.constexpr, BLOCK_N: gl.constexpr,
                        BLOCK_K: gl.constexpr, NUM_WARPS: gl.constexpr):
     """tile = (expert, row0, end_row, pid_n): sorted rows row0 .. min(row0 + BLOCK_T + EXTRA, end_row) of
@@ -202,13 +213,17 @@ def _gluon_expert_rows(args, tile, GATHER: gl.constexpr, ROW_WEIGHTS: gl.constex
             x2_odd = gl.load(x2_base + x_plane + k0 // 2, mask=x2_mask, other=0.0)
             acc2 = gl.nvidia.ampere.mma_v2(w_even, x2_even, acc2)
             acc2 = gl.nvidia.ampere.mma_v2(w_odd, x2_odd, acc2)
-    scale = _EPILOGUE * gl.load(x_global_ptr) * gl.load(w_global_ptr + expert)
+    if ROW_SCALE:  # g_w here, each row's g_x in the store
+        scale = gl.load(w_global_ptr + expert)
+    else:
+        scale = _EPILOGUE * gl.load(x_global_ptr) * gl.load(w_global_ptr + expert)
     _gluon_expert_store(acc, scale, row0, end_row, pid_n, n_out, y_ptr, stride_y, row_weights_ptr,
-                        weight_ids_ptr, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, BLOCK_T, BLOCK_N, NUM_WARPS)
+                        weight_ids_ptr, x_global_ptr, row_ids_ptr, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, GATHER,
+                        ROW_SCALE, BLOCK_T, BLOCK_N, NUM_WARPS)
     if EXTRA:
         _gluon_expert_store(acc2, scale, row0 + BLOCK_T, end_row, pid_n, n_out, y_ptr, stride_y,
-                            row_weights_ptr, weight_ids_ptr, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, EXTRA,
-                            BLOCK_N, NUM_WARPS)
+                            row_weights_ptr, weight_ids_ptr, x_global_ptr, row_ids_ptr, ROW_WEIGHTS, WEIGHT_IDS,
+                            SWIGLU, GATHER, ROW_SCALE, EXTRA, BLOCK_N, NUM_WARPS)
 
 
 @triton.autotune(configs=[triton.Config({"BLOCK_T": t, "BLOCK_N": n, "BLOCK_K": k, "NUM_WARPS": w,
@@ -218,7 +233,8 @@ def _gluon_expert_rows(args, tile, GATHER: gl.constexpr, ROW_WEIGHTS: gl.constex
                  do_bench=_bench_in_graph)
 @gluon.jit
 def _grouped_gluon_kernel(
-    # pointers, as _grouped_kernel's; the weight in ExpertWeights' layout
+    # pointers, as _grouped_kernel's (x_global: one scale, or one per operand row with ROW_SCALE); the
+    # weight in ExpertWeights' layout
     x_ptr, x_global_ptr, row_ids_ptr, row_weights_ptr, weight_ids_ptr, w_ptr, w_scale_ptr, w_global_ptr,
     counts_ptr, y_ptr,
     # sizes: N is the weight's rows (2I for SwiGLU, whose output has N/2 columns)
@@ -227,7 +243,7 @@ def _grouped_gluon_kernel(
     stride_x, stride_we, stride_wb, stride_wc, stride_se, stride_sb, stride_sc, stride_y,
     # meta-parameters
     GATHER: gl.constexpr, ROW_WEIGHTS: gl.constexpr, WEIGHT_IDS: gl.constexpr, SWIGLU: gl.constexpr,
-    E_POW2: gl.constexpr, CHUNK: gl.constexpr, BUCKET: gl.constexpr,
+    ROW_SCALE: gl.constexpr, E_POW2: gl.constexpr, CHUNK: gl.constexpr, BUCKET: gl.constexpr,
     BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_WARPS: gl.constexpr,
 ):
     pid_m, pid_n = gl.program_id(0), gl.program_id(1)
@@ -243,13 +259,13 @@ def _grouped_gluon_kernel(
     # (at 16 rows an expert about half of the 32-row tiles run as 16 rows, and most others as 16 + 8)
     rows = end_row - row0
     if BLOCK_T >= 16 and rows <= BLOCK_T // 2:
-        _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T // 2, 0,
-                           BLOCK_N, BLOCK_K, NUM_WARPS)
+        _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, ROW_SCALE, CHUNK, BLOCK_T // 2,
+                           0, BLOCK_N, BLOCK_K, NUM_WARPS)
     elif BLOCK_T >= 32 and rows <= BLOCK_T // 2 + BLOCK_T // 4:
-        _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T // 2,
+        _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, ROW_SCALE, CHUNK, BLOCK_T // 2,
                            BLOCK_T // 4, BLOCK_N, BLOCK_K, NUM_WARPS)
     else:
-        _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, CHUNK, BLOCK_T, 0,
+        _gluon_expert_rows(args, tile, GATHER, ROW_WEIGHTS, WEIGHT_IDS, SWIGLU, ROW_SCALE, CHUNK, BLOCK_T, 0,
                            BLOCK_N, BLOCK_K, NUM_WARPS)
 
 
@@ -257,9 +273,11 @@ def _grouped_gluon_kernel(
 # ------------------------------------------------------------------ launch
 def grouped_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scale, counts, out_dtype,
                    row_ids=None, row_weights=None, row_weight_ids=None, swiglu=False):
-    """gpu_kernels.w4a4_experts.grouped_matmul on the Gluon kernel (same arguments; K a multiple of 64; a CUDA
-    GPU of compute capability 8.9 to 9.x). y is stored in its own dtype (bf16 rounds to nearest even)."""
+    """gpu_kernels.w4a4_experts.grouped_matmul on the Gluon kernel (same arguments, x_global_scale one or one
+    per operand row; K a multiple of 64; a CUDA GPU of compute capability 8.9 to 9.x). y is stored in its own
+    dtype (bf16 rounds to nearest even)."""
     E, N, K, chunk = expert_shape(w_data)
+    row_scale = x_scale_is_per_row(x_global_scale, operand.shape[1], "grouped_matmul")
     n_rows = row_ids.numel() if row_ids is not None else operand.shape[1]
     y, flags, (row_ids, row_weights, row_weight_ids) = grouped_output(
         n_rows, N, counts, out_dtype, row_ids, row_weights, row_weight_ids, swiglu)
@@ -274,5 +292,5 @@ def grouped_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scal
     _grouped_gluon_kernel[grid](
         operand, x_global_scale, row_ids, row_weights, row_weight_ids, w_data, w_scale, w_global_scale, counts,
         y, N, K, E, _m_bucket(triton.cdiv(n_rows, E), GLUON_CONFIGS), operand.stride(0), operand.stride(1),
-        *w_data.stride()[:3], *w_scale.stride()[:3], y.stride(0), CHUNK=chunk, **flags)
+        *w_data.stride()[:3], *w_scale.stride()[:3], y.stride(0), CHUNK=chunk, ROW_SCALE=row_scale, **flags)
     return y

@@ -1,11 +1,12 @@
 """gpu_kernels/w4a4_dense.py: the dense W4A4 GEMM (split-K, the prefill weight pass, stacked q/k/v
 weights) against rac.nvfp4_linear_reference / rac.matmul_reference and the prefill pass against the fp16 operand's
-definition (CPU under TRITON_INTERPRET=1, GPU natively); its autotuning table; every
-GPU configuration forced in turn."""
+definition (CPU under TRITON_INTERPRET=1, GPU natively); per-row x scales against the reference on row-quantized
+activations, bit for bit the one-scale results where the scales are equal, and a row's output independent of
+its batch; the W4A16 operand against x @ DQ(W).T; its autotuning table; every GPU configuration forced in turn."""
 import pytest
 import torch
-from conftest import relative_error, report_diff, same_bits
-from test_kernels_w4a4_quantize import operand_oracle
+from conftest import raises_one_line, relative_error, report_diff, same_bits
+from test_kernels_w4a4_quantize import operand_oracle, rows_of_many_magnitudes
 
 import nvfp4
 import rac
@@ -96,6 +97,102 @@ def test_stacked_weights_give_each_weight_its_own_global_scale_and_output(kernel
         reference = rac.nvfp4_linear_reference(x, q, mask)
         assert y.is_contiguous()
         assert report_diff(y, reference)[0] <= (2e-3 if compensate else 1e-5) * reference.abs().max() + 1e-30
+
+
+# ------------------------------------------------------------------ per-row x scales and the W4A16 operand
+def assert_rows_close(y, reference, tolerance, name=""):
+    """Each row of y within tolerance * its reference row's max |value| (rows many magnitudes apart: one max
+    over the tensor would hide the small rows' errors); a zero reference row must come out zero."""
+    diff = (y.double() - reference.double()).abs().amax(dim=-1).cpu()
+    scale = reference.double().abs().amax(dim=-1).cpu()
+    error = torch.where(scale > 0, diff / scale.clamp_min(1e-300), diff)
+    print(f"{name} worst row error {error.max().item():.3e}")
+    assert (error <= tolerance).all(), (name, error)  # NaN fails too
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
+@pytest.mark.parametrize("compensate", [False, True])
+def test_row_scale_dense_kernel_matches_the_reference_per_row(kernel_device, rows, compensate):
+    # rows 10^-6 .. 10^6 apart, each with its own global scale: the interpreter's split-K buckets (up to 64
+    # rows) and the prefill pass (300), three stacked weights whose global scales differ by 2^10
+    x = rows_of_many_magnitudes(rows, 96, rows).to(kernel_device)
+    mask = torch.arange(6, device=kernel_device) % 2 == 0 if compensate else None
+    generator = torch.Generator().manual_seed(rows)
+    weights = [torch.randn(n, 96, generator=generator).to(kernel_device) * scale
+               for n, scale in ((40, 1.0), (24, 2.0 ** 10), (8, 2.0 ** -10))]
+    qs, stacked = _stacked(weights)
+    act = rac.quantize_activation_triton(x, mask, act_scale="row")
+    x_q, residual = nvfp4.quantize_activation(x, mask, "row")
+    tolerance = 2e-3 if compensate else 1e-5  # as the one-scale tests: fp32 order (and fp16 rounding of x + r)
+    assert_rows_close(_dense(act, qs[0]), rac.matmul_reference(x_q, qs[0], residual, torch.float32), tolerance,
+                      f"row-scale dense M={rows}")
+    for y, q in zip(_dense(act, stacked, splits=(40, 24, 8)), qs):
+        assert_rows_close(y, rac.matmul_reference(x_q, q, residual, torch.float32), tolerance)
+
+
+@pytest.mark.parametrize("rows", [3, 64, 300])
+@pytest.mark.parametrize("prefill", [False, True])
+def test_row_scales_equal_to_the_tensors_give_its_results_bit_for_bit(kernel_device, rows, prefill):
+    # the epilogue forms (2^12 g_x) g_w in the same order whether g_x is one or one per row
+    x, w_q = _dense_case(rows, 96, 40, kernel_device, rows)
+    act = rac.quantize_activation_triton(x, torch.arange(6, device=kernel_device) < 3)
+    per_row = act.global_scale.expand(rows).contiguous()
+    for splits, w in ((None, w_q), ((16, 16, 8), _stacked([w_q.dequantize(torch.float32)[:16] * 3,
+                                                         w_q.dequantize(torch.float32)[16:32],
+                                                         w_q.dequantize(torch.float32)[32:] * 0.1])[1])):
+        one = w4a4_dense.dense_matmul(act.operand, act.global_scale, w.data, w.block_scale, w.global_scale,
+                                      torch.float32, splits, prefill=prefill)
+        each = w4a4_dense.dense_matmul(act.operand, per_row, w.data, w.block_scale, w.global_scale,
+                                       torch.float32, splits, prefill=prefill)
+        assert all(torch.equal(a, b) for a, b in zip(one if splits else (one,), each if splits else (each,)))
+
+
+def _row_layer(w_q, mask, act_scale):
+    def layer(x):
+        return _dense(rac.quantize_activation_triton(x, mask, act_scale=act_scale), w_q)
+    return layer
+
+
+@pytest.mark.parametrize("compensate", [False, True])
+def test_a_rows_output_does_not_depend_on_its_batch_under_row_scales(kernel_device, compensate):
+    # a row's quantization depends on itself alone, and its GEMM output on its own operand row and scale:
+    # within one configuration (here the 16-row bucket's: 12, 1 and 7 rows, split-K, the same tiles) the
+    # same bits whatever else is in the batch and wherever the row sits in it. One scale per tensor moves
+    # the row's output with its batch (so the test can tell the two apart).
+    x = rows_of_many_magnitudes(12, 96, 0).to(kernel_device)
+    others = torch.randn(6, 96, device=kernel_device, dtype=torch.bfloat16) * 1e3
+    _, w_q = _dense_case(1, 96, 40, kernel_device, 0)
+    mask = torch.arange(6, device=kernel_device) % 3 == 0 if compensate else None
+    layer, tensor_layer = _row_layer(w_q, mask, "row"), _row_layer(w_q, mask, "tensor")
+    batch = layer(x)
+    for i in (0, 5, 11):
+        alone, mixed = layer(x[i:i + 1]), layer(torch.cat((others[:3], x[i:i + 1], others[3:])))
+        assert torch.equal(alone[0], batch[i]) and torch.equal(mixed[3], batch[i]), i
+    mixed = tensor_layer(torch.cat((others[:3], x[5:6], others[3:])))
+    assert not torch.equal(mixed[3], tensor_layer(x)[5])
+
+
+@pytest.mark.parametrize("rows", [1, 17, 300])
+@pytest.mark.parametrize("act_scale", ["tensor", "row"])
+def test_w4a16_operand_gives_x_times_the_dequantized_weight(kernel_device, rows, act_scale):
+    # the operand is x / g * 2^-6 exactly and the epilogue multiplies by 2^12 g: x @ DQ(W).T to fp32 order.
+    # Per row, rows 10^-6 .. 10^6 apart; one scale for all takes rows of like magnitudes (far smaller ones
+    # would fall into fp16's subnormals)
+    x, w_q = _dense_case(rows, 96, 40, kernel_device, rows)
+    if act_scale == "row":
+        x = rows_of_many_magnitudes(rows, 96, rows).to(kernel_device)
+    act = rac.quantize_activation_triton(x, codes=False, operand=True, act_scale=act_scale, quantize=False)
+    assert act.x_q is None and act.residual is None
+    reference = x.float() @ w_q.dequantize(torch.float32).T
+    assert_rows_close(_dense(act, w_q), reference, 1e-5, f"w4a16 dense M={rows} {act_scale}")
+
+
+def test_a_global_scale_neither_one_nor_one_per_row_is_refused(kernel_device):
+    x, w_q = _dense_case(3, 32, 16, kernel_device, 0)
+    act = rac.quantize_activation_triton(x)
+    raises_one_line(lambda: w4a4_dense.dense_matmul(act.operand, torch.ones(4, device=kernel_device), w_q.data,
+                                                    w_q.block_scale, w_q.global_scale, torch.float32),
+                    "x_global_scale", "one per operand row (3,)")
 
 
 @pytest.mark.cuda

@@ -1,11 +1,14 @@
 """gpu_kernels/w4a4_experts.py: the experts' grouped W4A4 GEMM in Triton (gather + SwiGLU, router weights
 read through routing.order, empty experts, the experts' blocked weight layout) against
-rac.grouped_matmul_reference (CPU under TRITON_INTERPRET=1, GPU natively); its autotuning table; every GPU
+rac.grouped_matmul_reference (CPU under TRITON_INTERPRET=1, GPU natively); per-row x scales (the gathered row's
+at gate/up, the sorted row's at down) against the reference, bit for bit the one-scale results where the scales
+are equal, and a token's output independent of its batch; the W4A16 operand; its autotuning table; every GPU
 configuration forced in turn at prefill size."""
 import pytest
 import torch
 from conftest import report_diff
-from test_kernels_w4a4_dense import deterministic_and_close
+from test_kernels_w4a4_dense import assert_rows_close, deterministic_and_close
+from test_kernels_w4a4_quantize import rows_of_many_magnitudes
 
 import moe
 import nvfp4
@@ -77,6 +80,131 @@ def test_no_rows_give_an_empty_output(kernel_device):
     w = rac.chunk_experts(nvfp4.quantize_weight(torch.randn(2, 32, 32, device=kernel_device)))
     y = grouped(act, w, torch.zeros(2, dtype=torch.int64, device=kernel_device), swiglu=True)
     assert y.shape == (0, 16)
+
+
+# ------------------------------------------------------------------ per-row x scales and the W4A16 operand
+def expert_layer(grouped_matmul, gate_up_w, down_w, mask=None, act_scale="row", quantize=True):
+    """The experts' two GEMMs on `grouped_matmul` (this file's `grouped`, or another kernel's): x (T, D),
+    expert_ids (T, A), router weights (T * A,) -> (routing, hidden (R, I) fp32 and y (R, D), each in sorted-row
+    order); the down GEMM reads hidden in x's dtype, as rac.NVFP4Experts does."""
+    def layer(x, expert_ids, router_weights):
+        routing = moe.route_tokens(expert_ids, gate_up_w.shape[0])
+        act = rac.quantize_activation_triton(x, mask, act_scale=act_scale, quantize=quantize)
+        hidden = grouped_matmul(act, gate_up_w, routing.counts, row_ids=routing.token_ids, swiglu=True)
+        act = rac.quantize_activation_triton(hidden.to(x.dtype), act_scale=act_scale, quantize=quantize)
+        y = grouped_matmul(act, down_w, routing.counts, row_weights=router_weights, row_weight_ids=routing.order)
+        return routing, hidden, y
+    return layer
+
+
+def _experts_case(E, D, I, device, seed):
+    generator = torch.Generator().manual_seed(seed)
+    gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, generator=generator).to(device))
+    down_q = nvfp4.quantize_weight(torch.randn(E, D, I, generator=generator).to(device))
+    return gate_up_q, down_q
+
+
+@pytest.mark.parametrize("tokens, D", [(3, 80), (21, 80), (5, 256)])
+def test_row_scale_grouped_kernel_matches_the_reference_per_row(kernel_device, tokens, D):
+    # token rows 10^-6 .. 10^6 apart, each its own scale: gate/up reads the scale of the gathered token row
+    # (row_ids), down that of its sorted row (the hidden rows, as the gate/up GEMM wrote them)
+    E, I, A = 7, 32, 2
+    expert_ids, routing = routing_with_empty_experts(E, tokens, A, kernel_device, seed=tokens)
+    x = rows_of_many_magnitudes(tokens, D, tokens).to(kernel_device)
+    mask = torch.arange(D // 16, device=kernel_device) % 2 == 0
+    gate_up_q, down_q = _experts_case(E, D, I, kernel_device, tokens)
+    router_weights = torch.rand(tokens * A, device=kernel_device)
+    _, hidden, y = expert_layer(grouped, rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q), mask)(
+        x, expert_ids, router_weights)
+    x_q, residual = nvfp4.quantize_activation(x, mask, "row")
+    reference = rac.grouped_matmul_reference(x_q, gate_up_q, routing.counts, residual, row_ids=routing.token_ids,
+                                             swiglu=True, out_dtype=torch.float32)
+    assert_rows_close(hidden, reference, 2e-3, "row-scale gate/up")
+    h_q, _ = nvfp4.quantize_activation(hidden.to(x.dtype), None, "row")  # the kernel's own hidden rows
+    reference = rac.grouped_matmul_reference(h_q, down_q, routing.counts, row_weights=router_weights,
+                                             row_weight_ids=routing.order, out_dtype=torch.float32)
+    assert_rows_close(y, reference, 1e-5, "row-scale down")
+
+
+def test_row_scales_equal_to_the_tensors_give_its_results_bit_for_bit(kernel_device):
+    torch.manual_seed(0)
+    E, D, I, A, tokens = 7, 80, 32, 2, 21
+    _, routing = routing_with_empty_experts(E, tokens, A, kernel_device)
+    gate_up_q, down_q = _experts_case(E, D, I, kernel_device, 0)
+    x = rac.quantize_activation_triton(torch.randn(tokens, D, device=kernel_device))
+    h = rac.quantize_activation_triton(torch.randn(tokens * A, I, device=kernel_device))
+    for act, w, kwargs in ((x, gate_up_q, dict(row_ids=routing.token_ids, swiglu=True)),
+                           (h, down_q, dict(row_weights=torch.rand(tokens * A, device=kernel_device)))):
+        per_row = act._replace(global_scale=act.global_scale.expand(act.operand.shape[1]).contiguous())
+        w = rac.chunk_experts(w)
+        assert torch.equal(grouped(act, w, routing.counts, **kwargs), grouped(per_row, w, routing.counts, **kwargs))
+
+
+def tokens_by_assignment(routing, y_sorted, tokens, A):
+    """Sorted rows -> (T, A, N): each token's rows in its own order."""
+    return y_sorted[routing.inverse_order].view(tokens, A, -1)
+
+
+def assert_batch_invariant(layer, x, expert_ids, router_weights, extra, picks):
+    """Each picked token's hidden and output rows: the same bits in its batch, alone, and among `extra` other
+    tokens (x, expert_ids, router weights (T, A)), where it comes fourth."""
+    tokens, A = expert_ids.shape
+    routing, hidden, y = layer(x, expert_ids, router_weights.reshape(-1))
+    batch = [tokens_by_assignment(routing, t, tokens, A) for t in (hidden, y)]
+    for t in picks:
+        for xs, ids, weights in ((x[t:t + 1], expert_ids[t:t + 1], router_weights[t:t + 1]),
+                                 *[tuple(torch.cat((e[:3], own[t:t + 1], e[3:])) for e, own in zip(extra, (
+                                     x, expert_ids, router_weights)))]):
+            routing, hidden, y = layer(xs, ids, weights.reshape(-1))
+            at = 0 if xs.shape[0] == 1 else 3
+            for got, expected in zip((hidden, y), batch):
+                assert torch.equal(tokens_by_assignment(routing, got, xs.shape[0], A)[at], expected[t]), t
+
+
+@pytest.mark.parametrize("compensate", [False, True])
+def test_a_tokens_output_does_not_depend_on_its_batch_under_row_scales(kernel_device, compensate):
+    # 12 tokens, one, or 7 (the token among 6 others 10^3 larger): 2 to 24 rows over 7 experts, the
+    # interpreter's one configuration of the 16-row bucket; the token's rows land in other tiles at other
+    # places. One scale per tensor moves them with the batch (so the test can tell the two apart).
+    E, D, I, A = 7, 80, 32, 2
+    gate_up_q, down_q = _experts_case(E, D, I, kernel_device, 1)
+    gate_up_w, down_w = rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q)
+    mask = torch.arange(D // 16, device=kernel_device) % 2 == 0 if compensate else None
+    generator = torch.Generator().manual_seed(2)
+    x = rows_of_many_magnitudes(12, D, 3).to(kernel_device)
+    expert_ids = torch.rand(12, E, generator=generator).topk(A, dim=-1).indices.to(kernel_device)
+    router_weights = torch.rand(12, A, generator=generator).to(kernel_device)
+    extra = (torch.randn(6, D, generator=generator).to(kernel_device, torch.bfloat16) * 1e3,
+             torch.rand(6, E, generator=generator).topk(A, dim=-1).indices.to(kernel_device),
+             torch.rand(6, A, generator=generator).to(kernel_device))
+    assert_batch_invariant(expert_layer(grouped, gate_up_w, down_w, mask), x, expert_ids, router_weights, extra,
+                           (0, 6, 11))
+    amax = x.float().abs().amax(dim=-1)
+    smallest = int(torch.where(amax > 0, amax, float("inf")).argmin())  # (token 6 is all zero)
+    with pytest.raises(AssertionError):
+        assert_batch_invariant(expert_layer(grouped, gate_up_w, down_w, mask, "tensor"), x, expert_ids,
+                               router_weights, extra, (smallest,))
+
+
+@pytest.mark.parametrize("act_scale", ["tensor", "row"])
+def test_w4a16_operand_gives_x_times_the_dequantized_experts(kernel_device, act_scale):
+    # gate/up and down on W4A16 operands (x / g * 2^-6, exact) against the float loop on x itself
+    E, D, I, A, tokens = 7, 80, 32, 2, 21
+    expert_ids, routing = routing_with_empty_experts(E, tokens, A, kernel_device, seed=3)
+    gate_up_q, down_q = _experts_case(E, D, I, kernel_device, 3)
+    x = rows_of_many_magnitudes(tokens, D, 3) if act_scale == "row" else torch.randn(tokens, D).bfloat16()
+    x = x.to(kernel_device)  # bf16: x / g * 2^-6 exact in fp16
+    router_weights = torch.rand(tokens * A, device=kernel_device)
+    _, hidden, y = expert_layer(grouped, rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q),
+                                act_scale=act_scale, quantize=False)(x, expert_ids, router_weights)
+    gate_up, down = gate_up_q.dequantize(torch.float32), down_q.dequantize(torch.float32)
+    rows = x.float()[routing.token_ids].split(routing.counts.tolist())
+    gate, up = torch.cat([r @ w.T for r, w in zip(rows, gate_up)]).chunk(2, dim=-1)
+    reference = torch.nn.functional.silu(gate) * up
+    assert_rows_close(hidden, reference, 1e-5, f"w4a16 gate/up {act_scale}")
+    hidden = hidden.to(x.dtype).float()
+    reference = torch.cat([r @ w.T for r, w in zip(hidden.split(routing.counts.tolist()), down)])
+    assert_rows_close(y, reference * router_weights[routing.order][:, None], 1e-5, f"w4a16 down {act_scale}")
 
 
 @pytest.mark.cuda

@@ -1,6 +1,6 @@
 """gpu_kernels/w4a4_blackwell.py: the native FP4 kernels compile for sm_100 to Blackwell's block-scaled FP4
-tensor-core instruction, and their first-use check against the Hopper kernels names what fails. Their
-numerics stay untested without a Blackwell GPU."""
+tensor-core instruction (with one x scale or one per row), and their first-use check against the Hopper kernels
+names what fails. Their numerics stay untested without a Blackwell GPU."""
 import pytest
 import torch
 from test_kernels_w4a4_quantize import compiled_output
@@ -16,20 +16,22 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from gpu_kernels import w4a4_blackwell
 p8, pf, p32, i = "*u8", "*fp32", "*i32", "i32"
-common = dict(OUT_BF16=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)
 grouped_types = [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, "*i64", p8, "*fp8e4nv", pf, "*i64", "*i16"]
 grouped_types += [i] * 14
-kernels = {
-    "dense": (w4a4_blackwell._dense_native_kernel,
-              [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, p8, "*fp8e4nv", pf, "*i16"] + [i] * 9,
-              dict(HAS_RESIDUAL=True, **common)),
-    "grouped": (w4a4_blackwell._grouped_native_kernel, grouped_types,
-                dict(GATHER=True, ROW_WEIGHTS=False, WEIGHT_IDS=False, SWIGLU=True, HAS_RESIDUAL=True,
-                     E_POW2=128, **common)),
-    "grouped_down": (w4a4_blackwell._grouped_native_kernel, grouped_types,
-                     dict(GATHER=False, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=False, HAS_RESIDUAL=True,
-                          E_POW2=128, **common)),
-}
+kernels = {}
+for row_scale in (False, True):
+    common = dict(OUT_BF16=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, ROW_SCALE=row_scale)
+    kernels.update({name + "_row" * row_scale: kernel for name, kernel in {
+        "dense": (w4a4_blackwell._dense_native_kernel,
+                  [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, p8, "*fp8e4nv", pf, "*i16"] + [i] * 9,
+                  dict(HAS_RESIDUAL=True, **common)),
+        "grouped": (w4a4_blackwell._grouped_native_kernel, grouped_types,
+                    dict(GATHER=True, ROW_WEIGHTS=False, WEIGHT_IDS=False, SWIGLU=True, HAS_RESIDUAL=True,
+                         E_POW2=128, **common)),
+        "grouped_down": (w4a4_blackwell._grouped_native_kernel, grouped_types,
+                         dict(GATHER=False, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=False, HAS_RESIDUAL=True,
+                              E_POW2=128, **common)),
+    }.items()})
 for name, (kernel, types, constants) in kernels.items():
     signature = dict(zip(kernel.arg_names, types + ["constexpr"] * len(constants)))
     ptx = compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 100, 32)).asm["ptx"]
@@ -42,7 +44,8 @@ for name, (kernel, types, constants) in kernels.items():
 def test_native_kernels_compile_to_blackwell_fp4_tensor_core_instructions():
     # This checks the instruction, not the numerics: those stay untested without a Blackwell GPU.
     counts = dict(line.split() for line in compiled_output(_COMPILE_FOR_SM100))
-    assert set(counts) == {"dense", "grouped", "grouped_down"}, counts
+    assert set(counts) == {name + row for name in ("dense", "grouped", "grouped_down") for row in ("", "_row")}, \
+        counts
     assert all(int(n) > 0 for n in counts.values()), counts
 
 

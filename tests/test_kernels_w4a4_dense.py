@@ -211,6 +211,55 @@ def test_dense_kernel_matches_the_reference_on_gpu_shapes(rows, out_features, co
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 16, 64, 300, 1500])
+@pytest.mark.parametrize("splits,cols", [((4096, 512, 512), 2048), (None, 4096)])
+def test_row_scale_and_w4a16_dense_on_gpu_shapes(rows, splits, cols):
+    # Qwen3-30B-A3B's q/k/v (stacked, 5120 x 2048) and o_proj (2048 x 4096), rows 10^-6 .. 10^6 apart
+    x = rows_of_many_magnitudes(rows, cols, rows).cuda()
+    generator = torch.Generator().manual_seed(rows)
+    weights = [torch.randn(n, cols, generator=generator).cuda() * 0.02 for n in (splits or (2048,))]
+    if splits:
+        qs, w_q = _stacked(weights)
+    else:
+        qs = [w_q := nvfp4.quantize_weight(weights[0])]
+    for mask in (None, torch.arange(cols // 16, device="cuda") % 2 == 0):
+        act = rac.quantize_activation_triton(x, mask, act_scale="row")
+        x_q, residual = nvfp4.quantize_activation(x, mask, "row")
+        outputs = _dense(act, w_q, splits=splits)
+        for y, q in zip(outputs if splits else (outputs,), qs):
+            assert_rows_close(y, rac.matmul_reference(x_q, q, residual, torch.float32),
+                              2e-3 if mask is not None else 1e-4, f"gpu row dense M={rows} K={cols}")
+    for act_scale in ("row", "tensor"):
+        x_w4a16 = x if act_scale == "row" else torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+        act = rac.quantize_activation_triton(x_w4a16, act_scale=act_scale, quantize=False)
+        outputs = _dense(act, w_q, splits=splits)
+        for y, q in zip(outputs if splits else (outputs,), qs):
+            assert_rows_close(y, x_w4a16.float() @ q.dequantize(torch.float32).T, 1e-4,
+                              f"gpu w4a16 dense M={rows} K={cols} {act_scale}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [16, 64, 256])
+def test_a_rows_output_does_not_depend_on_its_batch_on_gpu_shapes(rows):
+    # Qwen3's stacked q/k/v: a batch of `rows`, a row among others (two thirds as many rows: the same
+    # autotuning bucket, so the same configuration), and at 16 a row alone
+    x = rows_of_many_magnitudes(rows, 2048, rows).cuda()
+    generator = torch.Generator().manual_seed(rows)
+    _, w_q = _stacked([torch.randn(n, 2048, generator=generator).cuda() * 0.02 for n in (4096, 512, 512)])
+    others = torch.randn(rows * 2 // 3, 2048, generator=generator).cuda().bfloat16() * 1e3
+    for mask in (None, torch.arange(128, device="cuda") % 2 == 0):
+        def layer(x):
+            act = rac.quantize_activation_triton(x, mask, act_scale="row")
+            return torch.cat(_dense(act, w_q, splits=(4096, 512, 512)), dim=1)
+        batch = layer(x)
+        for i in (0, rows // 2 + 1, rows - 1):
+            mixed = layer(torch.cat((others[:3], x[i:i + 1], others[3:])))
+            assert torch.equal(mixed[3], batch[i]), (rows, i)
+            if rows <= 16:
+                assert torch.equal(layer(x[i:i + 1])[0], batch[i]), (rows, i)
+
+
+@pytest.mark.cuda
 def test_a_weight_copied_in_just_before_the_layer_is_the_one_it_reads():
     # a weight copied into the layer's buffers right before it runs (as sync_weights does) must be the one
     # the GEMM reads: two weights take turns in one buffer, each call gives that weight's output
@@ -279,8 +328,9 @@ def deterministic_and_close(calls, repeats=10):
 @pytest.mark.cuda
 def test_every_gpu_config_is_deterministic_and_matches_the_reference():
     # Autotuning may pick any configuration, so each one is forced and repeated (a miscompiled one showed
-    # as run-to-run differences): at each decode bucket (split-K; RAC) and at prefill size, where the
-    # configurations without split-K of every bucket are tried too (split-K scratch is sized per bucket).
+    # as run-to-run differences): at each decode bucket (split-K; RAC; one x scale and one per row) and at
+    # prefill size, where the configurations without split-K of every bucket are tried too (split-K scratch is
+    # sized per bucket).
     torch.manual_seed(0)
     D, T = 512, 26112
     w_q = nvfp4.quantize_weight(torch.randn(512, D, device="cuda") * 0.05)
@@ -294,5 +344,12 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
         calls[f"dense decode M={rows}"] = (
             w4a4_dense._dense_kernel, w4a4_dense._m_bucket(rows, w4a4_dense.DENSE_CONFIGS), lambda c: False,
             lambda act=act: _dense(act, w_q), rac.nvfp4_linear_reference(x_small, w_q, mask))
+        # and with a scale per row (rows 10x apart either way: the max over the tensor still sees each)
+        x_rows = (x_small.float() * torch.logspace(-1, 1, rows, device="cuda")[:, None]).bfloat16()
+        act = rac.quantize_activation_triton(x_rows, mask, act_scale="row")
+        x_q, residual = nvfp4.quantize_activation(x_rows, mask, "row")
+        calls[f"dense decode row scales M={rows}"] = (
+            w4a4_dense._dense_kernel, w4a4_dense._m_bucket(rows, w4a4_dense.DENSE_CONFIGS), lambda c: False,
+            lambda act=act: _dense(act, w_q), rac.matmul_reference(x_q, w_q, residual, torch.float32))
     failures = deterministic_and_close(calls)
     assert not failures, "\n".join(failures)

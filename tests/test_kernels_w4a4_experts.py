@@ -236,6 +236,45 @@ def test_grouped_kernels_match_the_reference_on_qwen3_expert_shapes(tokens):
                            f"gpu grouped down T={tokens} {name}")[0] <= 1e-4 * down_reference.abs().max().item()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [1, 64, 256])
+def test_row_scale_and_w4a16_grouped_kernels_on_qwen3_expert_shapes(tokens):
+    # through rac.grouped_matmul_triton (Gluon on sm_89 / sm_90) and the Triton kernel itself: token rows
+    # 10^-6 .. 10^6 apart with their own scales, against the reference; the W4A16 operand against x @ DQ(W).T;
+    # at 64 tokens a token's output the same bits in its batch, alone and among 40 others (one bucket)
+    E, D, I, A = 128, 2048, 768, 8
+    generator = torch.Generator().manual_seed(tokens)
+    gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, generator=generator).cuda() * 0.02)
+    down_q = nvfp4.quantize_weight(torch.randn(E, D, I, generator=generator).cuda() * 0.02)
+    gate_up_w, down_w = rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q)
+    x = rows_of_many_magnitudes(tokens, D, tokens).cuda()
+    expert_ids = torch.rand(tokens, E, generator=generator).topk(A, dim=-1).indices.cuda()
+    router_weights = torch.rand(tokens, A, generator=generator).cuda()
+    mask = torch.arange(D // 16, device="cuda") % 4 == 0
+    for name, call in (("chosen", lambda act, w, counts, **kw: rac.grouped_matmul_triton(
+            act, w, counts, out_dtype=torch.float32, **kw)), ("triton", grouped)):
+        routing, hidden, y = expert_layer(call, gate_up_w, down_w, mask)(x, expert_ids, router_weights.view(-1))
+        x_q, residual = nvfp4.quantize_activation(x, mask, "row")
+        assert_rows_close(hidden, rac.grouped_matmul_reference(
+            x_q, gate_up_q, routing.counts, residual, row_ids=routing.token_ids, swiglu=True,
+            out_dtype=torch.float32), 2e-3, f"gpu row gate/up T={tokens} {name}")
+        h_q, _ = nvfp4.quantize_activation(hidden.bfloat16(), None, "row")
+        assert_rows_close(y, rac.grouped_matmul_reference(
+            h_q, down_q, routing.counts, row_weights=router_weights.view(-1), row_weight_ids=routing.order,
+            out_dtype=torch.float32), 1e-4, f"gpu row down T={tokens} {name}")
+        routing, hidden, _ = expert_layer(call, gate_up_w, down_w, quantize=False)(
+            x, expert_ids, router_weights.view(-1))
+        rows = x.float()[routing.token_ids].split(routing.counts.tolist())
+        gate, up = torch.cat([r @ w.T for r, w in zip(rows, gate_up_q.dequantize(torch.float32))]).chunk(2, -1)
+        assert_rows_close(hidden, torch.nn.functional.silu(gate) * up, 1e-4, f"gpu w4a16 gate/up T={tokens} {name}")
+        if tokens == 64:
+            extra = (torch.randn(40, D, generator=generator).cuda().bfloat16() * 1e3,
+                     torch.rand(40, E, generator=generator).topk(A, dim=-1).indices.cuda(),
+                     torch.rand(40, A, generator=generator).cuda())
+            assert_batch_invariant(expert_layer(call, gate_up_w, down_w, mask), x, expert_ids, router_weights,
+                                   extra, (0, 33, 63))
+
+
 def test_triton_grouped_autotuner_steps_k_within_one_chunk_of_the_layout(monkeypatch):
     # the Triton grouped kernel reads ExpertWeights directly: where K spans several 128-element chunks, its
     # GPU configurations' 256-element steps become 128 (a step may not cross a chunk); K of one chunk
@@ -258,7 +297,7 @@ def test_triton_grouped_autotuner_steps_k_within_one_chunk_of_the_layout(monkeyp
 @pytest.mark.cuda
 def test_every_gpu_config_is_deterministic_and_matches_the_reference():
     # each configuration forced and repeated (a miscompiled one showed as run-to-run differences) at a
-    # prefill of 512 evaluation prompts, 26k tokens, on the small preset's shapes
+    # prefill of 512 evaluation prompts, 26k tokens, on the small preset's shapes (gate/up with row scales too)
     import triton
     torch.manual_seed(0)
     E, D, I, A, T = 32, 512, 256, 4, 26112
@@ -268,6 +307,9 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
     routing = moe.route_tokens(torch.rand(T, E, device="cuda").topk(A, dim=-1).indices, E)
     x = rac.quantize_activation_triton(torch.randn(T, D, device="cuda", dtype=torch.bfloat16), codes=True)
     h = rac.quantize_activation_triton(torch.randn(T * A, I, device="cuda", dtype=torch.bfloat16), codes=True)
+    x_rows = (torch.randn(T, D, device="cuda") * torch.logspace(-1, 1, T, device="cuda")[:, None]).bfloat16()
+    x_row = rac.quantize_activation_triton(x_rows, act_scale="row")
+    x_row_q, _ = nvfp4.quantize_activation(x_rows, None, "row")
     row_weights = torch.rand(T * A, device="cuda")
     bucket = w4a4_experts._m_bucket(triton.cdiv(T * A, E), w4a4_experts.GROUPED_CONFIGS)
     calls = {
@@ -279,6 +321,11 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
                  lambda: grouped(h, down_w, routing.counts, row_weights=row_weights),
                  rac.grouped_matmul_reference(h.x_q, down_q, routing.counts, row_weights=row_weights,
                                               out_dtype=torch.float32)),
+        "gate/up, row scales": (
+            w4a4_experts._grouped_kernel, bucket, lambda c: False,
+            lambda: grouped(x_row, gate_up_w, routing.counts, row_ids=routing.token_ids, swiglu=True),
+            rac.grouped_matmul_reference(x_row_q, gate_up_q, routing.counts, row_ids=routing.token_ids, swiglu=True,
+                                         out_dtype=torch.float32)),
     }
     failures = deterministic_and_close(calls)
     assert not failures, "\n".join(failures)

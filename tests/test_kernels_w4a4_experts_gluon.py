@@ -1,11 +1,13 @@
 """gpu_kernels/w4a4_experts_gluon.py: the experts' grouped GEMM in Gluon (sm_89 / sm_90). Its autotuner's K
-steps; compiled for sm_90 on the CPU (8-byte code loads into mma.sync); on the GPU against
-rac.grouped_matmul_reference on short tiles and at every bucket, every configuration forced in turn."""
+steps; compiled for sm_90 on the CPU (8-byte code loads into mma.sync), with one x scale and one per row; on the
+GPU against rac.grouped_matmul_reference on short tiles and at every bucket, every configuration forced in turn,
+with per-row x scales (against the reference, bit for bit the one-scale results where equal, a token's output
+independent of its batch) and the W4A16 operand."""
 import pytest
 import torch
-from test_kernels_w4a4_dense import deterministic_and_close, forced_configs
-from test_kernels_w4a4_experts import routing_with_empty_experts
-from test_kernels_w4a4_quantize import COMPILE_PREAMBLE, compiled_output
+from test_kernels_w4a4_dense import assert_rows_close, deterministic_and_close, forced_configs
+from test_kernels_w4a4_experts import assert_batch_invariant, expert_layer, routing_with_empty_experts
+from test_kernels_w4a4_quantize import COMPILE_PREAMBLE, compiled_output, rows_of_many_magnitudes
 
 import moe
 import nvfp4
@@ -41,14 +43,16 @@ def test_gluon_autotuner_keeps_the_bucket_and_steps_k_within_one_chunk_of_the_la
 
 
 _COMPILE_GLUON_FOR_SM90 = COMPILE_PREAMBLE + r"""
+import itertools
 from triton.experimental.gluon._runtime import GluonASTSource
 from gpu_kernels import w4a4_experts_gluon
 kernel = jit(w4a4_experts_gluon._grouped_gluon_kernel)
 types = ["*fp16", "*fp32", "*i64", "*fp32", "*i64", "*u8", "*u8", "*fp32", "*i64", "*bf16"] + [i] * 13
-for swiglu, tile, n, k in ((1, 8, 64, 128), (1, 32, 64, 64), (0, 8, 128, 128), (0, 64, 64, 64)):
+for (swiglu, tile, n, k), row_scale in itertools.product(
+        ((1, 8, 64, 128), (1, 32, 64, 64), (0, 8, 128, 128), (0, 64, 64, 64)), (0, 1)):
     swiglu = bool(swiglu)
-    c = dict(GATHER=swiglu, ROW_WEIGHTS=not swiglu, WEIGHT_IDS=not swiglu, SWIGLU=swiglu, E_POW2=128,
-             CHUNK=128, BUCKET=8, BLOCK_T=tile, BLOCK_N=n, BLOCK_K=k, NUM_WARPS=4)
+    c = dict(GATHER=swiglu, ROW_WEIGHTS=not swiglu, WEIGHT_IDS=not swiglu, SWIGLU=swiglu, ROW_SCALE=bool(row_scale),
+             E_POW2=128, CHUNK=128, BUCKET=8, BLOCK_T=tile, BLOCK_N=n, BLOCK_K=k, NUM_WARPS=4)
     signature = dict(zip([a for a in kernel.arg_names if a not in c], types))
     signature.update({a: "constexpr" for a in c})
     aligned = [a for a in kernel.arg_names if a not in c  # 16-divisible, as the launches see them
@@ -59,7 +63,7 @@ for swiglu, tile, n, k in ((1, 8, 64, 128), (1, 32, 64, 64), (0, 8, 128, 128), (
     mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16", ptx))
     loads8 = len(re.findall(r"ld\.global(?:\.\w+)*\.v2\.b32", ptx))
     loads1 = len(re.findall(r"ld\.global(?:\.\w+)*\.[us]8", ptx))
-    print(int(swiglu), tile, n, k, mma, loads8, loads1, int("cp.async" in ptx))
+    print(int(swiglu), tile, n, k, row_scale, mma, loads8, loads1, int("cp.async" in ptx))
 """
 
 
@@ -69,9 +73,12 @@ def test_gluon_kernel_loads_8_byte_code_runs_into_mma_sync_on_hopper():
     # memory staging. A tile of 16 rows or
     # more also holds the loop of a tile of half its rows (for tiles at most half full), one of 32 or more
     # that of half plus a quarter (at most three quarters full): its MMAs a K step are 1.5 and 2.25 times a
-    # full tile's, which are (weight rows / 16 a warp) x (tile rows / 8) x (BLOCK_K / 16).
-    for line in compiled_output(_COMPILE_GLUON_FOR_SM90):
-        swiglu, tile, n, k, mma, loads8, loads1, staged = map(int, line.split())
+    # full tile's, which are (weight rows / 16 a warp) x (tile rows / 8) x (BLOCK_K / 16). The same with each
+    # row's own x scale (read in the epilogue only).
+    lines = compiled_output(_COMPILE_GLUON_FOR_SM90)
+    assert sorted(int(line.split()[4]) for line in lines) == [0] * 4 + [1] * 4, lines
+    for line in lines:
+        swiglu, tile, n, k, _, mma, loads8, loads1, staged = map(int, line.split())
         full = (n * (2 if swiglu else 1) // 16 // 4) * (tile // 8) * (k // 16)
         assert mma == full * {8: 4, 16: 6, 32: 9, 64: 9}[tile] // 4 and not staged, line
         assert loads8 > 0 and loads8 >= loads1, line  # codes in 8-byte runs, scales a byte each
@@ -139,6 +146,17 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
                                                  swiglu=True),
             rac.grouped_matmul_reference(x.x_q, gate_up_q, routing.counts, row_ids=routing.token_ids,
                                          swiglu=True, out_dtype=torch.float32))
+        if tokens in (64, 512):  # with a scale per row (rows 10x apart either way), gathered at gate/up
+            x_rows = (torch.randn(tokens, D, device="cuda")
+                      * torch.logspace(-1, 1, tokens, device="cuda")[:, None]).bfloat16()
+            x_row = rac.quantize_activation_triton(x_rows, act_scale="row")
+            calls[f"gate/up row scales T={tokens}"] = (
+                kernel, bucket, lambda c: False,
+                lambda x_row=x_row, routing=routing: grouped(x_row, gate_up_w, routing.counts,
+                                                             row_ids=routing.token_ids, swiglu=True),
+                rac.grouped_matmul_reference(nvfp4.quantize_activation(x_rows, None, "row")[0], gate_up_q,
+                                             routing.counts, row_ids=routing.token_ids, swiglu=True,
+                                             out_dtype=torch.float32))
         calls[f"down T={tokens}"] = (
             kernel, bucket, lambda c: False,
             lambda h=h, routing=routing, row_weights=row_weights: grouped(h, down_w, routing.counts,
@@ -147,3 +165,71 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
                                          out_dtype=torch.float32))
     failures = deterministic_and_close(calls)
     assert not failures, "\n".join(failures)
+
+
+def _gluon_layer(gate_up_w, down_w, mask=None, act_scale="row", quantize=True):
+    return expert_layer(grouped, gate_up_w, down_w, mask, act_scale, quantize)
+
+
+@pytest.mark.cuda
+def test_gluon_kernel_with_row_scales_and_the_w4a16_operand_matches_the_references():
+    # short tiles (14 to 24 rows an expert) and token rows 10^-6 .. 10^6 apart, every configuration forced:
+    # gate/up reads the gathered row's scale, down the sorted row's; row scales equal to the tensor's give its
+    # bits; the W4A16 operand gives x @ DQ(W).T to fp32 order
+    if not _gluon_here():
+        pytest.skip("the Gluon experts kernel runs on sm_89 and sm_90 only")
+    E, D, I, tokens, A = 8, 256, 80, 48, 2
+    expert_ids, routing = routing_with_empty_experts(E, tokens, A, "cuda")
+    generator = torch.Generator().manual_seed(0)
+    gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, generator=generator).cuda())
+    down_q = nvfp4.quantize_weight(torch.randn(E, D, I, generator=generator).cuda())
+    gate_up_w, down_w = rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q)
+    x = rows_of_many_magnitudes(tokens, D, 0).cuda()
+    mask = torch.arange(D // 16, device="cuda") % 2 == 0
+    router_weights = torch.rand(tokens * A, device="cuda")
+    bucket = w4a4_experts_gluon._m_bucket(-(-tokens * A // E), w4a4_experts_gluon.GLUON_CONFIGS)
+    tensor_act = rac.quantize_activation_triton(torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16), mask)
+    per_row = tensor_act._replace(global_scale=tensor_act.global_scale.expand(tokens).contiguous())
+    failures = []
+    for config in forced_configs(w4a4_experts_gluon._grouped_gluon_kernel, bucket):
+        try:
+            _, hidden, y = _gluon_layer(gate_up_w, down_w, mask)(x, expert_ids, router_weights)
+            x_q, residual = nvfp4.quantize_activation(x, mask, "row")
+            assert_rows_close(hidden, rac.grouped_matmul_reference(
+                x_q, gate_up_q, routing.counts, residual, row_ids=routing.token_ids, swiglu=True,
+                out_dtype=torch.float32), 2e-3, "gluon row gate/up")
+            h_q, _ = nvfp4.quantize_activation(hidden.bfloat16(), None, "row")
+            assert_rows_close(y, rac.grouped_matmul_reference(
+                h_q, down_q, routing.counts, row_weights=router_weights, row_weight_ids=routing.order,
+                out_dtype=torch.float32), 1e-5, "gluon row down")
+            kwargs = dict(row_ids=routing.token_ids, swiglu=True)
+            assert torch.equal(grouped(tensor_act, gate_up_w, routing.counts, **kwargs),
+                               grouped(per_row, gate_up_w, routing.counts, **kwargs)), "row vs tensor bits"
+            _, hidden, y = _gluon_layer(gate_up_w, down_w, quantize=False)(x, expert_ids, router_weights)
+            rows = x.float()[routing.token_ids].split(routing.counts.tolist())
+            gate, up = torch.cat([r @ w.T for r, w in zip(rows, gate_up_q.dequantize(torch.float32))]).chunk(2, -1)
+            assert_rows_close(hidden, torch.nn.functional.silu(gate) * up, 1e-5, "gluon w4a16 gate/up")
+        except AssertionError as error:
+            failures.append(f"{config}: {str(error).splitlines()[0][:200]}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.cuda
+def test_gluon_kernel_a_tokens_output_does_not_depend_on_its_batch_under_row_scales():
+    # Qwen3's experts at 64 decode tokens, one token, and one among 40 others: one autotuning bucket (4 rows an
+    # expert or fewer), so one configuration; the token's rows meet other tiles, half and quarter tiles too
+    if not _gluon_here():
+        pytest.skip("the Gluon experts kernel runs on sm_89 and sm_90 only")
+    E, D, I, A = 128, 2048, 768, 8
+    generator = torch.Generator().manual_seed(0)
+    gate_up_w = rac.chunk_experts(nvfp4.quantize_weight(torch.randn(E, 2 * I, D, generator=generator).cuda() * 0.02))
+    down_w = rac.chunk_experts(nvfp4.quantize_weight(torch.randn(E, D, I, generator=generator).cuda() * 0.02))
+    x = rows_of_many_magnitudes(64, D, 1).cuda()
+    expert_ids = torch.rand(64, E, generator=generator).topk(A, dim=-1).indices.cuda()
+    router_weights = torch.rand(64, A, generator=generator).cuda()
+    extra = (torch.randn(40, D, generator=generator).cuda().bfloat16() * 1e3,
+             torch.rand(40, E, generator=generator).topk(A, dim=-1).indices.cuda(),
+             torch.rand(40, A, generator=generator).cuda())
+    for mask in (None, torch.arange(D // 16, device="cuda") % 2 == 0):
+        assert_batch_invariant(_gluon_layer(gate_up_w, down_w, mask), x, expert_ids, router_weights, extra,
+                               (0, 17, 63))

@@ -156,8 +156,7 @@ def _gluon_expert_store(acc, scale, t0, end_row, pid_n, n_out, y_ptr, stride_y, 
 @gluon.jit
 def _gluon_expert_rows(args, tile, GATHER: gl.constexpr, ROW_WEIGHTS: gl.constexpr,
                        WEIGHT_IDS: gl.constexpr, SWIGLU: gl.constexpr, ROW_SCALE: gl.constexpr,
-                       CHUNK: gl.constexpr,
-                       BLOCK_T: gl.constexpr, EXTRA: gl.constexpr, BLOCK_N: gl.constexpr,
+                       CHUNK: gl.constexpr, BLOCK_T: gl.constexpr, EXTRA: gl.constexpr, BLOCK_N: gl.constexpr,
                        BLOCK_K: gl.constexpr, NUM_WARPS: gl.constexpr):
     """tile = (expert, row0, end_row, pid_n): sorted rows row0 .. min(row0 + BLOCK_T + EXTRA, end_row) of
     `expert` times its weight rows of output tile pid_n, into y: BLOCK_T rows, and EXTRA more (0, or a

@@ -255,8 +255,9 @@ def replication_tables(base, order):
             for ref in ("bf16", "nvfp4"):
                 seeds = sorted(set(v) & set(values.get(ref, {})))
                 diffs = [v[s][index] - values[ref][s][index] for s in seeds]
-                lo, hi = bootstrap_interval(diffs) if len(diffs) > 1 else (math.nan, math.nan)
-                cells.append(f"{statistics.mean(diffs):+.3f} [{lo:+.3f}, {hi:+.3f}] (n={len(diffs)})"
+                interval = "[{:+.3f}, {:+.3f}]".format(*bootstrap_interval(diffs)) if len(diffs) >= 3 else \
+                    "(no interval under 3 seeds)"
+                cells.append(f"{statistics.mean(diffs):+.3f} {interval} (n={len(diffs)})"
                              if diffs and recipe != ref else "-")
             rows.append(cells)
         out.append(f"Paired differences of {label}, per seed, mean [95% bootstrap interval]:\n\n"

@@ -6,9 +6,10 @@ the grouped one rac.grouped_matmul_reference, up to fp32 accumulation order:
 
 where each product is a dot_scaled over all of K with the block scales, and the global scales come in
 the epilogue: g_x one per activation, or one per row (the quantizer's row_scale; at gate/up that of the
-gathered row, at down the sorted row's), times g_w. Numerics UNTESTED (no Blackwell GPU here; the interpreter
-reads E4M3 scales as E8M0): a CPU test compiles both kernels for sm_100, and rac.py checks them against the
-Hopper kernels on first use (`disagreement`, at the end).
+gathered row, at down the sorted row's), times g_w. (A W4A16 operand has no codes: the Hopper kernels take
+it.) Numerics UNTESTED (no Blackwell GPU here; the interpreter reads E4M3 scales as E8M0): a CPU test compiles
+both kernels for sm_100, and rac.py checks them against the Hopper kernels on first use (`disagreement`, at
+the end).
 
 One tl.dot_scaled per loop body: with two (x and its residual, or gate and up) Triton 3.6's automatic warp
 specialization fails to compile for sm_100. So the residual is a second pass over K (the weight tiles read

@@ -16,7 +16,8 @@ against the reference.
     output sit in the same thread's accumulator registers; the epilogue splits them in registers.
   - The experts' blocked layout (expert_layout.ExpertWeights): a program's K steps read a few contiguous runs.
   - Per-row x scales (ROW_SCALE): the epilogue reads each row's own, that of its gathered activation row
-    (row_ids) at gate/up, of its sorted row at down, and forms (2^12 g_x) g_w in the one-scale order.
+    (row_ids) at gate/up, of its sorted row at down, and forms (2^12 g_x) g_w in the one-scale order. A W4A16
+    operand (x / g_x * 2^-6, w4a4_quantize's quantize=False) runs as any other.
   - A tile holding at most half its rows runs as a tile of half the rows, one of 32 rows or more at most
     three quarters full as that half plus a quarter (the loop and epilogue are compiled for each size): at
     16 rows an expert most 32-row tiles skip 8 or 16 padding rows' MMAs and activation loads.

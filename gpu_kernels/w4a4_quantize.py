@@ -2,6 +2,8 @@
 the Hopper GEMMs multiply. The codes equal nvfp4.quantize_activation(x, rac_mask, act_scale) bit for bit (the
 arithmetic of nvfp4.quantize_reference); the operand is their values, (DQ(x_q) + DQ(r_q)) / g * 2^-6 rounded
 once to fp16. The global scale g is one per tensor (act_scale "tensor") or one per row ("row", row_scale=True).
+Where g is NaN (its input holds NaN or Inf) every value dequantizes to NaN, but the kernel writes scale 0 for
+the finite blocks, where the reference writes the E4M3 NaN (nvfp4_quantize's block step does so for nvfp4 too).
 
 Per 16-element block b of x, with the dynamic global scale g = amax(|x|) / (6 * 448) (amax over x, or x's row):
 

@@ -137,7 +137,8 @@ def test_row_scales_equal_to_the_tensors_give_its_results_bit_for_bit(kernel_dev
                            (h, down_q, dict(row_weights=torch.rand(tokens * A, device=kernel_device)))):
         per_row = act._replace(global_scale=act.global_scale.expand(act.operand.shape[1]).contiguous())
         w = rac.chunk_experts(w)
-        assert torch.equal(grouped(act, w, routing.counts, **kwargs), grouped(per_row, w, routing.counts, **kwargs))
+        one, each = (grouped(a, w, routing.counts, **kwargs) for a in (act, per_row))
+        assert torch.equal(one, each)
 
 
 def tokens_by_assignment(routing, y_sorted, tokens, A):
@@ -266,7 +267,8 @@ def test_row_scale_and_w4a16_grouped_kernels_on_qwen3_expert_shapes(tokens):
             x, expert_ids, router_weights.view(-1))
         rows = x.float()[routing.token_ids].split(routing.counts.tolist())
         gate, up = torch.cat([r @ w.T for r, w in zip(rows, gate_up_q.dequantize(torch.float32))]).chunk(2, -1)
-        assert_rows_close(hidden, torch.nn.functional.silu(gate) * up, 1e-4, f"gpu w4a16 gate/up T={tokens} {name}")
+        assert_rows_close(hidden, torch.nn.functional.silu(gate) * up, 1e-4,
+                          f"gpu w4a16 gate/up T={tokens} {name}")
         if tokens == 64:
             extra = (torch.randn(40, D, generator=generator).cuda().bfloat16() * 1e3,
                      torch.rand(40, E, generator=generator).topk(A, dim=-1).indices.cuda(),
@@ -324,8 +326,8 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
         "gate/up, row scales": (
             w4a4_experts._grouped_kernel, bucket, lambda c: False,
             lambda: grouped(x_row, gate_up_w, routing.counts, row_ids=routing.token_ids, swiglu=True),
-            rac.grouped_matmul_reference(x_row_q, gate_up_q, routing.counts, row_ids=routing.token_ids, swiglu=True,
-                                         out_dtype=torch.float32)),
+            rac.grouped_matmul_reference(x_row_q, gate_up_q, routing.counts, row_ids=routing.token_ids,
+                                         swiglu=True, out_dtype=torch.float32)),
     }
     failures = deterministic_and_close(calls)
     assert not failures, "\n".join(failures)

@@ -51,8 +51,9 @@ types = ["*fp16", "*fp32", "*i64", "*fp32", "*i64", "*u8", "*u8", "*fp32", "*i64
 for (swiglu, tile, n, k), row_scale in itertools.product(
         ((1, 8, 64, 128), (1, 32, 64, 64), (0, 8, 128, 128), (0, 64, 64, 64)), (0, 1)):
     swiglu = bool(swiglu)
-    c = dict(GATHER=swiglu, ROW_WEIGHTS=not swiglu, WEIGHT_IDS=not swiglu, SWIGLU=swiglu, ROW_SCALE=bool(row_scale),
-             E_POW2=128, CHUNK=128, BUCKET=8, BLOCK_T=tile, BLOCK_N=n, BLOCK_K=k, NUM_WARPS=4)
+    c = dict(GATHER=swiglu, ROW_WEIGHTS=not swiglu, WEIGHT_IDS=not swiglu, SWIGLU=swiglu,
+             ROW_SCALE=bool(row_scale), E_POW2=128, CHUNK=128, BUCKET=8, BLOCK_T=tile, BLOCK_N=n, BLOCK_K=k,
+             NUM_WARPS=4)
     signature = dict(zip([a for a in kernel.arg_names if a not in c], types))
     signature.update({a: "constexpr" for a in c})
     aligned = [a for a in kernel.arg_names if a not in c  # 16-divisible, as the launches see them
@@ -222,8 +223,8 @@ def test_gluon_kernel_a_tokens_output_does_not_depend_on_its_batch_under_row_sca
         pytest.skip("the Gluon experts kernel runs on sm_89 and sm_90 only")
     E, D, I, A = 128, 2048, 768, 8
     generator = torch.Generator().manual_seed(0)
-    gate_up_w = rac.chunk_experts(nvfp4.quantize_weight(torch.randn(E, 2 * I, D, generator=generator).cuda() * 0.02))
-    down_w = rac.chunk_experts(nvfp4.quantize_weight(torch.randn(E, D, I, generator=generator).cuda() * 0.02))
+    gate_up_w, down_w = (rac.chunk_experts(nvfp4.quantize_weight(torch.randn(*shape, generator=generator).cuda()
+                                                                 * 0.02)) for shape in ((E, 2 * I, D), (E, D, I)))
     x = rows_of_many_magnitudes(64, D, 1).cuda()
     expert_ids = torch.rand(64, E, generator=generator).topk(A, dim=-1).indices.cuda()
     router_weights = torch.rand(64, A, generator=generator).cuda()

@@ -232,12 +232,14 @@ kernel = jit(w4a4_quantize._quantize_activation_kernel)
 types = ["*bf16", "*i32", "*u8", "*fp32", "*fp32", "*u8", "*u8", "*u8", "*u8", "*fp16"] + [i] * 5
 for gpu in (True, False):
     for row_scale in (False, True):
-        c = dict(AMAX_HERE=True, HAS_RESIDUAL=True, X_BF16=True, WRITE_CODES=True, WRITE_OPERAND=True, BLOCKS=32,
-                 CHUNK=4096, PARTIALS=1, GPU=gpu, ROW_SCALE=row_scale, QUANTIZE=True)
-        signature = dict(zip([n for n in kernel.arg_names if n not in c], types))
-        signature.update({n: "constexpr" for n in c})
-        ptx = compile(ASTSource(kernel, signature, c), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-        print("quantizer" + "_row" * row_scale, gpu, len(re.findall(r"\bmul\.rn\.f32\b", ptx)))
+        for quantize in (True, False):  # W4A4, and the W4A16 operand (no codes, no residual)
+            c = dict(AMAX_HERE=True, HAS_RESIDUAL=quantize, X_BF16=True, WRITE_CODES=quantize, WRITE_OPERAND=True,
+                     BLOCKS=32, CHUNK=4096, PARTIALS=1, GPU=gpu, ROW_SCALE=row_scale, QUANTIZE=quantize)
+            signature = dict(zip([n for n in kernel.arg_names if n not in c], types))
+            signature.update({n: "constexpr" for n in c})
+            ptx = compile(ASTSource(kernel, signature, c), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+            name = "quantizer" + "_row" * row_scale + "_w4a16" * (not quantize)
+            print(name, gpu, len(re.findall(r"\bmul\.rn\.f32\b", ptx)))
 """
 
 
@@ -246,9 +248,11 @@ def test_compiled_quantizer_rounds_the_residuals_product_on_its_own():
     # the product's fp32 rounding the reference makes (seen on the H200 as residual codes unlike the
     # reference's). The quantizer must hold the never-fused mul.rn.f32 (not in its interpreter build,
     # GPU=False: the count is of the residual's products, not of something else), with one global scale or
-    # one per row.
+    # one per row. The W4A16 operand (no residual) compiles too, and holds none.
     lines = compiled_output(_COMPILE_FOR_SM90)
     counts = {(name, gpu): int(n) for name, gpu, n in (line.split() for line in lines)}
-    assert set(counts) == {(name, gpu) for name in ("quantizer", "quantizer_row") for gpu in ("True", "False")}
-    for name in ("quantizer", "quantizer_row"):
-        assert counts[name, "True"] > 0 and counts[name, "False"] == 0, counts
+    names = [prefix + suffix for prefix in ("quantizer", "quantizer_row") for suffix in ("", "_w4a16")]
+    assert set(counts) == {(name, gpu) for name in names for gpu in ("True", "False")}
+    for name in names:
+        assert counts[name, "True"] == 0 if name.endswith("w4a16") else counts[name, "True"] > 0, counts
+        assert counts[name, "False"] == 0, counts

@@ -504,7 +504,7 @@ def quantize_activation_triton(x, rac_mask=None, codes=None, operand=None, act_s
     """x (M, K) -> Activation: the codes of x and its RAC residual (codes=True: quantize_activation_reference
     bit for bit), the Hopper GEMMs' fp16 operand (operand=True); None: what this device's GEMMs take."""
     _check_input(x, rac_mask, "quantize_activation_triton", kernel=True)
-    native = backend(x.device) == "native"
+    native = backend(x.device) == "native" and quantize  # W4A16's operand goes to the Hopper GEMMs
     codes, operand = native if codes is None else codes, (not native) if operand is None else operand
     extra = {} if (act_scale, quantize) == ("tensor", True) else dict(row_scale=act_scale == "row", quantize=quantize)
     data, scale, r_data, r_scale, planes, global_scale = w4a4_quantize.quantize_activation(

@@ -18,16 +18,13 @@ weights every step, per tensor (the paper's: a token's rounding then depends on 
 weights and GEMMs, activations unquantized) and "w16a4" (full-precision weights on the reference path).
 
 Reading order: references (plain PyTorch, fp32), block selection, the layers (q/k/v_proj share one
-selection, quantization and GEMM: SharedInput), conversion and sync, TRACE's `recording`, the fast path
-(gpu_kernels/w4a4_*.py and expert_layout.py), and `backend`, the one place a path is chosen. Hopper:
-one quantizer launch, fp16 MMAs on the FP4 weight decoded in registers (or once, for prefill), the experts
-as one grouped GEMM with SwiGLU and router weights in its epilogues. Blackwell: `tl.dot_scaled` on the
-codes, numerics UNTESTED (no such GPU here), checked against the Hopper kernels on first use.
+input: SharedInput), conversion and sync, TRACE's `recording`, the fast path (gpu_kernels/w4a4_*.py), and
+`backend`, the one place a path is chosen. Hopper: fp16 MMAs on the FP4 weight decoded in registers.
+Blackwell: `tl.dot_scaled` on the codes, numerics UNTESTED, checked against the Hopper kernels first.
 
-Shape letters: M rows (tokens or token-expert assignments), K reduction dim, N output features, G = K / 16
-blocks, T tokens, A active experts per token, R = T * A assignments, E experts, D model dim, I expert hidden.
-Left out: static activation scales, per-expert RAC block selection, a one-row GEMV (RL decodes whole
-batches: finished rows keep their slot), FP4 KV caches. The FP8 baseline is fp8.py.
+Shape letters: M rows, K reduction dim, N outputs, G = K / 16 blocks, T tokens, A active experts, R = T * A,
+E experts, D model dim, I expert hidden. Left out: static activation scales, per-expert RAC selection, a
+one-row GEMV (RL decodes whole batches), FP4 KV caches. The FP8 baseline is fp8.py.
 """
 import contextlib
 import functools
@@ -57,6 +54,7 @@ except ImportError:
 
 MODES = ("bf16", "fp8", "nvfp4", "w4a16", "w16a4")
 NVFP4_MODES = ("nvfp4", "w4a16", "w16a4")  # the NVFP4 layers' modes: W4A4, weights only, activations only
+ACTIVATION_MODES = ("nvfp4", "w16a4")      # the modes with NVFP4 activations: RAC and act_scale apply
 GLUON_EXPERTS_BELOW = 2048         # tokens: from here on the experts run on the Triton kernel (prefill)
 KERNEL_CAPABILITY = (8, 9)         # the kernels' E4M3 conversions (cvt.*.e4m3x2) need sm_89 or later
 _PARTS = ("data", "block_scale", "global_scale")  # an NVFP4 weight's three buffers
@@ -65,8 +63,7 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 # ======================================================================== the references (plain PyTorch)
 def quantize_activation_reference(x, rac_mask=None, act_scale="tensor"):
-    """x (M, K) -> (x_q, residual): NVFP4 codes of x (dynamic global scale, per tensor or row) and of
-    x - DQ(x_q) on the blocks where rac_mask (G,) is True (zero elsewhere; x's global scale), or None."""
+    """x (M, K) -> nvfp4.quantize_activation's (x_q, residual) (residual None without rac_mask (G,))."""
     _check_input(x, rac_mask, "quantize_activation_reference")
     return nvfp4.quantize_activation(x, rac_mask, act_scale)
 
@@ -107,8 +104,7 @@ def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_
 
 
 def _dequantized(q, residual=None):
-    """DQ(q) in fp32, (..., N, K), q an NVFP4Tensor or experts' ExpertWeights (a float tensor: itself, as
-    w4a16's activations); plus DQ(residual) if given."""
+    """DQ(q) in fp32 (q NVFP4Tensor, ExpertWeights, or a float tensor: w4a16's x), plus DQ(residual)."""
     q = unchunk_experts(q) if isinstance(q, ExpertWeights) else q
     x = q.float() if isinstance(q, torch.Tensor) else nvfp4.dequantize_reference(q, torch.float32)
     return x if residual is None else x + nvfp4.dequantize_reference(residual, torch.float32)
@@ -116,9 +112,8 @@ def _dequantized(q, residual=None):
 
 # ======================================================================== RAC block selection
 class RACSelector(nn.Module):
-    """Which 16-channel blocks of one layer input get RAC: the `mask` buffer (G,) bool, True on the
-    round(rac_ratio * G) (half up) blocks with the largest mean |x - DQ(Q(x))| over the calibration inputs
-    (calibrate_rac: start / finish), else over the first input seen. Ratio 0 selects nothing."""
+    """Which 16-channel blocks of one layer input get RAC: `mask` (G,), True on the round(rac_ratio * G) blocks
+    with the largest mean |x - DQ(Q(x))| over the calibration inputs (calibrate_rac), else the first input."""
 
     def __init__(self, n_blocks, rac_ratio=0.0, device=None, act_scale="tensor"):
         super().__init__()
@@ -145,8 +140,7 @@ class RACSelector(nn.Module):
 
     @torch.no_grad()
     def forward(self, x, routes=None):
-        """x (M, K) -> the mask (G,) bool to use now, or None for naive NVFP4. routes: (moe.Routing,
-        expert_ids) when x is an experts layer's down input (rows sorted by expert), for `recording`."""
+        """x (M, K) -> the mask (G,) or None (naive); routes: (moe.Routing, expert_ids) of a down input."""
         if self.record is not None:
             self.record(x, routes)
         if self.n_selected == 0:
@@ -171,8 +165,7 @@ def unchunk_experts(w):
 
 # ======================================================================== rollout layers
 class DequantizedWeight:
-    """DQ(W) in fp32 for a layer's reference path, kept while W's buffers are the same tensors, unmodified
-    (inference tensors: never kept): else a sixth of a CPU `python train.py` redoes it."""
+    """DQ(W) in fp32 for the reference path, kept while W's buffers are unmodified (a sixth of a CPU train.py)."""
     held, value, full = (), None, None  # held: (tensor, version), so that their memory is not reused
 
     def __call__(self, q):
@@ -185,14 +178,14 @@ class DequantizedWeight:
 
 
 def _kernels(x, layer):
-    """Does `layer` run the kernels on x? Not in mode w16a4: a full-precision weight (an ablation)."""
+    """Does `layer` run the kernels on x? Not w16a4: its full-precision weight has none (an ablation)."""
     return use_triton(x) and layer.mode != "w16a4"
 
 
-def _quantized_input(x2, rac_mask, layer, kernels=None):
-    """What a layer's GEMM takes of x2 (M, K): on the kernels the quantizer's Activation (w4a16: x's operand,
-    unquantized), else the codes (x_q, residual) (w4a16: x2 itself, no residual)."""
-    if _kernels(x2, layer) if kernels is None else kernels:
+def _quantized_input(x2, rac_mask, layer, kernels):
+    """What a layer's GEMM takes of x2 (M, K): the quantizer's Activation on the kernels, else the codes
+    (x_q, residual); w4a16 quantizes nothing (its operand of x, or x2 itself with no residual)."""
+    if kernels:
         return quantize_activation_triton(x2, rac_mask, act_scale=layer.act_scale, quantize=layer.mode != "w4a16")
     return (x2, None) if layer.mode == "w4a16" else quantize_activation_reference(x2, rac_mask, layer.act_scale)
 
@@ -218,8 +211,7 @@ class NVFP4Linear(nn.Module):
         self.weight_fp32 = DequantizedWeight()  # the twin path's DQ(W) (w16a4: W)
         self.shared_input = None  # a SharedInput when layers read the same input (convert_for_rollout)
 
-    weight_q = property(lambda self: NVFP4Tensor(self.weight_data, self.weight_block_scale,
-                                                 self.weight_global_scale))
+    weight_q = property(lambda self: NVFP4Tensor(*(getattr(self, f"weight_{part}") for part in _PARTS)))
 
     @classmethod
     def from_float(cls, linear, rac_ratio=0.0, mode="nvfp4", act_scale="tensor"):
@@ -246,7 +238,7 @@ class NVFP4Linear(nn.Module):
         fp8.check_layer_input(x, self.in_features, self.weight_data.device, "NVFP4Linear")
         x2 = x.reshape(-1, self.in_features)                                             # (M, K)
         y = (self.shared_input.output(self, x, x2) if self.shared_input is not None
-             else self._matmul(x2, _quantized_input(x2, self.rac(x2), self)))
+             else self._matmul(x2, _quantized_input(x2, self.rac(x2), self, _kernels(x2, self))))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -260,8 +252,7 @@ class NVFP4Linear(nn.Module):
         return matmul_reference(x_q, w_q, residual, torch.float32, self.weight_fp32(w_q)).to(x2.dtype)
 
     def extra_repr(self):
-        return (f"in={self.in_features}, out={self.out_features}, rac_ratio={self.rac.rac_ratio}, mode={self.mode}, "
-                f"act_scale={self.act_scale}")
+        return f"in={self.in_features}, out={self.out_features}, rac={self.rac.rac_ratio} {self.mode}, {self.act_scale}"
 
 
 def stack_weights(weights):
@@ -271,10 +262,9 @@ def stack_weights(weights):
 
 
 class SharedInput:
-    """One input read by several NVFP4Linear layers (q/k/v_proj, sharing one RACSelector): the first reader
-    computes every layer's output, kept until each has read it. Kernels: one GEMM over a stacked weight whose
-    views are the layers' buffers (three GEMMs up to fp32 accumulation order); reference: x quantized once,
-    each layer's own matmul. Reuse needs the very tensor, unmodified; inference tensors: each layer alone."""
+    """One input of several NVFP4Linear layers (q/k/v_proj, one RACSelector): the first reader computes every
+    output (kernels: one GEMM over a stacked weight whose views are the layers' buffers), kept until each has
+    read it. Reuse needs the very tensor, unmodified; inference tensors: each layer alone."""
 
     def __init__(self, layers):
         self.layers = list(layers)
@@ -306,7 +296,7 @@ class SharedInput:
             if not self.waiting:  # everyone has read it: keep nothing alive
                 self.input = self.outputs = None
             return y
-        act = _quantized_input(x2, layer.rac(x2), layer)
+        act = _quantized_input(x2, layer.rac(x2), layer, _kernels(x2, layer))
         if x.is_inference():
             return layer._matmul(x2, act)
         stacked = self._stacked() if _kernels(x2, layer) else None
@@ -318,8 +308,7 @@ class SharedInput:
 
 
 class NVFP4Experts(nn.Module):
-    """W4A4 moe.Experts: NVFP4 weights (a global scale per expert), two grouped GEMMs, RAC on each input;
-    the modes as NVFP4Linear's."""
+    """W4A4 moe.Experts: NVFP4 weights, two grouped GEMMs, RAC on each input; modes as NVFP4Linear's."""
 
     def __init__(self, n_experts, dim, expert_dim, rac_ratio=0.0, device=None, mode="nvfp4", act_scale="tensor"):
         super().__init__()
@@ -397,8 +386,7 @@ class NVFP4Experts(nn.Module):
 
 
 def selectors(layer):
-    """A rollout layer's RACSelectors, one per quantized input: (rac,) of an NVFP4Linear, (gate/up, down)
-    of NVFP4Experts, () of any other module."""
+    """A layer's RACSelectors, one per quantized input: (rac,), (gate/up, down) of experts, or ()."""
     if isinstance(layer, NVFP4Linear):
         return (layer.rac,)
     return (layer.rac_gate_up, layer.rac_down) if isinstance(layer, NVFP4Experts) else ()
@@ -407,11 +395,10 @@ def selectors(layer):
 # ======================================================================== conversion, sync, calibration
 def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quantize_lm_head=False,
                         act_scale="tensor"):
-    """Swap a moe.py model's layers for rollout layers in place; returns the model. mode "bf16": unchanged,
-    "fp8": W8A8 (fp8.py), "nvfp4": W4A4 with RAC on round(rac_ratio * G) blocks of each layer input (each
-    input's global scale per "tensor" or "row": act_scale), "w4a16": NVFP4 weights alone, "w16a4": NVFP4
-    activations alone (an ablation on the reference path). Swapped: moe.Attention's projections and moe.Experts
-    (qat.py's subclass them), with the flags the routers and the LM head; q/k/v_proj share one SharedInput."""
+    """Swap a moe.py model's layers for rollout layers in place; returns the model. mode: "bf16" (unchanged),
+    "fp8" (fp8.py), "nvfp4" (W4A4, RAC on round(rac_ratio * G) blocks, act_scale "tensor" or "row"), "w4a16"
+    or "w16a4" (NVFP4 weights or activations alone). Swapped: the attention projections and experts, with the
+    flags the routers and the LM head; q/k/v_proj share one SharedInput."""
     _check_mode(mode, rac_ratio, act_scale)
     if mode == "bf16":
         return model
@@ -472,9 +459,8 @@ def calibrate_rac(rollout_model, tokens):
 
 @contextlib.contextmanager
 def recording(model, record):
-    """Within the block, each NVFP4 layer input of `model` is also passed, as it is quantized, to
-    record(paths, index, x, routes): the paths of the layers reading x (q/k/v_proj share one), index 0 for a
-    linear layer's input and the experts' gate/up input, 1 for their down input (routes: see RACSelector)."""
+    """Within the block each quantized input x goes to record(paths, index, x, routes): the layers reading x
+    (q/k/v share one), index 0 (a linear's or the experts' gate/up input) or 1 (their down input)."""
     sites = {}  # selector -> (paths, index)
     for path, m in model.named_modules():
         for index, selector in enumerate(selectors(m)):
@@ -523,8 +509,7 @@ def layer_matmul(act, w_q, out_dtype, splits=None):
 
 
 def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=None):
-    """The NVFP4 layer's fast path, x (M, K) -> (M, N): one quantizer launch, then the GEMM. splits: w_q
-    stacks up to three weights along N (their row counts, one global scale each): q/k/v_proj in one GEMM."""
+    """The NVFP4 layer's fast path x (M, K) -> (M, N); splits: w_q stacks up to 3 weights (q/k/v) along N."""
     _check_input(x, rac_mask, "nvfp4_linear", kernel=True)
     _check_kernel_call(out_dtype)
     if x.shape[1] != w_q.shape[1] or x.device != w_q.device:
@@ -541,9 +526,8 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=
 
 def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu=False,
                           out_dtype=torch.bfloat16, row_weight_ids=None, tokens=None):
-    """grouped_matmul_reference's fast path on an Activation and ExpertWeights, no host sync: Blackwell's
-    kernel on codes; Gluon's where `backend` says so (K a multiple of 64) below GLUON_EXPERTS_BELOW tokens
-    (the layer's count; None: act's rows); else Triton's."""
+    """grouped_matmul_reference's fast path (no host sync): Blackwell's kernel on codes; Gluon's where `backend`
+    says so (K % 64 == 0) below GLUON_EXPERTS_BELOW tokens (the layer's; None: act's rows); else Triton's."""
     _check_kernel_call(out_dtype)
     if not isinstance(w, ExpertWeights):
         raise ValueError(f"grouped_matmul_triton: w must be ExpertWeights (rac.chunk_experts of the stacked "
@@ -568,8 +552,7 @@ _BACKENDS = {}  # CUDA device index -> its backend, decided once
 
 def backend(device):
     """Which path the W4A4 layers take on `device`:
-      'reference'  the plain-PyTorch references: CPU tensors (kernel tests run the kernels there under
-                   TRITON_INTERPRET=1), no Triton, or a GPU before sm_89 (one warning: E4M3 needs 8.9)
+      'reference'  the plain-PyTorch references: CPU tensors, no Triton, or a GPU before sm_89 (one warning)
       'gluon'      sm_89 / sm_90 with Gluon: quantizer, tiled dense GEMM, Gluon experts (decode sizes)
       'triton'     the same with the Triton experts: no Gluon, the interpreter, or a failed Blackwell check
       'native'     sm_100+: tl.dot_scaled, once it matched the Hopper kernels (w4a4_blackwell.disagreement)"""
@@ -618,7 +601,7 @@ def _check_mode(mode, rac_ratio, act_scale, modes=MODES):
     if act_scale not in nvfp4.ACT_SCALES:
         raise ValueError(f"act_scale must be one of {list(nvfp4.ACT_SCALES)}, got {act_scale!r}")
     for name, value, default in (("rac_ratio", rac_ratio, 0), ("act_scale", act_scale, "tensor")):
-        if value != default and mode not in ("nvfp4", "w16a4"):
+        if value != default and mode not in ACTIVATION_MODES:
             raise ValueError(f"{name}={value!r} concerns NVFP4 activations; mode {mode!r} has none")
 
 

@@ -140,7 +140,7 @@ class TrainConfig:
         runs.require(self.prompts_per_step // world * self.group_size >= self.minibatches, "prompts-per-step",
                 self.prompts_per_step, f"must give each of the {world} ranks at least --minibatches "
                 f"{self.minibatches} rows ({self.group_size} per prompt)")
-        runs.refuse(self.act_scale != "tensor" and RECIPES[self.recipe][1] not in ("nvfp4", "w16a4"), "act-scale",
+        runs.refuse(self.act_scale != "tensor" and RECIPES[self.recipe][1] not in rac.ACTIVATION_MODES, "act-scale",
                     f"{self.act_scale!r} scales NVFP4 activations; recipe {self.recipe} has none")
         self.run_name = self.run_name or variant_name(self)
 

@@ -282,11 +282,11 @@ class SharedInput:
 
     def _stacked(self):
         """The stacked weight, or None (and one warning) if a layer's buffers are no longer views of it."""
-        if self._offsets() != self.offsets and not self.warned:
+        if not ((views := self._offsets() == self.offsets) or self.warned):
             warnings.warn("rac.SharedInput: q/k/v_proj's weights are no longer views of their stacked weight "
                           "(moved or replaced after convert_for_rollout?): running three GEMMs")
             self.warned = True
-        return self.weight_q if self._offsets() == self.offsets else None
+        return self.weight_q if views else None
 
     def output(self, layer, x, x2):
         """`layer`'s output on x (x2: x as (M, K)), computed now or kept from the first reader of x."""

@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+import moe
 import train
 from test_train import tiny_config, tree_digest
 from tools import audit
@@ -92,6 +93,32 @@ def test_audit_builds_the_symmetric_recipes_as_training_does(quads_run, tmp_path
     moeresq, trace = gaps("moeresq"), gaps("trace")
     assert moeresq["AB"] > 1e-3 and moeresq["BC"] < 1e-5
     assert trace["AB"] > 1e-3 and trace["AC"] < 0.2 * trace["AB"]
+
+
+def test_outlier_figures_match_hand_computed_values():
+    """A row of ones with one entry 30,000 and a row from 0.5 to 1: max/RMS, block-amax ratio and the blocks
+    whose E4M3 scale (448 * block amax / tensor amax) is below 2^-6, by hand; ones quantize exactly."""
+    x = torch.stack((torch.ones(32), torch.linspace(0.5, 1.0, 32)))
+    x[0, 0] = 30000.0
+    stats = audit.outlier_stats(x)
+    rms = ((31 + 30000.0**2 + sum((0.5 + i / 62) ** 2 for i in range(32))) / 64) ** 0.5
+    assert stats["max/rms"] == pytest.approx(30000.0 / rms, rel=1e-6)
+    assert stats["block amax max/median"] == 30000.0  # block amaxes (3e4, 1; 0.74, 1): the lower median is 1
+    assert stats["blocks below 2^-6"] == 0.75          # 448 * b / 3e4 < 2^-6 for every b <= 1
+    row_only = audit.outlier_stats(torch.ones(3, 32))
+    assert row_only["rel. error tensor"] == row_only["rel. error row"] == 0.0
+    assert stats["rel. error row"] < stats["rel. error tensor"]  # row 1 no longer shares the 3e4's scale
+
+
+def test_outliers_reports_each_quantized_input_and_keeps_earlier_reports(quads_run, tmp_path, capsys):
+    code, out, _, path = main_exit([quads_run, "--outliers", "--device", "cpu", "--out", str(tmp_path)], capsys)
+    assert code == 0 and path == str(tmp_path / "outliers.md")
+    with open(path) as f:
+        rows = [line.split("|")[1].strip() for line in f if line.startswith("| layers.")]
+    assert rows == [f"layers.{i}.{name}" for i in range(moe.PRESETS["tiny"].n_layers) for name in
+                    ("attn.q_proj (+2 sharing it)", "attn.o_proj", "mlp.experts", "mlp.experts (down)")]
+    code, _, err, _ = main_exit([quads_run, "--outliers", "--device", "cpu", "--out", str(tmp_path)], capsys)
+    assert code == 2 and f"{tmp_path} holds an audit (outliers.md)" in err
 
 
 @pytest.mark.parametrize("argv, message", [

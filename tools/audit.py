@@ -3,6 +3,7 @@
     python -m tools.audit runs/quads                                   # bf16, nvfp4, quads
     python -m tools.audit runs/quads/checkpoint.pt --recipes moeresq,trace --device cpu
     python -m tools.audit runs/quads --recipes nvfp4,nvfp4+row,w4a16,w16a4 --batches 2
+    python -m tools.audit runs/quads --outliers                        # the inputs NVFP4 quantizes
 
     A  the log-probs the rollout engine recorded while it generated the batch (decode, one token a step)
     B  the same rollout model re-scoring the same tokens in one prefill (rollout.score), done twice
@@ -13,6 +14,13 @@ activation scale that makes a token's rounding depend on the rest of its GEMM); 
 rollout's quantized layers against the trainer's); A - C is what the loss sees; B - B' must be 0 (a
 repeatable prefill). For each, over the completion tokens: signed mean, mean absolute error, p95, p99 and
 max of |d|. A recipe name with `+row` runs it with --act-scale row; --batches N scores N batches each.
+
+--outliers reports instead how outlier-heavy each input of the NVFP4 rollout is on one batch of its own
+tokens (its prefill re-score): max |x| / RMS; the largest block amax over the median one; the share of
+blocks whose E4M3 scale falls below E4M3's smallest normal 2^-6 under the per-tensor global scale (fewer
+scale bits); and the relative error |x - DQ(Q(x))| / |x| with a per-tensor and a per-row scale. The
+activation error NVFP4 RL suffers grows with these ratios (pretrained LLMs have channels hundreds of
+times their RMS). Writes outliers.md into the audit's directory.
 
 The run's own config (preset, task, batch shape, temperature, RAC ratio, seed) is used, with this
 command's device. Every recipe starts from the checkpoint's weights and scores a batch it sampled itself
@@ -32,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import grpo  # noqa: E402
+import nvfp4  # noqa: E402
 import qat  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
@@ -43,8 +52,9 @@ SKIPPED = ("device", "run_name", "resume", "overwrite", "threads", "mipu", "tis"
 
 
 def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", overwrite=False,
-          cuda_graph=True, batches=1):
-    """Audit the checkpoint at `path` (a run directory or a checkpoint file) -> the path of audit.md."""
+          cuda_graph=True, batches=1, outliers=False):
+    """Audit the checkpoint at `path` (a run directory or a checkpoint file) -> the path of audit.md
+    (of outliers.md with `outliers`)."""
     ckpt_path = path if os.path.isfile(path) else os.path.join(path, "checkpoint.pt")
     if not os.path.isfile(ckpt_path):
         raise runs.ConfigError(f"argument RUN: no checkpoint at {path!r}; give a run directory holding "
@@ -52,8 +62,9 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
     ckpt = runs.load_checkpoint(ckpt_path, "cpu", "give another run directory or checkpoint")
     run_dir = os.path.dirname(os.path.abspath(ckpt_path))
     out_dir = out_dir or os.path.join(run_dir, f"audit_step{ckpt['step']}")
-    earlier = sorted(name for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else []) if name in
-                     ("audit.md", "audit.json") or name.startswith("batch_") and name.endswith(".pt"))
+    ours = ("outliers.md",) if outliers else ("audit.md", "audit.json")
+    earlier = sorted(name for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else []) if name in ours
+                     or not outliers and name.startswith("batch_") and name.endswith(".pt"))
     if earlier and not overwrite:
         raise runs.ConfigError(f"{out_dir} holds an audit ({', '.join(earlier)}): add --overwrite to "
                                 "replace it, or give --out DIR")
@@ -67,6 +78,8 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
     for name in earlier:  # --overwrite: the earlier audit's files, nothing else of the directory
         os.remove(os.path.join(out_dir, name))
     os.makedirs(out_dir, exist_ok=True)
+    if outliers:
+        return outlier_report(cfg, model, task, tokenizer, ckpt_path, ckpt["step"], out_dir, cuda_graph)
 
     results = {}
     for spec, batch in ((spec, b) for spec in recipes for b in range(batches)):
@@ -122,6 +135,46 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
     return md_path
 
 
+def outlier_stats(x):
+    """The outlier figures of one quantized input x (M, K) (see the module docstring)."""
+    x = x.float()
+    rms, amax = x.pow(2).mean().sqrt(), x.abs().amax()
+    blocks = x.abs().reshape(len(x), -1, nvfp4.BLOCK_SIZE).amax(-1)
+    blocks = blocks[blocks > 0]
+    e4m3_scales = blocks / nvfp4.E2M1_MAX / (amax / nvfp4.GLOBAL_SCALE_DIVISOR)  # under the tensor's scale
+    error = {s: ((x - nvfp4.fake_quantize_activation(x, None, s)).norm() / x.norm()).item()
+             for s in nvfp4.ACT_SCALES}
+    return {"rows": len(x), "max/rms": (amax / rms).item(), "block amax max/median":
+            (blocks.max() / blocks.median()).item(), "blocks below 2^-6": (e4m3_scales < 2**-6).float().mean()
+            .item(), "rel. error tensor": error["tensor"], "rel. error row": error["row"]}
+
+
+def outlier_report(cfg, model, task, tokenizer, ckpt_path, step, out_dir, cuda_graph):
+    """The inputs of the checkpoint's NVFP4 rollout (no RAC) on one batch it sampled -> outliers.md."""
+    rollout_model = train.rac.convert_for_rollout(model, "nvfp4")
+    problems = task.sample(cfg.prompts_per_step, "train", random.Random(cfg.seed + 4242))
+    out = rollout.generate(rollout_model, train.encode_prompts(tokenizer, problems), cfg.group_size,
+                           train.max_new_tokens(cfg, task), temperature=cfg.temperature, eos_id=tokenizer.eos_id,
+                           pad_id=tokenizer.pad_id, seed=cfg.seed + 4242, cuda_graph=cuda_graph)
+    inputs = {}  # (layer paths, index) -> x of the prefill
+    with train.rac.recording(rollout_model, lambda paths, index, x, routes: inputs.setdefault(
+            (paths[0] + ("", " (down)")[index], len(paths)), x.detach().reshape(-1, x.shape[-1]).clone())):
+        rollout.score(rollout_model, out.sequences().tokens, cfg.temperature)
+    stats = {f"{path}" + (f" (+{n - 1} sharing it)" if n > 1 else ""): outlier_stats(x)
+             for (path, n), x in inputs.items()}
+    columns = list(next(iter(stats.values())))
+    lines = [f"Inputs of the NVFP4 rollout of {ckpt_path} (RL step {step}), one prefill of its own batch of "
+             f"{cfg.prompts_per_step} x {cfg.group_size} samples, {cfg.device}, torch {torch.__version__}.", "",
+             "| input | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
+    for name, row in stats.items():
+        lines.append(f"| {name} | {row['rows']} | " + " | ".join(f"{row[c]:.3g}" for c in columns[1:]) + " |")
+    table = "\n".join(lines) + "\n"
+    md_path = os.path.join(out_dir, "outliers.md")
+    runs.atomic_save(table, md_path, runs.write_text)
+    print(table)
+    return md_path
+
+
 def main(argv=None):
     """The command line. A ConfigError exits 2 with its one line."""
     parser = runs.Parser(prog="python -m tools.audit", description=__doc__,
@@ -134,6 +187,8 @@ def main(argv=None):
     parser.add_argument("--overwrite", action="store_true", help="replace an audit that is there")
     parser.add_argument("--batches", type=int, default=1, help="batches scored per recipe, each its own prompts "
                         "and sampling seed (default: 1)")
+    parser.add_argument("--outliers", action="store_true", help="report the NVFP4 rollout's input outliers "
+                        "instead of the log-prob audit (see above)")
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                         help="decode steps as a captured CUDA graph (GPU only) (default: True)")
     args = parser.parse_args(argv)
@@ -146,7 +201,7 @@ def main(argv=None):
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         train.TrainConfig(device=device)  # checks the device as train.py does
         return audit(args.run, args.recipes.split(","), device, args.out, args.overwrite, args.cuda_graph,
-                     args.batches)
+                     args.batches, args.outliers)
     except runs.ConfigError as error:
         parser.error(str(error))
 

@@ -277,6 +277,8 @@ def grouped_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scal
     per operand row; K a multiple of 64; a CUDA GPU of compute capability 8.9 to 9.x). y is stored in its own
     dtype (bf16 rounds to nearest even)."""
     E, N, K, chunk = expert_shape(w_data)
+    if K % 64:  # the kernel has no K masks: a shorter last step would read past each row
+        raise ValueError(f"grouped_matmul (Gluon): the weight's K must be a multiple of 64, got {K}")
     row_scale = x_scale_is_per_row(x_global_scale, operand.shape[1], "grouped_matmul")
     n_rows = row_ids.numel() if row_ids is not None else operand.shape[1]
     y, flags, (row_ids, row_weights, row_weight_ids) = grouped_output(

@@ -68,6 +68,14 @@ for (swiglu, tile, n, k), row_scale in itertools.product(
 """
 
 
+def test_a_weight_whose_k_is_not_a_multiple_of_64_is_refused_before_any_launch():
+    # the kernel has no K masks: K = 80 would read past every row (on the GPU: garbage, or a fault)
+    w = rac.chunk_experts(nvfp4.quantize_weight(torch.randn(2, 32, 80)))
+    with pytest.raises(ValueError, match="the weight's K must be a multiple of 64, got 80"):
+        w4a4_experts_gluon.grouped_matmul(torch.zeros(2, 3, 40, dtype=torch.float16), torch.ones(()), w.data,
+                                          w.block_scale, w.global_scale, torch.tensor([3, 0]), torch.float32)
+
+
 def test_gluon_kernel_loads_8_byte_code_runs_into_mma_sync_on_hopper():
     # compiled for sm_90 on the CPU (numerics: the GPU tests). Per K step a thread loads each of its weight
     # rows' 8 codes bytes (one NVFP4 block) as one 8-byte load and its block scale as one byte, with no shared
@@ -176,10 +184,10 @@ def _gluon_layer(gate_up_w, down_w, mask=None, act_scale="row", quantize=True):
 def test_gluon_kernel_with_row_scales_and_the_w4a16_operand_matches_the_references():
     # short tiles (14 to 24 rows an expert) and token rows 10^-6 .. 10^6 apart, every configuration forced:
     # gate/up reads the gathered row's scale, down the sorted row's; row scales equal to the tensor's give its
-    # bits; the W4A16 operand gives x @ DQ(W).T to fp32 order
+    # bits; the W4A16 operand gives x @ DQ(W).T to fp32 order. (I = 128: down's K, a multiple of 64.)
     if not _gluon_here():
         pytest.skip("the Gluon experts kernel runs on sm_89 and sm_90 only")
-    E, D, I, tokens, A = 8, 256, 80, 48, 2
+    E, D, I, tokens, A = 8, 256, 128, 48, 2
     expert_ids, routing = routing_with_empty_experts(E, tokens, A, "cuda")
     generator = torch.Generator().manual_seed(0)
     gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, generator=generator).cuda())

@@ -309,7 +309,7 @@ def test_cuda_row_scales_make_a_rows_rollout_independent_of_its_batch():
         same = completion_list(alone, 0) == completion_list(batch, 0)
         gaps[act_scale] = (alone.logprobs[0] - batch.logprobs[0]).abs().max().item() if same else math.inf
     print("H200 row 0 alone vs among 63 others, max |dlogp|:", gaps)
-    assert gaps["row"] < gaps["tensor"]
+    assert gaps["row"] == 0.0 and gaps["tensor"] > 0.0  # row: bit-identical (the GPU GEMMs' order is M-free)
 
 
 # -------------------------------------------------------------------------------------------- arguments, pool

@@ -4,7 +4,7 @@
 
 Each study folder holds what the runs wrote and a README.md with the command, the commits and the machines:
 
-    cpu_replication_600steps   11 recipes x 5+ seeds, tiny preset, lr 3e-4, 600 steps: one folder per run
+    cpu_replication_600steps   12 recipes x 5-8 seeds, tiny preset, lr 3e-4, 600 steps: one folder per run
                                (config.json, metrics.jsonl as train.py wrote them); two outlier reports
     h200_audit                 the log-prob audit (tools.audit) and the outlier report of one small-preset
                                checkpoint on the H200, as the tool wrote them
@@ -21,7 +21,7 @@ import statistics
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIGURES = os.path.join(os.path.dirname(HERE), "figures")
 REPLICATION = os.path.join(HERE, "cpu_replication_600steps")
-ORDER = ["bf16", "nvfp4", "w4a16", "w16a4", "qat", "rac", "quads", "moeresq", "trace", "nvfp4+row", "quads+row"]
+ORDER = ["bf16", "fp8", "nvfp4", "w4a16", "w16a4", "qat", "rac", "quads", "moeresq", "trace", "nvfp4+row", "quads+row"]
 COMMAND = "python train.py --recipe R [--act-scale row] --steps 600 --lr 3e-4 --eval-prompts 512 --seed S"
 
 

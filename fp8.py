@@ -60,10 +60,10 @@ def linear_reference(x_codes, x_scale, w_codes, w_scale):
     return (x @ w.T).to(torch.bfloat16)
 
 
-def grouped_linear_reference(x_codes, x_scale, counts, w_codes, w_scale, swiglu=False, row_weights=None):
-    """Twin of the experts' GEMM: rows grouped by expert (counts (E,) rows each) times their expert's weight
-    (E, N, K), in fp32 (a loop, one host sync); swiglu: silu(gate) * up of the [gate; up] outputs; each row
-    times row_weights (R,); rounded once to BF16."""
+def grouped_linear_reference(x_codes, x_scale, counts, w_codes, w_scale, swiglu=False, row_weights=None,
+                             out_dtype=torch.bfloat16):
+    """Twin of the experts' GEMM: rows grouped by expert (counts (E,)) times their weight (E, N, K) in fp32 (a
+    loop, one host sync); swiglu: silu(gate) * up; each row times row_weights (R,); rounded once to out_dtype."""
     x = x_codes.float() * x_scale                                                       # (R, K)
     w = w_codes.float() * w_scale.float()[..., None]                                    # (E, N, K)
     y = torch.cat([x_e @ w_e.T for x_e, w_e in zip(x.split(counts.tolist()), w)])       # (R, N)
@@ -72,7 +72,7 @@ def grouped_linear_reference(x_codes, x_scale, counts, w_codes, w_scale, swiglu=
         y = F.silu(gate) * up                                                           # (R, N/2)
     if row_weights is not None:
         y = y * row_weights.float()[:, None]
-    return y.to(torch.bfloat16)
+    return y.to(out_dtype)
 
 
 def use_kernels(x):

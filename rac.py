@@ -296,10 +296,10 @@ class SharedInput:
             if not self.waiting:  # everyone has read it: keep nothing alive
                 self.input = self.outputs = None
             return y
-        act = _quantized_input(x2, layer.rac(x2), layer, _kernels(x2, layer))
+        act = _quantized_input(x2, layer.rac(x2), layer, kernels := _kernels(x2, layer))
         if x.is_inference():
             return layer._matmul(x2, act)
-        stacked = self._stacked() if _kernels(x2, layer) else None
+        stacked = self._stacked() if kernels else None
         outputs = (layer_matmul(act, stacked, x2.dtype, self.splits) if stacked is not None
                    else [other._matmul(x2, act) for other in self.layers])
         self.input, self.version, self.outputs = x, x._version, outputs

@@ -285,10 +285,8 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
     for tokens in (16, 64, 256, 2048):
         routing = moe.route_tokens(torch.rand(tokens, E, device="cuda").topk(A, dim=-1).indices, E)
         x_codes, x_scale = w8a8.quantize_rows(torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16))
-        x = x_codes[routing.token_ids].float() * x_scale[routing.token_ids]  # fp32 oracle: no BF16 rounding
-        w = gate_up[0].float() * gate_up[1].float()[..., None]
-        gate, up = torch.cat([a @ b.T for a, b in zip(x.split(routing.counts.tolist()), w)]).chunk(2, dim=-1)
-        reference = torch.nn.functional.silu(gate) * up
+        reference = fp8.grouped_linear_reference(x_codes[routing.token_ids], x_scale[routing.token_ids],
+                                                 routing.counts, *gate_up, swiglu=True, out_dtype=torch.float32)
         calls[f"grouped tokens={tokens}"] = (
             w8a8._grouped_kernel, w8a8._m_bucket(-(-tokens * A // E), w8a8.GROUPED_CONFIGS), lambda c: False,
             lambda x_codes=x_codes, x_scale=x_scale, routing=routing: w8a8.grouped_linear(

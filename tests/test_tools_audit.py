@@ -127,6 +127,7 @@ def test_outliers_reports_each_quantized_input_and_keeps_earlier_reports(quads_r
      "optionally with +row, got ''"),
     (["RUN", "--recipes", "nvfp4+col"], "argument --recipes: choose from bf16"),
     (["RUN", "--batches", "0"], "argument --batches: must be an integer >= 1, got 0"),
+    (["RUN", "--outliers", "--batches", "2"], "argument --batches: the outlier report scores one batch"),
     (["/nonexistent/run"], "argument RUN: no checkpoint at '/nonexistent/run'"),
     (["RUN", "--device", "tpu"], "argument --device: choose from cpu, cuda, cuda:N, got 'tpu'"),
 ])

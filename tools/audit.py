@@ -85,16 +85,12 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
     for spec, batch in ((spec, b) for spec in recipes for b in range(batches)):
         recipe, _, scale = spec.partition("+")
         cfg = dataclasses.replace(cfg, recipe=recipe, act_scale=scale or "tensor", run_name="audit")
-        problems = task.sample(cfg.prompts_per_step, "train", random.Random(cfg.seed + 4242 + batch))
         rac_ratio = cfg.rac_ratio if train.RECIPES[recipe][2] else 0.0
         rollout_model, trainer, recorder = train.build_recipe(cfg, copy.deepcopy(model), recipe, rac_ratio)
         if rac_ratio > 0:
             train.rac.calibrate_rac(rollout_model, calib_tokens)
         record = (lambda m=rollout_model: train.rac.recording(m, recorder.record)) if recorder else None
-        out = rollout.generate(rollout_model, train.encode_prompts(tokenizer, problems), cfg.group_size,
-                               train.max_new_tokens(cfg, task), temperature=cfg.temperature,
-                               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=cfg.seed + 4242 + batch,
-                               cuda_graph=cuda_graph, decode_context=record)
+        out = sample_batch(cfg, rollout_model, task, tokenizer, batch, cuda_graph, record)
         codes = qat.recorded_codes(recorder, out) if recorder is not None else None
         shared = train.shared_state(rollout_model, train.RECIPES[recipe][0], codes)
         seq = out.sequences()
@@ -135,13 +131,22 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
     return md_path
 
 
+def sample_batch(cfg, rollout_model, task, tokenizer, batch, cuda_graph, decode_context=None):
+    """The rollout of audit batch `batch`: its own prompts and sampling seed, the same for every recipe."""
+    problems = task.sample(cfg.prompts_per_step, "train", random.Random(cfg.seed + 4242 + batch))
+    return rollout.generate(rollout_model, train.encode_prompts(tokenizer, problems), cfg.group_size,
+                            train.max_new_tokens(cfg, task), temperature=cfg.temperature, eos_id=tokenizer.eos_id,
+                            pad_id=tokenizer.pad_id, seed=cfg.seed + 4242 + batch, cuda_graph=cuda_graph,
+                            decode_context=decode_context)
+
+
 def outlier_stats(x):
     """The outlier figures of one quantized input x (M, K) (see the module docstring)."""
     x = x.float()
     rms, amax = x.pow(2).mean().sqrt(), x.abs().amax()
     blocks = x.abs().reshape(len(x), -1, nvfp4.BLOCK_SIZE).amax(-1)
     blocks = blocks[blocks > 0]
-    e4m3_scales = blocks / nvfp4.E2M1_MAX / (amax / nvfp4.GLOBAL_SCALE_DIVISOR)  # under the tensor's scale
+    e4m3_scales = blocks / nvfp4.E2M1_MAX / nvfp4.activation_global_scale(x)  # under the tensor's scale
     error = {s: ((x - nvfp4.fake_quantize_activation(x, None, s)).norm() / x.norm()).item()
              for s in nvfp4.ACT_SCALES}
     return {"rows": len(x), "max/rms": (amax / rms).item(), "block amax max/median":
@@ -152,10 +157,7 @@ def outlier_stats(x):
 def outlier_report(cfg, model, task, tokenizer, ckpt_path, step, out_dir, cuda_graph):
     """The inputs of the checkpoint's NVFP4 rollout (no RAC) on one batch it sampled -> outliers.md."""
     rollout_model = train.rac.convert_for_rollout(model, "nvfp4")
-    problems = task.sample(cfg.prompts_per_step, "train", random.Random(cfg.seed + 4242))
-    out = rollout.generate(rollout_model, train.encode_prompts(tokenizer, problems), cfg.group_size,
-                           train.max_new_tokens(cfg, task), temperature=cfg.temperature, eos_id=tokenizer.eos_id,
-                           pad_id=tokenizer.pad_id, seed=cfg.seed + 4242, cuda_graph=cuda_graph)
+    out = sample_batch(cfg, rollout_model, task, tokenizer, 0, cuda_graph)
     inputs = {}  # (layer paths, index) -> x of the prefill
     with train.rac.recording(rollout_model, lambda paths, index, x, routes: inputs.setdefault(
             (paths[0] + ("", " (down)")[index], len(paths)), x.detach().reshape(-1, x.shape[-1]).clone())):
@@ -198,6 +200,8 @@ def main(argv=None):
             runs.require(recipe in train.RECIPES and scale in (("row",) if plus else ("",)), "recipes", spec,
                          f"choose from {', '.join(train.RECIPES)}, each optionally with +row")
         runs.require(args.batches >= 1, "batches", args.batches, "must be an integer >= 1")
+        runs.refuse(args.outliers and args.batches != 1, "batches", "the outlier report scores one batch "
+                    "(--outliers takes no --batches)")
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         train.TrainConfig(device=device)  # checks the device as train.py does
         return audit(args.run, args.recipes.split(","), device, args.out, args.overwrite, args.cuda_graph,

@@ -88,6 +88,7 @@ class TrainConfig:
     fsdp: bool = False             # under torchrun: shard the trainer per block (FSDP2) instead of DDP
     # model and task
     preset: str | None = None      # model size (default tiny on CPU, small on GPU; none with --model)
+    preset_overrides: str = ""     # preset fields replaced, e.g. "dim=128,head_dim=32,expert_dim=128"
     model: str = ""                # a Hugging Face Qwen3-MoE directory or hub id (needs --task gsm8k)
     task: str = "arith"            # arith: built in, with its own tokenizer; gsm8k: needs --model
     task_source: str = ""          # gsm8k: a .jsonl/.json/.parquet file or a hub dataset (openai/gsm8k)
@@ -124,6 +125,7 @@ class TrainConfig:
         gpu = self.device.startswith("cuda")
         if self.preset is None and not self.model:
             self.preset = "small" if gpu else "tiny"
+        runs.preset_overrides(self.preset, self.preset_overrides)  # checked here, applied in build_model
         tiny = self.preset == "tiny"
         defaults = dict(difficulty=(3 if gpu else 2) if self.task == "arith" else None,
                         steps=200 if gpu else 60, prompts_per_step=32 if gpu else 16,
@@ -176,7 +178,8 @@ def build_model(cfg, task):
     """The BF16 policy before warm-start: a preset with the task's vocabulary, or a real checkpoint."""
     torch.manual_seed(cfg.seed)
     if not cfg.model:
-        config = moe.MoEConfig.from_preset(cfg.preset, vocab_size=task.tokenizer.vocab_size)
+        config = moe.MoEConfig.from_preset(cfg.preset, vocab_size=task.tokenizer.vocab_size,
+                                           **runs.preset_overrides(cfg.preset, cfg.preset_overrides))
         model = moe.MoETransformer(config)
         model.init_weights()
         return model.to(cfg.device), task.tokenizer
@@ -206,7 +209,8 @@ def warmstart_path(cfg):
     """The cache file of the warm-start, keyed by everything that determines it (not by the recipe)."""
     key = json.dumps({k: getattr(cfg, k) for k in ("preset", "model", "task", "task_source", "difficulty",
                                                    "demo_error_rate", "warmstart_steps", "warmstart_batch",
-                                                   "warmstart_lr", "seed", "device")}, sort_keys=True)
+                                                   "warmstart_lr", "seed", "device", "preset_overrides")
+                      if k != "preset_overrides" or cfg.preset_overrides}, sort_keys=True)  # old keys stay valid
     return os.path.join(cfg.out_dir, "warmstart", hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt")
 
 

@@ -378,6 +378,13 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(),
     (["--mipu", "--tis", "2"], "argument --mipu: not allowed with argument --tis"),
     (["--fsdp"], "argument --fsdp: shards the trainer across torchrun ranks"),
     (["--act-scale", "col"], "argument --act-scale: choose from tensor, row, got 'col'"),
+    (["--preset-overrides", "dims=128"], "argument --preset-overrides: 'dims' is not a model field"),
+    (["--preset-overrides", "dim=1.5"], "argument --preset-overrides: dim='1.5' must be an integer"),
+    (["--preset-overrides", "dim=72"], "dim = 72 must be a multiple of 16 (NVFP4 quantizes 16-element blocks"),
+    (["--preset-overrides", "n_heads=3"], "argument --preset-overrides: MoEConfig: n_heads=3 is not divisible"),
+    (["--preset-overrides", "vocab_size=99"], "'vocab_size' is not a model field"),
+    (["--task", "gsm8k", "--model", "Qwen/Qwen3-30B-A3B", "--preset-overrides", "dim=128"],
+     "argument --preset-overrides: not allowed with argument --model"),
     (["--recipe", "w4a16", "--act-scale", "row"],
      "argument --act-scale: 'row' scales NVFP4 activations; recipe w4a16 has none"),
 ])
@@ -926,6 +933,32 @@ def test_the_warm_start_is_keyed_by_what_determines_it_and_not_by_the_recipe(tmp
     assert train.warmstart_path(warmstart_config(tmp_path, recipe="nvfp4", tis=2.0)) == base
     assert train.warmstart_path(warmstart_config(tmp_path, seed=1)) != base
     assert train.warmstart_path(warmstart_config(tmp_path, warmstart_lr=1e-3)) != base
+
+
+def test_preset_overrides_key_their_own_warm_start_and_leave_the_others_keys_as_they_were(tmp_path):
+    cfg = warmstart_config(tmp_path)
+    fields = ("preset", "model", "task", "task_source", "difficulty", "demo_error_rate", "warmstart_steps",
+              "warmstart_batch", "warmstart_lr", "seed", "device")  # the key before the option existed
+    key = json.dumps({name: getattr(cfg, name) for name in fields}, sort_keys=True)
+    assert train.warmstart_path(cfg) == os.path.join(str(tmp_path), "warmstart",
+                                                     hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt")
+    wide = train.warmstart_path(warmstart_config(tmp_path, preset_overrides="dim=128"))
+    assert wide != train.warmstart_path(cfg)
+    assert wide != train.warmstart_path(warmstart_config(tmp_path, preset_overrides="dim=256"))
+
+
+def test_preset_overrides_build_the_model_they_name():
+    cfg = train.TrainConfig(preset="tiny", device="cpu", preset_overrides="dim=128,head_dim=32,expert_dim=96,"
+                            "n_layers=3,norm_topk_prob=false,rope_theta=500.0")
+    model, tokenizer = train.build_model(cfg, train.build_task(cfg))
+    c = model.config
+    assert (c.dim, c.head_dim, c.expert_dim, c.n_layers, c.norm_topk_prob, c.rope_theta) == \
+        (128, 32, 96, 3, False, 500.0)
+    assert (c.n_heads, c.n_experts, c.vocab_size) == (4, 8, tokenizer.vocab_size)  # the rest: the preset's
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    assert shapes["embed.weight"] == (tokenizer.vocab_size, 128)
+    assert sum(name.endswith("q_proj.weight") for name in shapes) == 3
+    assert all(shape == (4 * 32, 128) for name, shape in shapes.items() if name.endswith("q_proj.weight"))
 
 
 def test_the_warm_start_lowers_the_demonstration_loss_and_loads_back_bit_for_bit(tmp_path, capsys):

@@ -26,6 +26,8 @@ import typing
 
 import torch
 
+import moe
+
 
 class ConfigError(ValueError):
     """A run that cannot start as asked: one line for the user (the CLI prints it and exits 2)."""
@@ -67,6 +69,8 @@ def validate(cfg, choices):
     refuse(index and int(index) >= torch.cuda.device_count(), "device",
             f"{cfg.device!r} but there are {torch.cuda.device_count()} GPUs")
     refuse(cfg.preset and cfg.model, "preset", "not allowed with argument --model (it has its size)")
+    refuse(cfg.preset_overrides and cfg.model, "preset-overrides", "not allowed with argument --model (it has "
+           "its size)")
     refuse(cfg.model and cfg.task == "arith", "model",
            "a real checkpoint brings its own tokenizer: add --task gsm8k")
     refuse(not cfg.model and cfg.task != "arith", "task", f"{cfg.task} needs a real model and its tokenizer: "
@@ -86,6 +90,36 @@ def validate(cfg, choices):
            "whole state dicts)")
     refuse(cfg.mipu and cfg.tis, "mipu", "not allowed with argument --tis (MIPU takes its ratios against the "
             "rollout's own log-probs, so there is no engine mismatch left for TIS to correct)")
+
+
+def preset_overrides(preset, text):
+    """--preset-overrides "dim=128,expert_dim=128" -> the moe.MoEConfig fields it replaces in the preset,
+    checked: known fields, values of their type, a config moe.py accepts, and NVFP4's 16-element blocks
+    dividing every reduction dimension the rollout quantizes (dim, n_heads x head_dim, expert_dim)."""
+    if not text:
+        return {}
+    types = {f.name: f.type for f in dataclasses.fields(moe.MoEConfig) if f.name != "vocab_size"}  # the task's
+    overrides = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        require(name in types, "preset_overrides", text, f"{name!r} is not a model field; give name=value "
+                f"pairs joined by commas, names from {', '.join(types)}")
+        kind = types[name]
+        try:
+            overrides[name] = {"true": True, "false": False}[value] if kind is bool else kind(value)
+        except (KeyError, ValueError):
+            raise ConfigError(f"argument --preset-overrides: {name}={value!r} must be "
+                              f"{ {int: 'an integer', float: 'a number', bool: 'true or false'}[kind]}") from None
+    try:
+        config = moe.MoEConfig.from_preset(preset, **overrides)
+    except ValueError as error:
+        raise ConfigError(f"argument --preset-overrides: {error}") from None
+    widths = {"dim": config.dim, "n_heads x head_dim": config.n_heads * config.head_dim,
+              "expert_dim": config.expert_dim}
+    for name, width in widths.items():
+        require(width % 16 == 0, "preset_overrides", text, f"{name} = {width} must be a multiple of 16 "
+                "(NVFP4 quantizes 16-element blocks along it)")
+    return overrides
 
 
 def is_int(value):

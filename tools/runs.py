@@ -99,7 +99,7 @@ def preset_overrides(preset, text):
     if not text:
         return {}
     types = {f.name: f.type for f in dataclasses.fields(moe.MoEConfig) if f.name != "vocab_size"}  # the task's
-    overrides = {}
+    words, overrides = {int: "an integer", float: "a number", bool: "true or false"}, {}
     for item in text.split(","):
         name, _, value = item.partition("=")
         require(name in types, "preset_overrides", text, f"{name!r} is not a model field; give name=value "
@@ -108,8 +108,7 @@ def preset_overrides(preset, text):
         try:
             overrides[name] = {"true": True, "false": False}[value] if kind is bool else kind(value)
         except (KeyError, ValueError):
-            raise ConfigError(f"argument --preset-overrides: {name}={value!r} must be "
-                              f"{ {int: 'an integer', float: 'a number', bool: 'true or false'}[kind]}") from None
+            raise ConfigError(f"argument --preset-overrides: {name}={value!r} must be {words[kind]}") from None
     try:
         config = moe.MoEConfig.from_preset(preset, **overrides)
     except ValueError as error:

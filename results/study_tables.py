@@ -5,7 +5,7 @@
 Each study folder holds what the runs wrote and a README.md with the command, the commits and the machines:
 
     cpu_replication_600steps   12 recipes x 5-8 seeds, tiny preset, lr 3e-4, 600 steps: one folder per run
-                               (config.json, metrics.jsonl as train.py wrote them); two outlier reports
+                               (config.json, metrics.jsonl gzipped); two outlier reports
     h200_audit                 the log-prob audit (tools.audit) and the outlier report of one small-preset
                                checkpoint on the H200, as the tool wrote them
     cpu_width_sweep            bf16, nvfp4 and quads on the tiny preset widened to 128 and 256 (the
@@ -15,6 +15,7 @@ This script reads only those files (it imports nothing from the project, so it r
 prints every table of RESULTS.md as markdown and draws figures/cpu_replication_600steps.png and
 figures/cpu_width_sweep.png.
 """
+import gzip
 import json
 import math
 import os
@@ -31,7 +32,9 @@ COMMAND = "python train.py --recipe R [--act-scale row] --steps 600 --lr 3e-4 --
 
 # ----------------------------------------------------------------------------- reading runs
 def records_of(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    """The run's metrics.jsonl as train.py wrote it, or gzipped (metrics.jsonl.gz: the studies' runs, kept small)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    with (open(path) if os.path.isfile(path) else gzip.open(path + ".gz", "rt")) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -55,9 +58,9 @@ def replication_runs(base=REPLICATION, suffix=""):
     runs = {}
     for name in sorted(os.listdir(base)):
         head, _, seed = name.rpartition("_s")
-        path = os.path.join(base, name, "metrics.jsonl")
-        if seed.isdigit() and head.endswith(suffix) and os.path.isfile(path):
-            records = records_of(os.path.dirname(path))
+        path = os.path.join(base, name)
+        if seed.isdigit() and head.endswith(suffix) and os.path.isdir(path):
+            records = records_of(path)
             if records[-1]["step"] == 600:
                 runs.setdefault(head[:len(head) - len(suffix)], {})[int(seed)] = records
     return runs

@@ -38,7 +38,6 @@ In tools/: a run's directory, checkpoints, --resume, Ctrl-C and config checks (r
 on a GPU the small preset and the full experiment. Every field of TrainConfig is a flag (see --help).
 """
 import copy
-import hashlib
 import dataclasses
 import json
 import math
@@ -205,18 +204,9 @@ def autocast(cfg):
 
 
 # ----------------------------------------------------------------------------- warm-start
-def warmstart_path(cfg):
-    """The cache file of the warm-start, keyed by everything that determines it (not by the recipe)."""
-    key = json.dumps({k: getattr(cfg, k) for k in ("preset", "model", "task", "task_source", "difficulty",
-                                                   "demo_error_rate", "warmstart_steps", "warmstart_batch",
-                                                   "warmstart_lr", "seed", "device", "preset_overrides")
-                      if k != "preset_overrides" or cfg.preset_overrides}, sort_keys=True)  # old keys stay valid
-    return os.path.join(cfg.out_dir, "warmstart", hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt")
-
-
 def warmstart(cfg, model, task, tokenizer):
     """Supervised fine-tuning on demonstrations (loss on completion + EOS tokens), cached on disk."""
-    path = warmstart_path(cfg)
+    path = runs.warmstart_path(cfg)
     if os.path.exists(path):
         model.load_state_dict(load_checkpoint(path, cfg.device, "delete it to recompute it",
                                               "warm-start cache"))
@@ -478,7 +468,7 @@ def run(cfg, base_state=None, ranks=SINGLE):
         run_dir = os.path.join(cfg.out_dir, cfg.run_name)
         if ranks.main:
             print(f"run {run_dir} is complete at step {cfg.steps}: nothing to do (--steps N > {cfg.steps} "
-                  f"extends it)\n{runs.report(cfg, run_dir, warmstart_path(cfg))}")
+                  f"extends it)\n{runs.report(cfg, run_dir, runs.warmstart_path(cfg))}")
         return run_dir
     s = setup(cfg, base_state, ckpt, ranks)
     if s.start_step == 0 and (baseline := evaluate_both(s)) and ranks.main:  # the curves' common start
@@ -517,7 +507,7 @@ def run(cfg, base_state=None, ranks=SINGLE):
             interrupt.stop(f"\ninterrupted: checkpoint at step {interrupt.step} in {s.ckpt_path}; continue "
                            "with --resume", ranks)
     if ranks.main:
-        print(runs.report(cfg, s.run_dir, warmstart_path(cfg), s.start_step))
+        print(runs.report(cfg, s.run_dir, runs.warmstart_path(cfg), s.start_step))
     return s.run_dir
 
 

@@ -190,7 +190,7 @@ def test_ctrl_c_during_the_warm_start_is_one_line_and_a_clean_exit(tmp_path, cap
     assert code == 130 and "Traceback" not in err  # (above the line: the warm-start's progress bar)
     last_line = err.strip().splitlines()[-1]
     assert last_line.startswith("interrupted before the first RL step: no checkpoint written")
-    assert not os.path.exists(train.warmstart_path(tiny_config(tmp_path)))  # nothing half-written
+    assert not os.path.exists(runs.warmstart_path(tiny_config(tmp_path)))  # nothing half-written
 
 
 def _ctrl_c_during_the_second_update(monkeypatch, presses):
@@ -551,10 +551,10 @@ def test_overwrite_starts_over_and_the_run_ends_with_a_summary(recipe_runs, out_
                 f"max {max(r['mismatch/abs_diff_max'] for r in steps):.3f} over steps 1-3",
                 f"metrics       {run_dir}/metrics.jsonl", f"checkpoint    {run_dir}/checkpoint.pt",
                 f"figure        python -m tools.plot {run_dir}",
-                f"warm-start    {train.warmstart_path(tiny_config(out_dir))}"]
+                f"warm-start    {runs.warmstart_path(tiny_config(out_dir))}"]
     for line in expected:
         assert line in out, line
-    assert os.path.exists(train.warmstart_path(tiny_config(out_dir)))
+    assert os.path.exists(runs.warmstart_path(tiny_config(out_dir)))
 
 
 # ----------------------------------------------------------------------------- the loop really does RL
@@ -929,10 +929,10 @@ def demonstration_loss(cfg, model, task, tokenizer):
 
 
 def test_the_warm_start_is_keyed_by_what_determines_it_and_not_by_the_recipe(tmp_path):
-    base = train.warmstart_path(warmstart_config(tmp_path))
-    assert train.warmstart_path(warmstart_config(tmp_path, recipe="nvfp4", tis=2.0)) == base
-    assert train.warmstart_path(warmstart_config(tmp_path, seed=1)) != base
-    assert train.warmstart_path(warmstart_config(tmp_path, warmstart_lr=1e-3)) != base
+    base = runs.warmstart_path(warmstart_config(tmp_path))
+    assert runs.warmstart_path(warmstart_config(tmp_path, recipe="nvfp4", tis=2.0)) == base
+    assert runs.warmstart_path(warmstart_config(tmp_path, seed=1)) != base
+    assert runs.warmstart_path(warmstart_config(tmp_path, warmstart_lr=1e-3)) != base
 
 
 def test_preset_overrides_key_their_own_warm_start_and_leave_the_others_keys_as_they_were(tmp_path):
@@ -940,11 +940,11 @@ def test_preset_overrides_key_their_own_warm_start_and_leave_the_others_keys_as_
     fields = ("preset", "model", "task", "task_source", "difficulty", "demo_error_rate", "warmstart_steps",
               "warmstart_batch", "warmstart_lr", "seed", "device")  # the key before the option existed
     key = json.dumps({name: getattr(cfg, name) for name in fields}, sort_keys=True)
-    assert train.warmstart_path(cfg) == os.path.join(str(tmp_path), "warmstart",
+    assert runs.warmstart_path(cfg) == os.path.join(str(tmp_path), "warmstart",
                                                      hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt")
-    wide = train.warmstart_path(warmstart_config(tmp_path, preset_overrides="dim=128"))
-    assert wide != train.warmstart_path(cfg)
-    assert wide != train.warmstart_path(warmstart_config(tmp_path, preset_overrides="dim=256"))
+    wide = runs.warmstart_path(warmstart_config(tmp_path, preset_overrides="dim=128"))
+    assert wide != runs.warmstart_path(cfg)
+    assert wide != runs.warmstart_path(warmstart_config(tmp_path, preset_overrides="dim=256"))
 
 
 def test_preset_overrides_build_the_model_they_name():
@@ -971,7 +971,7 @@ def test_the_warm_start_lowers_the_demonstration_loss_and_loads_back_bit_for_bit
     assert after < 0.8 * before, (before, after)
     again, _ = train.build_model(cfg, task)
     train.warmstart(cfg, again, task, tokenizer)
-    assert f"warm-start: loaded {train.warmstart_path(cfg)}" in capsys.readouterr().out
+    assert f"warm-start: loaded {runs.warmstart_path(cfg)}" in capsys.readouterr().out
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
 

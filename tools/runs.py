@@ -1,7 +1,8 @@
 """A run's directory: what makes a run durable and never destroyed unasked.
 
 A run lives in out_dir/run_name/: config.json, metrics.jsonl (one JSON line per step; step 0 holds the
-warm-started policy's pass@1) and checkpoint.pt (step, trainer and optimizer state, config). The rules:
+warm-started policy's pass@1) and checkpoint.pt (step, trainer and optimizer state, config). Beside the runs,
+out_dir/warmstart/ caches each starting policy, keyed by what determines it (warmstart_path). The rules:
 - a directory holding a run is refused unless --resume continues it (the checkpoint's stored config must
   match, except RESUMABLE_FIELDS: --steps may grow) or --overwrite starts it over (check_run_dir, before
   anything is written);
@@ -14,6 +15,7 @@ warm-started policy's pass@1) and checkpoint.pt (step, trainer and optimizer sta
 """
 import argparse
 import dataclasses
+import hashlib
 import inspect
 import json
 import math
@@ -142,6 +144,19 @@ def refuse(bad, name, why):
 def one_line(error):
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+# ----------------------------------------------------------------------------- the warm-start cache
+WARMSTART_KEY = ("preset", "model", "task", "task_source", "difficulty", "demo_error_rate", "warmstart_steps",
+                 "warmstart_batch", "warmstart_lr", "seed", "device")  # what determines it; not the recipe
+
+
+def warmstart_path(cfg):
+    """out_dir/warmstart/<hash of WARMSTART_KEY's values>.pt, every recipe's starting policy. Preset overrides
+    join the key only when given, so the keys of runs without them are those of before the option."""
+    fields = WARMSTART_KEY + ("preset_overrides",) * bool(cfg.preset_overrides)
+    key = json.dumps({name: getattr(cfg, name) for name in fields}, sort_keys=True)
+    return os.path.join(cfg.out_dir, "warmstart", hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt")
 
 
 CHECKPOINT_KEYS = {"step", "trainer", "optimizer", "config"}

@@ -113,9 +113,9 @@ METRICS = [  # (column, format, value of one run's records)
 ]
 
 
-def run_values(runs):
+def run_values(runs, metrics=METRICS):
     """{recipe: {seed: [metric values]}} in ORDER."""
-    return {r: {s: [f(records) for _, _, f in METRICS] for s, records in runs[r].items()}
+    return {r: {s: [f(records) for _, _, f in metrics] for s, records in runs[r].items()}
             for r in ORDER if r in runs}
 
 
@@ -132,10 +132,14 @@ def difference_cell(diffs):
     return f"{statistics.mean(diffs):+.3f} {interval}"
 
 
+def seed_mean_rows(values, metrics=METRICS):
+    """[recipe, seeds, the seed mean of each metric] per recipe."""
+    return [[r, str(len(v))] + [f"{statistics.mean(x[i] for x in v.values()):{fmt}}"
+                                for i, (_, fmt, _) in enumerate(metrics)] for r, v in values.items()]
+
+
 def per_recipe_table(values):
-    rows = [[r, str(len(v))] + [f"{statistics.mean(x[i] for x in v.values()):{fmt}}"
-                                for i, (_, fmt, _) in enumerate(METRICS)] for r, v in values.items()]
-    return table(["recipe", "seeds"] + [c for c, _, _ in METRICS], rows)
+    return table(["recipe", "seeds"] + [c for c, _, _ in METRICS], seed_mean_rows(values))
 
 
 def headline_table(values):
@@ -168,11 +172,10 @@ def width_table(sweep):
     """Per width: the warm-started policy's pass@1; the paired per-seed differences nvfp4 - bf16 of the
     reward of steps 1-100 (while even the widest BF16 policy has room to learn) and of late reward (the
     failure criterion); late reward per recipe; QUADS's recovery (quads - nvfp4); final pass@1 nvfp4 - bf16."""
-    early = lambda records: mean(steps_of(records), "reward", 0, 100)  # noqa: E731
+    early = ("reward 1-100", ".3f", lambda records: mean(steps_of(records), "reward", 0, 100))
     rows = []
     for width, runs in sweep.items():
-        values = {r: {s: [f(rec) for _, _, f in METRICS] + [early(rec)] for s, rec in runs[r].items()}
-                  for r in runs}
+        values = run_values(runs, METRICS + [early])
         start = [evals_of(rec)[0]["pass@1"] for rec in runs.get("bf16", {}).values()]
         seeds = "/".join(str(len(runs.get(r, {}))) for r in WIDTH_RECIPES)
         late = [f"{statistics.mean(x[0] for x in values[r].values()):.3f}" if r in values else "-"
@@ -187,23 +190,17 @@ def width_table(sweep):
                   "final pass@1, nvfp4 minus bf16"], rows)
 
 
+GAP_METRICS = [("mean abs dlogp, steps 1-100", ".2e", lambda r: mean(steps_of(r), "mismatch/abs_diff_mean", 0, 100)),
+               ("steps 1-600", *METRICS[3][1:]), ("per-step max", *METRICS[4][1:]), METRICS[6], METRICS[5],
+               ("trainer perplexity", ".3f", lambda r: mean(steps_of(r), "mismatch/trainer_ppl"))]
+
+
 def width_gap_table(sweep):
     """Per width and recipe, seed means: the train/rollout gap over the first 100 steps and all 600, its
     per-step max and growth, routing disagreement, and the trainer's perplexity of the sampled tokens."""
-    rows = []
-    for width, runs in sweep.items():
-        for recipe in (r for r in WIDTH_RECIPES if r in runs):
-            per_seed = [steps_of(rec) for rec in runs[recipe].values()]
-            cells = [statistics.mean(f(s) for s in per_seed) for f in (
-                lambda s: mean(s, "mismatch/abs_diff_mean", 0, 100), lambda s: mean(s, "mismatch/abs_diff_mean"),
-                lambda s: mean(s, "mismatch/abs_diff_max"), lambda s: mean(s, "mismatch/abs_diff_mean", 500)
-                / mean(s, "mismatch/abs_diff_mean", 0, 100), lambda s: mean(s, "routing_disagreement"),
-                lambda s: mean(s, "mismatch/trainer_ppl"))]
-            rows.append([str(width), recipe, str(len(per_seed))] + [f"{cells[0]:.2e}", f"{cells[1]:.2e}",
-                         f"{cells[2]:.2f}", f"{cells[3]:.2f}", f"{cells[4]:.1%}", f"{cells[5]:.3f}"])
-    return table(["width", "recipe", "seeds", "mean abs dlogp, steps 1-100", "steps 1-600", "per-step max",
-                  "gap growth (501-600 / 1-100)", "routing disagr.", "trainer perplexity"], rows,
-                 ["---:", "---"] + ["---:"] * 7)
+    rows = [[str(width)] + row for width, runs in sweep.items()
+            for row in seed_mean_rows(run_values(runs, GAP_METRICS), GAP_METRICS)]
+    return table(["width", "recipe", "seeds"] + [c for c, _, _ in GAP_METRICS], rows, ["---:", "---"] + ["---:"] * 7)
 
 
 def nll(records):

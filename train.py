@@ -406,6 +406,11 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
     ckpt = ckpt if ckpt is not None else check_run_dir(cfg)
     task = build_task(cfg)
     model, tokenizer = build_model(cfg, task)
+    prompt, completion = getattr(task, "max_prompt_chars", 0), max_new_tokens(cfg, task)  # arith: a char a token
+    if prompt + completion > model.config.max_seq_len:
+        raise ConfigError(f"{prompt} prompt + {completion} completion tokens exceed the model's max_seq_len="
+                          f"{model.config.max_seq_len}: lower --difficulty or --max-new-tokens, or raise "
+                          "max_seq_len with --preset-overrides")
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     if ranks.main:  # only rank 0 writes
         if cfg.overwrite and os.path.isdir(run_dir):

@@ -416,7 +416,11 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
         if cfg.overwrite and os.path.isdir(run_dir):
             shutil.rmtree(run_dir)  # the whole run: metrics, checkpoint and whatever was made from them
         os.makedirs(run_dir, exist_ok=True)
-        write_text(json.dumps(dataclasses.asdict(cfg), indent=2), os.path.join(run_dir, "config.json"))
+        config_path = os.path.join(run_dir, "config.json")
+        starts = runs.read_provenance(config_path) if ckpt is not None else []
+        start = {"from_step": ckpt["step"] if ckpt is not None else 0, **runs.provenance(cfg.device)}
+        config = {**dataclasses.asdict(cfg), "provenance": starts + [start]}  # one entry per (re)start
+        write_text(json.dumps(config, indent=2), config_path)
         print(f"run {cfg.run_name}: {json.dumps(dataclasses.asdict(cfg))}")
     if base_state is None:
         with distributed.rank0_first(ranks):  # rank 0 computes (or loads) the warm-start; the others load it

@@ -22,7 +22,9 @@ import math
 import os
 import pickle
 import re
+import platform
 import signal
+import subprocess
 import sys
 import typing
 
@@ -336,6 +338,48 @@ def build_parser(config_class, choices, prog, usage, description):
             group.add_argument(flag, type=kind, default=field.default, help=text,
                                metavar={int: "N", float: "X"}.get(kind, "STR"))
     return parser
+
+
+def provenance(device):
+    """Where a run's numbers come from, for its config.json: the commit and whether the tree had
+    uncommitted changes to tracked files (None outside a git checkout), the versions of Python, torch and
+    Triton, and the device (the GPU's name, or the CPU's architecture and thread count)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args):
+        try:
+            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if done.returncode != 0:
+            return None
+        return done.stdout.strip()
+
+    commit = git("rev-parse", "HEAD")
+    changes = git("status", "--porcelain", "--untracked-files=no")
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        name = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+    return {"commit": commit,
+            "dirty": None if changes is None else bool(changes),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "triton": triton_version,
+            "device": name}
+
+
+def read_provenance(config_path):
+    """The provenance entries of an earlier config.json (a resumed run keeps them and adds its own)."""
+    if not os.path.exists(config_path):
+        return []
+    with open(config_path) as f:
+        return json.load(f).get("provenance", [])
 
 
 def set_threads(cfg):

@@ -14,6 +14,7 @@ Timings use CUDA events through `triton.testing.do_bench` (median), after warm-u
 never zeros. Bandwidth figures count the bytes each op must read plus write, divided by the measured
 time, and are set beside a device-to-device copy measured in the same run.
 """
+
 import argparse
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import torch
 def gpu_header():
     """One line naming the GPU, torch/triton versions and git commit, printed above every table."""
     import triton
+
     try:
         commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:  # not a git checkout (e.g. a copied tree): say so rather than guess
@@ -35,6 +37,7 @@ def gpu_header():
 def bench_ms(fn, warmup=25, rep=100):
     """Median milliseconds of fn() with CUDA events (triton.testing.do_bench)."""
     import triton.testing
+
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
@@ -55,6 +58,7 @@ def bench_quantize(args):
     row counts the logical bytes only, so the extra pass shows as lost bandwidth, not hidden.
     """
     import nvfp4
+
     rows = []
     for n in (8192, 16384):
         x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -69,7 +73,11 @@ def bench_quantize(args):
             ("quantize kernel, given global scale", lambda: nvfp4.quantize(x, gs), q_bytes),
             ("quantize incl. amax pass", lambda: nvfp4.quantize(x), q_bytes),
             ("amax pass alone", lambda: nvfp4.compute_global_scale(x), 2 * numel),
-            ("fake_quantize kernel, given global scale", lambda: nvfp4.fake_quantize(x, gs), 4 * numel),
+            (
+                "fake_quantize kernel, given global scale",
+                lambda: nvfp4.fake_quantize(x, gs),
+                4 * numel,
+            ),
             ("dequantize kernel", lambda q=nvfp4.quantize(x, gs): nvfp4.dequantize(q), q_bytes),
         ]:
             ms = bench_ms(fn)
@@ -103,10 +111,12 @@ def bench_model(args):
 
     compiled = torch.compile(model)
     train_step(compiled)  # compile outside the timed region
-    print(f"\nmoe.py forward+backward, preset small ({model.num_params() / 1e6:.0f}M params, "
-          f"{model.num_params(active=True) / 1e6:.0f}M active; D={config.dim} L={config.n_layers} "
-          f"E={config.n_experts} A={config.n_active} I={config.expert_dim} V={config.vocab_size}), "
-          f"BF16, batch {batch} x {seq} tokens, median of do_bench\n")
+    print(
+        f"\nmoe.py forward+backward, preset small ({model.num_params() / 1e6:.0f}M params, "
+        f"{model.num_params(active=True) / 1e6:.0f}M active; D={config.dim} L={config.n_layers} "
+        f"E={config.n_experts} A={config.n_active} I={config.expert_dim} V={config.vocab_size}), "
+        f"BF16, batch {batch} x {seq} tokens, median of do_bench\n"
+    )
     print("| mode | ms / step | tokens/s |")
     print("| --- | ---: | ---: |")
     for mode, forward in (("eager", model), ("torch.compile", compiled)):
@@ -151,11 +161,15 @@ def bench_gemm(args):
 
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
-    print(f"\ncopy bandwidth (read + write, 1 GiB): {copy_bw / 1e12:.2f} TB/s; times: median us per call, "
-          "CUDA-graph replays, weights rotated through HBM\n")
+    print(
+        f"\ncopy bandwidth (read + write, 1 GiB): {copy_bw / 1e12:.2f} TB/s; times: median us per call, "
+        "CUDA-graph replays, weights rotated through HBM\n"
+    )
     bf16 = torch.bfloat16
     D, H_Q, H_KV, E, A, I = 2048, 4096, 512, 128, 8, 768
-    I_DENSE = 6144  # the config's intermediate_size: a dense MLP's hidden width (gate/up as one weight)
+    I_DENSE = (
+        6144  # the config's intermediate_size: a dense MLP's hidden width (gate/up as one weight)
+    )
     rotate_bytes = 180e6
 
     def graph_us(calls):
@@ -173,7 +187,9 @@ def bench_gemm(args):
                 for call in calls:
                     call()
             return bench_ms(graph.replay) * 1e3 / len(calls)
-        except Exception as error:  # one failing op must not take the other rows down: say so, print nan
+        except (
+            Exception
+        ) as error:  # one failing op must not take the other rows down: say so, print nan
             print(f"  (failed: {type(error).__name__}: {str(error).splitlines()[0][:160]})")
             return float("nan")
 
@@ -206,8 +222,9 @@ def bench_gemm(args):
         q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).view(N, K)
         packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
         zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
-        scales_and_zeros = (torch.stack((scale, zero), dim=-1).view(N, K // 128, 2)
-                            .transpose(0, 1).contiguous())
+        scales_and_zeros = (
+            torch.stack((scale, zero), dim=-1).view(N, K // 128, 2).transpose(0, 1).contiguous()
+        )
         return packed, scales_and_zeros.to(bf16)
 
     def stacked_weight(w, splits):
@@ -216,9 +233,14 @@ def bench_gemm(args):
 
     dense = []
     qkv_splits = (H_Q, H_KV, H_KV)
-    for name, N, K in (("q_proj", H_Q, D), ("k/v_proj", H_KV, D), ("o_proj", D, H_Q),
-                       ("q/k/v stacked", sum(qkv_splits), D), ("dense gate/up", 2 * I_DENSE, D),
-                       ("dense down", D, I_DENSE)):
+    for name, N, K in (
+        ("q_proj", H_Q, D),
+        ("k/v_proj", H_KV, D),
+        ("o_proj", D, H_Q),
+        ("q/k/v stacked", sum(qkv_splits), D),
+        ("dense gate/up", 2 * I_DENSE, D),
+        ("dense down", D, I_DENSE),
+    ):
         w = torch.randn(N, K, device="cuda", dtype=bf16) * 0.02
         splits = qkv_splits if name == "q/k/v stacked" else None
         w_q = stacked_weight(w, splits) if splits else nvfp4.quantize_weight(w)
@@ -226,20 +248,39 @@ def bench_gemm(args):
         try:
             int4 = int4_weight(w)
         except Exception as error:
-            print(f"  (int4 weight packing failed: {type(error).__name__}: "
-                  f"{str(error).splitlines()[0][:160]})")
+            print(
+                f"  (int4 weight packing failed: {type(error).__name__}: "
+                f"{str(error).splitlines()[0][:160]})"
+            )
             int4 = None
-        dense.append((name, N, K, splits, bytes_, [w.clone() for _ in range(copies(bytes_["bf16"]))],
-                      [tuple(t.clone() for t in fp8.quantize_weight(w))
-                       for _ in range(copies(bytes_["fp8"]))],
-                      [nvfp4.NVFP4Tensor(w_q.data.clone(), w_q.block_scale.clone(), w_q.global_scale.clone())
-                       for _ in range(copies(bytes_["w4a4"]))],
-                      [tuple(t.clone() for t in int4) for _ in range(copies(bytes_["w4a4"]))]
-                      if int4 else []))
+        dense.append(
+            (
+                name,
+                N,
+                K,
+                splits,
+                bytes_,
+                [w.clone() for _ in range(copies(bytes_["bf16"]))],
+                [
+                    tuple(t.clone() for t in fp8.quantize_weight(w))
+                    for _ in range(copies(bytes_["fp8"]))
+                ],
+                [
+                    nvfp4.NVFP4Tensor(
+                        w_q.data.clone(), w_q.block_scale.clone(), w_q.global_scale.clone()
+                    )
+                    for _ in range(copies(bytes_["w4a4"]))
+                ],
+                [tuple(t.clone() for t in int4) for _ in range(copies(bytes_["w4a4"]))]
+                if int4
+                else [],
+            )
+        )
 
     def dense_times(M, variants=False):
         rows = []
         for name, N, K, splits, bytes_, ws, w8s, wqs, w4s in dense:
+
             def w4a4_layer(x, w, mask=None, splits=splits):
                 return rac.nvfp4_linear_triton(x, w, mask, splits=splits)
 
@@ -248,62 +289,85 @@ def bench_gemm(args):
             t = {
                 "bf16": graph_us([lambda w=w: F.linear(x, w) for w in ws]),
                 "fp8": graph_us([lambda w=w: fp8.linear(x, *w) for w in w8s]),
-                "int4": graph_us([lambda w=w: torch._weight_int4pack_mm(x, w[0], 128, w[1]) for w in w4s])
-                if w4s else float("nan"),
+                "int4": graph_us(
+                    [lambda w=w: torch._weight_int4pack_mm(x, w[0], 128, w[1]) for w in w4s]
+                )
+                if w4s
+                else float("nan"),
                 "w4a4": graph_us([lambda w=w: w4a4_layer(x, w) for w in wqs]),
                 "rac0.5": graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs]),
             }
             if variants:
                 act = rac.quantize_activation_triton(x, mask)
-                t["GEMM alone"] = graph_us([lambda w=w: rac.layer_matmul(act, w, bf16, splits) for w in wqs])
-                t["quantizer alone"] = graph_us([lambda: rac.quantize_activation_triton(x, mask)] * 20)
+                t["GEMM alone"] = graph_us(
+                    [lambda w=w: rac.layer_matmul(act, w, bf16, splits) for w in wqs]
+                )
+                t["quantizer alone"] = graph_us(
+                    [lambda: rac.quantize_activation_triton(x, mask)] * 20
+                )
                 bucket = w4a4_dense._m_bucket(M, w4a4_dense.DENSE_CONFIGS)
-                t["configs"] = {label: graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs])
-                                for label in forced(w4a4_dense._dense_kernel, bucket)}
+                t["configs"] = {
+                    label: graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs])
+                    for label in forced(w4a4_dense._dense_kernel, bucket)
+                }
             rows.append((name, N, K, M, t, bytes_["w4a4"] / copy_bw * 1e6))
         return rows
 
     # ------------------------------------------------------------------ 1. dense decode
     print("### Dense projections, decode: the whole layer (activation quantization included)\n")
-    print("| layer (N x K) | M | BF16 | FP8 | int4 W4A16 | W4A4 | W4A4 RAC 0.5 | RAC 0.5 vs BF16 | vs int4 | "
-          "vs FP8 | RAC cost | % floor |")
+    print(
+        "| layer (N x K) | M | BF16 | FP8 | int4 W4A16 | W4A4 | W4A4 RAC 0.5 | RAC 0.5 vs BF16 | vs int4 | "
+        "vs FP8 | RAC cost | % floor |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     variant_rows = []
     for M in (1, 16, 64, 256):  # the rows of a decode step at batch 1 ... 256
         rows = dense_times(M, variants=True)
         variant_rows += rows
         for name, N, K, M, t, floor in rows:
-            print(f"| {name} ({N}x{K}) | {M} | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['int4']:.1f} | "
-                  f"{t['w4a4']:.1f} | {t['rac0.5']:.1f} | {t['bf16'] / t['rac0.5']:.2f}x | "
-                  f"{t['int4'] / t['rac0.5']:.2f}x | {t['fp8'] / t['rac0.5']:.2f}x | "
-                  f"{t['rac0.5'] / t['w4a4']:.2f}x | {100 * floor / t['rac0.5']:.0f}% |")
+            print(
+                f"| {name} ({N}x{K}) | {M} | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['int4']:.1f} | "
+                f"{t['w4a4']:.1f} | {t['rac0.5']:.1f} | {t['bf16'] / t['rac0.5']:.2f}x | "
+                f"{t['int4'] / t['rac0.5']:.2f}x | {t['fp8'] / t['rac0.5']:.2f}x | "
+                f"{t['rac0.5'] / t['w4a4']:.2f}x | {100 * floor / t['rac0.5']:.0f}% |"
+            )
 
     # ------------------------------------------------------------------ 2. variants
     print("\n### Decode layer variants, RAC 0.5 (us): what each stage costs\n")
-    print("| layer | M | layer (autotuned) | GEMM alone | quantizer alone | byte floor | "
-          "configurations forced (BLOCK_M/N/K, split-K, warps, stages) |")
+    print(
+        "| layer | M | layer (autotuned) | GEMM alone | quantizer alone | byte floor | "
+        "configurations forced (BLOCK_M/N/K, split-K, warps, stages) |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, N, K, M, t, floor in variant_rows:
         configs = "; ".join(f"{label}: {us:.1f}" for label, us in t["configs"].items())
-        print(f"| {name} | {M} | {t['rac0.5']:.1f} | {t['GEMM alone']:.1f} | {t['quantizer alone']:.1f} | "
-              f"{floor:.1f} | {configs} |")
+        print(
+            f"| {name} | {M} | {t['rac0.5']:.1f} | {t['GEMM alone']:.1f} | {t['quantizer alone']:.1f} | "
+            f"{floor:.1f} | {configs} |"
+        )
 
     # ------------------------------------------------------------------ 3. experts
     gate_up = torch.randn(E, 2 * I, D, device="cuda", dtype=bf16) * 0.02
     down = torch.randn(E, D, I, device="cuda", dtype=bf16) * 0.02
     fp8_experts = fp8.FP8Experts(E, D, I, device="cuda")
     fp8_experts.load_weights(gate_up, down)
-    print("\n### Expert layer, decode (128 experts, top-8; gate/up 2048 -> 2x768, SwiGLU, "
-          "down 768 -> 2048)\n")
-    print("| tokens | experts hit | BF16 | FP8 | W4A4 | W4A4 RAC 0.5 | vs BF16 | vs FP8 | % floor | "
-          "GEMMs alone: gate/up, down | floor: gate/up, down | grouped configurations forced (layer time) |")
+    print(
+        "\n### Expert layer, decode (128 experts, top-8; gate/up 2048 -> 2x768, SwiGLU, "
+        "down 768 -> 2048)\n"
+    )
+    print(
+        "| tokens | experts hit | BF16 | FP8 | W4A4 | W4A4 RAC 0.5 | vs BF16 | vs FP8 | % floor | "
+        "GEMMs alone: gate/up, down | floor: gate/up, down | grouped configurations forced (layer time) |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |")
     for T in (64, 128, 256):
         x = torch.randn(T, D, device="cuda", dtype=bf16)
         expert_ids = torch.rand(T, E, device="cuda").topk(A, dim=-1).indices
         weights = torch.softmax(torch.randn(T, A, device="cuda"), dim=-1)
         routing = moe.route_tokens(expert_ids, E)
-        expert_weights = weights.reshape(-1)  # (T * A,); the down GEMM reads them through routing.order
+        expert_weights = weights.reshape(
+            -1
+        )  # (T * A,); the down GEMM reads them through routing.order
         x_sorted = x[routing.token_ids]
         hit = int((routing.counts > 0).sum())
         layer = rac.NVFP4Experts(E, D, I, device="cuda")
@@ -324,45 +388,83 @@ def bench_gemm(args):
 
         act_x = rac.quantize_activation_triton(x)
         act_h = rac.quantize_activation_triton(torch.randn(T * A, I, device="cuda", dtype=bf16))
-        t = {"bf16": graph_us([bf16_layer]), "fp8": graph_us([fp8_layer]),
-             "w4a4": graph_us([lambda: layer._forward_triton(x, routing, expert_weights)]),
-             "rac": graph_us([lambda: rac_layer._forward_triton(x, routing, expert_weights)]),
-             "gate_up": graph_us([lambda: rac.grouped_matmul_triton(act_x, layer.gate_up_w, routing.counts,
-                                                                     row_ids=routing.token_ids,
-                                                                     swiglu=True, tokens=T)]),
-             "down": graph_us([lambda: rac.grouped_matmul_triton(act_h, layer.down_w, routing.counts,
-                                                                  row_weights=expert_weights,
-                                                                  row_weight_ids=routing.order,
-                                                                  tokens=T)])}
-        if rac.backend(x.device) == "gluon" and T < rac.GLUON_EXPERTS_BELOW:  # the layer's kernel here
-            kernel, table = rac.w4a4_experts_gluon._grouped_gluon_kernel, rac.w4a4_experts_gluon.GLUON_CONFIGS
+        t = {
+            "bf16": graph_us([bf16_layer]),
+            "fp8": graph_us([fp8_layer]),
+            "w4a4": graph_us([lambda: layer._forward_triton(x, routing, expert_weights)]),
+            "rac": graph_us([lambda: rac_layer._forward_triton(x, routing, expert_weights)]),
+            "gate_up": graph_us(
+                [
+                    lambda: rac.grouped_matmul_triton(
+                        act_x,
+                        layer.gate_up_w,
+                        routing.counts,
+                        row_ids=routing.token_ids,
+                        swiglu=True,
+                        tokens=T,
+                    )
+                ]
+            ),
+            "down": graph_us(
+                [
+                    lambda: rac.grouped_matmul_triton(
+                        act_h,
+                        layer.down_w,
+                        routing.counts,
+                        row_weights=expert_weights,
+                        row_weight_ids=routing.order,
+                        tokens=T,
+                    )
+                ]
+            ),
+        }
+        if (
+            rac.backend(x.device) == "gluon" and T < rac.GLUON_EXPERTS_BELOW
+        ):  # the layer's kernel here
+            kernel, table = (
+                rac.w4a4_experts_gluon._grouped_gluon_kernel,
+                rac.w4a4_experts_gluon.GLUON_CONFIGS,
+            )
         else:
             kernel, table = w4a4_experts._grouped_kernel, w4a4_experts.GROUPED_CONFIGS
         configs = "; ".join(
             f"{label}: {graph_us([lambda: layer._forward_triton(x, routing, expert_weights)]):.1f}"
-            for label in forced(kernel, w4a4_dense._m_bucket(-(-T * A // E), table)))
-        floor = {k: hit * n * (0.5 + 1 / 16) / copy_bw * 1e6
-                 for k, n in (("gate_up", 2 * I * D), ("down", D * I))}
+            for label in forced(kernel, w4a4_dense._m_bucket(-(-T * A // E), table))
+        )
+        floor = {
+            k: hit * n * (0.5 + 1 / 16) / copy_bw * 1e6
+            for k, n in (("gate_up", 2 * I * D), ("down", D * I))
+        }
         total = floor["gate_up"] + floor["down"]
-        print(f"| {T} | {hit} | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['w4a4']:.1f} | {t['rac']:.1f} | "
-              f"{t['bf16'] / t['rac']:.2f}x | {t['fp8'] / t['rac']:.2f}x | {100 * total / t['rac']:.0f}% | "
-              f"{t['gate_up']:.1f}, {t['down']:.1f} | {floor['gate_up']:.1f}, {floor['down']:.1f} | "
-              f"{configs} |")
+        print(
+            f"| {T} | {hit} | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['w4a4']:.1f} | {t['rac']:.1f} | "
+            f"{t['bf16'] / t['rac']:.2f}x | {t['fp8'] / t['rac']:.2f}x | {100 * total / t['rac']:.0f}% | "
+            f"{t['gate_up']:.1f}, {t['down']:.1f} | {floor['gate_up']:.1f}, {floor['down']:.1f} | "
+            f"{configs} |"
+        )
     del gate_up, down, fp8_experts
 
     # ------------------------------------------------------------------ 4. prefill
-    print("\n### Dense projections, prefill (M = 4096; the W4A4 GEMM decodes the weight once, "
-          "to fp16 planes; one weight copy: at this size the GEMM, not the weight read, sets the time)\n")
-    print("| layer (N x K) | BF16 | FP8 | W4A4 | W4A4 RAC 0.5 | W4A4 / BF16 time | W4A4 TFLOP/s | "
-          "BF16 TFLOP/s |")
+    print(
+        "\n### Dense projections, prefill (M = 4096; the W4A4 GEMM decodes the weight once, "
+        "to fp16 planes; one weight copy: at this size the GEMM, not the weight read, sets the time)\n"
+    )
+    print(
+        "| layer (N x K) | BF16 | FP8 | W4A4 | W4A4 RAC 0.5 | W4A4 / BF16 time | W4A4 TFLOP/s | "
+        "BF16 TFLOP/s |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    dense = [(name, N, K, splits, b, ws[:1], w8s[:1], wqs[:1], w4s[:1])
-             for name, N, K, splits, b, ws, w8s, wqs, w4s in dense]
+    dense = [
+        (name, N, K, splits, b, ws[:1], w8s[:1], wqs[:1], w4s[:1])
+        for name, N, K, splits, b, ws, w8s, wqs, w4s in dense
+    ]
     for name, N, K, M, t, _ in dense_times(4096):
         flops = 2 * M * N * K
-        print(f"| {name} ({N}x{K}) | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['w4a4']:.1f} | "
-              f"{t['rac0.5']:.1f} | {t['w4a4'] / t['bf16']:.2f}x | {flops / t['w4a4'] / 1e6:.0f} | "
-              f"{flops / t['bf16'] / 1e6:.0f} |")
+        print(
+            f"| {name} ({N}x{K}) | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['w4a4']:.1f} | "
+            f"{t['rac0.5']:.1f} | {t['w4a4'] / t['bf16']:.2f}x | {flops / t['w4a4'] / 1e6:.0f} | "
+            f"{flops / t['bf16'] / 1e6:.0f} |"
+        )
 
     _print_autotuned()
 
@@ -371,10 +473,18 @@ def _config_label(config, sep):
     """A W4A4 kernel configuration in words: BLOCK_M/N/K, split-K, warps, stages, and the optional fields."""
     kw = config.kwargs
     if "BLOCK_T" in kw:  # the experts' Gluon kernel: rows of a tile, output columns, K step, warps
-        return sep.join([f"{kw['BLOCK_T']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"{config.num_warps}w"])
-    parts = [f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"split-K {kw.get('SPLIT_K', 1)}",
-             f"{config.num_warps}w", f"{config.num_stages}s"]
-    parts += ["x-first"] * bool(kw.get("X_FIRST")) + [f"maxnreg {config.maxnreg}"] * bool(config.maxnreg)
+        return sep.join(
+            [f"{kw['BLOCK_T']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}", f"{config.num_warps}w"]
+        )
+    parts = [
+        f"{kw['BLOCK_M']}/{kw['BLOCK_N']}/{kw['BLOCK_K']}",
+        f"split-K {kw.get('SPLIT_K', 1)}",
+        f"{config.num_warps}w",
+        f"{config.num_stages}s",
+    ]
+    parts += ["x-first"] * bool(kw.get("X_FIRST")) + [f"maxnreg {config.maxnreg}"] * bool(
+        config.maxnreg
+    )
     return sep.join(parts)
 
 
@@ -382,14 +492,23 @@ def _print_autotuned():
     """The configurations the W4A4 and W8A8 kernels' autotuner chose in this process, per key (shape bucket, N, K,
     ...)."""
     from gpu_kernels import w4a4_dense, w4a4_experts, w8a8
+
     try:
         from gpu_kernels.w4a4_experts_gluon import _grouped_gluon_kernel
+
         gluon = (_grouped_gluon_kernel,)
     except ImportError:  # Triton without Gluon
         gluon = ()
-    print("\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages; Gluon: BLOCK_T/N/K, warps):")
-    for kernel in (w4a4_dense._dense_kernel, w4a4_experts._grouped_kernel, *gluon, w8a8._dense_kernel,
-                   w8a8._grouped_kernel):
+    print(
+        "\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages; Gluon: BLOCK_T/N/K, warps):"
+    )
+    for kernel in (
+        w4a4_dense._dense_kernel,
+        w4a4_experts._grouped_kernel,
+        *gluon,
+        w8a8._dense_kernel,
+        w8a8._grouped_kernel,
+    ):
         for key, config in kernel.cache.items():
             print(f"  {kernel.fn.fn.__name__} {key[:5]} -> {_config_label(config, ', ')}")
 
@@ -411,6 +530,7 @@ def bench_qat(args):
     import moe
     import nvfp4
     import qat
+
     preset, batch, seq_len = "small", 32, 256
     config = moe.MoEConfig.from_preset(preset)
     torch.manual_seed(0)
@@ -418,30 +538,41 @@ def bench_qat(args):
     tokens = torch.randint(config.vocab_size, (batch, seq_len + 1), device="cuda")
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     with torch.no_grad():
-        _, routes = base(inputs, return_routes=True)                                    # (L, B, T, A)
+        _, routes = base(inputs, return_routes=True)  # (L, B, T, A)
     positions = torch.arange(batch * seq_len, device="cuda")
 
     def random_codes(keys, K):  # what a rollout would have recorded for these rows (random codes)
         n = keys.numel()
         q = nvfp4.quantize(torch.randn(n, K, device="cuda", dtype=torch.bfloat16))
-        return qat.RolloutCodes(keys, q.data, q.block_scale,
-                                torch.full((n,), float(q.global_scale), device="cuda"))
+        return qat.RolloutCodes(
+            keys, q.data, q.block_scale, torch.full((n,), float(q.global_scale), device="cuda")
+        )
 
-    def shared_state(model, mode):  # what a rollout would hand the trainer: half the blocks, random codes
+    def shared_state(
+        model, mode
+    ):  # what a rollout would hand the trainer: half the blocks, random codes
         layer_index = {id(b.mlp.experts): i for i, b in enumerate(model.layers)}
         masks, codes = {}, {}
         for path, layer in model.named_modules():
             if isinstance(layer, qat.QATLinear):
                 G = layer.in_features // 16
                 masks[path] = (torch.arange(G, device="cuda") < G // 2,)
-                codes[path] = (random_codes(positions, layer.in_features),) if mode == "trace" else None
+                codes[path] = (
+                    (random_codes(positions, layer.in_features),) if mode == "trace" else None
+                )
             elif isinstance(layer, qat.QATExperts):
                 D, I = layer.gate_up_proj.shape[-1], layer.down_proj.shape[-1]
-                masks[path] = (torch.arange(D // 16, device="cuda") < D // 32,
-                               torch.arange(I // 16, device="cuda") < I // 32)
+                masks[path] = (
+                    torch.arange(D // 16, device="cuda") < D // 32,
+                    torch.arange(I // 16, device="cuda") < I // 32,
+                )
                 if mode == "trace":
-                    experts = routes[layer_index[id(layer)]].reshape(-1, config.n_active)   # (B * T, A)
-                    down_keys = (positions[:, None] * layer.n_experts + experts).flatten().sort().values
+                    experts = routes[layer_index[id(layer)]].reshape(
+                        -1, config.n_active
+                    )  # (B * T, A)
+                    down_keys = (
+                        (positions[:, None] * layer.n_experts + experts).flatten().sort().values
+                    )
                     codes[path] = (random_codes(positions, D), random_codes(down_keys, I))
         return qat.SharedState(masks, codes if mode == "trace" else None)
 
@@ -462,19 +593,27 @@ def bench_qat(args):
         rows.append((mode, ms))
         if mode == "qat":
             layers = [m for m in model.modules() if isinstance(m, (qat.QATLinear, qat.QATExperts))]
-            rows.append(("qat: weight fake quantization alone",
-                         bench_ms(lambda: [qat.quantized_weights(m) for m in layers])))
+            rows.append(
+                (
+                    "qat: weight fake quantization alone",
+                    bench_ms(lambda: [qat.quantized_weights(m) for m in layers]),
+                )
+            )
         del model, optimizer
         torch.cuda.empty_cache()
 
     n_params = sum(p.numel() for p in base.parameters())
-    print(f"\nTraining step (fwd + bwd + AdamW), preset {preset!r} ({n_params / 1e6:.0f}M params, "
-          f"vocab {config.vocab_size}, BF16 weights), "
-          f"batch {batch} x {seq_len} tokens, median of CUDA-event timings\n")
+    print(
+        f"\nTraining step (fwd + bwd + AdamW), preset {preset!r} ({n_params / 1e6:.0f}M params, "
+        f"vocab {config.vocab_size}, BF16 weights), "
+        f"batch {batch} x {seq_len} tokens, median of CUDA-event timings\n"
+    )
     print("| mode | step (ms) | tokens/s | vs bf16 |")
     print("| --- | ---: | ---: | ---: |")
     for label, ms in rows:
-        print(f"| {label} | {ms:.2f} | {batch * seq_len / (ms * 1e-3):,.0f} | {ms / rows[0][1]:.2f}x |")
+        print(
+            f"| {label} | {ms:.2f} | {batch * seq_len / (ms * 1e-3):,.0f} | {ms / rows[0][1]:.2f}x |"
+        )
 
 
 # ---------------------------------------------------------------------------- rollout (rollout.py)
@@ -508,6 +647,7 @@ def _time_generate(model, prompts, num_samples, max_new_tokens, repeats=3, stati
     import statistics
     import time
     import rollout
+
     # warm-up: the pool, the graph capture
     out = rollout.generate(model, prompts, num_samples, max_new_tokens, seed=0)
     times = []
@@ -527,6 +667,7 @@ def _graph_step_ms(model, max_new_tokens, rounds=5):
     the eager prefill, whose time on the H200 jumps between two levels about 25 ms apart at batch 256
     from call to call: a rate taken as a difference of two calls moved by 10-20% with it."""
     import rollout
+
     state = rollout.last_decode_state(model)
     times = []
     for _ in range(rounds):
@@ -551,11 +692,22 @@ def _bench_rollout_vs_hf(n_prompts=16, num_samples=16, max_new_tokens=128, vocab
 
     c = moe.MoEConfig.from_preset("small", vocab_size=vocab_size)
     hf_config = transformers.Qwen3MoeConfig(
-        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=4 * c.dim, num_hidden_layers=c.n_layers,
-        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim,
-        num_experts=c.n_experts, num_experts_per_tok=c.n_active, moe_intermediate_size=c.expert_dim,
-        max_position_embeddings=c.max_seq_len, norm_topk_prob=c.norm_topk_prob, rms_norm_eps=c.rms_eps,
-        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings)
+        vocab_size=c.vocab_size,
+        hidden_size=c.dim,
+        intermediate_size=4 * c.dim,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        head_dim=c.head_dim,
+        num_experts=c.n_experts,
+        num_experts_per_tok=c.n_active,
+        moe_intermediate_size=c.expert_dim,
+        max_position_embeddings=c.max_seq_len,
+        norm_topk_prob=c.norm_topk_prob,
+        rms_norm_eps=c.rms_eps,
+        rope_theta=c.rope_theta,
+        tie_word_embeddings=c.tie_embeddings,
+    )
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as directory:
         transformers.Qwen3MoeForCausalLM(hf_config).save_pretrained(directory)
@@ -571,14 +723,23 @@ def _bench_rollout_vs_hf(n_prompts=16, num_samples=16, max_new_tokens=128, vocab
     input_ids = torch.zeros(n_prompts, width, dtype=torch.int64)
     attention_mask = torch.zeros(n_prompts, width, dtype=torch.int64)
     for p, prompt in enumerate(prompts):  # left padding, as HF expects for decoder-only generation
-        input_ids[p, width - len(prompt):] = torch.tensor(prompt)
-        attention_mask[p, width - len(prompt):] = 1
+        input_ids[p, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[p, width - len(prompt) :] = 1
     input_ids, attention_mask = input_ids.cuda(), attention_mask.cuda()
 
     def hf_generate():
-        return hf.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
-                           temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                           min_new_tokens=max_new_tokens, num_return_sequences=num_samples, pad_token_id=0)
+        return hf.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            num_return_sequences=num_samples,
+            pad_token_id=0,
+        )
 
     with torch.no_grad():
         out = hf_generate()  # warm-up
@@ -599,58 +760,92 @@ def _bench_rollout_vs_hf(n_prompts=16, num_samples=16, max_new_tokens=128, vocab
     check = 16
     greedy = rollout.generate(model, prompts[:4], 1, check, temperature=0.0)
     with torch.no_grad():
-        hf_greedy = hf.generate(input_ids=input_ids[:4], attention_mask=attention_mask[:4], do_sample=False,
-                                max_new_tokens=check, min_new_tokens=check, pad_token_id=0)[:, width:]
+        hf_greedy = hf.generate(
+            input_ids=input_ids[:4],
+            attention_mask=attention_mask[:4],
+            do_sample=False,
+            max_new_tokens=check,
+            min_new_tokens=check,
+            pad_token_id=0,
+        )[:, width:]
     agreement = (greedy.completion_ids == hf_greedy).float().mean().item()
 
     tokens = n_prompts * num_samples * max_new_tokens
-    print(f"\n### rollout: {n_prompts} prompts x {num_samples} samples x {max_new_tokens} new tokens, BF16, "
-          f'"small" preset (D {c.dim}, {c.n_layers} layers, {c.n_experts} experts top-{c.n_active}, '
-          f"vocab {vocab_size}), prompts of 32..63 tokens, temperature 1, no EOS")
-    print(f"HF: transformers {transformers.__version__}, attention {hf.config._attn_implementation}, "
-          f"experts {getattr(hf.config, '_experts_implementation', 'n/a')}, dynamic cache; "
-          f"greedy tokens equal to ours on 4 prompts x {check} tokens: {100 * agreement:.0f}%")
+    print(
+        f"\n### rollout: {n_prompts} prompts x {num_samples} samples x {max_new_tokens} new tokens, BF16, "
+        f'"small" preset (D {c.dim}, {c.n_layers} layers, {c.n_experts} experts top-{c.n_active}, '
+        f"vocab {vocab_size}), prompts of 32..63 tokens, temperature 1, no EOS"
+    )
+    print(
+        f"HF: transformers {transformers.__version__}, attention {hf.config._attn_implementation}, "
+        f"experts {getattr(hf.config, '_experts_implementation', 'n/a')}, dynamic cache; "
+        f"greedy tokens equal to ours on 4 prompts x {check} tokens: {100 * agreement:.0f}%"
+    )
     print("| sampler | time (s) | tokens/s | vs HF generate |")
     print("| --- | ---: | ---: | ---: |")
     print(f"| HF transformers generate | {hf_seconds:.2f} | {tokens / hf_seconds:,.0f} | 1.00x |")
     graph = "CUDA graph" if ours.used_cuda_graph else "eager"
-    print(f"| rollout.generate ({graph}) | {ours_seconds:.2f} | {tokens / ours_seconds:,.0f} | "
-          f"{hf_seconds / ours_seconds:.2f}x (target >= 5x) |")
+    print(
+        f"| rollout.generate ({graph}) | {ours_seconds:.2f} | {tokens / ours_seconds:,.0f} | "
+        f"{hf_seconds / ours_seconds:.2f}x (target >= 5x) |"
+    )
     del model, hf
     torch.cuda.empty_cache()
 
 
 # (name, rollout mode, RAC ratio[, activation scale])
-DECODE_VARIANTS = [("moe.py BF16 (not converted)", None, 0.0), ("rac bf16", "bf16", 0.0),
-                   ("rac fp8", "fp8", 0.0), ("rac nvfp4", "nvfp4", 0.0),
-                   ("rac nvfp4, row scales", "nvfp4", 0.0, "row"), ("rac nvfp4 + RAC 0.5", "nvfp4", 0.5),
-                   ("rac w4a16", "w4a16", 0.0)]
-DECODE_CHECKS = [("rac nvfp4 / rac fp8", "rac nvfp4", "rac fp8", 1.3),
-                 ("rac nvfp4 / rac bf16", "rac nvfp4", "rac bf16", 1.6),
-                 ("rac nvfp4 + RAC 0.5 / rac nvfp4", "rac nvfp4 + RAC 0.5", "rac nvfp4", 0.95),
-                 ("rac nvfp4, row scales / rac nvfp4", "rac nvfp4, row scales", "rac nvfp4", 0.97),
-                 ("rac w4a16 / rac nvfp4", "rac w4a16", "rac nvfp4", 1.0),
-                 ("rac fp8 / rac bf16", "rac fp8", "rac bf16", 1.3)]
+DECODE_VARIANTS = [
+    ("moe.py BF16 (not converted)", None, 0.0),
+    ("rac bf16", "bf16", 0.0),
+    ("rac fp8", "fp8", 0.0),
+    ("rac nvfp4", "nvfp4", 0.0),
+    ("rac nvfp4, row scales", "nvfp4", 0.0, "row"),
+    ("rac nvfp4 + RAC 0.5", "nvfp4", 0.5),
+    ("rac w4a16", "w4a16", 0.0),
+]
+DECODE_CHECKS = [
+    ("rac nvfp4 / rac fp8", "rac nvfp4", "rac fp8", 1.3),
+    ("rac nvfp4 / rac bf16", "rac nvfp4", "rac bf16", 1.6),
+    ("rac nvfp4 + RAC 0.5 / rac nvfp4", "rac nvfp4 + RAC 0.5", "rac nvfp4", 0.95),
+    ("rac nvfp4, row scales / rac nvfp4", "rac nvfp4, row scales", "rac nvfp4", 0.97),
+    ("rac w4a16 / rac nvfp4", "rac w4a16", "rac nvfp4", 1.0),
+    ("rac fp8 / rac bf16", "rac fp8", "rac bf16", 1.3),
+]
 
 
 def bench_racsweep(args):
     """Decode tokens/s of the NVFP4 rollout at each RAC ratio of the study's sweep (0, 0.125, 0.25, 0.5,
     0.75, 1), on the layer shapes and method of `bench.py rollout` (b). Ratio 1 compensates every block."""
     import rac
+
     ratios = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)
-    variants = [("rac bf16", "bf16", 0.0)] + [(f"rac nvfp4 + RAC {r:g}", "nvfp4", r) for r in ratios]
-    checks = [(f"RAC {r:g} / RAC 0", f"rac nvfp4 + RAC {r:g}", "rac nvfp4 + RAC 0", 1 / 1.15)
-              for r in ratios[1:]]
+    variants = [("rac bf16", "bf16", 0.0)] + [
+        (f"rac nvfp4 + RAC {r:g}", "nvfp4", r) for r in ratios
+    ]
+    checks = [
+        (f"RAC {r:g} / RAC 0", f"rac nvfp4 + RAC {r:g}", "rac nvfp4 + RAC 0", 1 / 1.15)
+        for r in ratios[1:]
+    ]
     _bench_decode_per_precision(rac, variants=variants, checks=checks)
 
 
-def _bench_decode_per_precision(rac, batches=(64, 256), prompt_len=64, short=16, long=144, vocab_size=32768,
-                                variants=DECODE_VARIANTS, checks=DECODE_CHECKS):
+def _bench_decode_per_precision(
+    rac,
+    batches=(64, 256),
+    prompt_len=64,
+    short=16,
+    long=144,
+    vocab_size=32768,
+    variants=DECODE_VARIANTS,
+    checks=DECODE_CHECKS,
+):
     import copy
     import moe
     import rollout
 
-    config = moe.MoEConfig.from_preset("qwen3-30b-a3b", n_layers=4, vocab_size=vocab_size, max_seq_len=1024)
+    config = moe.MoEConfig.from_preset(
+        "qwen3-30b-a3b", n_layers=4, vocab_size=vocab_size, max_seq_len=1024
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = moe.MoETransformer(config).to(torch.bfloat16).eval()
@@ -663,39 +858,53 @@ def _bench_decode_per_precision(rac, batches=(64, 256), prompt_len=64, short=16,
         model = copy.deepcopy(base)
         try:
             if mode is not None:
-                rac.convert_for_rollout(model, mode, rac_ratio=rac_ratio, act_scale=(act_scale or ["tensor"])[0])
+                rac.convert_for_rollout(
+                    model, mode, rac_ratio=rac_ratio, act_scale=(act_scale or ["tensor"])[0]
+                )
             for batch in batches:
                 # end to end (the side column): the fastest of five calls per length, as a disturbed
                 # call moves a difference of two times by several %; the rate itself is timed from
                 # the decode graph's replays, which hold no prefill
-                t_short, _ = _time_generate(model, prompts[:batch], 1, short, repeats=5, statistic="min")
-                t_long, out = _time_generate(model, prompts[:batch], 1, long, repeats=5, statistic="min")
+                t_short, _ = _time_generate(
+                    model, prompts[:batch], 1, short, repeats=5, statistic="min"
+                )
+                t_long, out = _time_generate(
+                    model, prompts[:batch], 1, long, repeats=5, statistic="min"
+                )
                 end_to_end = batch * (long - short) / (t_long - t_short)
                 step_ms = _graph_step_ms(model, long) if out.used_cuda_graph else None
                 rates[name, batch] = batch * 1e3 / step_ms if step_ms else end_to_end
-                rows.append((name, batch, step_ms, rates[name, batch], end_to_end, out.used_cuda_graph))
+                rows.append(
+                    (name, batch, step_ms, rates[name, batch], end_to_end, out.used_cuda_graph)
+                )
         except Exception as error:  # report the failing variant and keep measuring the others
             rows.append((name, None, None, None, None, f"failed: {type(error).__name__}: {error}"))
         rollout.free_decode_states(model)
         del model
         torch.cuda.empty_cache()
 
-    print(f"\n### decode tokens/s per precision: Qwen3-30B-A3B layer shapes, {config.n_layers} layers, "
-          f"vocab {vocab_size}, random weights; prompts of {prompt_len} tokens, 1 sample each. "
-          f"ms / decode step: the captured step's graph replayed {long - 1} times after a generate call, "
-          f"fastest of 5 rounds; "
-          f"tokens/s = B / that (the ratios below use it); end to end: B * {long - short} / "
-          f"(t({long} new) - t({short} new)), each t the fastest of 5 generate calls")
-    print("| rollout layers | batch | ms / decode step | decode tokens/s | end to end tokens/s | "
-          "CUDA graph |")
+    print(
+        f"\n### decode tokens/s per precision: Qwen3-30B-A3B layer shapes, {config.n_layers} layers, "
+        f"vocab {vocab_size}, random weights; prompts of {prompt_len} tokens, 1 sample each. "
+        f"ms / decode step: the captured step's graph replayed {long - 1} times after a generate call, "
+        f"fastest of 5 rounds; "
+        f"tokens/s = B / that (the ratios below use it); end to end: B * {long - short} / "
+        f"(t({long} new) - t({short} new)), each t the fastest of 5 generate calls"
+    )
+    print(
+        "| rollout layers | batch | ms / decode step | decode tokens/s | end to end tokens/s | "
+        "CUDA graph |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for name, batch, step_ms, rate, end_to_end, graph in rows:
         if batch is None:
             print(f"| {name} | - | - | - | - | {graph} |")
         else:
             step = f"{step_ms:.3f}" if step_ms else "-"
-            print(f"| {name} | {batch} | {step} | {rate:,.0f} | {end_to_end:,.0f} | "
-                  f"{'yes' if graph else 'no (eager)'} |")
+            print(
+                f"| {name} | {batch} | {step} | {rate:,.0f} | {end_to_end:,.0f} | "
+                f"{'yes' if graph else 'no (eager)'} |"
+            )
 
     for b in batches:
         print(f"\n| speed ratio at batch {b} | measured | target |")
@@ -703,8 +912,10 @@ def _bench_decode_per_precision(rac, batches=(64, 256), prompt_len=64, short=16,
         for label, fast, slow, target in checks:
             if (fast, b) in rates and (slow, b) in rates:
                 ratio = rates[fast, b] / rates[slow, b]
-                print(f"| {label} | {ratio:.2f}x | >= {target:.2f}x "
-                      f"{'(met)' if ratio >= target else '(NOT met)'} |")
+                print(
+                    f"| {label} | {ratio:.2f}x | >= {target:.2f}x "
+                    f"{'(met)' if ratio >= target else '(NOT met)'} |"
+                )
             else:
                 print(f"| {label} | not measured | >= {target:.2f}x |")
 
@@ -714,6 +925,7 @@ def bench_decode(args):
     W4A4 kernels' autotuned configurations (shared by every variant in the process: the first to meet a
     key tunes it)."""
     import rac
+
     _bench_decode_per_precision(rac)
     _print_autotuned()
 
@@ -726,19 +938,25 @@ def bench_prefill(args, batch=4, length=1024, rounds=5, replays=10):
     import statistics
     import moe
     import rac
-    config = moe.MoEConfig.from_preset("qwen3-30b-a3b", n_layers=4, vocab_size=32768, max_seq_len=length)
+
+    config = moe.MoEConfig.from_preset(
+        "qwen3-30b-a3b", n_layers=4, vocab_size=32768, max_seq_len=length
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = moe.MoETransformer(config).to(torch.bfloat16).eval()
     tokens = torch.randint(1, config.vocab_size, (batch, length), device="cuda")
     graphs = {}
     for name, mode, rac_ratio, *act_scale in DECODE_VARIANTS[1:]:
-        model = rac.convert_for_rollout(copy.deepcopy(base), mode, rac_ratio=rac_ratio,
-                                        act_scale=(act_scale or ["tensor"])[0])
+        model = rac.convert_for_rollout(
+            copy.deepcopy(base), mode, rac_ratio=rac_ratio, act_scale=(act_scale or ["tensor"])[0]
+        )
         with torch.no_grad():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: autotuning, RAC's first-input selection, workspaces
+            with torch.cuda.stream(
+                stream
+            ):  # warm-up: autotuning, RAC's first-input selection, workspaces
                 for _ in range(3):
                     model(tokens)
             torch.cuda.current_stream().wait_stream(stream)
@@ -757,9 +975,11 @@ def bench_prefill(args, batch=4, length=1024, rounds=5, replays=10):
             end.record()
             end.synchronize()
             times[name].append(start.elapsed_time(end) / replays)
-    print(f"\n### prefill: one forward of {config.n_layers} Qwen3-30B-A3B layers on {batch} x {length} tokens "
-          f"(vocab {config.vocab_size}, random weights), CUDA graph; ms per forward, median of {rounds} "
-          f"interleaved rounds of {replays} replays (min - max)")
+    print(
+        f"\n### prefill: one forward of {config.n_layers} Qwen3-30B-A3B layers on {batch} x {length} tokens "
+        f"(vocab {config.vocab_size}, random weights), CUDA graph; ms per forward, median of {rounds} "
+        f"interleaved rounds of {replays} replays (min - max)"
+    )
     print("| rollout layers | ms / prefill | rounds min - max | vs rac bf16 |")
     print("| --- | ---: | --- | ---: |")
     bf16 = statistics.median(times["rac bf16"])
@@ -780,8 +1000,9 @@ COMMANDS = {
 }
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("what", choices=list(COMMANDS), nargs="+")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -22,6 +22,7 @@ elsewhere. The kernels equal the references up to fp32 accumulation order (the q
 
 Shape letters: M rows (tokens, or assignments R), K reduction dim, N output features, E experts, D model
 dim, I expert hidden dim. Left out: per-tensor or block-wise scales, E5M2, q/k/v stacking."""
+
 import functools
 
 import torch
@@ -60,16 +61,24 @@ def linear_reference(x_codes, x_scale, w_codes, w_scale):
     return (x @ w.T).to(torch.bfloat16)
 
 
-def grouped_linear_reference(x_codes, x_scale, counts, w_codes, w_scale, swiglu=False, row_weights=None,
-                             out_dtype=torch.bfloat16):
+def grouped_linear_reference(
+    x_codes,
+    x_scale,
+    counts,
+    w_codes,
+    w_scale,
+    swiglu=False,
+    row_weights=None,
+    out_dtype=torch.bfloat16,
+):
     """Twin of the experts' GEMM: rows grouped by expert (counts (E,)) times their weight (E, N, K) in fp32 (a
     loop, one host sync); swiglu: silu(gate) * up; each row times row_weights (R,); rounded once to out_dtype."""
-    x = x_codes.float() * x_scale                                                       # (R, K)
-    w = w_codes.float() * w_scale.float()[..., None]                                    # (E, N, K)
-    y = torch.cat([x_e @ w_e.T for x_e, w_e in zip(x.split(counts.tolist()), w)])       # (R, N)
+    x = x_codes.float() * x_scale  # (R, K)
+    w = w_codes.float() * w_scale.float()[..., None]  # (E, N, K)
+    y = torch.cat([x_e @ w_e.T for x_e, w_e in zip(x.split(counts.tolist()), w)])  # (R, N)
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up                                                           # (R, N/2)
+        y = F.silu(gate) * up  # (R, N/2)
     if row_weights is not None:
         y = y * row_weights.float()[:, None]
     return y.to(out_dtype)
@@ -91,14 +100,23 @@ def linear(x, w_codes, w_scale):
     return linear_reference(*quantize_rowwise(x), w_codes, w_scale)
 
 
-def grouped_linear(x, counts, w_codes, w_scale, row_ids=None, swiglu=False, row_weights=None,
-                   row_weight_ids=None):
+def grouped_linear(
+    x, counts, w_codes, w_scale, row_ids=None, swiglu=False, row_weights=None, row_weight_ids=None
+):
     """x (T, K), quantized per row; rows x[row_ids] (or x's own) grouped by expert, counts (E,) rows each,
     times weight (E, N, K) -> (R, N or N/2) BF16. swiglu and row_weights (read at row_weight_ids if given)
     as in grouped_linear_reference."""
     if use_kernels(x):
-        return w8a8.grouped_linear(*w8a8.quantize_rows(x), w_codes, w_scale, counts, row_ids, row_weights,
-                                   row_weight_ids, swiglu)
+        return w8a8.grouped_linear(
+            *w8a8.quantize_rows(x),
+            w_codes,
+            w_scale,
+            counts,
+            row_ids,
+            row_weights,
+            row_weight_ids,
+            swiglu,
+        )
     x_codes, x_scale = quantize_rowwise(x)
     if row_ids is not None:  # quantizing rows, then gathering them, is gathering, then quantizing
         x_codes, x_scale = x_codes[row_ids], x_scale[row_ids]
@@ -109,9 +127,15 @@ def grouped_linear(x, counts, w_codes, w_scale, row_ids=None, swiglu=False, row_
 def check_layer_input(x, in_features, device, name):
     """A rollout layer's input: a float tensor with the layer's in_features, on the weights' device (one
     line naming the layer otherwise); rac.py's NVFP4 layers check theirs with it too."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"{name}: expected a bfloat16/float16/float32 tensor, got "
-                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in (
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+    ):
+        raise ValueError(
+            f"{name}: expected a bfloat16/float16/float32 tensor, got "
+            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}"
+        )
     if x.shape[-1] != in_features:
         raise ValueError(f"{name}: expected last dim {in_features}, got shape {tuple(x.shape)}")
     if x.device != device:
@@ -124,24 +148,37 @@ class FP8Linear(nn.Module):
     def __init__(self, in_features, out_features, bias=False, device=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight_fp8",
-                             torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
-        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
-        self.bias = (nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
-                     if bias else None)
+        self.register_buffer(
+            "weight_fp8",
+            torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device),
+        )
+        self.register_buffer(
+            "weight_scale", torch.ones(out_features, dtype=torch.float32, device=device)
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
+            if bias
+            else None
+        )
 
     @classmethod
     def from_float(cls, linear_layer):
-        layer = cls(linear_layer.in_features, linear_layer.out_features, bias=linear_layer.bias is not None,
-                    device=linear_layer.weight.device)
+        layer = cls(
+            linear_layer.in_features,
+            linear_layer.out_features,
+            bias=linear_layer.bias is not None,
+            device=linear_layer.weight.device,
+        )
         layer.load_weight(linear_layer.weight, linear_layer.bias)
         return layer
 
     @torch.no_grad()
     def load_weight(self, weight, bias=None):
         if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"FP8Linear: weight shape {tuple(weight.shape)} != "
-                             f"{(self.out_features, self.in_features)}")
+            raise ValueError(
+                f"FP8Linear: weight shape {tuple(weight.shape)} != "
+                f"{(self.out_features, self.in_features)}"
+            )
         codes, scale = quantize_weight(weight)
         self.weight_fp8.copy_(codes)
         self.weight_scale.copy_(scale)
@@ -164,9 +201,12 @@ class FP8Experts(nn.Module):
         self.n_experts, self.dim, self.expert_dim = n_experts, dim, expert_dim
         E, D, I = n_experts, dim, expert_dim
         for name, (N, K) in (("gate_up", (2 * I, D)), ("down", (D, I))):
-            self.register_buffer(f"{name}_fp8",
-                                 torch.zeros(E, N, K, dtype=torch.float8_e4m3fn, device=device))
-            self.register_buffer(f"{name}_scale", torch.ones(E, N, dtype=torch.float32, device=device))
+            self.register_buffer(
+                f"{name}_fp8", torch.zeros(E, N, K, dtype=torch.float8_e4m3fn, device=device)
+            )
+            self.register_buffer(
+                f"{name}_scale", torch.ones(E, N, dtype=torch.float32, device=device)
+            )
 
     @classmethod
     def from_float(cls, experts):
@@ -180,7 +220,9 @@ class FP8Experts(nn.Module):
         for name, w in (("gate_up", gate_up_proj), ("down", down_proj)):
             target = getattr(self, f"{name}_fp8")
             if tuple(w.shape) != tuple(target.shape):
-                raise ValueError(f"FP8Experts: {name} weight shape {tuple(w.shape)} != {tuple(target.shape)}")
+                raise ValueError(
+                    f"FP8Experts: {name} weight shape {tuple(w.shape)} != {tuple(target.shape)}"
+                )
             codes, scale = quantize_weight(w)
             target.copy_(codes)
             getattr(self, f"{name}_scale").copy_(scale)
@@ -194,7 +236,19 @@ class FP8Experts(nn.Module):
 
     def sorted_rows(self, x, routing, expert_weights):
         """x (T, D), routing, expert_weights (T * A,) -> (R, D) BF16: each sorted row times its router weight."""
-        hidden = grouped_linear(x, routing.counts, self.gate_up_fp8, self.gate_up_scale,      # (R, I)
-                                row_ids=routing.token_ids, swiglu=True)
-        return grouped_linear(hidden, routing.counts, self.down_fp8, self.down_scale,          # (R, D)
-                              row_weights=expert_weights, row_weight_ids=routing.order)
+        hidden = grouped_linear(
+            x,
+            routing.counts,
+            self.gate_up_fp8,
+            self.gate_up_scale,  # (R, I)
+            row_ids=routing.token_ids,
+            swiglu=True,
+        )
+        return grouped_linear(
+            hidden,
+            routing.counts,
+            self.down_fp8,
+            self.down_scale,  # (R, D)
+            row_weights=expert_weights,
+            row_weight_ids=routing.order,
+        )

@@ -42,6 +42,7 @@ Left out: value functions and GAE (no critic), sequence-level ratios (GSPO), dua
 by ratio (IcePop and other rejection variants), entropy bonuses. Loss statistics are 0-d detached tensors
 (no GPU sync per mini-batch); the mismatch metrics are Python floats, computed once per step.
 """
+
 import math
 
 import torch
@@ -50,8 +51,10 @@ import torch
 # -----------------------------------------------------------------------------
 # Advantages
 
-def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO advantages: A_i = (r_i - mean_group(r)) / (std_group(r) + eps), shape (N,) -> (N,) fp32.
 
     std is the population std (unbiased=False): with G=2 and rewards {0, 1} the advantages are exactly
@@ -63,19 +66,22 @@ def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size != 0:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of "
-                         f"group_size={group_size}")
-    grouped = rewards.float().reshape(-1, group_size)                       # (P, G)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)                   # (P, G)
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} do not split into groups of "
+            f"group_size={group_size}"
+        )
+    grouped = rewards.float().reshape(-1, group_size)  # (P, G)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)  # (P, G)
     if normalize_std:
-        std = grouped.std(dim=1, unbiased=False, keepdim=True)              # (P, 1)
+        std = grouped.std(dim=1, unbiased=False, keepdim=True)  # (P, 1)
         centred = centred / (std + eps)
     has_spread = grouped.amax(dim=1, keepdim=True) > grouped.amin(dim=1, keepdim=True)
-    return torch.where(has_spread, centred, torch.zeros_like(centred)).view(-1)   # (N,)
+    return torch.where(has_spread, centred, torch.zeros_like(centred)).view(-1)  # (N,)
 
 
 # -----------------------------------------------------------------------------
 # Log-probs and entropy from logits
+
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[token] in fp32: (N, T, V), (N, T) -> (N, T) fp32, differentiable.
@@ -87,16 +93,19 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     the logits (N*T*V*4 bytes) is kept for backward; callers bound it by micro-batching over N.
     """
     if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
-        raise ValueError(f"expected logits (N, T, V) and tokens (N, T), got logits "
-                         f"{tuple(logits.shape)} and tokens {tuple(tokens.shape)}")
+        raise ValueError(
+            f"expected logits (N, T, V) and tokens (N, T), got logits "
+            f"{tuple(logits.shape)} and tokens {tuple(tokens.shape)}"
+        )
     logits = logits.float()
-    picked = logits.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)     # (N, T)
-    return picked - torch.logsumexp(logits, dim=-1)                         # (N, T)
+    picked = logits.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)  # (N, T)
+    return picked - torch.logsumexp(logits, dim=-1)  # (N, T)
 
 
 @torch.no_grad()
-def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor,
-                        chunk_tokens: int = 1024) -> torch.Tensor:
+def entropy_from_logits(
+    logits: torch.Tensor, mask: torch.Tensor, chunk_tokens: int = 1024
+) -> torch.Tensor:
     """Mean token entropy over valid tokens, H = -sum_v p_v log p_v, for logging: 0-d fp32 tensor.
 
     The logits are walked `chunk_tokens` positions at a time and only the valid rows of a chunk are
@@ -105,35 +114,48 @@ def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor,
     No gradient: an entropy bonus is deliberately not part of the loss.
     """
     if logits.dim() != 3 or mask.shape != logits.shape[:2]:
-        raise ValueError(f"expected logits (N, T, V) and mask (N, T), got logits "
-                         f"{tuple(logits.shape)} and mask {tuple(mask.shape)}")
-    flat_logits = logits.reshape(-1, logits.shape[-1])                      # (N*T, V)
-    flat_valid = mask.reshape(-1).bool()                                    # (N*T,)
+        raise ValueError(
+            f"expected logits (N, T, V) and mask (N, T), got logits "
+            f"{tuple(logits.shape)} and mask {tuple(mask.shape)}"
+        )
+    flat_logits = logits.reshape(-1, logits.shape[-1])  # (N*T, V)
+    flat_valid = mask.reshape(-1).bool()  # (N*T,)
     total = torch.zeros((), dtype=torch.float64, device=logits.device)
     for start in range(0, flat_logits.shape[0], chunk_tokens):
-        rows = flat_logits[start:start + chunk_tokens][flat_valid[start:start + chunk_tokens]]
-        logp = torch.log_softmax(rows.float(), dim=-1)                      # (rows, V)
+        rows = flat_logits[start : start + chunk_tokens][flat_valid[start : start + chunk_tokens]]
+        logp = torch.log_softmax(rows.float(), dim=-1)  # (rows, V)
         p = logp.exp()
         p_log_p = torch.where(p > 0, p * logp, torch.zeros_like(p))
         total -= p_log_p.sum(dim=-1).double().sum()
-    return (total / flat_valid.sum()).float()                              # 0/0 = NaN when empty
+    return (total / flat_valid.sum()).float()  # 0/0 = NaN when empty
 
 
 # -----------------------------------------------------------------------------
 # The loss
 
+
 def _check_same_shape(reference_name: str, reference: torch.Tensor, **others: torch.Tensor) -> None:
     for name, tensor in others.items():
         if tensor is not None and tensor.shape != reference.shape:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)} but {reference_name} has shape "
-                             f"{tuple(reference.shape)}; they must match (N, T)")
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)} but {reference_name} has shape "
+                f"{tuple(reference.shape)}; they must match (N, T)"
+            )
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
-                rollout_logprobs: torch.Tensor | None = None, tis_cap: float | None = None,
-                ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
-                num_valid_tokens: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    rollout_logprobs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    num_valid_tokens: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level clipped GRPO loss with decoupled truncated importance sampling (module docstring).
 
     logprobs (N, T) carries the gradient; old_logprobs, rollout_logprobs, ref_logprobs (N, T) and
@@ -158,19 +180,28 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be (N, T), got shape {tuple(logprobs.shape)}")
-    _check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs, mask=mask,
-                      rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs)
+    _check_same_shape(
+        "logprobs",
+        logprobs,
+        old_logprobs=old_logprobs,
+        mask=mask,
+        rollout_logprobs=rollout_logprobs,
+        ref_logprobs=ref_logprobs,
+    )
     if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages must be (N,) = ({logprobs.shape[0]},), got shape "
-                         f"{tuple(advantages.shape)}")
+        raise ValueError(
+            f"advantages must be (N,) = ({logprobs.shape[0]},), got shape {tuple(advantages.shape)}"
+        )
     if tis_cap is not None and rollout_logprobs is None:
         raise ValueError("tis_cap needs rollout_logprobs (the rollout engine's log-probs)")
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
 
-    is_valid = mask.bool()                                                  # (N, T)
+    is_valid = mask.bool()  # (N, T)
     valid = is_valid.float()
-    denominator = float(num_valid_tokens) if num_valid_tokens is not None else valid.sum().clamp(min=1.0)
+    denominator = (
+        float(num_valid_tokens) if num_valid_tokens is not None else valid.sum().clamp(min=1.0)
+    )
 
     def on_valid(log_diff: torch.Tensor) -> torch.Tensor:
         # Padding may hold anything (-inf, NaN, stale values). Zeroing log-differences there *before*
@@ -182,15 +213,15 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
     logprobs = logprobs.float()
     old_logprobs = old_logprobs.detach().float()
-    adv = advantages.detach().float().unsqueeze(1)                          # (N, 1)
+    adv = advantages.detach().float().unsqueeze(1)  # (N, 1)
 
-    log_ratio = on_valid(logprobs - old_logprobs)                           # (N, T)
+    log_ratio = on_valid(logprobs - old_logprobs)  # (N, T)
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg_per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)         # (N, T)
+    pg_per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)  # (N, T)
     if tis_cap is not None:
         old_over_rollout = torch.exp(on_valid(old_logprobs - rollout_logprobs.detach().float()))
-        pg_per_token = pg_per_token * old_over_rollout.clamp(max=tis_cap)   # w_t, a constant
+        pg_per_token = pg_per_token * old_over_rollout.clamp(max=tis_cap)  # w_t, a constant
     pg_loss = batch_mean(pg_per_token)
 
     stats: dict[str, torch.Tensor] = {}
@@ -211,7 +242,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         stats["ratio/max"] = _masked_max(ratio_d, valid)
         stats["clip_ratio/low_mean"] = _masked_mean(clipped_low.float(), valid)
         stats["clip_ratio/high_mean"] = _masked_mean(clipped_high.float(), valid)
-        stats["clip_ratio/region_mean"] = stats["clip_ratio/low_mean"] + stats["clip_ratio/high_mean"]
+        stats["clip_ratio/region_mean"] = (
+            stats["clip_ratio/low_mean"] + stats["clip_ratio/high_mean"]
+        )
         # expm1: exp(-x) - 1 + x cancels catastrophically in fp32 for the small x of a near-on-policy step
         stats["approx_kl"] = _masked_mean(torch.expm1(-log_ratio_d) + log_ratio_d, valid)
     return loss, stats
@@ -237,8 +270,13 @@ def _masked_min(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 # -----------------------------------------------------------------------------
 # Train/rollout mismatch
 
-def mismatch_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                     mask: torch.Tensor, tis_cap: float | None = None) -> dict[str, float]:
+
+def mismatch_metrics(
+    trainer_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    tis_cap: float | None = None,
+) -> dict[str, float]:
     """Train/rollout log-prob mismatch over valid completion tokens, as Python floats.
 
     trainer_logprobs: log pi_train of the sampled tokens under the weights that sampled them;
@@ -257,12 +295,26 @@ def mismatch_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     Computed in float64 and read back with one device sync. With no valid token every metric is NaN
     (num_tokens 0) instead of raising, so a degenerate step shows up as a gap in the plots.
     """
-    _check_same_shape("trainer_logprobs", trainer_logprobs, rollout_logprobs=rollout_logprobs, mask=mask)
+    _check_same_shape(
+        "trainer_logprobs", trainer_logprobs, rollout_logprobs=rollout_logprobs, mask=mask
+    )
     valid = mask.bool()
-    trainer = trainer_logprobs.detach()[valid].double()                     # (M,)
-    rollout = rollout_logprobs.detach()[valid].double()                     # (M,)
-    names = ["abs_diff_mean", "abs_diff_max", "abs_diff_p95", "abs_diff_p99", "diff_mean", "kl_k1",
-             "kl_k3", "trainer_ppl", "rollout_ppl", "is_ratio_min", "is_ratio_mean", "is_ratio_max"]
+    trainer = trainer_logprobs.detach()[valid].double()  # (M,)
+    rollout = rollout_logprobs.detach()[valid].double()  # (M,)
+    names = [
+        "abs_diff_mean",
+        "abs_diff_max",
+        "abs_diff_p95",
+        "abs_diff_p99",
+        "diff_mean",
+        "kl_k1",
+        "kl_k3",
+        "trainer_ppl",
+        "rollout_ppl",
+        "is_ratio_min",
+        "is_ratio_mean",
+        "is_ratio_max",
+    ]
     if tis_cap is not None:
         names += ["tis_ratio_min", "tis_ratio_mean", "tis_ratio_max", "tis_clip_frac"]
     num_tokens = trainer.numel()
@@ -272,13 +324,28 @@ def mismatch_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     diff = trainer - rollout
     abs_diff_sorted = diff.abs().sort().values
     ratio = diff.exp()
-    values = [abs_diff_sorted.mean(), abs_diff_sorted[-1], _quantile_sorted(abs_diff_sorted, 0.95),
-              _quantile_sorted(abs_diff_sorted, 0.99), diff.mean(), (-diff).mean(),
-              (ratio - 1.0 - diff).mean(), torch.exp(-trainer.mean()), torch.exp(-rollout.mean()),
-              ratio.min(), ratio.mean(), ratio.max()]
+    values = [
+        abs_diff_sorted.mean(),
+        abs_diff_sorted[-1],
+        _quantile_sorted(abs_diff_sorted, 0.95),
+        _quantile_sorted(abs_diff_sorted, 0.99),
+        diff.mean(),
+        (-diff).mean(),
+        (ratio - 1.0 - diff).mean(),
+        torch.exp(-trainer.mean()),
+        torch.exp(-rollout.mean()),
+        ratio.min(),
+        ratio.mean(),
+        ratio.max(),
+    ]
     if tis_cap is not None:
         truncated = ratio.clamp(max=tis_cap)
-        values += [truncated.min(), truncated.mean(), truncated.max(), (ratio > tis_cap).double().mean()]
+        values += [
+            truncated.min(),
+            truncated.mean(),
+            truncated.max(),
+            (ratio > tis_cap).double().mean(),
+        ]
     metrics = dict(zip(names, torch.stack(values).tolist()))
     metrics["num_tokens"] = num_tokens
     return metrics
@@ -294,8 +361,12 @@ def _quantile_sorted(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
     return sorted_values[below] + (sorted_values[above] - sorted_values[below]) * fraction
 
 
-def routing_disagreement(trainer_routes: torch.Tensor, rollout_routes: torch.Tensor,
-                         token_mask: torch.Tensor, any_layer: bool = False) -> float:
+def routing_disagreement(
+    trainer_routes: torch.Tensor,
+    rollout_routes: torch.Tensor,
+    token_mask: torch.Tensor,
+    any_layer: bool = False,
+) -> float:
     """Fraction of (valid token, layer) pairs where trainer and rollout chose different expert *sets*.
 
     routes: (L, N, T, A) integer expert ids, top-k per token and layer; token_mask (N, T). The order
@@ -305,15 +376,19 @@ def routing_disagreement(trainer_routes: torch.Tensor, rollout_routes: torch.Ten
     token is valid.
     """
     if trainer_routes.dim() != 4 or trainer_routes.shape != rollout_routes.shape:
-        raise ValueError(f"expected trainer and rollout routes of one shape (L, N, T, A), got "
-                         f"{tuple(trainer_routes.shape)} and {tuple(rollout_routes.shape)}")
+        raise ValueError(
+            f"expected trainer and rollout routes of one shape (L, N, T, A), got "
+            f"{tuple(trainer_routes.shape)} and {tuple(rollout_routes.shape)}"
+        )
     if token_mask.shape != trainer_routes.shape[1:3]:
-        raise ValueError(f"token_mask has shape {tuple(token_mask.shape)} but routes "
-                         f"{tuple(trainer_routes.shape)} need (N, T) = {tuple(trainer_routes.shape[1:3])}")
-    trainer_sets = trainer_routes.sort(dim=-1).values                       # (L, N, T, A)
+        raise ValueError(
+            f"token_mask has shape {tuple(token_mask.shape)} but routes "
+            f"{tuple(trainer_routes.shape)} need (N, T) = {tuple(trainer_routes.shape[1:3])}"
+        )
+    trainer_sets = trainer_routes.sort(dim=-1).values  # (L, N, T, A)
     rollout_sets = rollout_routes.sort(dim=-1).values
-    differs = (trainer_sets != rollout_sets).any(dim=-1)                    # (L, N, T)
-    valid = token_mask.bool()                                               # (N, T)
+    differs = (trainer_sets != rollout_sets).any(dim=-1)  # (L, N, T)
+    valid = token_mask.bool()  # (N, T)
     if not bool(valid.any()):
         return math.nan
     if any_layer:
@@ -324,8 +399,13 @@ def routing_disagreement(trainer_routes: torch.Tensor, rollout_routes: torch.Ten
 # -----------------------------------------------------------------------------
 # MIPU
 
-def mipu_proxy(candidate_logprobs: torch.Tensor, current_logprobs: torch.Tensor, advantages: torch.Tensor,
-               mask: torch.Tensor) -> float:
+
+def mipu_proxy(
+    candidate_logprobs: torch.Tensor,
+    current_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+) -> float:
     """MIPU's acceptance proxy (module docstring): sum_valid A * (mu'/mu - 1) / valid tokens, a float.
 
     candidate_logprobs: log mu', the rollout model's scores of the batch's tokens after the candidate
@@ -333,13 +413,17 @@ def mipu_proxy(candidate_logprobs: torch.Tensor, current_logprobs: torch.Tensor,
     before the update; both (N, T). advantages (N,), mask (N, T). > 0: the candidate raises the inference
     policy's expected advantage on these tokens; accept it. Computed in float64; 0.0 with no valid token.
     """
-    _check_same_shape("candidate_logprobs", candidate_logprobs, current_logprobs=current_logprobs, mask=mask)
+    _check_same_shape(
+        "candidate_logprobs", candidate_logprobs, current_logprobs=current_logprobs, mask=mask
+    )
     if advantages.shape != candidate_logprobs.shape[:1]:
-        raise ValueError(f"advantages must be (N,) = ({candidate_logprobs.shape[0]},), got shape "
-                         f"{tuple(advantages.shape)}")
+        raise ValueError(
+            f"advantages must be (N,) = ({candidate_logprobs.shape[0]},), got shape "
+            f"{tuple(advantages.shape)}"
+        )
     valid = mask.bool()
-    log_ratio = (candidate_logprobs.double() - current_logprobs.double())[valid]   # (M,)
-    token_advantages = advantages.double().unsqueeze(1).expand_as(valid)[valid]    # (M,)
+    log_ratio = (candidate_logprobs.double() - current_logprobs.double())[valid]  # (M,)
+    token_advantages = advantages.double().unsqueeze(1).expand_as(valid)[valid]  # (M,)
     if log_ratio.numel() == 0:
         return 0.0
     return (token_advantages * torch.expm1(log_ratio)).mean().item()

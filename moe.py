@@ -29,6 +29,7 @@ sliding windows, RoPE scaling, dense-MLP layers (`mlp_only_layers`), the load-ba
 Shape letters: B batch, T tokens (queries), S keys (cached + new), D model dim, H query heads, Hkv key/value
 heads, hd head dim, E experts, A active experts per token, I expert hidden dim, V vocab, L layers, N = T*A
 """
+
 import glob
 import json
 import os
@@ -44,11 +45,15 @@ from torch import Tensor
 
 try:
     from gpu_kernels import norm as norm_kernels, routing as routing_kernels
-except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the plain twins run
+except (
+    ImportError
+):  # triton ships with CUDA builds of torch on Linux; without it the plain twins run
     norm_kernels = routing_kernels = None
 
 
-def check(ok: bool, message: str):  # bad input fails early, in one line naming the field and the problem
+def check(
+    ok: bool, message: str
+):  # bad input fails early, in one line naming the field and the problem
     if not ok:
         raise ValueError(message)
 
@@ -60,34 +65,46 @@ def needs_grad(*tensors: Tensor) -> bool:
 # ----------------------------------------------------------------------------------------------- config
 @dataclass
 class MoEConfig:
-    vocab_size: int = 64          # V; the tiny preset's char tokenizer sets it (override per task)
-    dim: int = 64                 # D, width of the residual stream
-    n_layers: int = 2             # L decoder layers, every one of them MoE
-    n_heads: int = 4              # H query heads
-    n_kv_heads: int = 2           # Hkv key/value heads; H/Hkv query heads share each (GQA); = H is plain MHA
-    head_dim: int = 16            # hd; Qwen3 sets it independently of dim / n_heads
-    n_experts: int = 8            # E routed experts per layer
-    n_active: int = 2             # A experts each token is sent to (the router's top-k)
-    expert_dim: int = 64          # I, hidden width of one SwiGLU expert
-    rope_theta: float = 10000.0   # RoPE base; larger values stretch the longest wavelength
-    rms_eps: float = 1e-6         # epsilon inside every RMSNorm
-    norm_topk_prob: bool = True   # renormalize the A chosen router probabilities to sum to 1
+    vocab_size: int = 64  # V; the tiny preset's char tokenizer sets it (override per task)
+    dim: int = 64  # D, width of the residual stream
+    n_layers: int = 2  # L decoder layers, every one of them MoE
+    n_heads: int = 4  # H query heads
+    n_kv_heads: int = 2  # Hkv key/value heads; H/Hkv query heads share each (GQA); = H is plain MHA
+    head_dim: int = 16  # hd; Qwen3 sets it independently of dim / n_heads
+    n_experts: int = 8  # E routed experts per layer
+    n_active: int = 2  # A experts each token is sent to (the router's top-k)
+    expert_dim: int = 64  # I, hidden width of one SwiGLU expert
+    rope_theta: float = 10000.0  # RoPE base; larger values stretch the longest wavelength
+    rms_eps: float = 1e-6  # epsilon inside every RMSNorm
+    norm_topk_prob: bool = True  # renormalize the A chosen router probabilities to sum to 1
     tie_embeddings: bool = False  # LM head reuses the embedding matrix
-    max_seq_len: int = 256        # longest prompt + completion a forward may see (also sizes KV caches)
+    max_seq_len: int = 256  # longest prompt + completion a forward may see (also sizes KV caches)
 
     def __post_init__(self):
         for name in [field.name for field in fields(self) if field.type is int]:
             value = getattr(self, name)
-            check(isinstance(value, int) and value > 0,
-                  f"MoEConfig.{name} must be a positive int, got {value!r}")
-        check(self.n_heads % self.n_kv_heads == 0, f"MoEConfig: n_heads={self.n_heads} is not divisible by "
-              f"n_kv_heads={self.n_kv_heads}; each key/value head must serve the same number of query heads")
-        check(self.n_active <= self.n_experts, f"MoEConfig: n_active={self.n_active} experts per token "
-              f"exceeds n_experts={self.n_experts}")
-        check(self.head_dim % 2 == 0, f"MoEConfig: head_dim={self.head_dim} must be even, RoPE rotates pairs "
-              f"of halves")
-        check(self.rope_theta > 0 and self.rms_eps > 0, f"MoEConfig: rope_theta={self.rope_theta} and "
-              f"rms_eps={self.rms_eps} must be positive")
+            check(
+                isinstance(value, int) and value > 0,
+                f"MoEConfig.{name} must be a positive int, got {value!r}",
+            )
+        check(
+            self.n_heads % self.n_kv_heads == 0,
+            f"MoEConfig: n_heads={self.n_heads} is not divisible by "
+            f"n_kv_heads={self.n_kv_heads}; each key/value head must serve the same number of query heads",
+        )
+        check(
+            self.n_active <= self.n_experts,
+            f"MoEConfig: n_active={self.n_active} experts per token "
+            f"exceeds n_experts={self.n_experts}",
+        )
+        check(
+            self.head_dim % 2 == 0,
+            f"MoEConfig: head_dim={self.head_dim} must be even, RoPE rotates pairs of halves",
+        )
+        check(
+            self.rope_theta > 0 and self.rms_eps > 0,
+            f"MoEConfig: rope_theta={self.rope_theta} and rms_eps={self.rms_eps} must be positive",
+        )
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "MoEConfig":
@@ -101,39 +118,82 @@ PRESETS = {
     "tiny": MoEConfig(),
     # The default GPU experiment: ~107M parameters, ~19M active per token (+ embeddings). Every width is a
     # multiple of 64, so NVFP4's 16-element blocks and GEMM tiles divide it evenly.
-    "small": MoEConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, n_experts=32, n_active=4,
-                       expert_dim=256, max_seq_len=1024),
+    "small": MoEConfig(
+        dim=512,
+        n_layers=8,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=64,
+        n_experts=32,
+        n_active=4,
+        expert_dim=256,
+        max_seq_len=1024,
+    ),
     # The real shapes of Qwen/Qwen3-30B-A3B (30.5B parameters, 3.3B active), for benchmarks and load_hf.
-    "qwen3-30b-a3b": MoEConfig(vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
-                               head_dim=128, n_experts=128, n_active=8, expert_dim=768, rope_theta=1e6,
-                               norm_topk_prob=True, max_seq_len=40960),
+    "qwen3-30b-a3b": MoEConfig(
+        vocab_size=151936,
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        n_experts=128,
+        n_active=8,
+        expert_dim=768,
+        rope_theta=1e6,
+        norm_topk_prob=True,
+        max_seq_len=40960,
+    ),
 }
 
 
 # ----------------------------------------------------------------------------------------------- fast paths
 # Where each kernel (gpu_kernels/norm.py, routing.py) runs, else its twin; a benchmark may set one to False.
 def use_norm_kernel(x: Tensor, weight: Tensor) -> bool:
-    return (norm_kernels is not None and x.is_cuda and x.shape[-1] <= norm_kernels.MAX_DIM
-            and x.dtype in norm_kernels.ROUNDED_DTYPES and weight.dtype in norm_kernels.ROUNDED_DTYPES)
+    return (
+        norm_kernels is not None
+        and x.is_cuda
+        and x.shape[-1] <= norm_kernels.MAX_DIM
+        and x.dtype in norm_kernels.ROUNDED_DTYPES
+        and weight.dtype in norm_kernels.ROUNDED_DTYPES
+    )
 
 
 def use_norm_rope_kernel(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor) -> bool:
-    return (norm_kernels is not None and x.is_cuda and x.shape[-1] <= norm_kernels.MAX_DIM
-            and not needs_grad(x, weight)  # training takes the composed twin
-            and x.dtype == weight.dtype == cos.dtype == sin.dtype == torch.bfloat16)
+    return (
+        norm_kernels is not None
+        and x.is_cuda
+        and x.shape[-1] <= norm_kernels.MAX_DIM
+        and not needs_grad(x, weight)  # training takes the composed twin
+        and x.dtype == weight.dtype == cos.dtype == sin.dtype == torch.bfloat16
+    )
 
 
-def use_routing_kernel(expert_ids: Tensor, n_experts: int) -> bool:  # a decode step's, not a prefill's
-    return (routing_kernels is not None and expert_ids.is_cuda and n_experts <= routing_kernels.MAX_EXPERTS
-            and expert_ids.numel() <= routing_kernels.MAX_ASSIGNMENTS)
+def use_routing_kernel(
+    expert_ids: Tensor, n_experts: int
+) -> bool:  # a decode step's, not a prefill's
+    return (
+        routing_kernels is not None
+        and expert_ids.is_cuda
+        and n_experts <= routing_kernels.MAX_EXPERTS
+        and expert_ids.numel() <= routing_kernels.MAX_ASSIGNMENTS
+    )
 
 
 def use_sum_rows_kernel(y_sorted: Tensor) -> bool:
-    return routing_kernels is not None and y_sorted.is_cuda and y_sorted.dtype in routing_kernels.ROUNDED_DTYPES
+    return (
+        routing_kernels is not None
+        and y_sorted.is_cuda
+        and y_sorted.dtype in routing_kernels.ROUNDED_DTYPES
+    )
 
 
 def use_router_kernel(logits: Tensor) -> bool:
-    return routing_kernels is not None and logits.is_cuda and logits.shape[-1] <= routing_kernels.MAX_LOGITS
+    return (
+        routing_kernels is not None
+        and logits.is_cuda
+        and logits.shape[-1] <= routing_kernels.MAX_LOGITS
+    )
 
 
 # ----------------------------------------------------------------------------------------------- layers
@@ -159,14 +219,16 @@ class RMSNorm(nn.Module):
         return norm_kernels.rms_norm(x, self.weight, self.eps)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(
+    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """cos and sin of the rotary angles for each position: positions (B, T) -> two (B, 1, T, hd) tensors."""
     # Recomputed each forward (hd/2 numbers) rather than stored as a buffer: a buffer would be rounded to
     # BF16 by model.to(torch.bfloat16), and BF16 frequencies are wrong after a few hundred positions.
     even_dims = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
-    inv_freq = 1.0 / theta ** (even_dims / head_dim)                  # (hd/2,)
-    angles = positions[..., None].float() * inv_freq                   # (B, T, hd/2)
-    angles = torch.cat((angles, angles), dim=-1)                       # (B, T, hd) halves layout
+    inv_freq = 1.0 / theta ** (even_dims / head_dim)  # (hd/2,)
+    angles = positions[..., None].float() * inv_freq  # (B, T, hd/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (B, T, hd) halves layout
     return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
 
 
@@ -189,8 +251,14 @@ class Attention(nn.Module):
 
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx = layer_idx  # the key rollout.py's KV cache files this layer's keys and values under
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.layer_idx = (
+            layer_idx  # the key rollout.py's KV cache files this layer's keys and values under
+        )
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+        )
         self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
@@ -198,36 +266,48 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None = None, kv_cache=None):
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None = None, kv_cache=None
+    ):
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        q = norm_rope(self.q_proj(x).view(B, T, H, hd), self.q_norm, cos, sin)        # (B, H, T, hd)
-        k = norm_rope(self.k_proj(x).view(B, T, Hkv, hd), self.k_norm, cos, sin)      # (B, Hkv, T, hd)
-        v = self.v_proj(x).view(B, T, Hkv, hd).transpose(1, 2)                        # (B, Hkv, T, hd)
+        q = norm_rope(self.q_proj(x).view(B, T, H, hd), self.q_norm, cos, sin)  # (B, H, T, hd)
+        k = norm_rope(self.k_proj(x).view(B, T, Hkv, hd), self.k_norm, cos, sin)  # (B, Hkv, T, hd)
+        v = self.v_proj(x).view(B, T, Hkv, hd).transpose(1, 2)  # (B, Hkv, T, hd)
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)                               # (B, Hkv, S, hd)
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
         group = H // Hkv  # query heads per key/value head
         if attn_mask is None:
             # Training: expand the shared key/value heads so SDPA's fused causal kernels apply (a small copy)
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, hd)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                 # (B, H, T, hd)
+            k, v = (
+                k.repeat_interleave(group, dim=1),
+                v.repeat_interleave(group, dim=1),
+            )  # (B, H, S, hd)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
         else:
             # With a mask (the sampler's cache): fold each key/value head's `group` query heads into the
             # query axis, so the cache is read in place (reshape: some SDPA results are non-contiguous).
-            q = q.reshape(B, Hkv, group * T, hd)                                       # (B, Hkv, group*T, hd)
-            mask = attn_mask.expand(B, 1, T, k.shape[2]).repeat(1, 1, group, 1)        # (B, 1, group*T, S)
+            q = q.reshape(B, Hkv, group * T, hd)  # (B, Hkv, group*T, hd)
+            mask = attn_mask.expand(B, 1, T, k.shape[2]).repeat(
+                1, 1, group, 1
+            )  # (B, 1, group*T, S)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))                   # (B, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, T, D)
 
 
 # ----------------------------------------------------------------------------------------------- experts
 class Routing(NamedTuple):
     """The T*A (token, expert) assignments grouped by expert; assignment n = t*A + a: token t's a-th."""
-    order: Tensor          # (N,) int64: assignments sorted by expert (stable: token order within an expert)
-    token_ids: Tensor      # (N,) int64: the token of each sorted row, for gathering the inputs
-    inverse_order: Tensor  # (N,) int64: where assignment n sits in the sorted rows, for putting outputs back
-    counts: Tensor         # (E,) int64: rows per expert
-    offsets: Tensor        # (E,) int32: end of each expert's slice (cumulative counts); _grouped_mm's `offs`
+
+    order: Tensor  # (N,) int64: assignments sorted by expert (stable: token order within an expert)
+    token_ids: Tensor  # (N,) int64: the token of each sorted row, for gathering the inputs
+    inverse_order: (
+        Tensor  # (N,) int64: where assignment n sits in the sorted rows, for putting outputs back
+    )
+    counts: Tensor  # (E,) int64: rows per expert
+    offsets: (
+        Tensor  # (E,) int32: end of each expert's slice (cumulative counts); _grouped_mm's `offs`
+    )
 
 
 def route_tokens(expert_ids: Tensor, n_experts: int) -> Routing:
@@ -239,43 +319,53 @@ def route_tokens(expert_ids: Tensor, n_experts: int) -> Routing:
 
 def route_tokens_reference(expert_ids: Tensor, n_experts: int) -> Routing:
     """route_tokens in torch ops: a stable sort on the narrowest key, searchsorted for the counts."""
-    flat_ids = expert_ids.reshape(-1)                                                      # (N,)
+    flat_ids = expert_ids.reshape(-1)  # (N,)
     # the narrowest key: a radix sort costs a pass per key byte (int64: 27 us a layer at 512 rows, H200)
     key_dtype = torch.uint8 if n_experts <= 256 else torch.int32
     sorted_ids, order = torch.sort(flat_ids.to(key_dtype), stable=True)
-    inverse_order = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    inverse_order = torch.empty_like(order).scatter_(
+        0, order, torch.arange(order.numel(), device=order.device)
+    )
     experts = torch.arange(n_experts, device=flat_ids.device, dtype=key_dtype)
-    ends = torch.searchsorted(sorted_ids, experts, right=True)                             # (E,)
+    ends = torch.searchsorted(sorted_ids, experts, right=True)  # (E,)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    return Routing(order, order // expert_ids.shape[-1], inverse_order, counts, ends.to(torch.int32))
+    return Routing(
+        order, order // expert_ids.shape[-1], inverse_order, counts, ends.to(torch.int32)
+    )
 
 
 def combine_expert_outputs(y_sorted: Tensor, routing: Routing, expert_weights: Tensor) -> Tensor:
     """y_sorted (N, D) rows in expert order -> (T, D): y[t] = sum_a expert_weights[t, a] * row of (t, a)."""
     T, A = expert_weights.shape
-    y = y_sorted[routing.inverse_order].view(T, A, -1)                                      # (T, A, D)
+    y = y_sorted[routing.inverse_order].view(T, A, -1)  # (T, A, D)
     # a gather and a batched (1, A) @ (A, D) product, not index_add_: no atomics, one rounding (HF's dtype)
-    return torch.bmm(expert_weights.to(y.dtype).unsqueeze(1), y).squeeze(1)                # (T, D)
+    return torch.bmm(expert_weights.to(y.dtype).unsqueeze(1), y).squeeze(1)  # (T, D)
 
 
 def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
     """y_sorted (N, D) rows in expert order, already weighted (the quantized experts apply the router weights
     in their GEMMs) -> (T, D): each token's A rows added in fp32 in the order a = 0..A-1, rounded once."""
     n = routing.inverse_order.numel()
-    check(y_sorted.dim() == 2 and y_sorted.shape[0] == n and n_active >= 1 and n % n_active == 0,
-          f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, the routing's "
-          f"assignments, a multiple of n_active={n_active}")
+    check(
+        y_sorted.dim() == 2 and y_sorted.shape[0] == n and n_active >= 1 and n % n_active == 0,
+        f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, the routing's "
+        f"assignments, a multiple of n_active={n_active}",
+    )
     if use_sum_rows_kernel(y_sorted):
         return routing_kernels.sum_expert_rows(y_sorted, routing.inverse_order, n_active)
     return sum_expert_rows_reference(y_sorted, routing, n_active)
 
 
 def sum_expert_rows_reference(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
-    y = y_sorted[routing.inverse_order].view(-1, n_active, y_sorted.shape[-1]).float()    # (T, A, D)
-    return sum(y.unbind(1)[1:], y[:, 0]).to(y_sorted.dtype)  # a = 0, 1, ... in turn, not y.sum(1)'s order
+    y = y_sorted[routing.inverse_order].view(-1, n_active, y_sorted.shape[-1]).float()  # (T, A, D)
+    return sum(y.unbind(1)[1:], y[:, 0]).to(
+        y_sorted.dtype
+    )  # a = 0, 1, ... in turn, not y.sum(1)'s order
 
 
-def expert_swiglu_loop(x_sorted: Tensor, counts: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+def expert_swiglu_loop(
+    x_sorted: Tensor, counts: Tensor, gate_up_proj: Tensor, down_proj: Tensor
+) -> Tensor:
     """Slow twin: x_sorted (N, D) grouped by expert -> (N, D), one pair of matmuls per active expert."""
     outputs, start = [], 0
     # unbind once: indexing w[e] per expert would make autograd write a full-size zero gradient per expert
@@ -283,37 +373,51 @@ def expert_swiglu_loop(x_sorted: Tensor, counts: Tensor, gate_up_proj: Tensor, d
     for e, n in enumerate(counts.tolist()):  # one host sync per layer
         if n == 0:
             continue
-        gate, up = F.linear(x_sorted[start:start + n], gate_up_weights[e]).chunk(2, dim=-1)  # (n, I) each
-        outputs.append(F.linear(F.silu(gate) * up, down_weights[e]))                          # (n, D)
+        gate, up = F.linear(x_sorted[start : start + n], gate_up_weights[e]).chunk(
+            2, dim=-1
+        )  # (n, I) each
+        outputs.append(F.linear(F.silu(gate) * up, down_weights[e]))  # (n, D)
         start += n
     return torch.cat(outputs) if outputs else x_sorted.new_zeros(x_sorted.shape)
 
 
-def expert_swiglu_grouped(x_sorted: Tensor, offsets: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+def expert_swiglu_grouped(
+    x_sorted: Tensor, offsets: Tensor, gate_up_proj: Tensor, down_proj: Tensor
+) -> Tensor:
     """Fast path: the same computation as expert_swiglu_loop, as two grouped GEMMs without a host sync."""
     # torch._grouped_mm(a, b, offs) multiplies rows offs[e-1]:offs[e] of a by b[e]; b is (E, K, N), so the
     # stored (E, out, in) weights are passed transposed, which is also the column-major layout it wants.
-    gate_up = torch._grouped_mm(x_sorted, gate_up_proj.transpose(-2, -1), offs=offsets)    # (N, 2I)
+    gate_up = torch._grouped_mm(x_sorted, gate_up_proj.transpose(-2, -1), offs=offsets)  # (N, 2I)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)  # (N, D)
 
 
-def expert_operands(x_sorted: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> tuple[Tensor, ...]:
+def expert_operands(
+    x_sorted: Tensor, gate_up_proj: Tensor, down_proj: Tensor
+) -> tuple[Tensor, ...]:
     """Under torch.autocast, the expert GEMMs run in the autocast dtype, as F.linear would (FP32 master
     weights, BF16 compute); the casts are differentiable, so gradients still reach the FP32 weights."""
     device = x_sorted.device.type
     if not torch.is_autocast_enabled(device):
         return x_sorted, gate_up_proj, down_proj
-    return tuple(t.to(torch.get_autocast_dtype(device)) for t in (x_sorted, gate_up_proj, down_proj))
+    return tuple(
+        t.to(torch.get_autocast_dtype(device)) for t in (x_sorted, gate_up_proj, down_proj)
+    )
 
 
 def use_grouped_mm(x: Tensor, expert_dim: int) -> bool:
     """The one place the expert GEMM path is chosen: torch._grouped_mm takes BF16 on CUDA (SM80+) with
     16-byte aligned rows (D and I divisible by 8, as in every preset); else the loop, said once on CUDA."""
-    ok = x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x.shape[-1] % 8 == expert_dim % 8 == 0
+    ok = (
+        x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and x.shape[-1] % 8 == expert_dim % 8 == 0
+    )
     if x.is_cuda and not ok:
-        warnings.warn(f"moe.py: experts run as a per-expert loop on CUDA (dtype {x.dtype}, D={x.shape[-1]}, "
-                      f"I={expert_dim}); torch._grouped_mm needs BF16 and D, I divisible by 8")
+        warnings.warn(
+            f"moe.py: experts run as a per-expert loop on CUDA (dtype {x.dtype}, D={x.shape[-1]}, "
+            f"I={expert_dim}); torch._grouped_mm needs BF16 and D, I divisible by 8"
+        )
     return x.is_cuda and ok
 
 
@@ -325,25 +429,31 @@ class Experts(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.n_experts = config.n_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(config.n_experts, 2 * config.expert_dim, config.dim))
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(config.n_experts, 2 * config.expert_dim, config.dim)
+        )
         self.down_proj = nn.Parameter(torch.empty(config.n_experts, config.dim, config.expert_dim))
 
     def forward(self, x: Tensor, expert_ids: Tensor, expert_weights: Tensor) -> Tensor:
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) fp32 -> (T, D) in x.dtype."""
         routing = route_tokens(expert_ids, self.n_experts)
-        x_sorted, gate_up, down = expert_operands(x[routing.token_ids], self.gate_up_proj, self.down_proj)
+        x_sorted, gate_up, down = expert_operands(
+            x[routing.token_ids], self.gate_up_proj, self.down_proj
+        )
         if use_grouped_mm(x_sorted, down.shape[-1]):
-            y_sorted = expert_swiglu_grouped(x_sorted, routing.offsets, gate_up, down)            # (N, D)
+            y_sorted = expert_swiglu_grouped(x_sorted, routing.offsets, gate_up, down)  # (N, D)
         else:
             y_sorted = expert_swiglu_loop(x_sorted, routing.counts, gate_up, down)
         return combine_expert_outputs(y_sorted, routing, expert_weights)
 
 
-def router_top_k_reference(logits: Tensor, n_active: int, norm_topk_prob: bool, routes: Tensor | None = None):
+def router_top_k_reference(
+    logits: Tensor, n_active: int, norm_topk_prob: bool, routes: Tensor | None = None
+):
     """The router: logits (T, E) -> (weights (T, A) fp32, ids (T, A) int64): ids its A most probable experts
     in descending order, weights theirs or those of `routes` (T, A) (R3), renormalized if norm_topk_prob.
     The softmax runs in fp32, as in HF: in BF16 close probabilities tie and top-k would pick arbitrarily."""
-    ids = torch.softmax(logits.float(), dim=-1).topk(n_active, dim=-1).indices             # (T, A)
+    ids = torch.softmax(logits.float(), dim=-1).topk(n_active, dim=-1).indices  # (T, A)
     return router_weights(logits, ids if routes is None else routes, norm_topk_prob), ids
 
 
@@ -358,7 +468,9 @@ def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool, routes: Te
     if not use_router_kernel(logits):
         return router_top_k_reference(logits, n_active, norm_topk_prob, routes)
     if needs_grad(logits):
-        return routing_kernels.RouterTopK.apply(logits, n_active, norm_topk_prob, routes, router_weights)
+        return routing_kernels.RouterTopK.apply(
+            logits, n_active, norm_topk_prob, routes, router_weights
+        )
     return routing_kernels.router_top_k(logits, n_active, norm_topk_prob, routes)
 
 
@@ -374,9 +486,13 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: Tensor, forced_routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
         lead_shape, D = x.shape[:-1], x.shape[-1]
-        x = x.reshape(-1, D)                                                               # (T, D)
-        routes = None if forced_routes is None else forced_routes.reshape(-1, self.n_active)      # (T, A)
-        weights, own = router_top_k(self.gate(x), self.n_active, self.norm_topk_prob, routes)   # (T, A) each
+        x = x.reshape(-1, D)  # (T, D)
+        routes = (
+            None if forced_routes is None else forced_routes.reshape(-1, self.n_active)
+        )  # (T, A)
+        weights, own = router_top_k(
+            self.gate(x), self.n_active, self.norm_topk_prob, routes
+        )  # (T, A) each
         y = self.experts(x, own if routes is None else routes, weights)
         return y.view(*lead_shape, D), own.view(*lead_shape, self.n_active)
 
@@ -422,11 +538,20 @@ class MoETransformer(nn.Module):
     def num_params(self, active: bool = False) -> int:
         """Parameter count (a tied head counted once); active=True counts A of the E experts per layer."""
         c = self.config
-        inactive = c.n_layers * (c.n_experts - c.n_active) * 3 * c.dim * c.expert_dim if active else 0
+        inactive = (
+            c.n_layers * (c.n_experts - c.n_active) * 3 * c.dim * c.expert_dim if active else 0
+        )
         return sum(p.numel() for p in self.parameters()) - inactive
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None, attn_mask: Tensor | None = None,
-                kv_cache=None, forced_routes: Tensor | None = None, return_routes: bool = False):
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        kv_cache=None,
+        forced_routes: Tensor | None = None,
+        return_routes: bool = False,
+    ):
         """tokens (B, T) int64 -> logits (B, T, V) in the model's dtype (upcast before a log-softmax).
         positions (B, T): RoPE positions, default 0..T-1.
         attn_mask: bool, broadcastable to (B, 1, T, S), True = may attend. It replaces the causal default,
@@ -436,36 +561,54 @@ class MoETransformer(nn.Module):
         return_routes: also return each router's own top-k, (L, B, T, A) int64, replayed or not.
         """
         c = self.config
-        check(tokens.dim() == 2 and tokens.dtype in (torch.int64, torch.int32), f"tokens must be an integer "
-              f"tensor of shape (B, T), got {tuple(tokens.shape)} {tokens.dtype}")
+        check(
+            tokens.dim() == 2 and tokens.dtype in (torch.int64, torch.int32),
+            f"tokens must be an integer "
+            f"tensor of shape (B, T), got {tuple(tokens.shape)} {tokens.dtype}",
+        )
         B, T = tokens.shape
         check(T <= c.max_seq_len, f"{T} tokens exceed max_seq_len={c.max_seq_len}")
-        check(kv_cache is None or (attn_mask is not None and positions is not None), "with a kv_cache, pass "
-              "attn_mask (B, 1, T, S) and positions (B, T): the model cannot know which cached keys each "
-              "query may see, nor where the new tokens sit")
+        check(
+            kv_cache is None or (attn_mask is not None and positions is not None),
+            "with a kv_cache, pass "
+            "attn_mask (B, 1, T, S) and positions (B, T): the model cannot know which cached keys each "
+            "query may see, nor where the new tokens sit",
+        )
         if attn_mask is not None:
-            check(attn_mask.dtype == torch.bool and attn_mask.dim() == 4, f"attn_mask must be bool, "
-                  f"broadcastable to (B, 1, T, S), got {tuple(attn_mask.shape)} {attn_mask.dtype}")
+            check(
+                attn_mask.dtype == torch.bool and attn_mask.dim() == 4,
+                f"attn_mask must be bool, "
+                f"broadcastable to (B, 1, T, S), got {tuple(attn_mask.shape)} {attn_mask.dtype}",
+            )
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
-        check(positions.shape == (B, T), f"positions must have the shape of tokens {(B, T)}, "
-              f"got {tuple(positions.shape)}")
+        check(
+            positions.shape == (B, T),
+            f"positions must have the shape of tokens {(B, T)}, got {tuple(positions.shape)}",
+        )
         if forced_routes is not None:
             expected = (c.n_layers, B, T, c.n_active)
-            check(tuple(forced_routes.shape) == expected, f"forced_routes must be (L, B, T, A) = {expected}, "
-                  f"got {tuple(forced_routes.shape)}")
+            check(
+                tuple(forced_routes.shape) == expected,
+                f"forced_routes must be (L, B, T, A) = {expected}, "
+                f"got {tuple(forced_routes.shape)}",
+            )
             # one host sync: out-of-range ids would otherwise corrupt the output silently
-            check(bool(forced_routes.min() >= 0) and bool(forced_routes.max() < c.n_experts),
-                  f"forced_routes must hold expert ids in [0, {c.n_experts})")
+            check(
+                bool(forced_routes.min() >= 0) and bool(forced_routes.max() < c.n_experts),
+                f"forced_routes must hold expert ids in [0, {c.n_experts})",
+            )
             forced_routes = forced_routes.long()
 
-        x = self.embed(tokens)                                                             # (B, T, D)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)          # (B, 1, T, hd) each
+        x = self.embed(tokens)  # (B, T, D)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)  # (B, 1, T, hd) each
         routes = []
-        for layer, forced in zip(self.layers, [None] * c.n_layers if forced_routes is None else forced_routes):
+        for layer, forced in zip(
+            self.layers, [None] * c.n_layers if forced_routes is None else forced_routes
+        ):
             x, layer_routes = layer(x, cos, sin, attn_mask, kv_cache, forced)
-            routes.append(layer_routes)                                                    # (B, T, A)
-        logits = self.lm_head(self.norm(x))                                                # (B, T, V)
+            routes.append(layer_routes)  # (B, T, A)
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
         return (logits, torch.stack(routes)) if return_routes else logits
 
 
@@ -475,8 +618,11 @@ def swappable_layers(model: nn.Module, include_router: bool = False, include_lm_
     Chosen by isinstance, never by name; listed up front so callers can setattr while walking it."""
     layers = []
     for parent in model.modules():
-        linears = (isinstance(parent, Attention) or (include_router and isinstance(parent, MoEBlock))
-                   or (include_lm_head and isinstance(parent, MoETransformer)))
+        linears = (
+            isinstance(parent, Attention)
+            or (include_router and isinstance(parent, MoEBlock))
+            or (include_lm_head and isinstance(parent, MoETransformer))
+        )
         for name, child in parent.named_children():
             if isinstance(child, Experts) or (linears and isinstance(child, nn.Linear)):
                 layers.append((parent, name, child))
@@ -490,58 +636,88 @@ _HF_RENAMES = [  # (checkpoint name pattern, this module's name); experts are ha
     (r"lm_head\.weight", "lm_head.weight"),
     (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attn_norm.weight"),
     (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.mlp_norm.weight"),
-    (r"model\.layers\.(\d+)\.self_attn\.([qkvo]_proj|[qk]_norm)\.weight", r"layers.\1.attn.\2.weight"),
+    (
+        r"model\.layers\.(\d+)\.self_attn\.([qkvo]_proj|[qk]_norm)\.weight",
+        r"layers.\1.attn.\2.weight",
+    ),
     (r"model\.layers\.(\d+)\.mlp\.gate\.weight", r"layers.\1.mlp.gate.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", r"layers.\1.mlp.experts.\2")]  # fused
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", r"layers.\1.mlp.experts.\2"),
+]  # fused
 _HF_PER_EXPERT = re.compile(
-    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"
+)
 
 
 def config_from_hf(hf_config) -> MoEConfig:
     """MoEConfig from a transformers Qwen3MoeConfig; anything this module does not implement is an error."""
-    check(hf_config.model_type == "qwen3_moe", f"load_hf reads Qwen3-MoE checkpoints (model_type "
-          f"'qwen3_moe'), got model_type {hf_config.model_type!r}")
+    check(
+        hf_config.model_type == "qwen3_moe",
+        f"load_hf reads Qwen3-MoE checkpoints (model_type "
+        f"'qwen3_moe'), got model_type {hf_config.model_type!r}",
+    )
     # transformers 5 keeps RoPE settings in rope_parameters; 4.x had rope_theta and rope_scaling (None)
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope = (
+        getattr(hf_config, "rope_parameters", None)
+        or getattr(hf_config, "rope_scaling", None)
+        or {}
+    )
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     unsupported = {
-        "mlp_only_layers (dense MLP layers)": list(getattr(hf_config, "mlp_only_layers", None) or []),
+        "mlp_only_layers (dense MLP layers)": list(
+            getattr(hf_config, "mlp_only_layers", None) or []
+        ),
         "decoder_sparse_step != 1": getattr(hf_config, "decoder_sparse_step", 1) != 1,
         "attention_bias": getattr(hf_config, "attention_bias", False),
         "use_sliding_window": getattr(hf_config, "use_sliding_window", False),
         "hidden_act other than silu": getattr(hf_config, "hidden_act", "silu") != "silu",
-        f"rope_type {rope_type!r}": rope_type != "default"}
+        f"rope_type {rope_type!r}": rope_type != "default",
+    }
     problems = [name for name, present in unsupported.items() if present]
-    check(not problems, f"this Qwen3-MoE checkpoint uses features moe.py does not implement: "
-          f"{', '.join(problems)}")
+    check(
+        not problems,
+        f"this Qwen3-MoE checkpoint uses features moe.py does not implement: {', '.join(problems)}",
+    )
     return MoEConfig(
-        vocab_size=hf_config.vocab_size, dim=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
-        n_heads=hf_config.num_attention_heads, n_kv_heads=hf_config.num_key_value_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
-        n_experts=hf_config.num_experts, n_active=hf_config.num_experts_per_tok,
+        vocab_size=hf_config.vocab_size,
+        dim=hf_config.hidden_size,
+        n_layers=hf_config.num_hidden_layers,
+        n_heads=hf_config.num_attention_heads,
+        n_kv_heads=hf_config.num_key_value_heads,
+        head_dim=getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads,
+        n_experts=hf_config.num_experts,
+        n_active=hf_config.num_experts_per_tok,
         expert_dim=hf_config.moe_intermediate_size,
         rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
-        rms_eps=hf_config.rms_norm_eps, norm_topk_prob=bool(hf_config.norm_topk_prob),
-        tie_embeddings=bool(hf_config.tie_word_embeddings), max_seq_len=hf_config.max_position_embeddings)
+        rms_eps=hf_config.rms_norm_eps,
+        norm_topk_prob=bool(hf_config.norm_topk_prob),
+        tie_embeddings=bool(hf_config.tie_word_embeddings),
+        max_seq_len=hf_config.max_position_embeddings,
+    )
 
 
 def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tensor], list[str]]:
     """A checkpoint directory's tensors under this module's names (experts fused per layer), and the names
     that map to nothing here."""
     from safetensors import safe_open
+
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     check(bool(files), f"no *.safetensors files in {directory}")
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):  # sharded: read only the shards the index names
         with open(index) as f:
-            files = sorted({os.path.join(directory, name) for name in json.load(f)["weight_map"].values()})
+            files = sorted(
+                {os.path.join(directory, name) for name in json.load(f)["weight_map"].values()}
+            )
 
     tensors, per_expert, unexpected = {}, {}, []
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if match := _HF_PER_EXPERT.fullmatch(name):  # key (layer, expert, projection)
-                    per_expert[(int(match[1]), int(match[2]), match[3])] = f.get_tensor(name).to(dtype)
+                    per_expert[(int(match[1]), int(match[2]), match[3])] = f.get_tensor(name).to(
+                        dtype
+                    )
                     continue
                 for pattern, ours in _HF_RENAMES:
                     if re.fullmatch(pattern, name):
@@ -554,14 +730,18 @@ def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tens
     # fused (E, 2I, D) and (E, D, I) tensors. A missing expert leaves the fused name missing.
     for layer in sorted({layer for layer, _, _ in per_expert}):
         n_experts = 1 + max(e for other_layer, e, _ in per_expert if other_layer == layer)
-        parts = [[per_expert.pop((layer, e, p), None) for e in range(n_experts)]
-                 for p in ("gate_proj", "up_proj", "down_proj")]
+        parts = [
+            [per_expert.pop((layer, e, p), None) for e in range(n_experts)]
+            for p in ("gate_proj", "up_proj", "down_proj")
+        ]
         if any(t is None for part in parts for t in part):
             unexpected.append(f"model.layers.{layer}.mlp.experts.*: incomplete per-expert tensors")
             continue
         gate, up, down = (torch.stack(part) for part in parts)
-        tensors[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat((gate, up), dim=1)  # (E, 2I, D)
-        tensors[f"layers.{layer}.mlp.experts.down_proj"] = down                               # (E, D, I)
+        tensors[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat(
+            (gate, up), dim=1
+        )  # (E, 2I, D)
+        tensors[f"layers.{layer}.mlp.experts.down_proj"] = down  # (E, D, I)
     return tensors, unexpected
 
 
@@ -570,10 +750,14 @@ def load_hf(path_or_repo_id: str, dtype: torch.dtype = torch.float32):
     tokenizer or None). Experts load from per-expert matrices (the hub's and save_pretrained's layout) or
     from transformers' fused tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`)."""
     from transformers import AutoConfig, AutoTokenizer
+
     directory = path_or_repo_id
     if not os.path.isdir(directory):
         from huggingface_hub import snapshot_download
-        directory = snapshot_download(path_or_repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt"])
+
+        directory = snapshot_download(
+            path_or_repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt"]
+        )
     config = config_from_hf(AutoConfig.from_pretrained(directory, trust_remote_code=False))
 
     tensors, unexpected = _read_hf_tensors(directory, dtype)
@@ -581,20 +765,30 @@ def load_hf(path_or_repo_id: str, dtype: torch.dtype = torch.float32):
         tensors.pop("lm_head.weight", None)
     with torch.device("meta"):  # no memory for weights that are about to be replaced
         model = MoETransformer(config)
-    expected = {name: p.shape for name, p in model.state_dict().items()
-                if not (config.tie_embeddings and name == "lm_head.weight")}
+    expected = {
+        name: p.shape
+        for name, p in model.state_dict().items()
+        if not (config.tie_embeddings and name == "lm_head.weight")
+    }
     unexpected += [name for name in tensors if name not in expected]
     missing = [name for name in expected if name not in tensors]
-    wrong_shape = [f"{name}: {tuple(tensors[name].shape)} != {tuple(shape)}"
-                   for name, shape in expected.items() if name in tensors and tensors[name].shape != shape]
+    wrong_shape = [
+        f"{name}: {tuple(tensors[name].shape)} != {tuple(shape)}"
+        for name, shape in expected.items()
+        if name in tensors and tensors[name].shape != shape
+    ]
     if missing or unexpected or wrong_shape:
-        raise ValueError(f"checkpoint {path_or_repo_id} does not match a {config}:\n"
-                         f"  missing: {missing}\n  unexpected: {unexpected}\n  wrong shape: {wrong_shape}")
+        raise ValueError(
+            f"checkpoint {path_or_repo_id} does not match a {config}:\n"
+            f"  missing: {missing}\n  unexpected: {unexpected}\n  wrong shape: {wrong_shape}"
+        )
     model.load_state_dict(tensors, strict=False, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
 
-    has_tokenizer = any(os.path.exists(os.path.join(directory, name))
-                        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+    has_tokenizer = any(
+        os.path.exists(os.path.join(directory, name))
+        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+    )
     tokenizer = AutoTokenizer.from_pretrained(directory) if has_tokenizer else None
     return model, tokenizer

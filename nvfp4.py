@@ -47,20 +47,25 @@ Left out: MX formats, stochastic rounding, per-row weight scales, Blackwell's sw
 
 Shape letters: K = last (reduction) dim, G = K / 16 blocks per row, M = product of the leading dims.
 """
+
 from dataclasses import dataclass
 
 import torch
 
 try:
     from gpu_kernels import nvfp4_quantize
-except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the torch twin runs
+except (
+    ImportError
+):  # triton ships with CUDA builds of torch on Linux; without it the torch twin runs
     nvfp4_quantize = None
 
 BLOCK_SIZE = 16
 ACT_SCALES = ("tensor", "row")  # an activation's global scale: one per tensor, or one per row
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-GLOBAL_SCALE_DIVISOR = E2M1_MAX * E4M3_MAX  # 2688: the tensor's amax maps onto the largest block scale
+GLOBAL_SCALE_DIVISOR = (
+    E2M1_MAX * E4M3_MAX
+)  # 2688: the tensor's amax maps onto the largest block scale
 # Magnitudes of the 8 E2M1 codes; code c (0..15) decodes to sign(c & E2M1_SIGN) * E2M1_VALUES[c & 7].
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_SIGN = 8
@@ -73,8 +78,9 @@ ROUND_UP_AT_TIE = (False, True, False, True, False, True, False)
 @dataclass
 class NVFP4Tensor:
     """A quantized tensor: packed codes plus the two levels of scale. `shape` is the logical shape."""
-    data: torch.Tensor          # uint8 (..., K/2): two E2M1 codes per byte, low nibble first
-    block_scale: torch.Tensor   # float8_e4m3fn (..., K/16)
+
+    data: torch.Tensor  # uint8 (..., K/2): two E2M1 codes per byte, low nibble first
+    block_scale: torch.Tensor  # float8_e4m3fn (..., K/16)
     global_scale: torch.Tensor  # float32 decode scale: a scalar, or one per matrix (shape[:-2])
 
     @property
@@ -117,8 +123,12 @@ def decode_e2m1(code, dtype=torch.float32):
     table = _DECODE_TABLES.get((dtype, code.device))
     if table is None:
         signed = E2M1_VALUES + tuple(-v for v in E2M1_VALUES)
-        table = _DECODE_TABLES[dtype, code.device] = torch.tensor(signed, dtype=dtype, device=code.device)
-    return table.index_select(0, (code.reshape(-1) & 15).int()).view(code.shape)  # bits above 3 ignored
+        table = _DECODE_TABLES[dtype, code.device] = torch.tensor(
+            signed, dtype=dtype, device=code.device
+        )
+    return table.index_select(0, (code.reshape(-1) & 15).int()).view(
+        code.shape
+    )  # bits above 3 ignored
 
 
 def pack_codes(code):
@@ -142,10 +152,14 @@ def _check_input(x, name="quantize"):
     if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"{name}: x must be float32, float16 or bfloat16, got dtype {x.dtype}")
     if x.dim() == 0 or x.numel() == 0:
-        raise ValueError(f"{name}: x must be non-empty with at least one dim, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name}: x must be non-empty with at least one dim, got shape {tuple(x.shape)}"
+        )
     if x.shape[-1] % BLOCK_SIZE:
-        raise ValueError(f"{name}: x's last dim must be a multiple of the block size {BLOCK_SIZE}, "
-                         f"got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name}: x's last dim must be a multiple of the block size {BLOCK_SIZE}, "
+            f"got shape {tuple(x.shape)}"
+        )
 
 
 def compute_global_scale(x, per_matrix=False):
@@ -154,8 +168,10 @@ def compute_global_scale(x, per_matrix=False):
     A scalar, or with per_matrix=True one scale per matrix of a stack (..., N, K): shape x.shape[:-2].
     """
     if per_matrix and x.dim() < 3:
-        raise ValueError(f"compute_global_scale: per_matrix=True needs x of shape (..., N, K), "
-                         f"got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"compute_global_scale: per_matrix=True needs x of shape (..., N, K), "
+            f"got shape {tuple(x.shape)}"
+        )
     # torch's inf-norm reads x once with no |x| temporary; on the GPU it is as fast as a Triton
     # atomic-max kernel (README), so it is the one path
     dims = (-2, -1) if per_matrix else None
@@ -177,11 +193,16 @@ def _resolve_global_scale(x, global_scale, name="quantize"):
         raise ValueError(f"{name}: global_scale is on {global_scale.device} but x is on {x.device}")
     if global_scale.numel() == 1:
         return global_scale.reshape(()).float()
-    if tuple(global_scale.shape) in (tuple(x.shape[:-2]) if x.dim() >= 3 else None, tuple(x.shape[:-1])):
+    if tuple(global_scale.shape) in (
+        tuple(x.shape[:-2]) if x.dim() >= 3 else None,
+        tuple(x.shape[:-1]),
+    ):
         return global_scale.float()
-    raise ValueError(f"{name}: global_scale must be a scalar, one per matrix (shape {tuple(x.shape[:-2])}) "
-                     f"or one per row (shape {tuple(x.shape[:-1])}), got shape {tuple(global_scale.shape)} "
-                     f"for x of shape {tuple(x.shape)}")
+    raise ValueError(
+        f"{name}: global_scale must be a scalar, one per matrix (shape {tuple(x.shape[:-2])}) "
+        f"or one per row (shape {tuple(x.shape[:-1])}), got shape {tuple(global_scale.shape)} "
+        f"for x of shape {tuple(x.shape)}"
+    )
 
 
 def _broadcastable(global_scale, ndim):
@@ -194,26 +215,30 @@ def quantize_reference(x, global_scale=None):
     """Plain-PyTorch NVFP4 quantization; the definition the Triton kernel must match bit for bit."""
     _check_input(x)
     global_scale = _resolve_global_scale(x, global_scale)
-    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK_SIZE)           # (..., G, 16)
-    block_amax = blocks.abs().amax(dim=-1)                              # (..., G), NaN if any is
-    non_finite = ~torch.isfinite(block_amax)                            # (..., G) blocks with NaN/Inf
-    gs = _broadcastable(global_scale, x.dim())                          # (..., 1, 1), (..., 1) or ()
+    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK_SIZE)  # (..., G, 16)
+    block_amax = blocks.abs().amax(dim=-1)  # (..., G), NaN if any is
+    non_finite = ~torch.isfinite(block_amax)  # (..., G) blocks with NaN/Inf
+    gs = _broadcastable(global_scale, x.dim())  # (..., 1, 1), (..., 1) or ()
     six = torch.full_like(block_amax, E2M1_MAX)  # a tensor divisor: true division on CUDA too
     scale = (block_amax / six / gs).clamp(0.0, E4M3_MAX).to(torch.float8_e4m3fn).float()
     block_scale = torch.where(non_finite, torch.full_like(scale, float("nan")), scale)
-    block_scale = block_scale.to(torch.float8_e4m3fn)                   # (..., G)
-    denom = block_scale.float() * gs                                    # (..., G)
+    block_scale = block_scale.to(torch.float8_e4m3fn)  # (..., G)
+    denom = block_scale.float() * gs  # (..., G)
     ok = (denom > 0) & torch.isfinite(denom)
-    unit = torch.where(ok, denom, torch.full_like(denom, float("nan")))  # zero/NaN blocks: magnitude 0
+    unit = torch.where(
+        ok, denom, torch.full_like(denom, float("nan"))
+    )  # zero/NaN blocks: magnitude 0
     code = _encode_blocks(blocks, unit.unsqueeze(-1)).reshape(x.shape)
     return NVFP4Tensor(pack_codes(code), block_scale, global_scale)
 
 
 def dequantize_reference(q, dtype=torch.bfloat16):
     """Plain-PyTorch dequantization: code_value * block_scale * global_scale in fp32, then cast."""
-    values = decode_e2m1(unpack_codes(q.data))                          # (..., K)
-    values = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE)         # (..., G, 16)
-    out = values * q.block_scale.float().unsqueeze(-1) * _broadcastable(q.global_scale, values.dim())
+    values = decode_e2m1(unpack_codes(q.data))  # (..., K)
+    values = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE)  # (..., G, 16)
+    out = (
+        values * q.block_scale.float().unsqueeze(-1) * _broadcastable(q.global_scale, values.dim())
+    )
     return out.reshape(q.shape).to(dtype)
 
 
@@ -243,9 +268,11 @@ def dequantize(q, dtype=torch.bfloat16):
     if not isinstance(q, NVFP4Tensor):
         raise ValueError(f"dequantize: q must be an NVFP4Tensor, got {type(q).__name__}")
     if q.block_scale.device != q.data.device or q.global_scale.device != q.data.device:
-        raise ValueError(f"dequantize: q.data is on {q.data.device}, q.block_scale on "
-                         f"{q.block_scale.device}, q.global_scale on {q.global_scale.device}: "
-                         "all must be on one device")
+        raise ValueError(
+            f"dequantize: q.data is on {q.data.device}, q.block_scale on "
+            f"{q.block_scale.device}, q.global_scale on {q.global_scale.device}: "
+            "all must be on one device"
+        )
     if _use_triton(q.data):
         return nvfp4_quantize.dequantize(q.data, q.block_scale, q.global_scale, dtype)
     return dequantize_reference(q, dtype)
@@ -296,7 +323,9 @@ def activation_global_scale(x, act_scale="tensor"):
     the paper's), or over each row (M,) ("row": a row's rounding then does not depend on its batch)."""
     if act_scale not in ACT_SCALES:
         raise ValueError(f"act_scale must be one of {list(ACT_SCALES)}, got {act_scale!r}")
-    return compute_global_scale(x) if act_scale == "tensor" else compute_global_scale(x[:, None], True)
+    return (
+        compute_global_scale(x) if act_scale == "tensor" else compute_global_scale(x[:, None], True)
+    )
 
 
 def quantize_activation(x, rac_mask=None, act_scale="tensor"):
@@ -310,8 +339,10 @@ def quantize_activation(x, rac_mask=None, act_scale="tensor"):
     if rac_mask is None:
         return x_q, None
     M, K = x.shape
-    residual = x.float() - dequantize(x_q, torch.float32)                              # (M, K), exact
-    residual = torch.where(rac_mask[None, :, None], residual.view(M, -1, BLOCK_SIZE), 0.0).view(M, K)
+    residual = x.float() - dequantize(x_q, torch.float32)  # (M, K), exact
+    residual = torch.where(rac_mask[None, :, None], residual.view(M, -1, BLOCK_SIZE), 0.0).view(
+        M, K
+    )
     return x_q, quantize(residual, x_q.global_scale)
 
 

@@ -37,6 +37,7 @@ Left out: quantized gradients (the backward GEMMs run in the activation dtype, a
 training), learned or per-channel scales, recording prompt tokens for `trace`, a trainer-side selection
 for moeresq (it uses the rollout's).
 """
+
 import contextlib
 from dataclasses import dataclass
 
@@ -64,18 +65,23 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
-straight_through = _StraightThrough.apply  # straight_through(source, value): value, d value / d source = 1
+straight_through = (
+    _StraightThrough.apply
+)  # straight_through(source, value): value, d value / d source = 1
 
 
 # ----------------------------------------------------------------------------- trace: rollout-guided rounding
 @dataclass
 class RolloutCodes:
     """What the rollout's quantizer produced for some rows of one layer input: codes and scales, by row."""
-    keys: torch.Tensor          # (M',) int64, ascending: trainer row b * W + w (down: row * E + expert)
-    data: torch.Tensor          # (M', K/2) uint8 packed E2M1 codes, low nibble first
-    block_scale: torch.Tensor   # (M', G) float8_e4m3fn
+
+    keys: torch.Tensor  # (M',) int64, ascending: trainer row b * W + w (down: row * E + expert)
+    data: torch.Tensor  # (M', K/2) uint8 packed E2M1 codes, low nibble first
+    block_scale: torch.Tensor  # (M', G) float8_e4m3fn
     global_scale: torch.Tensor  # (M',) fp32
-    n_experts: int = 1          # E for an experts layer's down input (its keys are row * E + expert), else 1
+    n_experts: int = (
+        1  # E for an experts layer's down input (its keys are row * E + expert), else 1
+    )
 
     def select_rows(self, rows, width):
         """The records of trainer rows `rows` (R',) int64, keyed as a forward on tokens[rows] (width W)
@@ -84,14 +90,19 @@ class RolloutCodes:
         row, column = position // width, position % width
         size = max(int(row.max()) if row.numel() else 0, int(rows.max()) if rows.numel() else 0) + 1
         new_row = torch.full((size,), -1, dtype=torch.int64, device=self.keys.device)
-        new_row[rows] = torch.arange(rows.numel(), device=rows.device)                  # -1: not selected
+        new_row[rows] = torch.arange(rows.numel(), device=rows.device)  # -1: not selected
         row = new_row[row]
         index = (row >= 0).nonzero().squeeze(1)
         keys = (row[index] * width + column[index]) * self.n_experts + expert[index]
         order = keys.argsort()
         index = index[order]
-        return RolloutCodes(keys[order], self.data[index], self.block_scale[index], self.global_scale[index],
-                            self.n_experts)
+        return RolloutCodes(
+            keys[order],
+            self.data[index],
+            self.block_scale[index],
+            self.global_scale[index],
+            self.n_experts,
+        )
 
 
 # The signed E2M1 grid, ascending: the 15 distinct values a code can take.
@@ -117,14 +128,24 @@ def guided_values(x, codes, row_keys, own):
         return own
     # every row is looked up and computed, the rows without a record masked out at the end: no host sync
     index = torch.searchsorted(codes.keys, row_keys).clamp(max=codes.keys.numel() - 1)  # (M,)
-    found = (codes.keys[index] == row_keys)[:, None]                                    # (M, 1)
-    block_scale = codes.block_scale[index].float().repeat_interleave(nvfp4.BLOCK_SIZE, dim=1)  # (M, K)
-    global_scale = codes.global_scale[index, None]                                     # (M, 1)
-    unit = block_scale * global_scale                                                   # its grid step
-    rollout_code_value = nvfp4.decode_e2m1(nvfp4.unpack_codes(codes.data[index]))      # (M, K), E2M1 units
-    take = (takes_rollout_code(x.float() / unit, rollout_code_value) & (unit > 0) & torch.isfinite(unit)
-            & found)
-    rollout_value = rollout_code_value * block_scale * global_scale  # nvfp4.dequantize's order: bit for bit
+    found = (codes.keys[index] == row_keys)[:, None]  # (M, 1)
+    block_scale = (
+        codes.block_scale[index].float().repeat_interleave(nvfp4.BLOCK_SIZE, dim=1)
+    )  # (M, K)
+    global_scale = codes.global_scale[index, None]  # (M, 1)
+    unit = block_scale * global_scale  # its grid step
+    rollout_code_value = nvfp4.decode_e2m1(
+        nvfp4.unpack_codes(codes.data[index])
+    )  # (M, K), E2M1 units
+    take = (
+        takes_rollout_code(x.float() / unit, rollout_code_value)
+        & (unit > 0)
+        & torch.isfinite(unit)
+        & found
+    )
+    rollout_value = (
+        rollout_code_value * block_scale * global_scale
+    )  # nvfp4.dequantize's order: bit for bit
     return torch.where(take, rollout_value, own.float()).to(own.dtype)
 
 
@@ -146,11 +167,12 @@ class RolloutRecorder:
         expert_ids (T, A)) of this step."""
         q = nvfp4.quantize(x, nvfp4.activation_global_scale(x, self.act_scale))
         data, block_scale = q.data, q.block_scale.view(torch.uint8)
-        global_scale = q.global_scale.float().expand(x.shape[0])                        # (M,)
+        global_scale = q.global_scale.float().expand(x.shape[0])  # (M,)
         if index == 1:  # rows sorted by expert -> assignment order t * A + a
             routing, expert_ids = routes
-            data, block_scale, global_scale = (t.index_copy(0, routing.order, t)
-                                               for t in (data, block_scale, global_scale))
+            data, block_scale, global_scale = (
+                t.index_copy(0, routing.order, t) for t in (data, block_scale, global_scale)
+            )
             self.experts.setdefault((paths, index), []).append(expert_ids)
             self.n_experts[paths, index] = routing.counts.numel()
         self.steps.setdefault((paths, index), []).append((data, block_scale, global_scale))
@@ -161,35 +183,58 @@ class RolloutRecorder:
         b * W + w, where completion token t of row b sits at column prompt_lengths[b] + t (right-padded
         rows of width W); the experts' down inputs by (b * W + w) * E + expert. completion_mask (B, T)."""
         B, T = completion_mask.shape
-        b, t = completion_mask.nonzero(as_tuple=True)                                   # (n,) each, ascending
-        position = b * width + prompt_lengths[b] + t                                    # (n,) trainer rows
+        b, t = completion_mask.nonzero(as_tuple=True)  # (n,) each, ascending
+        position = b * width + prompt_lengths[b] + t  # (n,) trainer rows
         by_path = {}
         for (paths, index), records in self.steps.items():
             if len(records) < T:
-                raise ValueError(f"RolloutRecorder: {paths[0]!r} saw {len(records)} decode steps, "
-                                 f"the rollout has {T} tokens")
-            data, block_scale, global_scale = (torch.stack(r, dim=1) for r in zip(*records[:T]))  # (B[*A], T, .)
+                raise ValueError(
+                    f"RolloutRecorder: {paths[0]!r} saw {len(records)} decode steps, "
+                    f"the rollout has {T} tokens"
+                )
+            data, block_scale, global_scale = (
+                torch.stack(r, dim=1) for r in zip(*records[:T])
+            )  # (B[*A], T, .)
             if index == 1:
-                experts, E = torch.stack(self.experts[paths, index][:T], dim=1), self.n_experts[paths, index]
-                A = experts.shape[-1]                                                    # experts (B, T, A)
-                data = data.view(B, A, T, -1).transpose(1, 2)[b, t].flatten(0, 1)      # (n * A, K/2)
+                experts, E = (
+                    torch.stack(self.experts[paths, index][:T], dim=1),
+                    self.n_experts[paths, index],
+                )
+                A = experts.shape[-1]  # experts (B, T, A)
+                data = data.view(B, A, T, -1).transpose(1, 2)[b, t].flatten(0, 1)  # (n * A, K/2)
                 block_scale = block_scale.view(B, A, T, -1).transpose(1, 2)[b, t].flatten(0, 1)
-                global_scale = global_scale.view(B, A, T).transpose(1, 2)[b, t].flatten()  # (n * A,)
-                keys = (position[:, None] * E + experts[b, t]).flatten()               # (n * A,)
+                global_scale = (
+                    global_scale.view(B, A, T).transpose(1, 2)[b, t].flatten()
+                )  # (n * A,)
+                keys = (position[:, None] * E + experts[b, t]).flatten()  # (n * A,)
                 order = keys.argsort()
-                codes = RolloutCodes(keys[order], data[order], block_scale[order].view(torch.float8_e4m3fn),
-                                     global_scale[order], E)
+                codes = RolloutCodes(
+                    keys[order],
+                    data[order],
+                    block_scale[order].view(torch.float8_e4m3fn),
+                    global_scale[order],
+                    E,
+                )
             else:
-                codes = RolloutCodes(position, data[b, t], block_scale[b, t].view(torch.float8_e4m3fn),
-                                     global_scale[b, t])
+                codes = RolloutCodes(
+                    position,
+                    data[b, t],
+                    block_scale[b, t].view(torch.float8_e4m3fn),
+                    global_scale[b, t],
+                )
             for path in paths:
                 by_path.setdefault(path, {})[index] = codes
-        return {path: tuple(sites.get(i) for i in range(max(sites) + 1)) for path, sites in by_path.items()}
+        return {
+            path: tuple(sites.get(i) for i in range(max(sites) + 1))
+            for path, sites in by_path.items()
+        }
 
 
 def recorded_codes(recorder, out):
     """After a trace rollout: its recorded codes, keyed by the trainer's (row, column); the recorder empties."""
-    width = int((out.prompt_lengths + out.completion_lengths).max())  # = out.sequences().tokens.shape[1]
+    width = int(
+        (out.prompt_lengths + out.completion_lengths).max()
+    )  # = out.sequences().tokens.shape[1]
     codes = recorder.codes(out.completion_mask, out.prompt_lengths, width)
     recorder.__init__()
     return codes
@@ -199,7 +244,9 @@ def recorded_codes(recorder, out):
 def quantize_input(x, mode, rac_mask=None, codes=None, row_keys=None, act_scale="tensor"):
     """A layer input x (M, K) as the symmetric modes see it, in the GEMM's dtype, straight-through to x:
     fq(x) (w4a4), the rollout's RAC (moeresq), rollout-guided (trace); act_scale as the rollout's."""
-    autocast = torch.is_autocast_enabled(x.device.type)  # the GEMM's dtype (the rollout model is BF16)
+    autocast = torch.is_autocast_enabled(
+        x.device.type
+    )  # the GEMM's dtype (the rollout model is BF16)
     dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
     with torch.no_grad():
         source = x.detach().to(dtype)
@@ -217,8 +264,10 @@ def _check_settings(mode, layer=False, act_scale="tensor"):
     if layer and mode == "bf16":
         raise ValueError("a QAT layer's mode is one of 'qat', 'w4a4', 'moeresq', 'trace'")
     if mode not in MODES or act_scale not in nvfp4.ACT_SCALES:
-        raise ValueError(f"QAT mode {mode!r}, act_scale {act_scale!r}: choose a mode of {list(MODES)} and an "
-                         f"act_scale of {list(nvfp4.ACT_SCALES)}")
+        raise ValueError(
+            f"QAT mode {mode!r}, act_scale {act_scale!r}: choose a mode of {list(MODES)} and an "
+            f"act_scale of {list(nvfp4.ACT_SCALES)}"
+        )
 
 
 def _set_mode(layer, mode, act_scale="tensor"):
@@ -228,9 +277,11 @@ def _set_mode(layer, mode, act_scale="tensor"):
 
 def _check_masks(layer, masks, inputs):
     if layer.mode == "moeresq" and masks is None:
-        raise ValueError(f"{type(layer).__name__} in mode 'moeresq' has no RAC selection: call the model "
-                         f"within qat.sharing(model, SharedState(masks=...)) with the rollout layer's RAC "
-                         f"masks, one per input: {inputs}")
+        raise ValueError(
+            f"{type(layer).__name__} in mode 'moeresq' has no RAC selection: call the model "
+            f"within qat.sharing(model, SharedState(masks=...)) with the rollout layer's RAC "
+            f"masks, one per input: {inputs}"
+        )
 
 
 # ----------------------------------------------------------------------------- the weights, once per forward
@@ -238,9 +289,13 @@ def fake_quantize_weights(weights):
     """[nvfp4.fake_quantize_weight(w) for w in weights], bit for bit, straight-through gradients too, with
     all global scales from one multi-tensor amax (not a few small launches per weight: results log)."""
     with torch.no_grad():
-        matrices = [m for w in weights for m in (w.detach().unbind(0) if w.dim() >= 3 else (w.detach(),))]
-        amax = torch.stack(torch._foreach_norm(matrices, float("inf"))).float()        # exact: a max
-        scales = nvfp4.compute_global_scale(amax.view(-1, 1, 1), per_matrix=True)      # nvfp4's own rule
+        matrices = [
+            m for w in weights for m in (w.detach().unbind(0) if w.dim() >= 3 else (w.detach(),))
+        ]
+        amax = torch.stack(torch._foreach_norm(matrices, float("inf"))).float()  # exact: a max
+        scales = nvfp4.compute_global_scale(
+            amax.view(-1, 1, 1), per_matrix=True
+        )  # nvfp4's own rule
         scales = scales.split([w.shape[0] if w.dim() >= 3 else 1 for w in weights])
     return [nvfp4.fake_quantize(w, s.reshape(w.shape[:-2])) for w, s in zip(weights, scales)]
 
@@ -254,7 +309,10 @@ class _WeightCache:
 
     def get(self, layer):
         layers = self.layers
-        key = (torch.is_grad_enabled(), tuple(p._version for m in layers for p in m.master_weights()))
+        key = (
+            torch.is_grad_enabled(),
+            tuple(p._version for m in layers for p in m.master_weights()),
+        )
         if key != self.key:
             values = iter(fake_quantize_weights([p for m in layers for p in m.master_weights()]))
             self.values = {id(m): tuple(next(values) for _ in m.master_weights()) for m in layers}
@@ -284,17 +342,33 @@ class QATLinear(nn.Linear):
     trace. The bias stays full precision.
     """
 
-    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, mode="qat",
-                 act_scale="tensor"):
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias=True,
+        device=None,
+        dtype=None,
+        mode="qat",
+        act_scale="tensor",
+    ):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         _set_mode(self, mode, act_scale)
-        self.rac_masks = self.rollout_codes = self.weight_cache = None  # only within qat.sharing(...)
+        self.rac_masks = self.rollout_codes = self.weight_cache = (
+            None  # only within qat.sharing(...)
+        )
 
     @classmethod
     def from_float(cls, linear, mode="qat", act_scale="tensor"):
         """A QATLinear holding `linear`'s own Parameter objects (an existing optimizer keeps working)."""
-        qat = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
-                  mode=mode, act_scale=act_scale)
+        qat = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device="meta",
+            mode=mode,
+            act_scale=act_scale,
+        )
         qat.weight, qat.bias = linear.weight, linear.bias
         return qat.train(linear.training)
 
@@ -306,10 +380,11 @@ class QATLinear(nn.Linear):
             _check_masks(self, self.rac_masks, "(mask,)")
             mask = self.rac_masks[0] if self.rac_masks is not None else None
             codes = self.rollout_codes[0] if self.rollout_codes is not None else None
-            x = quantize_input(x.reshape(-1, x.shape[-1]), self.mode, mask, codes, None,
-                               self.act_scale).view(x.shape)                            # (..., K)
+            x = quantize_input(
+                x.reshape(-1, x.shape[-1]), self.mode, mask, codes, None, self.act_scale
+            ).view(x.shape)  # (..., K)
         (weight,) = _fake_quantized(self)
-        y = F.linear(x, weight)                                                         # (..., N)
+        y = F.linear(x, weight)  # (..., N)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
@@ -321,9 +396,15 @@ def _grouped_linear(x_sorted, routing, weight, grouped):
     """x_sorted (R, K) grouped by expert, weight (E, N, K) -> (R, N): rows of expert e times weight[e].T."""
     if grouped:
         return torch._grouped_mm(x_sorted, weight.transpose(-2, -1), offs=routing.offsets)
-    outputs, start, weights = [], 0, weight.unbind(0)  # unbind: one gradient buffer, not one per expert
-    for e, n in enumerate(routing.counts.tolist()):  # the slow twin: one host sync, a loop over experts
-        outputs.append(F.linear(x_sorted[start:start + n], weights[e]))
+    outputs, start, weights = (
+        [],
+        0,
+        weight.unbind(0),
+    )  # unbind: one gradient buffer, not one per expert
+    for e, n in enumerate(
+        routing.counts.tolist()
+    ):  # the slow twin: one host sync, a loop over experts
+        outputs.append(F.linear(x_sorted[start : start + n], weights[e]))
         start += n
     return torch.cat(outputs)
 
@@ -362,10 +443,12 @@ class QATExperts(moe.Experts):
 
     def forward(self, x, expert_ids, expert_weights):
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) fp32 -> (T, D), as moe.Experts."""
-        gate_up, down = _fake_quantized(self)                                          # (E, 2I, D), (E, D, I)
+        gate_up, down = _fake_quantized(self)  # (E, 2I, D), (E, D, I)
         routing = moe.route_tokens(expert_ids, self.n_experts)
         if self.mode == "qat":  # moe.py's own path, only the weights swapped
-            x_sorted, gate_up, down = moe.expert_operands(x[routing.token_ids], gate_up, down)  # (R, D)
+            x_sorted, gate_up, down = moe.expert_operands(
+                x[routing.token_ids], gate_up, down
+            )  # (R, D)
             if moe.use_grouped_mm(x_sorted, down.shape[-1]):
                 y_sorted = moe.expert_swiglu_grouped(x_sorted, routing.offsets, gate_up, down)
             else:
@@ -378,14 +461,18 @@ class QATExperts(moe.Experts):
         x_eff = quantize_input(x, self.mode, masks[0], codes[0], None, self.act_scale)  # (T, D)
         dtype = x_eff.dtype
         gate_up, down = gate_up.to(dtype), down.to(dtype)
-        x_sorted = x_eff[routing.token_ids]                                            # (R, D)
+        x_sorted = x_eff[routing.token_ids]  # (R, D)
         grouped = moe.use_grouped_mm(x_sorted, down.shape[-1])
-        gate, up = _grouped_linear(x_sorted, routing, gate_up, grouped).chunk(2, dim=-1)  # (R, I) each
+        gate, up = _grouped_linear(x_sorted, routing, gate_up, grouped).chunk(
+            2, dim=-1
+        )  # (R, I) each
         down_keys = None
         if codes[1] is not None:  # which (token, expert) pair each sorted row is
             down_keys = routing.token_ids * self.n_experts + expert_ids.reshape(-1)[routing.order]
-        hidden = quantize_input(F.silu(gate) * up, self.mode, masks[1], codes[1], down_keys, self.act_scale)
-        y_sorted = _grouped_linear(hidden, routing, down, grouped)                     # (R, D)
+        hidden = quantize_input(
+            F.silu(gate) * up, self.mode, masks[1], codes[1], down_keys, self.act_scale
+        )
+        y_sorted = _grouped_linear(hidden, routing, down, grouped)  # (R, D)
         return moe.combine_expert_outputs(y_sorted, routing, expert_weights)
 
     def extra_repr(self):
@@ -393,7 +480,9 @@ class QATExperts(moe.Experts):
 
 
 # ----------------------------------------------------------------------------- conversion
-def convert_for_training(model, mode, quantize_router=False, quantize_lm_head=False, act_scale="tensor"):
+def convert_for_training(
+    model, mode, quantize_router=False, quantize_lm_head=False, act_scale="tensor"
+):
     """Swap moe.py's layers for QAT layers in mode `mode` (MODES) in place; returns the model. Converted:
     moe.Attention's projections and moe.Experts; with the flags the routers and the LM head. Converted
     layers take the new mode. Parameters are reused, not copied (an existing optimizer keeps working).
@@ -405,8 +494,13 @@ def convert_for_training(model, mode, quantize_router=False, quantize_lm_head=Fa
         if isinstance(child, (QATLinear, QATExperts)):
             _set_mode(child, mode, act_scale)
         else:
-            setattr(parent, name, (QATExperts if isinstance(child, moe.Experts) else QATLinear).from_float(
-                child, mode, act_scale))
+            setattr(
+                parent,
+                name,
+                (QATExperts if isinstance(child, moe.Experts) else QATLinear).from_float(
+                    child, mode, act_scale
+                ),
+            )
     return model
 
 
@@ -415,8 +509,13 @@ class SharedState:
     """What a symmetric trainer's forward takes from its rollout, per layer path (the two models share one
     module tree, so a path names a layer's twin): moeresq's RAC block masks, one per quantized input (the
     rollout's own RACSelector masks: one selection for both sides), and trace's recorded RolloutCodes."""
-    masks: dict | None = None   # {path: (mask (G,) bool, ...)}: (mask,) for a linear, (gate_up, down) experts
-    codes: dict | None = None   # {path: (RolloutCodes or None, ...)}, as RolloutRecorder records them
+
+    masks: dict | None = (
+        None  # {path: (mask (G,) bool, ...)}: (mask,) for a linear, (gate_up, down) experts
+    )
+    codes: dict | None = (
+        None  # {path: (RolloutCodes or None, ...)}, as RolloutRecorder records them
+    )
 
     def select_rows(self, rows, width):
         """The state of a forward on tokens[rows] (a mini-batch of the rollout's sequences, width W)."""
@@ -428,7 +527,10 @@ class SharedState:
             if c is not None and id(c) not in selected:
                 selected[id(c)] = c.select_rows(rows, width)
             return None if c is None else selected[id(c)]
-        return SharedState(self.masks, {path: tuple(map(select, c)) for path, c in self.codes.items()})
+
+        return SharedState(
+            self.masks, {path: tuple(map(select, c)) for path, c in self.codes.items()}
+        )
 
 
 @contextlib.contextmanager
@@ -437,11 +539,15 @@ def sharing(model, state):
     is an argument of this call, as torch.func.functional_call passes tensors for one call; nothing of it
     stays on the layers afterwards. moeresq layers need their masks; trace layers without codes round
     every row themselves. The fake-quantized weights of all layers are computed together (_WeightCache)."""
-    layers = [(path, m) for path, m in model.named_modules() if isinstance(m, (QATLinear, QATExperts))]
+    layers = [
+        (path, m) for path, m in model.named_modules() if isinstance(m, (QATLinear, QATExperts))
+    ]
     cache = _WeightCache([m for _, m in layers])
     for path, layer in layers:
         layer.rac_masks = None if state is None or state.masks is None else state.masks.get(path)
-        layer.rollout_codes = None if state is None or state.codes is None else state.codes.get(path)
+        layer.rollout_codes = (
+            None if state is None or state.codes is None else state.codes.get(path)
+        )
         layer.weight_cache = cache
     try:
         yield model

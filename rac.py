@@ -26,6 +26,7 @@ Shape letters: M rows, K reduction dim, N outputs, G = K / 16 blocks, T tokens, 
 E experts, D model dim, I expert hidden. Left out: static activation scales, per-expert RAC selection, a
 one-row GEMV (RL decodes whole batches), FP4 KV caches. The FP8 baseline is fp8.py.
 """
+
 import contextlib
 import functools
 import warnings
@@ -53,10 +54,14 @@ except ImportError:
     w4a4_experts_gluon = None
 
 MODES = ("bf16", "fp8", "nvfp4", "w4a16", "w16a4")
-NVFP4_MODES = ("nvfp4", "w4a16", "w16a4")  # the NVFP4 layers' modes: W4A4, weights only, activations only
-ACTIVATION_MODES = ("nvfp4", "w16a4")      # the modes with NVFP4 activations: RAC and act_scale apply
-GLUON_EXPERTS_BELOW = 2048         # tokens: from here on the experts run on the Triton kernel (prefill)
-KERNEL_CAPABILITY = (8, 9)         # the kernels' E4M3 conversions (cvt.*.e4m3x2) need sm_89 or later
+NVFP4_MODES = (
+    "nvfp4",
+    "w4a16",
+    "w16a4",
+)  # the NVFP4 layers' modes: W4A4, weights only, activations only
+ACTIVATION_MODES = ("nvfp4", "w16a4")  # the modes with NVFP4 activations: RAC and act_scale apply
+GLUON_EXPERTS_BELOW = 2048  # tokens: from here on the experts run on the Triton kernel (prefill)
+KERNEL_CAPABILITY = (8, 9)  # the kernels' E4M3 conversions (cvt.*.e4m3x2) need sm_89 or later
 _PARTS = ("data", "block_scale", "global_scale")  # an NVFP4 weight's three buffers
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -81,8 +86,18 @@ def nvfp4_linear_reference(x, w_q, rac_mask=None):
     return matmul_reference(x_q, w_q, residual, out_dtype=torch.float32)
 
 
-def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_weights=None, swiglu=False,
-                             out_dtype=torch.bfloat16, w=None, row_weight_ids=None):
+def grouped_matmul_reference(
+    x_q,
+    w_q,
+    counts,
+    residual=None,
+    row_ids=None,
+    row_weights=None,
+    swiglu=False,
+    out_dtype=torch.bfloat16,
+    w=None,
+    row_weight_ids=None,
+):
     """The experts' GEMM, a loop in fp32: rows (x_q's, or x_q[row_ids]) grouped by expert, counts (E,) rows
     each, times DQ(w_q[e]).T (w_q (E, N, K), or ExpertWeights); swiglu: silu(gate) * up of the [gate; up]
     rows. Output row r times row_weights[r], or row_weights[row_weight_ids[r]]. w: DQ(w_q) if kept."""
@@ -91,14 +106,14 @@ def grouped_matmul_reference(x_q, w_q, counts, residual=None, row_ids=None, row_
     _check_row_weights(row_weights, row_weight_ids, n_rows, "grouped_matmul_reference")
     x = _dequantized(x_q, residual)
     if row_ids is not None:
-        x = x[row_ids]                                                                  # (R, K)
-    w = _dequantized(w_q) if w is None else w                                           # (E, N, K)
-    y = torch.cat([x_e @ w_e.T for x_e, w_e in zip(x.split(counts.tolist()), w)])       # (R, N)
+        x = x[row_ids]  # (R, K)
+    w = _dequantized(w_q) if w is None else w  # (E, N, K)
+    y = torch.cat([x_e @ w_e.T for x_e, w_e in zip(x.split(counts.tolist()), w)])  # (R, N)
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up                                                           # (R, N/2)
+        y = F.silu(gate) * up  # (R, N/2)
     if row_weights is not None:
-        row_weights = row_weights if row_weight_ids is None else row_weights[row_weight_ids]    # (R,)
+        row_weights = row_weights if row_weight_ids is None else row_weights[row_weight_ids]  # (R,)
         y = y * row_weights.float()[:, None]
     return y.to(out_dtype)
 
@@ -119,7 +134,9 @@ class RACSelector(nn.Module):
         super().__init__()
         self.n_blocks, self.act_scale = n_blocks, act_scale
         self.register_buffer("mask", torch.zeros(n_blocks, dtype=torch.bool, device=device))
-        self.register_buffer("error_sum", torch.zeros_like(self.mask, dtype=torch.float64), persistent=False)
+        self.register_buffer(
+            "error_sum", torch.zeros_like(self.mask, dtype=torch.float64), persistent=False
+        )
         self.set_ratio(rac_ratio)
         self.record = None  # within `recording` only: what is told of each input this selector sees
 
@@ -128,7 +145,7 @@ class RACSelector(nn.Module):
         self.rac_ratio = float(rac_ratio)
         self.n_selected = int(self.rac_ratio * self.n_blocks + 0.5)
         self.mask.fill_(self.n_selected == self.n_blocks)
-        self.calibrated = self.n_selected in (0, self.n_blocks)   # nothing to choose
+        self.calibrated = self.n_selected in (0, self.n_blocks)  # nothing to choose
         self.calibrating = False
 
     def start_calibration(self):
@@ -147,7 +164,9 @@ class RACSelector(nn.Module):
             return None
         if self.calibrating or not self.calibrated:  # sum of M * mean |x - DQ(Q(x))| per block
             residual = x.float() - nvfp4.fake_quantize_activation(x, None, self.act_scale)  # (M, K)
-            error = residual.abs().reshape(-1, x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE).mean(dim=(0, 2))  # (G,)
+            error = (
+                residual.abs().reshape(-1, x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE).mean(dim=(0, 2))
+            )  # (G,)
             self.error_sum += error.double() * x.shape[0]
             self.mask.zero_()
             self.mask[torch.topk(self.error_sum, self.n_selected).indices] = True
@@ -166,13 +185,22 @@ def unchunk_experts(w):
 # ======================================================================== rollout layers
 class DequantizedWeight:
     """DQ(W) in fp32 for the reference path, kept while W's buffers are unmodified (a sixth of a CPU train.py)."""
-    held, value, full = (), None, None  # held: (tensor, version), so that their memory is not reused
+
+    held, value, full = (
+        (),
+        None,
+        None,
+    )  # held: (tensor, version), so that their memory is not reused
 
     def __call__(self, q):
         tensors = (q.data, q.block_scale, q.global_scale)
-        if self.full is not None or any(t.is_inference() for t in tensors):  # w16a4: the full weight itself
+        if self.full is not None or any(
+            t.is_inference() for t in tensors
+        ):  # w16a4: the full weight itself
             return self.full if self.full is not None else _dequantized(q)
-        if len(self.held) != 3 or any(t is not h or t._version != v for t, (h, v) in zip(tensors, self.held)):
+        if len(self.held) != 3 or any(
+            t is not h or t._version != v for t, (h, v) in zip(tensors, self.held)
+        ):
             self.held, self.value = [(t, t._version) for t in tensors], _dequantized(q)
         return self.value
 
@@ -186,37 +214,81 @@ def _quantized_input(x2, rac_mask, layer, kernels):
     """What a layer's GEMM takes of x2 (M, K): the quantizer's Activation on the kernels, else the codes
     (x_q, residual); w4a16 quantizes nothing (its operand of x, or x2 itself with no residual)."""
     if kernels:
-        return quantize_activation_triton(x2, rac_mask, act_scale=layer.act_scale, quantize=layer.mode != "w4a16")
-    return (x2, None) if layer.mode == "w4a16" else quantize_activation_reference(x2, rac_mask, layer.act_scale)
-
+        return quantize_activation_triton(
+            x2, rac_mask, act_scale=layer.act_scale, quantize=layer.mode != "w4a16"
+        )
+    return (
+        (x2, None)
+        if layer.mode == "w4a16"
+        else quantize_activation_reference(x2, rac_mask, layer.act_scale)
+    )
 
 
 class NVFP4Linear(nn.Module):
     """W4A4 nn.Linear: NVFP4 weights (`weight_q`), activations quantized per call, RAC where `rac` picks.
     mode "w4a16": activations unquantized; "w16a4": full-precision weights (the twin path), NVFP4 inputs."""
 
-    def __init__(self, in_features, out_features, bias=False, rac_ratio=0.0, device=None, mode="nvfp4",
-                 act_scale="tensor"):
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias=False,
+        rac_ratio=0.0,
+        device=None,
+        mode="nvfp4",
+        act_scale="tensor",
+    ):
         super().__init__()
         _check_blocks("NVFP4Linear", in_features)
         _check_mode(mode, rac_ratio, act_scale, NVFP4_MODES)
-        self.in_features, self.out_features, self.mode, self.act_scale = in_features, out_features, mode, act_scale
-        for part, buffer in zip(_PARTS, (
+        self.in_features, self.out_features, self.mode, self.act_scale = (
+            in_features,
+            out_features,
+            mode,
+            act_scale,
+        )
+        for part, buffer in zip(
+            _PARTS,
+            (
                 torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device),
-                torch.zeros(out_features, in_features // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
-                torch.ones((), dtype=torch.float32, device=device))):
+                torch.zeros(
+                    out_features,
+                    in_features // BLOCK_SIZE,
+                    dtype=torch.float8_e4m3fn,
+                    device=device,
+                ),
+                torch.ones((), dtype=torch.float32, device=device),
+            ),
+        ):
             self.register_buffer(f"weight_{part}", buffer)
-        self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
-        self.rac = RACSelector(in_features // BLOCK_SIZE, rac_ratio, device=device, act_scale=act_scale)
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+        self.rac = RACSelector(
+            in_features // BLOCK_SIZE, rac_ratio, device=device, act_scale=act_scale
+        )
         self.weight_fp32 = DequantizedWeight()  # the twin path's DQ(W) (w16a4: W)
-        self.shared_input = None  # a SharedInput when layers read the same input (convert_for_rollout)
+        self.shared_input = (
+            None  # a SharedInput when layers read the same input (convert_for_rollout)
+        )
 
-    weight_q = property(lambda self: NVFP4Tensor(*(getattr(self, f"weight_{part}") for part in _PARTS)))
+    weight_q = property(
+        lambda self: NVFP4Tensor(*(getattr(self, f"weight_{part}") for part in _PARTS))
+    )
 
     @classmethod
     def from_float(cls, linear, rac_ratio=0.0, mode="nvfp4", act_scale="tensor"):
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    rac_ratio=rac_ratio, device=linear.weight.device, mode=mode, act_scale=act_scale)
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            rac_ratio=rac_ratio,
+            device=linear.weight.device,
+            mode=mode,
+            act_scale=act_scale,
+        )
         layer.load_weight(linear.weight, linear.bias)
         return layer
 
@@ -224,8 +296,10 @@ class NVFP4Linear(nn.Module):
     def load_weight(self, weight, bias=None):
         """Quantize a master weight (N, K) with nvfp4.quantize_weight, in place (the trainer's rule)."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"NVFP4Linear: weight shape {tuple(weight.shape)} != "
-                             f"{(self.out_features, self.in_features)}")
+            raise ValueError(
+                f"NVFP4Linear: weight shape {tuple(weight.shape)} != "
+                f"{(self.out_features, self.in_features)}"
+            )
         q = nvfp4.quantize_weight(weight.detach())
         for part in _PARTS:
             getattr(self, f"weight_{part}").copy_(getattr(q, part))
@@ -236,9 +310,12 @@ class NVFP4Linear(nn.Module):
 
     def forward(self, x):
         fp8.check_layer_input(x, self.in_features, self.weight_data.device, "NVFP4Linear")
-        x2 = x.reshape(-1, self.in_features)                                             # (M, K)
-        y = (self.shared_input.output(self, x, x2) if self.shared_input is not None
-             else self._matmul(x2, _quantized_input(x2, self.rac(x2), self, _kernels(x2, self))))
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        y = (
+            self.shared_input.output(self, x, x2)
+            if self.shared_input is not None
+            else self._matmul(x2, _quantized_input(x2, self.rac(x2), self, _kernels(x2, self)))
+        )
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -248,8 +325,10 @@ class NVFP4Linear(nn.Module):
         w_q = self.weight_q
         if isinstance(act, Activation):
             return layer_matmul(act, w_q, x2.dtype)
-        x_q, residual = act                                                              # the twin's codes
-        return matmul_reference(x_q, w_q, residual, torch.float32, self.weight_fp32(w_q)).to(x2.dtype)
+        x_q, residual = act  # the twin's codes
+        return matmul_reference(x_q, w_q, residual, torch.float32, self.weight_fp32(w_q)).to(
+            x2.dtype
+        )
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, rac={self.rac.rac_ratio} {self.mode}, {self.act_scale}"
@@ -257,8 +336,11 @@ class NVFP4Linear(nn.Module):
 
 def stack_weights(weights):
     """NVFP4 weights (N_i, K) as one (sum N_i, K) NVFP4Tensor with (len(weights),) global scales: splits."""
-    return NVFP4Tensor(torch.cat([w.data for w in weights]), torch.cat([w.block_scale for w in weights]),
-                       torch.stack([w.global_scale.reshape(()) for w in weights]))
+    return NVFP4Tensor(
+        torch.cat([w.data for w in weights]),
+        torch.cat([w.block_scale for w in weights]),
+        torch.stack([w.global_scale.reshape(()) for w in weights]),
+    )
 
 
 class SharedInput:
@@ -269,22 +351,34 @@ class SharedInput:
     def __init__(self, layers):
         self.layers = list(layers)
         self.splits = [layer.out_features for layer in self.layers]
-        self.input, self.version, self.outputs, self.waiting, self.warned = None, None, None, (), False
+        self.input, self.version, self.outputs, self.waiting, self.warned = (
+            None,
+            None,
+            None,
+            (),
+            False,
+        )
         q = self.weight_q = stack_weights([layer.weight_q for layer in self.layers])
-        for layer, *views in zip(self.layers, q.data.split(self.splits), q.block_scale.split(self.splits),
-                                 q.global_scale):  # the layers' buffers become views of the stacked weight
+        for layer, *views in zip(
+            self.layers, q.data.split(self.splits), q.block_scale.split(self.splits), q.global_scale
+        ):  # the layers' buffers become views of the stacked weight
             layer.weight_data, layer.weight_block_scale, layer.weight_global_scale = views
         self.offsets = self._offsets()
 
     def _offsets(self):
-        return [getattr(layer, f"weight_{part}").data_ptr() - getattr(self.weight_q, part).data_ptr()
-                for layer in self.layers for part in _PARTS]
+        return [
+            getattr(layer, f"weight_{part}").data_ptr() - getattr(self.weight_q, part).data_ptr()
+            for layer in self.layers
+            for part in _PARTS
+        ]
 
     def _stacked(self):
         """The stacked weight, or None (and one warning) if a layer's buffers are no longer views of it."""
         if not ((views := self._offsets() == self.offsets) or self.warned):
-            warnings.warn("rac.SharedInput: q/k/v_proj's weights are no longer views of their stacked weight "
-                          "(moved or replaced after convert_for_rollout?): running three GEMMs")
+            warnings.warn(
+                "rac.SharedInput: q/k/v_proj's weights are no longer views of their stacked weight "
+                "(moved or replaced after convert_for_rollout?): running three GEMMs"
+            )
             self.warned = True
         return self.weight_q if views else None
 
@@ -300,8 +394,11 @@ class SharedInput:
         if x.is_inference():
             return layer._matmul(x2, act)
         stacked = self._stacked() if kernels else None
-        outputs = (layer_matmul(act, stacked, x2.dtype, self.splits) if stacked is not None
-                   else [other._matmul(x2, act) for other in self.layers])
+        outputs = (
+            layer_matmul(act, stacked, x2.dtype, self.splits)
+            if stacked is not None
+            else [other._matmul(x2, act) for other in self.layers]
+        )
         self.input, self.version, self.outputs = x, x._version, outputs
         self.waiting = tuple(other for other in self.layers if other is not layer)
         return outputs[self.layers.index(layer)]
@@ -310,7 +407,16 @@ class SharedInput:
 class NVFP4Experts(nn.Module):
     """W4A4 moe.Experts: NVFP4 weights, two grouped GEMMs, RAC on each input; modes as NVFP4Linear's."""
 
-    def __init__(self, n_experts, dim, expert_dim, rac_ratio=0.0, device=None, mode="nvfp4", act_scale="tensor"):
+    def __init__(
+        self,
+        n_experts,
+        dim,
+        expert_dim,
+        rac_ratio=0.0,
+        device=None,
+        mode="nvfp4",
+        act_scale="tensor",
+    ):
         super().__init__()
         _check_blocks("NVFP4Experts (model dim)", dim)
         _check_blocks("NVFP4Experts (expert dim)", expert_dim)
@@ -318,17 +424,28 @@ class NVFP4Experts(nn.Module):
         self.n_experts, self.dim, self.expert_dim = E, D, I = n_experts, dim, expert_dim
         self.mode, self.act_scale = mode, act_scale
         for name, (N, K) in (("gate_up", (2 * I, D)), ("down", (D, I))):  # in ExpertWeights' layout
-            empty = NVFP4Tensor(torch.zeros(E, N, K // 2, dtype=torch.uint8, device=device),
-                                torch.zeros(E, N, K // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
-                                torch.ones(E, dtype=torch.float32, device=device))
+            empty = NVFP4Tensor(
+                torch.zeros(E, N, K // 2, dtype=torch.uint8, device=device),
+                torch.zeros(E, N, K // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device),
+                torch.ones(E, dtype=torch.float32, device=device),
+            )
             for part, buffer in zip(_PARTS, chunk_experts(empty)):
                 self.register_buffer(f"{name}_{part}", buffer)
-        self.rac_gate_up = RACSelector(D // BLOCK_SIZE, rac_ratio, device=device, act_scale=act_scale)
+        self.rac_gate_up = RACSelector(
+            D // BLOCK_SIZE, rac_ratio, device=device, act_scale=act_scale
+        )
         self.rac_down = RACSelector(I // BLOCK_SIZE, rac_ratio, device=device, act_scale=act_scale)
-        self.gate_up_fp32, self.down_fp32 = DequantizedWeight(), DequantizedWeight()  # the twin path's (w16a4: W)
+        self.gate_up_fp32, self.down_fp32 = (
+            DequantizedWeight(),
+            DequantizedWeight(),
+        )  # the twin path's (w16a4: W)
 
-    gate_up_w = property(lambda self: ExpertWeights(*(getattr(self, f"gate_up_{part}") for part in _PARTS)))
-    down_w = property(lambda self: ExpertWeights(*(getattr(self, f"down_{part}") for part in _PARTS)))
+    gate_up_w = property(
+        lambda self: ExpertWeights(*(getattr(self, f"gate_up_{part}") for part in _PARTS))
+    )
+    down_w = property(
+        lambda self: ExpertWeights(*(getattr(self, f"down_{part}") for part in _PARTS))
+    )
 
     @classmethod
     def from_float(cls, experts, rac_ratio=0.0, mode="nvfp4", act_scale="tensor"):
@@ -343,8 +460,9 @@ class NVFP4Experts(nn.Module):
         for name, w in (("gate_up", gate_up_proj), ("down", down_proj)):
             expected = getattr(self, f"{name}_w").shape
             if tuple(w.shape) != expected:
-                raise ValueError(f"NVFP4Experts: {name} weight shape {tuple(w.shape)} does not match "
-                                 f"{expected}")
+                raise ValueError(
+                    f"NVFP4Experts: {name} weight shape {tuple(w.shape)} does not match {expected}"
+                )
             q = chunk_experts(nvfp4.quantize_weight(w.detach()))
             for part in _PARTS:
                 getattr(self, f"{name}_{part}").copy_(getattr(q, part))
@@ -356,33 +474,66 @@ class NVFP4Experts(nn.Module):
         fp8.check_layer_input(x, self.dim, self.gate_up_data.device, "NVFP4Experts")
         routing = moe.route_tokens(expert_ids, self.n_experts)
         forward = self._forward_triton if _kernels(x, self) else self._forward_reference
-        y_sorted = forward(x, routing, expert_weights.reshape(-1), (routing, expert_ids))  # (R, D), weighted
+        y_sorted = forward(
+            x, routing, expert_weights.reshape(-1), (routing, expert_ids)
+        )  # (R, D), weighted
         return moe.sum_expert_rows(y_sorted, routing, expert_ids.shape[1]).to(x.dtype)
 
     def _forward_triton(self, x, routing, expert_weights, routes=None):
         """x (T, D), routing, expert_weights (T * A,) -> (R, D): each sorted row times its router weight."""
         T = x.shape[0]  # the layer's token count chooses the experts' kernel, not its R rows
         act = _quantized_input(x, self.rac_gate_up(x), self, kernels=True)
-        hidden = grouped_matmul_triton(act, self.gate_up_w, routing.counts, row_ids=routing.token_ids,
-                                       swiglu=True, out_dtype=x.dtype, tokens=T)          # (R, I)
+        hidden = grouped_matmul_triton(
+            act,
+            self.gate_up_w,
+            routing.counts,
+            row_ids=routing.token_ids,
+            swiglu=True,
+            out_dtype=x.dtype,
+            tokens=T,
+        )  # (R, I)
         act = _quantized_input(hidden, self.rac_down(hidden, routes), self, kernels=True)
-        return grouped_matmul_triton(act, self.down_w, routing.counts, row_weights=expert_weights,
-                                     row_weight_ids=routing.order, out_dtype=x.dtype, tokens=T)  # (R, D)
+        return grouped_matmul_triton(
+            act,
+            self.down_w,
+            routing.counts,
+            row_weights=expert_weights,
+            row_weight_ids=routing.order,
+            out_dtype=x.dtype,
+            tokens=T,
+        )  # (R, D)
 
     def _forward_reference(self, x, routing, expert_weights, routes=None):
         """The twin: the same quantization steps, dequantized, a loop of fp32 matmuls over experts."""
         gate_up_w, down_w = self.gate_up_w, self.down_w
         x_q, residual = _quantized_input(x, self.rac_gate_up(x), self, kernels=False)
-        hidden = grouped_matmul_reference(x_q, gate_up_w, routing.counts, residual, row_ids=routing.token_ids,
-                                          swiglu=True, out_dtype=x.dtype, w=self.gate_up_fp32(gate_up_w))
+        hidden = grouped_matmul_reference(
+            x_q,
+            gate_up_w,
+            routing.counts,
+            residual,
+            row_ids=routing.token_ids,
+            swiglu=True,
+            out_dtype=x.dtype,
+            w=self.gate_up_fp32(gate_up_w),
+        )
         h_q, residual = _quantized_input(hidden, self.rac_down(hidden, routes), self, kernels=False)
-        return grouped_matmul_reference(h_q, down_w, routing.counts, residual, row_weights=expert_weights,
-                                        out_dtype=torch.float32, w=self.down_fp32(down_w),
-                                        row_weight_ids=routing.order)
+        return grouped_matmul_reference(
+            h_q,
+            down_w,
+            routing.counts,
+            residual,
+            row_weights=expert_weights,
+            out_dtype=torch.float32,
+            w=self.down_fp32(down_w),
+            row_weight_ids=routing.order,
+        )
 
     def extra_repr(self):
-        return (f"n_experts={self.n_experts}, dim={self.dim}, expert_dim={self.expert_dim}, "
-                f"rac_ratio={self.rac_gate_up.rac_ratio}, mode={self.mode}, act_scale={self.act_scale}")
+        return (
+            f"n_experts={self.n_experts}, dim={self.dim}, expert_dim={self.expert_dim}, "
+            f"rac_ratio={self.rac_gate_up.rac_ratio}, mode={self.mode}, act_scale={self.act_scale}"
+        )
 
 
 def selectors(layer):
@@ -393,8 +544,9 @@ def selectors(layer):
 
 
 # ======================================================================== conversion, sync, calibration
-def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quantize_lm_head=False,
-                        act_scale="tensor"):
+def convert_for_rollout(
+    model, mode, rac_ratio=0.0, quantize_router=False, quantize_lm_head=False, act_scale="tensor"
+):
     """Swap a moe.py model's layers for rollout layers in place; returns the model. mode: "bf16" (unchanged),
     "fp8" (fp8.py), "nvfp4" (W4A4, RAC on round(rac_ratio * G) blocks, act_scale "tensor" or "row"), "w4a16"
     or "w16a4" (NVFP4 weights or activations alone). Swapped: the attention projections and experts, with the
@@ -404,8 +556,13 @@ def convert_for_rollout(model, mode, rac_ratio=0.0, quantize_router=False, quant
         return model
     for parent, name, child in moe.swappable_layers(model, quantize_router, quantize_lm_head):
         experts = isinstance(child, moe.Experts)
-        setattr(parent, name, (NVFP4Experts if experts else NVFP4Linear).from_float(child, rac_ratio, mode, act_scale)
-                if mode in NVFP4_MODES else (fp8.FP8Experts if experts else fp8.FP8Linear).from_float(child))
+        setattr(
+            parent,
+            name,
+            (NVFP4Experts if experts else NVFP4Linear).from_float(child, rac_ratio, mode, act_scale)
+            if mode in NVFP4_MODES
+            else (fp8.FP8Experts if experts else fp8.FP8Linear).from_float(child),
+        )
     for attention in model.modules():
         layers = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
         if isinstance(attention, moe.Attention) and all(isinstance(m, NVFP4Linear) for m in layers):
@@ -425,15 +582,21 @@ def sync_weights(rollout_model, trainer_model):
     def master(path, name):
         key = f"{path}.{name}" if path else name
         if key not in params:
-            raise ValueError(f"sync_weights: the trainer model has no parameter {key!r} "
-                             f"(rollout layer {path!r})")
+            raise ValueError(
+                f"sync_weights: the trainer model has no parameter {key!r} (rollout layer {path!r})"
+            )
         return params[key]
 
-    quantized = {path for path, m in rollout_model.named_modules()
-                 if isinstance(m, (NVFP4Linear, NVFP4Experts, fp8.FP8Linear, fp8.FP8Experts))}
+    quantized = {
+        path
+        for path, m in rollout_model.named_modules()
+        if isinstance(m, (NVFP4Linear, NVFP4Experts, fp8.FP8Linear, fp8.FP8Experts))
+    }
     for path, module in rollout_model.named_modules():
         if isinstance(module, (NVFP4Linear, fp8.FP8Linear)):
-            module.load_weight(master(path, "weight"), master(path, "bias") if module.bias is not None else None)
+            module.load_weight(
+                master(path, "weight"), master(path, "bias") if module.bias is not None else None
+            )
         elif isinstance(module, (NVFP4Experts, fp8.FP8Experts)):
             module.load_weights(master(path, "gate_up_proj"), master(path, "down_proj"))
     for name, param in rollout_model.named_parameters(remove_duplicate=False):
@@ -477,27 +640,54 @@ def recording(model, record):
 # ==================================================================== the fast path (gpu_kernels/w4a4_*.py)
 class Activation(NamedTuple):
     """An activation quantized for the W4A4 GEMMs (the fields a path does not need are None)."""
-    x_q: NVFP4Tensor | None       # codes and block scales of x, with the global scale
-    residual: NVFP4Tensor | None  # RAC residual codes (zero blocks where not compensated), same global scale
-    operand: torch.Tensor | None  # (2, M, K/2) fp16 planes of (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
-    global_scale: torch.Tensor    # () fp32
 
-    codes = property(lambda self: (self.x_q.data, self.x_q.block_scale, *(  # as the Blackwell kernels take them
-        (None, None) if self.residual is None else (self.residual.data, self.residual.block_scale))))
+    x_q: NVFP4Tensor | None  # codes and block scales of x, with the global scale
+    residual: (
+        NVFP4Tensor | None
+    )  # RAC residual codes (zero blocks where not compensated), same global scale
+    operand: (
+        torch.Tensor | None
+    )  # (2, M, K/2) fp16 planes of (DQ(x_q) + DQ(residual)) / global_scale * 2^-6
+    global_scale: torch.Tensor  # () fp32
+
+    codes = property(
+        lambda self: (
+            self.x_q.data,
+            self.x_q.block_scale,
+            *(  # as the Blackwell kernels take them
+                (None, None)
+                if self.residual is None
+                else (self.residual.data, self.residual.block_scale)
+            ),
+        )
+    )
 
 
-def quantize_activation_triton(x, rac_mask=None, codes=None, operand=None, act_scale="tensor", quantize=True):
+def quantize_activation_triton(
+    x, rac_mask=None, codes=None, operand=None, act_scale="tensor", quantize=True
+):
     """x (M, K) -> Activation: the codes of x and its RAC residual (codes=True: quantize_activation_reference
     bit for bit), the Hopper GEMMs' fp16 operand (operand=True); None: what this device's GEMMs take."""
     _check_input(x, rac_mask, "quantize_activation_triton", kernel=True)
     native = backend(x.device) == "native" and quantize  # W4A16's operand goes to the Hopper GEMMs
-    codes, operand = native if codes is None else codes, (not native) if operand is None else operand
-    extra = {} if (act_scale, quantize) == ("tensor", True) else dict(row_scale=act_scale == "row", quantize=quantize)
+    codes, operand = (
+        native if codes is None else codes,
+        (not native) if operand is None else operand,
+    )
+    extra = (
+        {}
+        if (act_scale, quantize) == ("tensor", True)
+        else dict(row_scale=act_scale == "row", quantize=quantize)
+    )
     data, scale, r_data, r_scale, planes, global_scale = w4a4_quantize.quantize_activation(
-        x, rac_mask, codes, operand, **extra)
-    return Activation(NVFP4Tensor(data, scale, global_scale) if codes else None,
-                      NVFP4Tensor(r_data, r_scale, global_scale) if r_data is not None else None,
-                      planes, global_scale)
+        x, rac_mask, codes, operand, **extra
+    )
+    return Activation(
+        NVFP4Tensor(data, scale, global_scale) if codes else None,
+        NVFP4Tensor(r_data, r_scale, global_scale) if r_data is not None else None,
+        planes,
+        global_scale,
+    )
 
 
 def layer_matmul(act, w_q, out_dtype, splits=None):
@@ -513,30 +703,56 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=
     _check_input(x, rac_mask, "nvfp4_linear", kernel=True)
     _check_kernel_call(out_dtype)
     if x.shape[1] != w_q.shape[1] or x.device != w_q.device:
-        raise ValueError(f"nvfp4_linear: x {tuple(x.shape)} on {x.device} does not match the weight "
-                         f"{tuple(w_q.shape)} on {w_q.device}")
+        raise ValueError(
+            f"nvfp4_linear: x {tuple(x.shape)} on {x.device} does not match the weight "
+            f"{tuple(w_q.shape)} on {w_q.device}"
+        )
     if splits is not None and not (1 <= len(splits) <= 3 and sum(splits) == w_q.shape[0]):
-        raise ValueError(f"nvfp4_linear: splits {tuple(splits)} must be 1 to 3 row counts adding up to the "
-                         f"weight's N = {w_q.shape[0]}")
+        raise ValueError(
+            f"nvfp4_linear: splits {tuple(splits)} must be 1 to 3 row counts adding up to the "
+            f"weight's N = {w_q.shape[0]}"
+        )
     if w_q.global_scale.numel() != (n_scales := 1 if splits is None else len(splits)):
-        raise ValueError(f"nvfp4_linear: the weight has {w_q.global_scale.numel()} global scales; "
-                         f"expected {n_scales} (one per stacked weight)")
+        raise ValueError(
+            f"nvfp4_linear: the weight has {w_q.global_scale.numel()} global scales; "
+            f"expected {n_scales} (one per stacked weight)"
+        )
     return layer_matmul(quantize_activation_triton(x, rac_mask), w_q, out_dtype, splits)
 
 
-def grouped_matmul_triton(act, w, counts, row_ids=None, row_weights=None, swiglu=False,
-                          out_dtype=torch.bfloat16, row_weight_ids=None, tokens=None):
+def grouped_matmul_triton(
+    act,
+    w,
+    counts,
+    row_ids=None,
+    row_weights=None,
+    swiglu=False,
+    out_dtype=torch.bfloat16,
+    row_weight_ids=None,
+    tokens=None,
+):
     """grouped_matmul_reference's fast path (no host sync): Blackwell's kernel on codes; Gluon's where `backend`
     says so (K % 64 == 0) below GLUON_EXPERTS_BELOW tokens (the layer's; None: act's rows); else Triton's."""
     _check_kernel_call(out_dtype)
     if not isinstance(w, ExpertWeights):
-        raise ValueError(f"grouped_matmul_triton: w must be ExpertWeights (rac.chunk_experts of the stacked "
-                         f"NVFP4Tensor), got {type(w).__name__}")
+        raise ValueError(
+            f"grouped_matmul_triton: w must be ExpertWeights (rac.chunk_experts of the stacked "
+            f"NVFP4Tensor), got {type(w).__name__}"
+        )
     act_rows = act.operand.shape[1] if act.operand is not None else act.x_q.shape[0]
     n_rows = row_ids.numel() if row_ids is not None else act_rows
     _check_row_weights(row_weights, row_weight_ids, n_rows, "grouped_matmul_triton")
-    args = (w.data, w.block_scale, w.global_scale, counts, out_dtype, row_ids, row_weights, row_weight_ids,
-            swiglu)
+    args = (
+        w.data,
+        w.block_scale,
+        w.global_scale,
+        counts,
+        out_dtype,
+        row_ids,
+        row_weights,
+        row_weight_ids,
+        swiglu,
+    )
     if act.operand is None:  # codes only: the native kernel
         return w4a4_blackwell.grouped_matmul(*act.codes, act.global_scale, *args)
     # H200, gate/up + down, Gluon vs Triton us: 64 tokens 123 / 139, 1,024 421 / 486, 4,096 1987 / 1269
@@ -552,10 +768,10 @@ _BACKENDS = {}  # CUDA device index -> its backend, decided once
 
 def backend(device):
     """Which path the W4A4 layers take on `device`:
-      'reference'  the plain-PyTorch references: CPU tensors, no Triton, or a GPU before sm_89 (one warning)
-      'gluon'      sm_89 / sm_90 with Gluon: quantizer, tiled dense GEMM, Gluon experts (decode sizes)
-      'triton'     the same with the Triton experts: no Gluon, the interpreter, or a failed Blackwell check
-      'native'     sm_100+: tl.dot_scaled, once it matched the Hopper kernels (w4a4_blackwell.disagreement)"""
+    'reference'  the plain-PyTorch references: CPU tensors, no Triton, or a GPU before sm_89 (one warning)
+    'gluon'      sm_89 / sm_90 with Gluon: quantizer, tiled dense GEMM, Gluon experts (decode sizes)
+    'triton'     the same with the Triton experts: no Gluon, the interpreter, or a failed Blackwell check
+    'native'     sm_100+: tl.dot_scaled, once it matched the Hopper kernels (w4a4_blackwell.disagreement)"""
     if device.type != "cuda" or triton is None:
         return "reference"
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -563,8 +779,11 @@ def backend(device):
         capability, path = torch.cuda.get_device_capability(index), "triton"
         if capability < KERNEL_CAPABILITY:
             need, have = ".".join(map(str, KERNEL_CAPABILITY)), ".".join(map(str, capability))
-            warnings.warn(f"rac: the W4A4 kernels need compute capability {need}+ (this GPU: {have}); the "
-                          "NVFP4 layers run their references (correct, slow)", stacklevel=2)
+            warnings.warn(
+                f"rac: the W4A4 kernels need compute capability {need}+ (this GPU: {have}); the "
+                "NVFP4 layers run their references (correct, slow)",
+                stacklevel=2,
+            )
             path = "reference"
         elif capability >= (10, 0):
             problem = w4a4_blackwell.disagreement(torch.device("cuda", index))  # None: they agree
@@ -585,7 +804,9 @@ def use_triton(x):
 # ======================================================================== input checks (one line each)
 def _check_kernel_call(out_dtype=None):
     if triton is None:
-        raise RuntimeError("the W4A4 kernels need the `triton` package; use the *_reference functions instead")
+        raise RuntimeError(
+            "the W4A4 kernels need the `triton` package; use the *_reference functions instead"
+        )
     if out_dtype is not None and out_dtype not in _FLOATS:
         raise ValueError(f"out_dtype must be bfloat16/float16/float32, got {out_dtype}")
 
@@ -607,7 +828,9 @@ def _check_mode(mode, rac_ratio, act_scale, modes=MODES):
 
 def _check_blocks(name, n, label="{} features"):
     if n % BLOCK_SIZE:
-        raise ValueError(f"{name}: {label.format(n)} is not a multiple of the NVFP4 block size {BLOCK_SIZE}")
+        raise ValueError(
+            f"{name}: {label.format(n)} is not a multiple of the NVFP4 block size {BLOCK_SIZE}"
+        )
 
 
 def _check_input(x, rac_mask, name, kernel=False):
@@ -617,26 +840,50 @@ def _check_input(x, rac_mask, name, kernel=False):
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{name}: expected a 2-D tensor (M, K), got {shape}")
     if x.dtype not in _FLOATS:
-        raise ValueError(f"{name}: expected bfloat16/float16/float32 activations, got dtype {x.dtype}")
+        raise ValueError(
+            f"{name}: expected bfloat16/float16/float32 activations, got dtype {x.dtype}"
+        )
     _check_blocks(name, x.shape[-1], "K={}")
     G, mask = x.shape[-1] // BLOCK_SIZE, rac_mask
-    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
-                                 and mask.shape == (G,) and mask.device == x.device):
-        got = f"{mask.dtype} {tuple(mask.shape)} on {mask.device}" if isinstance(mask, torch.Tensor) else mask
-        raise ValueError(f"rac_mask must be a bool tensor of shape (G,) = ({G},) on {x.device}, got {got}")
+    if mask is not None and not (
+        isinstance(mask, torch.Tensor)
+        and mask.dtype == torch.bool
+        and mask.shape == (G,)
+        and mask.device == x.device
+    ):
+        got = (
+            f"{mask.dtype} {tuple(mask.shape)} on {mask.device}"
+            if isinstance(mask, torch.Tensor)
+            else mask
+        )
+        raise ValueError(
+            f"rac_mask must be a bool tensor of shape (G,) = ({G},) on {x.device}, got {got}"
+        )
 
 
 def _check_operands(x_q, w_q, residual, name, stacked=False):
-    for label, q, other in (("x_q", x_q, torch.Tensor), ("w_q", w_q, ExpertWeights if stacked else NVFP4Tensor),
-                            ("residual", residual, NVFP4Tensor)):  # x_q: a float tensor in mode w4a16
+    for label, q, other in (
+        ("x_q", x_q, torch.Tensor),
+        ("w_q", w_q, ExpertWeights if stacked else NVFP4Tensor),
+        ("residual", residual, NVFP4Tensor),
+    ):  # x_q: a float tensor in mode w4a16
         if q is not None and not isinstance(q, (NVFP4Tensor, other)):
-            raise ValueError(f"{name}: {label} must be an NVFP4Tensor or {other.__name__}, got {type(q).__name__}")
+            raise ValueError(
+                f"{name}: {label} must be an NVFP4Tensor or {other.__name__}, got {type(q).__name__}"
+            )
     if len(x_q.shape) != 2 or len(w_q.shape) != 2 + stacked or x_q.shape[-1] != w_q.shape[-1]:
-        raise ValueError(f"{name}: expected x_q (M, K) and w_q {'(E, N, K)' if stacked else '(N, K)'}, K "
-                         f"differs: x_q {x_q.shape} vs w_q {w_q.shape}")
-    if x_q.device != w_q.device or residual is not None and (residual.shape, residual.device) != (
-            x_q.shape, x_q.device):
-        raise ValueError(f"{name}: x_q, w_q and residual must be on one device, the residual x_q's shape")
+        raise ValueError(
+            f"{name}: expected x_q (M, K) and w_q {'(E, N, K)' if stacked else '(N, K)'}, K "
+            f"differs: x_q {x_q.shape} vs w_q {w_q.shape}"
+        )
+    if (
+        x_q.device != w_q.device
+        or residual is not None
+        and (residual.shape, residual.device) != (x_q.shape, x_q.device)
+    ):
+        raise ValueError(
+            f"{name}: x_q, w_q and residual must be on one device, the residual x_q's shape"
+        )
     if residual is not None and not torch.equal(residual.global_scale, x_q.global_scale):
         raise ValueError(f"{name}: the residual must share x_q's global scale")
 
@@ -644,7 +891,11 @@ def _check_operands(x_q, w_q, residual, name, stacked=False):
 def _check_row_weights(row_weights, row_weight_ids, n_rows, name):
     weights = None if row_weights is None else tuple(row_weights.shape)
     if row_weight_ids is not None and (weights is None or row_weight_ids.shape != (n_rows,)):
-        raise ValueError(f"{name}: row_weight_ids must index row_weights with one id per row ({n_rows},), "
-                         f"got {tuple(row_weight_ids.shape)} and row_weights {weights}")
+        raise ValueError(
+            f"{name}: row_weight_ids must index row_weights with one id per row ({n_rows},), "
+            f"got {tuple(row_weight_ids.shape)} and row_weights {weights}"
+        )
     if weights is not None and row_weight_ids is None and weights != (n_rows,):
-        raise ValueError(f"{name}: row_weights must hold one weight per row ({n_rows},), got {weights}")
+        raise ValueError(
+            f"{name}: row_weights must hold one weight per row ({n_rows},), got {weights}"
+        )

@@ -30,6 +30,7 @@ re-scores rows in one prefill. Left out: continuous batching, paged attention, s
 Shape letters: P prompts, G samples per prompt, N = P*G rows (prompt-major), Tp padded prompt width, T
 completion width, W = Tp + T (trainer rows), S cache slots, V vocab, L layers, Hkv kv heads, hd head dim.
 """
+
 import contextlib
 import dataclasses
 import operator
@@ -47,41 +48,51 @@ from moe import MoETransformer
 
 try:
     from gpu_kernels import sampling as sampling_kernels
-except ImportError:  # triton ships with CUDA builds of torch on Linux; without it the torch twins run
+except (
+    ImportError
+):  # triton ships with CUDA builds of torch on Linux; without it the torch twins run
     sampling_kernels = None
 
-PROMPT_WIDTH_MULTIPLE = 16        # prompt widths are rounded up to this, so nearby lengths share a graph
-FINISHED_CHECK_INTERVAL = 16      # CUDA: decode steps between host checks for "every row has finished"
-PREFILL_LOGITS_BUDGET = 1 << 27   # max logits elements (rows * Tp * V) one prefill forward may produce
-MAX_POOLED_STATES = 4             # decode states (cache + graph) kept per model, least recently used dropped
+PROMPT_WIDTH_MULTIPLE = 16  # prompt widths are rounded up to this, so nearby lengths share a graph
+FINISHED_CHECK_INTERVAL = 16  # CUDA: decode steps between host checks for "every row has finished"
+PREFILL_LOGITS_BUDGET = (
+    1 << 27
+)  # max logits elements (rows * Tp * V) one prefill forward may produce
+MAX_POOLED_STATES = 4  # decode states (cache + graph) kept per model, least recently used dropped
 
 
 class Sequences(NamedTuple):
     """Prompt + completion as right-padded trainer rows (`model(tokens)` needs no mask or positions).
     logprobs[:, j] is the rollout's log-prob of tokens[:, j] given tokens[:, :j]: compare `logprobs[:, 1:]`
     with `log_softmax(logits[:, :-1] / temperature).gather(-1, tokens[:, 1:, None])` where `loss_mask[:, 1:]`."""
-    tokens: Tensor      # (N, W) int64, pad_id after the end of each row
+
+    tokens: Tensor  # (N, W) int64, pad_id after the end of each row
     valid_mask: Tensor  # (N, W) bool: prompt or completion token (not padding)
-    loss_mask: Tensor   # (N, W) bool: completion token (the ones the policy is trained on)
-    logprobs: Tensor    # (N, W) fp32: rollout log-prob of each completion token, 0 elsewhere
-    routes: Tensor | None  # (L, N, W, A) int64: experts of every valid token; padding repeats a valid token's
+    loss_mask: Tensor  # (N, W) bool: completion token (the ones the policy is trained on)
+    logprobs: Tensor  # (N, W) fp32: rollout log-prob of each completion token, 0 elsewhere
+    routes: (
+        Tensor | None
+    )  # (L, N, W, A) int64: experts of every valid token; padding repeats a valid token's
 
 
 @dataclasses.dataclass
 class Rollout:
     """G sampled completions of P prompts, rows prompt-major (row p*G + g is sample g of prompt p)."""
-    prompt_ids: Tensor          # (N, Tp) int64, left-padded with pad_id
-    prompt_mask: Tensor         # (N, Tp) bool, True at real prompt tokens
-    prompt_lengths: Tensor      # (N,) int64
-    completion_ids: Tensor      # (N, T) int64; the EOS token is included, pad_id after it
-    completion_mask: Tensor     # (N, T) bool; True up to and including EOS
-    logprobs: Tensor            # (N, T) fp32: log_softmax(z / temperature)[token], 0 where masked
-    routes: Tensor | None       # (L, N, T, A) int64: experts per completion token (where masked 1)
-    prompt_routes: Tensor | None  # (L, N, Tp, A) int64: experts per prompt token (where prompt_mask)
-    num_samples: int            # G
-    temperature: float          # the trainer must score the tokens at this temperature (0: untempered)
+
+    prompt_ids: Tensor  # (N, Tp) int64, left-padded with pad_id
+    prompt_mask: Tensor  # (N, Tp) bool, True at real prompt tokens
+    prompt_lengths: Tensor  # (N,) int64
+    completion_ids: Tensor  # (N, T) int64; the EOS token is included, pad_id after it
+    completion_mask: Tensor  # (N, T) bool; True up to and including EOS
+    logprobs: Tensor  # (N, T) fp32: log_softmax(z / temperature)[token], 0 where masked
+    routes: Tensor | None  # (L, N, T, A) int64: experts per completion token (where masked 1)
+    prompt_routes: (
+        Tensor | None
+    )  # (L, N, Tp, A) int64: experts per prompt token (where prompt_mask)
+    num_samples: int  # G
+    temperature: float  # the trainer must score the tokens at this temperature (0: untempered)
     pad_id: int
-    used_cuda_graph: bool       # whether the decode loop replayed a captured CUDA graph
+    used_cuda_graph: bool  # whether the decode loop replayed a captured CUDA graph
 
     @property
     def completion_lengths(self) -> Tensor:  # (N,) int64, EOS included
@@ -90,25 +101,33 @@ class Rollout:
     def sequences(self) -> Sequences:
         """The rows the trainer scores: prompt then completion, right-padded (see `Sequences`)."""
         Tp = self.prompt_ids.shape[1]
-        lengths = self.prompt_lengths + self.completion_lengths                            # (N,)
+        lengths = self.prompt_lengths + self.completion_lengths  # (N,)
         # With left-padded prompts, [prompt_ids | completion_ids] holds each row's tokens contiguously
         # from column Tp - prompt_length on: shifting every row left by its padding right-pads it.
-        tokens = torch.cat((self.prompt_ids, self.completion_ids), dim=1)                   # (N, Tp + T)
-        columns = torch.arange(int(lengths.max()), device=tokens.device)                  # (W,)
-        valid = columns < lengths[:, None]                                                   # (N, W)
+        tokens = torch.cat((self.prompt_ids, self.completion_ids), dim=1)  # (N, Tp + T)
+        columns = torch.arange(int(lengths.max()), device=tokens.device)  # (W,)
+        valid = columns < lengths[:, None]  # (N, W)
         source = ((Tp - self.prompt_lengths)[:, None] + columns).clamp(max=tokens.shape[1] - 1)
         # padding columns read the row's last valid token's column, so gathered routes stay valid ids
         source = torch.where(valid, source, (Tp - self.prompt_lengths + lengths - 1)[:, None])
         loss_mask = valid & (columns >= self.prompt_lengths[:, None])
-        logprobs = torch.cat((torch.zeros_like(self.prompt_ids, dtype=torch.float32), self.logprobs), dim=1)
+        logprobs = torch.cat(
+            (torch.zeros_like(self.prompt_ids, dtype=torch.float32), self.logprobs), dim=1
+        )
         routes = None
         if self.routes is not None:
             all_routes = torch.cat((self.prompt_routes, self.routes), dim=2)  # (L, N, Tp + T, A)
-            index = source[None, :, :, None].expand(all_routes.shape[0], -1, -1, all_routes.shape[-1])
-            routes = all_routes.gather(2, index)                                             # (L, N, W, A)
-        return Sequences(tokens=torch.where(valid, tokens.gather(1, source), self.pad_id), valid_mask=valid,
-                         loss_mask=loss_mask, routes=routes,
-                         logprobs=torch.where(loss_mask, logprobs.gather(1, source), 0.0))
+            index = source[None, :, :, None].expand(
+                all_routes.shape[0], -1, -1, all_routes.shape[-1]
+            )
+            routes = all_routes.gather(2, index)  # (L, N, W, A)
+        return Sequences(
+            tokens=torch.where(valid, tokens.gather(1, source), self.pad_id),
+            valid_mask=valid,
+            loss_mask=loss_mask,
+            routes=routes,
+            logprobs=torch.where(loss_mask, logprobs.gather(1, source), 0.0),
+        )
 
 
 class KVCache:
@@ -119,13 +138,17 @@ class KVCache:
       the write at the next slot); the layer gets all S slots back and the caller's mask hides the unwritten.
     """
 
-    def __init__(self, n_layers, rows, n_kv_heads, slots, head_dim, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, n_layers, rows, n_kv_heads, slots, head_dim, dtype: torch.dtype, device: torch.device
+    ):
         shape = (n_layers, rows, n_kv_heads, slots, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = torch.zeros(1, dtype=torch.int64, device=device)  # slots written; the next goes here
-        self.prefill_rows: slice | None = None   # cache rows the current prefill chunk fills
-        self.samples_per_prompt = 1               # G: each prompt's keys are copied to this many rows
+        self.length = torch.zeros(
+            1, dtype=torch.int64, device=device
+        )  # slots written; the next goes here
+        self.prefill_rows: slice | None = None  # cache rows the current prefill chunk fills
+        self.samples_per_prompt = 1  # G: each prompt's keys are copied to this many rows
 
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self.prefill_rows is not None:
@@ -133,14 +156,19 @@ class KVCache:
             self.keys[layer_idx, self.prefill_rows, :, :T] = k.repeat_interleave(G, dim=0)
             self.values[layer_idx, self.prefill_rows, :, :T] = v.repeat_interleave(G, dim=0)
             return k, v
-        keys, values = self.keys[layer_idx], self.values[layer_idx]                         # (N, Hkv, S, hd)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]  # (N, Hkv, S, hd)
         keys.index_copy_(2, self.length, k.to(keys.dtype))
         values.index_copy_(2, self.length, v.to(values.dtype))
         return keys, values
 
 
-def prefill(model: MoETransformer, cache: KVCache, prompt_ids: Tensor, pad_lengths: Tensor,
-            samples_per_prompt: int) -> tuple[Tensor, Tensor]:
+def prefill(
+    model: MoETransformer,
+    cache: KVCache,
+    prompt_ids: Tensor,
+    pad_lengths: Tensor,
+    samples_per_prompt: int,
+) -> tuple[Tensor, Tensor]:
     """Run the left-padded prompts (P, Tp), filling slots [0, Tp) of each prompt's G cache rows -> the last
     position's logits (P, V) and the prompt routes (L, P, Tp, A). In chunks of at most PREFILL_LOGITS_BUDGET
     logits (the model computes logits at every position; only the last is needed)."""
@@ -150,15 +178,23 @@ def prefill(model: MoETransformer, cache: KVCache, prompt_ids: Tensor, pad_lengt
     last_logits, routes = [], []
     try:
         for start in range(0, P, chunk):
-            pad = pad_lengths[start:start + chunk, None]                                     # (P', 1)
-            positions = (columns - pad).clamp(min=0)                                        # (P', Tp)
-            query, key = columns[:, None], columns[None, :]                                 # (Tp, 1), (1, Tp)
-            attn_mask = ((key <= query) & (key >= pad[:, :, None])) | (key == query)        # (P', Tp, Tp)
-            cache.prefill_rows, cache.samples_per_prompt = slice(start * G, (start + pad.shape[0]) * G), G
-            logits, chunk_routes = model(prompt_ids[start:start + chunk], positions, attn_mask[:, None],
-                                         kv_cache=cache, return_routes=True)
-            last_logits.append(logits[:, -1])                                               # (P', V)
-            routes.append(chunk_routes)                                                     # (L, P', Tp, A)
+            pad = pad_lengths[start : start + chunk, None]  # (P', 1)
+            positions = (columns - pad).clamp(min=0)  # (P', Tp)
+            query, key = columns[:, None], columns[None, :]  # (Tp, 1), (1, Tp)
+            attn_mask = ((key <= query) & (key >= pad[:, :, None])) | (key == query)  # (P', Tp, Tp)
+            cache.prefill_rows, cache.samples_per_prompt = (
+                slice(start * G, (start + pad.shape[0]) * G),
+                G,
+            )
+            logits, chunk_routes = model(
+                prompt_ids[start : start + chunk],
+                positions,
+                attn_mask[:, None],
+                kv_cache=cache,
+                return_routes=True,
+            )
+            last_logits.append(logits[:, -1])  # (P', V)
+            routes.append(chunk_routes)  # (L, P', Tp, A)
     finally:
         cache.prefill_rows = None
     return torch.cat(last_logits), torch.cat(routes, dim=1)
@@ -168,24 +204,43 @@ class DecodeState:
     """Everything one decode step reads and writes, allocated once per batch shape: the step is a fixed
     function of these buffers, which is what lets a CUDA graph replay it."""
 
-    def __init__(self, model: MoETransformer, rows: int, prompt_width: int, max_new_tokens: int,
-                 sampling: dict):
+    def __init__(
+        self,
+        model: MoETransformer,
+        rows: int,
+        prompt_width: int,
+        max_new_tokens: int,
+        sampling: dict,
+    ):
         c, device = model.config, model.embed.weight.device
         zeros = lambda *shape, dtype=torch.int64: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-        S, T = -(-(prompt_width + max_new_tokens) // 16) * 16, max_new_tokens + 1  # S: 16-wide mask rows
-        self.cache = KVCache(c.n_layers, rows, c.n_kv_heads, S, c.head_dim, model.embed.weight.dtype, device)
-        self.prompt_width = prompt_width      # Tp: completion token t sits in cache slot Tp + t
-        self.pad_lengths = zeros(rows)        # (N,) int64: left padding of each row (Tp - prompt length)
-        self.slots = torch.arange(S, device=device)   # (S,) int64, for building the attention mask
-        self.next_input = zeros(rows, 1)      # (N, 1) int64: the token each row feeds next
-        self.alive = zeros(rows, dtype=torch.bool)  # (N,): next_input is a completion token (not ended)
-        self.tokens = zeros(rows, T)          # (N, Tmax + 1) int64: completion tokens; column Tmax is scratch
-        self.token_mask = zeros(rows, T, dtype=torch.bool)                     # (N, Tmax + 1)
-        self.token_logprobs = zeros(rows, T, dtype=torch.float32)              # (N, Tmax + 1)
-        self.routes = zeros(c.n_layers, rows, max_new_tokens, c.n_active)  # (L, N, Tmax, A): token t's, fed
-        self.seed = zeros(1)                  # (1,) the current call's seed_key (read by the graph at replay)
-        self.row_ids = torch.arange(rows, device=device)  # (N,) ids within the whole batch: row_offset + n
-        self.sampling = sampling              # temperature, top_k, top_p, eos_id, pad_id: graph constants
+        S, T = (
+            -(-(prompt_width + max_new_tokens) // 16) * 16,
+            max_new_tokens + 1,
+        )  # S: 16-wide mask rows
+        self.cache = KVCache(
+            c.n_layers, rows, c.n_kv_heads, S, c.head_dim, model.embed.weight.dtype, device
+        )
+        self.prompt_width = prompt_width  # Tp: completion token t sits in cache slot Tp + t
+        self.pad_lengths = zeros(rows)  # (N,) int64: left padding of each row (Tp - prompt length)
+        self.slots = torch.arange(S, device=device)  # (S,) int64, for building the attention mask
+        self.next_input = zeros(rows, 1)  # (N, 1) int64: the token each row feeds next
+        self.alive = zeros(
+            rows, dtype=torch.bool
+        )  # (N,): next_input is a completion token (not ended)
+        self.tokens = zeros(
+            rows, T
+        )  # (N, Tmax + 1) int64: completion tokens; column Tmax is scratch
+        self.token_mask = zeros(rows, T, dtype=torch.bool)  # (N, Tmax + 1)
+        self.token_logprobs = zeros(rows, T, dtype=torch.float32)  # (N, Tmax + 1)
+        self.routes = zeros(
+            c.n_layers, rows, max_new_tokens, c.n_active
+        )  # (L, N, Tmax, A): token t's, fed
+        self.seed = zeros(1)  # (1,) the current call's seed_key (read by the graph at replay)
+        self.row_ids = torch.arange(
+            rows, device=device
+        )  # (N,) ids within the whole batch: row_offset + n
+        self.sampling = sampling  # temperature, top_k, top_p, eos_id, pad_id: graph constants
         self.graph: "torch.cuda.CUDAGraph | None" = None
         self.capture_tried = False
 
@@ -194,16 +249,19 @@ def decode_step(model: MoETransformer, state: DecodeState) -> None:
     """Feed every row's next_input, record its routes, sample the following token. Only device tensors and
     in-place writes to `state`: capturable as a CUDA graph, no host sync."""
     cache, s = state.cache, state.sampling
-    step = cache.length - state.prompt_width                        # (1,) which completion token is fed
-    positions = (cache.length - state.pad_lengths)[:, None]          # (N, 1)
-    attn_mask = (state.slots >= state.pad_lengths[:, None]) & (state.slots <= cache.length)  # (N, S)
-    logits, routes = model(state.next_input, positions, attn_mask[:, None, None], kv_cache=cache,
-                           return_routes=True)                       # (N, 1, V), (L, N, 1, A)
+    step = cache.length - state.prompt_width  # (1,) which completion token is fed
+    positions = (cache.length - state.pad_lengths)[:, None]  # (N, 1)
+    attn_mask = (state.slots >= state.pad_lengths[:, None]) & (
+        state.slots <= cache.length
+    )  # (N, S)
+    logits, routes = model(
+        state.next_input, positions, attn_mask[:, None, None], kv_cache=cache, return_routes=True
+    )  # (N, 1, V), (L, N, 1, A)
     cache.length.add_(1)
     state.routes.index_copy_(2, step, routes)
     alive = state.alive
     if s["eos_id"] is not None:
-        alive = alive & (state.next_input[:, 0] != s["eos_id"])     # a row that just fed EOS has ended
+        alive = alive & (state.next_input[:, 0] != s["eos_id"])  # a row that just fed EOS has ended
     column = step + 1
     tokens, logprobs = sample_next(logits[:, -1], s, state.seed, state.row_ids, column)
     tokens = torch.where(alive, tokens, s["pad_id"])
@@ -221,7 +279,9 @@ def capture_decode_graph(model: MoETransformer, state: DecodeState) -> None:
     themselves up from their first input (an uncalibrated RAC selector) have seen the prompts by then. Once
     per state: a step that cannot be captured (a host sync, say) is reported and decodes eagerly."""
     state.capture_tried = True
-    state.cache.length.fill_(state.prompt_width)  # in-range slots and columns for the warm-up's writes
+    state.cache.length.fill_(
+        state.prompt_width
+    )  # in-range slots and columns for the warm-up's writes
     try:
         side = torch.cuda.Stream(state.cache.keys.device)
         side.wait_stream(torch.cuda.current_stream())
@@ -235,8 +295,10 @@ def capture_decode_graph(model: MoETransformer, state: DecodeState) -> None:
             decode_step(model, state)
         state.graph = graph
     except Exception as error:
-        warnings.warn(f"rollout.py: CUDA graph capture of the decode step failed, decoding eagerly "
-                      f"(cuda_graph=False skips the attempt): {type(error).__name__}: {error}")
+        warnings.warn(
+            f"rollout.py: CUDA graph capture of the decode step failed, decoding eagerly "
+            f"(cuda_graph=False skips the attempt): {type(error).__name__}: {error}"
+        )
         torch.cuda.synchronize()
 
 
@@ -253,18 +315,31 @@ def weights_signature(model: nn.Module) -> tuple:
     signature = []
     for module in model.modules():
         signature.append(id(module))
-        for name, value in [*module._parameters.items(), *module._buffers.items(), *vars(module).items()]:
+        for name, value in [
+            *module._parameters.items(),
+            *module._buffers.items(),
+            *vars(module).items(),
+        ]:
             if isinstance(value, (bool, int, float, str)):
                 signature.append((name, value))
                 continue
-            fields = [getattr(value, f.name) for f in dataclasses.fields(value)] \
-                if dataclasses.is_dataclass(value) and not isinstance(value, type) else [value]
+            fields = (
+                [getattr(value, f.name) for f in dataclasses.fields(value)]
+                if dataclasses.is_dataclass(value) and not isinstance(value, type)
+                else [value]
+            )
             signature.extend(t.data_ptr() for t in fields if isinstance(t, Tensor))
     return tuple(signature)
 
 
-def get_decode_state(model: MoETransformer, rows: int, prompt_width: int, max_new_tokens: int, sampling: dict,
-                     cuda_graph: bool) -> DecodeState:
+def get_decode_state(
+    model: MoETransformer,
+    rows: int,
+    prompt_width: int,
+    max_new_tokens: int,
+    sampling: dict,
+    cuda_graph: bool,
+) -> DecodeState:
     """The pooled state for these shapes and sampling settings, or a new one (its graph is captured by
     generate, after the first prefill)."""
     signature = weights_signature(model)
@@ -293,9 +368,16 @@ def free_decode_states(model: nn.Module) -> None:
 
 
 MASK32 = 0xFFFFFFFF
-MIX_MULTIPLIERS = (0x7FEB352D, 0x1B873593)    # odd and < 2^31: a product with a 32-bit value fits in int64
-ROW_STRIDE, POSITION_STRIDE, TOKEN_STRIDE = 0x27D4EB2F, 0x165667B1, 0x61C88647   # odd "Weyl" increments
-UNIFORM_BITS = 23                             # u = (top 23 bits + 1/2) * 2^-23: exact in fp32, never 0 or 1
+MIX_MULTIPLIERS = (
+    0x7FEB352D,
+    0x1B873593,
+)  # odd and < 2^31: a product with a 32-bit value fits in int64
+ROW_STRIDE, POSITION_STRIDE, TOKEN_STRIDE = (
+    0x27D4EB2F,
+    0x165667B1,
+    0x61C88647,
+)  # odd "Weyl" increments
+UNIFORM_BITS = 23  # u = (top 23 bits + 1/2) * 2^-23: exact in fp32, never 0 or 1
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -312,13 +394,15 @@ def seed_key(seed: int) -> int:
     return int(_mix32(torch.tensor((seed ^ (seed >> 32)) & MASK32)))
 
 
-def sampling_noise_reference(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int) -> Tensor:
+def sampling_noise_reference(
+    seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int
+) -> Tensor:
     """Twin of the noise kernel in torch integer ops: E (N, V) = -log(u), u in (0, 1) from the hash of
     (seed key, row id, position, token id). seed_key and position are (1,) int64 tensors, rows (N,)."""
-    keys = _mix32((seed_key + rows * ROW_STRIDE + position * POSITION_STRIDE) & MASK32)      # (N,)
+    keys = _mix32((seed_key + rows * ROW_STRIDE + position * POSITION_STRIDE) & MASK32)  # (N,)
     tokens = torch.arange(vocab, device=rows.device, dtype=torch.int64)
-    x = _mix32((keys[:, None] + tokens[None, :] * TOKEN_STRIDE) & MASK32)                    # (N, V)
-    uniform = ((x >> (32 - UNIFORM_BITS)).float() + 0.5) * 2.0 ** -UNIFORM_BITS
+    x = _mix32((keys[:, None] + tokens[None, :] * TOKEN_STRIDE) & MASK32)  # (N, V)
+    uniform = ((x >> (32 - UNIFORM_BITS)).float() + 0.5) * 2.0**-UNIFORM_BITS
     return uniform.log_().neg_()
 
 
@@ -334,19 +418,24 @@ def sampling_noise(seed_key: Tensor, rows: Tensor, position: Tensor, vocab: int)
     return sampling_noise_reference(seed_key, rows, position, vocab)
 
 
-def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                  noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def sample_tokens(
+    logits: Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    noise: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """logits (B, V) -> (tokens (B,) int64, logprobs (B,) fp32 of those tokens under log_softmax(z / tau)):
     the reference sampler. The token is drawn from the top-k/top-p truncated distribution, the log-prob is
     the full tempered one. noise (B, V): i.i.d. Exp(1) draws, all > 0 (`sampling_noise`; needed unless
     greedy). temperature 0: argmax, untempered log-prob. No host sync."""
     logits = logits.float()
     if temperature == 0:
-        logprobs = F.log_softmax(logits, dim=-1)                                           # (B, V)
+        logprobs = F.log_softmax(logits, dim=-1)  # (B, V)
         tokens = logprobs.argmax(dim=-1)
     else:
-        logprobs = F.log_softmax(logits / temperature, dim=-1)                             # (B, V)
-        kept = truncate(logprobs, top_k, top_p)                                             # -inf outside
+        logprobs = F.log_softmax(logits / temperature, dim=-1)  # (B, V)
+        kept = truncate(logprobs, top_k, top_p)  # -inf outside
         if noise is None:
             raise ValueError("sample_tokens: temperature > 0 needs noise (B, V) of Exp(1) draws")
         # p / E with E ~ Exp(1) is an exponential race: argmax picks v with probability p_v / sum(p).
@@ -359,11 +448,18 @@ def use_fused_sampler(logits: Tensor, top_k: int, top_p: float) -> bool:
     """Where the fused sampler (gpu_kernels/sampling.py: noise, tempered softmax, race and log-prob in one
     kernel) runs: CUDA, no top-k / top-p (RL's default), token ids below 2^24 (they pass through fp32)."""
     V = logits.shape[-1]
-    return sampling_kernels is not None and logits.is_cuda and not 0 < top_k < V and top_p >= 1.0 and V < 2 ** 24
+    return (
+        sampling_kernels is not None
+        and logits.is_cuda
+        and not 0 < top_k < V
+        and top_p >= 1.0
+        and V < 2**24
+    )
 
 
-def sample_next(logits: Tensor, sampling: dict, seed_key: Tensor, rows: Tensor,
-                position: Tensor) -> tuple[Tensor, Tensor]:
+def sample_next(
+    logits: Tensor, sampling: dict, seed_key: Tensor, rows: Tensor, position: Tensor
+) -> tuple[Tensor, Tensor]:
     """One token per row of logits (B, V): the fused sampler where it applies, else the noise of (seed, row
     ids, position), then sample_tokens."""
     temperature, top_k, top_p = sampling["temperature"], sampling["top_k"], sampling["top_p"]
@@ -378,22 +474,36 @@ def truncate(logprobs: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     set of most likely tokens whose probability reaches top_p; the most likely token always stays).
     Tokens tied with the k-th keep their place. top_k 0 and top_p 1 switch each off."""
     if 0 < top_k < logprobs.shape[-1]:
-        kth = logprobs.topk(top_k, dim=-1).values[..., -1:]                                 # (B, 1)
+        kth = logprobs.topk(top_k, dim=-1).values[..., -1:]  # (B, 1)
         logprobs = logprobs.masked_fill(logprobs < kth, float("-inf"))
     if top_p < 1.0:
         logprobs = F.log_softmax(logprobs, dim=-1)  # renormalize over the top-k survivors
         sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
         sorted_probs = sorted_logprobs.exp()
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs                             # (B, V)
-        drop = torch.empty_like(mass_before, dtype=torch.bool).scatter_(-1, order, mass_before >= top_p)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V)
+        drop = torch.empty_like(mass_before, dtype=torch.bool).scatter_(
+            -1, order, mass_before >= top_p
+        )
         logprobs = logprobs.masked_fill(drop, float("-inf"))
     return logprobs
 
 
 @torch.no_grad()
-def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, eos_id: int | None = None, pad_id: int = 0, seed: int = 0,
-             cuda_graph: bool = True, row_offset: int = 0, decode_context=None) -> Rollout:
+def generate(
+    model: MoETransformer,
+    prompts,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    seed: int = 0,
+    cuda_graph: bool = True,
+    row_offset: int = 0,
+    decode_context=None,
+) -> Rollout:
     """Sample num_samples completions of each prompt (a list of token-id lists, any lengths) -> Rollout.
     temperature 0 is greedy; top_k 0 and top_p 1 disable truncation. eos_id None: every row runs to
     max_new_tokens. pad_id fills prompt padding and the columns after EOS (any valid token id). seed and
@@ -402,28 +512,55 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
     the decode step as a CUDA graph (CUDA only). decode_context: a function returning a context entered around
     eager decode steps (TRACE records there). no_grad: the results can be constants in the trainer's graph."""
     c, device = model.config, model.embed.weight.device
-    prompts = _check_arguments(c, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id,
-                               pad_id, seed, row_offset)
+    prompts = _check_arguments(
+        c,
+        prompts,
+        num_samples,
+        max_new_tokens,
+        temperature,
+        top_p,
+        top_k,
+        eos_id,
+        pad_id,
+        seed,
+        row_offset,
+    )
     G, N = num_samples, len(prompts) * num_samples
     lengths = [len(p) for p in prompts]
-    prompt_width = min(-(-max(lengths) // PROMPT_WIDTH_MULTIPLE) * PROMPT_WIDTH_MULTIPLE, c.max_seq_len)
-    sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), eos_id=eos_id,
-                    pad_id=int(pad_id))
+    prompt_width = min(
+        -(-max(lengths) // PROMPT_WIDTH_MULTIPLE) * PROMPT_WIDTH_MULTIPLE, c.max_seq_len
+    )
+    sampling = dict(
+        temperature=float(temperature),
+        top_k=int(top_k),
+        top_p=float(top_p),
+        eos_id=eos_id,
+        pad_id=int(pad_id),
+    )
     use_graph = cuda_graph and device.type == "cuda" and decode_context is None
     state = get_decode_state(model, N, prompt_width, max_new_tokens, sampling, use_graph)
 
     # ---- prefill: each prompt once, its keys/values copied to its G rows of the cache
-    prompt_ids = torch.tensor([[int(pad_id)] * (prompt_width - len(p)) + p for p in prompts], device=device)
-    pad_lengths = prompt_width - torch.tensor(lengths, dtype=torch.int64, device=device)   # (P,)
-    last_logits, prompt_routes = prefill(model, state.cache, prompt_ids, pad_lengths, G)  # (P, V), (L,P,Tp,A)
+    prompt_ids = torch.tensor(
+        [[int(pad_id)] * (prompt_width - len(p)) + p for p in prompts], device=device
+    )
+    pad_lengths = prompt_width - torch.tensor(lengths, dtype=torch.int64, device=device)  # (P,)
+    last_logits, prompt_routes = prefill(
+        model, state.cache, prompt_ids, pad_lengths, G
+    )  # (P, V), (L,P,Tp,A)
     if use_graph and not state.capture_tried:
         capture_decode_graph(model, state)
 
     # ---- first token of every sample, from its prompt's last logits; reset the decode buffers
     state.seed.fill_(seed_key(seed))
     state.row_ids.copy_(torch.arange(row_offset, row_offset + N, device=device))
-    tokens, logprobs = sample_next(last_logits.repeat_interleave(G, dim=0), sampling, state.seed,
-                                   state.row_ids, torch.zeros_like(state.seed))              # (N,) each
+    tokens, logprobs = sample_next(
+        last_logits.repeat_interleave(G, dim=0),
+        sampling,
+        state.seed,
+        state.row_ids,
+        torch.zeros_like(state.seed),
+    )  # (N,) each
     state.pad_lengths.copy_(pad_lengths.repeat_interleave(G))
     state.cache.length.fill_(prompt_width)
     state.next_input.copy_(tokens[:, None])
@@ -437,21 +574,32 @@ def generate(model: MoETransformer, prompts, num_samples: int, max_new_tokens: i
     with (decode_context or contextlib.nullcontext)():
         for step in range(max_new_tokens):
             state.graph.replay() if state.graph is not None else decode_step(model, state)
-            if (eos_id is not None and (step + 1) % check_interval == 0 and step + 1 < max_new_tokens
-                    and not bool(state.alive.any())):  # the one host sync, every check_interval steps
+            if (
+                eos_id is not None
+                and (step + 1) % check_interval == 0
+                and step + 1 < max_new_tokens
+                and not bool(state.alive.any())
+            ):  # the one host sync, every check_interval steps
                 break
 
     # ---- trim to the longest completion (every kept token has been fed, so its routes are recorded)
     width = int(state.token_mask[:, :max_new_tokens].sum(dim=1).max())
     trim = prompt_width - max(lengths)  # columns of padding shared by every row
-    prompt_mask = torch.arange(prompt_width, device=device) >= state.pad_lengths[:, None]   # (N, Tp)
+    prompt_mask = torch.arange(prompt_width, device=device) >= state.pad_lengths[:, None]  # (N, Tp)
     return Rollout(
-        prompt_ids=prompt_ids.repeat_interleave(G, dim=0)[:, trim:], prompt_mask=prompt_mask[:, trim:],
+        prompt_ids=prompt_ids.repeat_interleave(G, dim=0)[:, trim:],
+        prompt_mask=prompt_mask[:, trim:],
         prompt_lengths=prompt_width - state.pad_lengths.clone(),
-        completion_ids=state.tokens[:, :width].clone(), completion_mask=state.token_mask[:, :width].clone(),
-        logprobs=state.token_logprobs[:, :width].clone(), routes=state.routes[:, :, :width].clone(),
-        prompt_routes=prompt_routes.repeat_interleave(G, dim=1)[:, :, trim:], num_samples=G,
-        temperature=float(temperature), pad_id=int(pad_id), used_cuda_graph=state.graph is not None)
+        completion_ids=state.tokens[:, :width].clone(),
+        completion_mask=state.token_mask[:, :width].clone(),
+        logprobs=state.token_logprobs[:, :width].clone(),
+        routes=state.routes[:, :, :width].clone(),
+        prompt_routes=prompt_routes.repeat_interleave(G, dim=1)[:, :, trim:],
+        num_samples=G,
+        temperature=float(temperature),
+        pad_id=int(pad_id),
+        used_cuda_graph=state.graph is not None,
+    )
 
 
 @torch.no_grad()
@@ -463,20 +611,26 @@ def score(model: MoETransformer, tokens: Tensor, temperature: float = 1.0) -> Te
     the meaningless padding columns with `Sequences.loss_mask`). One prefill instead of a decode step at a
     time separates the engine's nondeterminism (a token's rounding depends on the other rows of its GEMM)
     from the trainer's precision. Chunks of at most PREFILL_LOGITS_BUDGET logits."""
-    _require(tokens.dim() == 2 and tokens.dtype in (torch.int64, torch.int32),
-             f"tokens must be an integer tensor (N, W), got {tuple(tokens.shape)} {tokens.dtype}")
-    _require(tokens.shape[1] >= 2, f"tokens must have at least 2 columns (a context and a token), got "
-             f"{tuple(tokens.shape)}")
+    _require(
+        tokens.dim() == 2 and tokens.dtype in (torch.int64, torch.int32),
+        f"tokens must be an integer tensor (N, W), got {tuple(tokens.shape)} {tokens.dtype}",
+    )
+    _require(
+        tokens.shape[1] >= 2,
+        f"tokens must have at least 2 columns (a context and a token), got {tuple(tokens.shape)}",
+    )
     _require(temperature >= 0, f"temperature must be >= 0 (0 = untempered), got {temperature!r}")
     N, W = tokens.shape
     chunk = max(1, PREFILL_LOGITS_BUDGET // (W * model.config.vocab_size))
     logprobs = torch.zeros(N, W, dtype=torch.float32, device=tokens.device)
     for start in range(0, N, chunk):
-        rows = tokens[start:start + chunk]
-        logits = model(rows)[:, :-1].float()                                               # (n, W-1, V)
+        rows = tokens[start : start + chunk]
+        logits = model(rows)[:, :-1].float()  # (n, W-1, V)
         # the sampler's own formula (sample_tokens), so that only the model's numerics can differ
         token_logprobs = F.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
-        logprobs[start:start + chunk, 1:] = token_logprobs.gather(-1, rows[:, 1:, None].long()).squeeze(-1)
+        logprobs[start : start + chunk, 1:] = token_logprobs.gather(
+            -1, rows[:, 1:, None].long()
+        ).squeeze(-1)
     return logprobs
 
 
@@ -504,47 +658,91 @@ def _token_ids(prompt, name) -> list[int]:
     """One prompt (a list/tuple of integers or a 1-D integer tensor) -> list of ints; anything else is a
     TypeError naming the argument (int() would silently truncate 2.7)."""
     if isinstance(prompt, Tensor):
-        _require(prompt.dim() == 1 and _integer_dtype(prompt), f"{name} must be a 1-D integer tensor of "
-                 f"token ids, got {prompt.dtype} of shape {tuple(prompt.shape)}", TypeError)
+        _require(
+            prompt.dim() == 1 and _integer_dtype(prompt),
+            f"{name} must be a 1-D integer tensor of "
+            f"token ids, got {prompt.dtype} of shape {tuple(prompt.shape)}",
+            TypeError,
+        )
         return prompt.tolist()
     text = " (encode text with the tokenizer first)" if isinstance(prompt, (str, bytes)) else ""
-    _require(isinstance(prompt, (list, tuple)),
-             f"{name} must be a list of integer token ids, got {type(prompt).__name__}{text}", TypeError)
+    _require(
+        isinstance(prompt, (list, tuple)),
+        f"{name} must be a list of integer token ids, got {type(prompt).__name__}{text}",
+        TypeError,
+    )
     bad = [t for t in prompt if not _is_token_id(t)]
     if bad:
-        raise TypeError(f"{name} must hold integer token ids, got {bad[0]!r} ({type(bad[0]).__name__})")
+        raise TypeError(
+            f"{name} must hold integer token ids, got {bad[0]!r} ({type(bad[0]).__name__})"
+        )
     return [int(t) for t in prompt]
 
 
-def _check_arguments(config, prompts, num_samples, max_new_tokens, temperature, top_p, top_k, eos_id, pad_id,
-                     seed, row_offset) -> list[list[int]]:
+def _check_arguments(
+    config,
+    prompts,
+    num_samples,
+    max_new_tokens,
+    temperature,
+    top_p,
+    top_k,
+    eos_id,
+    pad_id,
+    seed,
+    row_offset,
+) -> list[list[int]]:
     """Validate generate's arguments (a failure: one line naming the argument) -> the prompts as int lists."""
-    _require(isinstance(prompts, (list, tuple)) and len(prompts) > 0,
-             "prompts must be a non-empty list of token-id lists (one list per prompt, any lengths)")
+    _require(
+        isinstance(prompts, (list, tuple)) and len(prompts) > 0,
+        "prompts must be a non-empty list of token-id lists (one list per prompt, any lengths)",
+    )
     prompts = [_token_ids(prompt, f"prompts[{i}]") for i, prompt in enumerate(prompts)]
     V, max_len = config.vocab_size, config.max_seq_len
     for i, prompt in enumerate(prompts):
         _require(len(prompt) > 0, f"prompt {i} is empty; every prompt needs at least one token")
         outside = [t for t in prompt if not 0 <= t < V]
         if outside:
-            raise ValueError(f"prompts[{i}] holds token id {outside[0]}, outside [0, {V}) (the vocabulary)")
+            raise ValueError(
+                f"prompts[{i}] holds token id {outside[0]}, outside [0, {V}) (the vocabulary)"
+            )
     for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens)):
-        _require(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
+        _require(
+            isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}"
+        )
     longest = max(map(len, prompts))
-    _require(longest + max_new_tokens <= max_len, f"the longest prompt ({longest} tokens) + max_new_tokens "
-             f"({max_new_tokens}) exceeds the model's max_seq_len={max_len}")
-    _require(temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {temperature!r}")  # NaN fails
+    _require(
+        longest + max_new_tokens <= max_len,
+        f"the longest prompt ({longest} tokens) + max_new_tokens "
+        f"({max_new_tokens}) exceeds the model's max_seq_len={max_len}",
+    )
+    _require(
+        temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {temperature!r}"
+    )  # NaN fails
     _require(0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
-    _require(isinstance(top_k, int) and top_k >= 0, f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    _require(eos_id is None or _is_token_id(eos_id),
-             f"eos_id must be None or an integer token id, got {eos_id!r}", TypeError)
+    _require(
+        isinstance(top_k, int) and top_k >= 0, f"top_k must be an int >= 0 (0 = off), got {top_k!r}"
+    )
+    _require(
+        eos_id is None or _is_token_id(eos_id),
+        f"eos_id must be None or an integer token id, got {eos_id!r}",
+        TypeError,
+    )
     _require(_is_token_id(pad_id), f"pad_id must be an integer token id, got {pad_id!r}", TypeError)
-    _require(eos_id is None or 0 <= eos_id < V,
-             f"eos_id must be None or a token id in [0, {V}), got {eos_id!r}")
-    _require(0 <= pad_id < V,
-             f"pad_id must be a token id in [0, {V}) (finished rows feed it to the model), got {pad_id!r}")
-    _require(not isinstance(seed, bool) and isinstance(seed, int) and 0 <= seed < 2 ** 63,
-             f"seed must be an int in [0, 2^63), got {seed!r}")
-    _require(not isinstance(row_offset, bool) and isinstance(row_offset, int) and row_offset >= 0,
-             f"row_offset must be an int >= 0, got {row_offset!r}")
+    _require(
+        eos_id is None or 0 <= eos_id < V,
+        f"eos_id must be None or a token id in [0, {V}), got {eos_id!r}",
+    )
+    _require(
+        0 <= pad_id < V,
+        f"pad_id must be a token id in [0, {V}) (finished rows feed it to the model), got {pad_id!r}",
+    )
+    _require(
+        not isinstance(seed, bool) and isinstance(seed, int) and 0 <= seed < 2**63,
+        f"seed must be an int in [0, 2^63), got {seed!r}",
+    )
+    _require(
+        not isinstance(row_offset, bool) and isinstance(row_offset, int) and row_offset >= 0,
+        f"row_offset must be an int >= 0, got {row_offset!r}",
+    )
     return prompts

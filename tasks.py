@@ -48,6 +48,7 @@ the text; commas are dropped and it is compared numerically (|x - y| <= 1e-6) wi
 
 Left out on purpose: partial or format rewards, chat templates, Countdown and other synthetic tasks.
 """
+
 import hashlib
 import os
 import random
@@ -58,12 +59,12 @@ from decimal import Decimal, InvalidOperation
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str         # text given to the model
-    answer: str         # what the verifier needs: canonical answer string ("936", "72")
+    prompt: str  # text given to the model
+    answer: str  # what the verifier needs: canonical answer string ("936", "72")
     solution: str = ""  # reference solution text, where the task has one (GSM8K); "" otherwise
 
 
-TEST_FRACTION = 0.1     # share of each task's problem population held out for evaluation
+TEST_FRACTION = 0.1  # share of each task's problem population held out for evaluation
 
 
 def _in_test_split(key: str) -> bool:
@@ -75,6 +76,7 @@ def _in_test_split(key: str) -> bool:
 # -----------------------------------------------------------------------------
 # Character tokenizer
 
+
 class CharTokenizer:
     """One token per character of a fixed alphabet, after three special tokens.
 
@@ -82,12 +84,15 @@ class CharTokenizer:
     (a sequence is [bos_id] + encode(prompt) + encode(completion) + [eos_id]); it raises ValueError on
     a character outside the alphabet (the tasks only encode their own text). `decode` never raises on
     integer ids: it stops at the first EOS, skips PAD and BOS, and renders unknown ids as UNKNOWN."""
+
     PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
-    UNKNOWN = "\ufffd"      # the Unicode replacement character: never part of an alphabet
+    UNKNOWN = "\ufffd"  # the Unicode replacement character: never part of an alphabet
 
     def __init__(self, alphabet: str):
         if len(set(alphabet)) != len(alphabet) or self.UNKNOWN in alphabet:
-            raise ValueError(f"alphabet must be distinct characters without {self.UNKNOWN!r}: {alphabet!r}")
+            raise ValueError(
+                f"alphabet must be distinct characters without {self.UNKNOWN!r}: {alphabet!r}"
+            )
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
         self.alphabet = alphabet
         self.vocab_size = 3 + len(alphabet)
@@ -97,8 +102,9 @@ class CharTokenizer:
         try:
             return [self._id_of[char] for char in text]
         except KeyError as error:
-            raise ValueError(f"character {error.args[0]!r} is not in the alphabet "
-                             f"{self.alphabet!r}") from None
+            raise ValueError(
+                f"character {error.args[0]!r} is not in the alphabet {self.alphabet!r}"
+            ) from None
 
     def decode(self, ids) -> str:
         chars = []
@@ -115,8 +121,10 @@ class CharTokenizer:
 # -----------------------------------------------------------------------------
 # The synthetic task: addition with a column scratchpad
 
+
 class ArithmeticTask:
     """Addition of two numbers in [0, 10**difficulty) with a column scratchpad (see the module docstring)."""
+
     name = "arith"
 
     def __init__(self, difficulty: int = 3, demo_error_rate: float = 0.5, seed: int = 0):
@@ -124,12 +132,12 @@ class ArithmeticTask:
             raise ValueError(f"difficulty (digits per operand) must be >= 1, got {difficulty}")
         if not 0.0 <= demo_error_rate <= 1.0:
             raise ValueError(f"demo_error_rate must be in [0, 1], got {demo_error_rate}")
-        self.difficulty = difficulty             # digits per operand: columns of the scratchpad
-        self.demo_error_rate = demo_error_rate   # share of demonstrations with one mistake
-        self.rng = random.Random(seed)           # used only when a caller passes no rng
+        self.difficulty = difficulty  # digits per operand: columns of the scratchpad
+        self.demo_error_rate = demo_error_rate  # share of demonstrations with one mistake
+        self.rng = random.Random(seed)  # used only when a caller passes no rng
         self.tokenizer = CharTokenizer("0123456789+=;>")
         self.max_prompt_chars = 2 * difficulty + 2
-        self.max_completion_chars = 10 * difficulty + 1   # d steps of 8, d-1 ';', '>', d+1 digits
+        self.max_completion_chars = 10 * difficulty + 1  # d steps of 8, d-1 ';', '>', d+1 digits
 
     def sample(self, n: int, split: str, rng: random.Random | None = None) -> list[Problem]:
         """n problems drawn uniformly (with replacement) from the split's population."""
@@ -140,8 +148,10 @@ class ArithmeticTask:
         problems, attempts = [], 0
         while len(problems) < n:
             attempts += 1
-            if attempts > 1000 * n + 10_000:   # only reachable if a split were empty
-                raise RuntimeError(f"could not draw {n} {split} problems at difficulty {self.difficulty}")
+            if attempts > 1000 * n + 10_000:  # only reachable if a split were empty
+                raise RuntimeError(
+                    f"could not draw {n} {split} problems at difficulty {self.difficulty}"
+                )
             a, b = rng.randrange(10**self.difficulty), rng.randrange(10**self.difficulty)
             if _in_test_split(f"{min(a, b)}+{max(a, b)}") == want_test:
                 problems.append(Problem(prompt=f"{a}+{b}=", answer=str(a + b)))
@@ -152,7 +162,7 @@ class ArithmeticTask:
         rng = rng or self.rng
         a_text, b_text = problem.prompt.rstrip("=").split("+")
         columns = self.difficulty
-        a_digits = [int(c) for c in a_text.zfill(columns)[::-1]]   # least significant first
+        a_digits = [int(c) for c in a_text.zfill(columns)[::-1]]  # least significant first
         b_digits = [int(c) for c in b_text.zfill(columns)[::-1]]
 
         error_column, error_kind = -1, None
@@ -198,13 +208,19 @@ class ArithmeticTask:
 # -----------------------------------------------------------------------------
 # GSM8K-style math through `datasets`
 
-GSM8K_INSTRUCTION = ('Solve the problem step by step. '
-                     'Finish with the final answer on its own line as "#### <number>".')
+GSM8K_INSTRUCTION = (
+    'Solve the problem step by step. '
+    'Finish with the final answer on its own line as "#### <number>".'
+)
 
-_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")   # ASCII digits only: \d would accept any script
+_NUMBER = re.compile(
+    r"-?[0-9][0-9,]*(?:\.[0-9]+)?"
+)  # ASCII digits only: \d would accept any script
 
 
-_MAX_NUMBER_CHARS = 100   # longer digit runs are not answers (and would overflow Decimal's exponent range)
+_MAX_NUMBER_CHARS = (
+    100  # longer digit runs are not answers (and would overflow Decimal's exponent range)
+)
 
 
 def _to_decimal(number_text: str) -> Decimal | None:
@@ -250,12 +266,18 @@ def extract_answer(text: str) -> Decimal | None:
 
 class GSM8KTask:
     """Grade-school math from the hub or a local file (see the module docstring). Loads on creation."""
-    name = "gsm8k"
-    tokenizer = None   # a real model brings its own tokenizer
 
-    def __init__(self, source: str = "openai/gsm8k", config: str | None = "main",
-                 test_source: str | None = None, seed: int = 0):
-        self.rng = random.Random(seed)   # used only when a caller passes no rng
+    name = "gsm8k"
+    tokenizer = None  # a real model brings its own tokenizer
+
+    def __init__(
+        self,
+        source: str = "openai/gsm8k",
+        config: str | None = "main",
+        test_source: str | None = None,
+        seed: int = 0,
+    ):
+        self.rng = random.Random(seed)  # used only when a caller passes no rng
         rows = _load_rows(source, config, "train")
         if test_source is not None:
             train_rows, test_rows = rows, _load_rows(test_source, config, "test")
@@ -264,8 +286,10 @@ class GSM8KTask:
             test_rows = [row for row in rows if _in_test_split(row["question"])]
         else:
             train_rows, test_rows = rows, _load_rows(source, config, "test")
-        self.problems = {"train": [_gsm8k_problem(row) for row in train_rows],
-                         "test": [_gsm8k_problem(row) for row in test_rows]}
+        self.problems = {
+            "train": [_gsm8k_problem(row) for row in train_rows],
+            "test": [_gsm8k_problem(row) for row in test_rows],
+        }
 
     def sample(self, n: int, split: str, rng: random.Random | None = None) -> list[Problem]:
         """n problems of the split, without replacement when the split has at least n, else with."""
@@ -292,17 +316,26 @@ class HFTokenizer:
 
     def __init__(self, tokenizer):
         if tokenizer.eos_token_id is None:
-            raise ValueError("the checkpoint's tokenizer has no EOS token, so completions could never end")
-        self.tokenizer, self.eos_id, self.vocab_size = tokenizer, tokenizer.eos_token_id, len(tokenizer)
-        self.pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+            raise ValueError(
+                "the checkpoint's tokenizer has no EOS token, so completions could never end"
+            )
+        self.tokenizer, self.eos_id, self.vocab_size = (
+            tokenizer,
+            tokenizer.eos_token_id,
+            len(tokenizer),
+        )
+        self.pad_id = (
+            tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids) -> str:
         ids = list(ids)
-        return self.tokenizer.decode(ids[:ids.index(self.eos_id)] if self.eos_id in ids else ids,
-                                     skip_special_tokens=True)
+        return self.tokenizer.decode(
+            ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids, skip_special_tokens=True
+        )
 
 
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -315,7 +348,7 @@ def _is_local(source: str) -> bool:
 
 
 def _load_rows(source: str, config: str | None, split: str) -> list[dict]:
-    import datasets   # imported here: the synthetic task must not need it
+    import datasets  # imported here: the synthetic task must not need it
 
     if _is_local(source):
         if not os.path.isfile(source):
@@ -326,20 +359,27 @@ def _load_rows(source: str, config: str | None, split: str) -> list[dict]:
         dataset = datasets.load_dataset(source, config, split=split)
     missing = {"question", "answer"} - set(dataset.column_names)
     if missing:
-        raise ValueError(f"{source} lacks the field(s) {sorted(missing)}; has {dataset.column_names}")
+        raise ValueError(
+            f"{source} lacks the field(s) {sorted(missing)}; has {dataset.column_names}"
+        )
     return [{"question": row["question"], "answer": row["answer"]} for row in dataset]
 
 
-_CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")   # GSM8K's "<<48/2=24>>" tool traces
+_CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")  # GSM8K's "<<48/2=24>>" tool traces
 
 
 def _gsm8k_problem(row: dict) -> Problem:
     solution = _CALCULATOR_ANNOTATION.sub("", row["answer"]).strip()
     reference = extract_answer(solution)
     if "####" not in solution or reference is None:
-        raise ValueError(f"reference solution has no '#### <number>' answer: {row['answer'][-80:]!r}")
-    return Problem(prompt=f"{row['question'].strip()}\n\n{GSM8K_INSTRUCTION}",
-                   answer=_canonical(reference), solution=solution)
+        raise ValueError(
+            f"reference solution has no '#### <number>' answer: {row['answer'][-80:]!r}"
+        )
+    return Problem(
+        prompt=f"{row['question'].strip()}\n\n{GSM8K_INSTRUCTION}",
+        answer=_canonical(reference),
+        solution=solution,
+    )
 
 
 def _canonical(number: Decimal) -> str:

@@ -37,6 +37,7 @@ In tools/: a run's directory, checkpoints, --resume, Ctrl-C and config checks (r
 (distributed.py), the comparison, figures, the audit. Defaults: on a CPU the tiny preset and a short run,
 on a GPU the small preset and the full experiment. Every field of TrainConfig is a flag (see --help).
 """
+
 import copy
 import dataclasses
 import json
@@ -59,64 +60,103 @@ import rollout
 import tasks
 from tools import distributed, runs
 from tools.distributed import SINGLE
-from tools.runs import (ConfigError, HeldInterrupt, atomic_save, check_run_dir, load_checkpoint, one_line,
-                        read_metrics, write_text)
+from tools.runs import (
+    ConfigError,
+    HeldInterrupt,
+    atomic_save,
+    check_run_dir,
+    load_checkpoint,
+    one_line,
+    read_metrics,
+    write_text,
+)
 
 # recipe -> (trainer mode for qat.convert_for_training, rollout mode for rac.convert_for_rollout, RAC on)
-RECIPES = {"bf16": ("bf16", "bf16", False), "fp8": ("bf16", "fp8", False), "nvfp4": ("bf16", "nvfp4", False),
-           "qat": ("qat", "nvfp4", False), "rac": ("bf16", "nvfp4", True), "quads": ("qat", "nvfp4", True),
-           "w4a4": ("w4a4", "nvfp4", False), "moeresq": ("moeresq", "nvfp4", True),
-           "trace": ("trace", "nvfp4", False), "w4a16": ("bf16", "w4a16", False),
-           "qat-w4a16": ("qat", "w4a16", False), "w16a4": ("bf16", "w16a4", False)}
-CHOICES = {"recipe": RECIPES, "preset": moe.PRESETS, "task": tasks.TASKS,  # checked, and listed in --help
-           "act_scale": nvfp4.ACT_SCALES}
+RECIPES = {
+    "bf16": ("bf16", "bf16", False),
+    "fp8": ("bf16", "fp8", False),
+    "nvfp4": ("bf16", "nvfp4", False),
+    "qat": ("qat", "nvfp4", False),
+    "rac": ("bf16", "nvfp4", True),
+    "quads": ("qat", "nvfp4", True),
+    "w4a4": ("w4a4", "nvfp4", False),
+    "moeresq": ("moeresq", "nvfp4", True),
+    "trace": ("trace", "nvfp4", False),
+    "w4a16": ("bf16", "w4a16", False),
+    "qat-w4a16": ("qat", "w4a16", False),
+    "w16a4": ("bf16", "w16a4", False),
+}
+CHOICES = {
+    "recipe": RECIPES,
+    "preset": moe.PRESETS,
+    "task": tasks.TASKS,  # checked, and listed in --help
+    "act_scale": nvfp4.ACT_SCALES,
+}
 
 
 @dataclass
 class TrainConfig:
     # run
-    out_dir: str = "runs"          # one directory per run, and the shared warm-start cache (warmstart/)
-    run_name: str = ""             # the run's directory under out_dir ("" = recipe and switches: nvfp4+tis2)
-    resume: bool = False           # continue the run from its checkpoint (same config; --steps may grow)
-    overwrite: bool = False        # start over where a run is (deletes the run's directory)
-    seed: int = 0                  # model init, warm-start, data order and sampling all derive from it
-    device: str = ""               # cpu, cuda or cuda:N ("" = cuda if available, else cpu)
-    threads: int | None = None     # torch's CPU threads (default 1 on the tiny preset, see runs.set_threads)
-    checkpoint_every: int = 25     # steps between checkpoints (also written at the end and on Ctrl-C)
-    cuda_graph: bool = True        # decode steps as a captured CUDA graph (GPU only)
-    fsdp: bool = False             # under torchrun: shard the trainer per block (FSDP2) instead of DDP
+    out_dir: str = "runs"  # one directory per run, and the shared warm-start cache (warmstart/)
+    run_name: str = ""  # the run's directory under out_dir ("" = recipe and switches: nvfp4+tis2)
+    resume: bool = False  # continue the run from its checkpoint (same config; --steps may grow)
+    overwrite: bool = False  # start over where a run is (deletes the run's directory)
+    seed: int = 0  # model init, warm-start, data order and sampling all derive from it
+    device: str = ""  # cpu, cuda or cuda:N ("" = cuda if available, else cpu)
+    threads: int | None = (
+        None  # torch's CPU threads (default 1 on the tiny preset, see runs.set_threads)
+    )
+    checkpoint_every: int = 25  # steps between checkpoints (also written at the end and on Ctrl-C)
+    cuda_graph: bool = True  # decode steps as a captured CUDA graph (GPU only)
+    fsdp: bool = False  # under torchrun: shard the trainer per block (FSDP2) instead of DDP
     # model and task
-    preset: str | None = None      # model size (default tiny on CPU, small on GPU; none with --model)
-    preset_overrides: str = ""     # preset fields replaced, e.g. "dim=128,head_dim=32,expert_dim=128"
-    model: str = ""                # a Hugging Face Qwen3-MoE directory or hub id (needs --task gsm8k)
-    task: str = "arith"            # arith: built in, with its own tokenizer; gsm8k: needs --model
-    task_source: str = ""          # gsm8k: a .jsonl/.json/.parquet file or a hub dataset (openai/gsm8k)
+    preset: str | None = None  # model size (default tiny on CPU, small on GPU; none with --model)
+    preset_overrides: str = ""  # preset fields replaced, e.g. "dim=128,head_dim=32,expert_dim=128"
+    model: str = ""  # a Hugging Face Qwen3-MoE directory or hub id (needs --task gsm8k)
+    task: str = "arith"  # arith: built in, with its own tokenizer; gsm8k: needs --model
+    task_source: str = ""  # gsm8k: a .jsonl/.json/.parquet file or a hub dataset (openai/gsm8k)
     difficulty: int | None = None  # arith: digits per operand (default 2 on CPU, 3 on GPU)
-    demo_error_rate: float = 0.5   # share of warm-start demonstrations with one mistake (room for RL)
+    demo_error_rate: float = (
+        0.5  # share of warm-start demonstrations with one mistake (room for RL)
+    )
     # RL
-    steps: int | None = None       # RL steps (default 60 on CPU, 200 on GPU)
+    steps: int | None = None  # RL steps (default 60 on CPU, 200 on GPU)
     prompts_per_step: int | None = None  # P, prompts per step (default 16 on CPU, 32 on GPU)
-    group_size: int = 8            # G, samples per prompt: GRPO's advantages compare them
-    lr: float | None = None        # AdamW learning rate of RL (default 1e-4 on the tiny preset, else 2e-5)
-    temperature: float = 1.0       # sampling temperature of the rollout (the trainer's log-probs use it too)
-    max_new_tokens: int | None = None  # completion length cap (default the task's longest completion + EOS)
-    clip_low: float = 0.2          # PPO ratio clip below 1 - clip_low
-    clip_high: float = 0.28        # PPO ratio clip above 1 + clip_high (clip-higher, as in DAPO)
-    grad_clip: float = 1.0         # max global gradient norm
-    minibatches: int = 1           # optimizer steps per rollout batch, each on a shuffled 1/N of its rows
-    mipu: bool = False             # MIPU: ratios against the rollout; keep an update only if it improves
-    warmstart_steps: int | None = None  # supervised steps before RL (default 300 on CPU, 1500 on GPU)
-    warmstart_batch: int = 64      # demonstrations per warm-start step
-    warmstart_lr: float | None = None  # warm-start peak learning rate (default 3e-3 on tiny, else 1e-3)
-    eval_every: int | None = None  # steps between pass@1 evaluations (default steps // 5; also 0 and last)
+    group_size: int = 8  # G, samples per prompt: GRPO's advantages compare them
+    lr: float | None = (
+        None  # AdamW learning rate of RL (default 1e-4 on the tiny preset, else 2e-5)
+    )
+    temperature: float = (
+        1.0  # sampling temperature of the rollout (the trainer's log-probs use it too)
+    )
+    max_new_tokens: int | None = (
+        None  # completion length cap (default the task's longest completion + EOS)
+    )
+    clip_low: float = 0.2  # PPO ratio clip below 1 - clip_low
+    clip_high: float = 0.28  # PPO ratio clip above 1 + clip_high (clip-higher, as in DAPO)
+    grad_clip: float = 1.0  # max global gradient norm
+    minibatches: int = 1  # optimizer steps per rollout batch, each on a shuffled 1/N of its rows
+    mipu: bool = False  # MIPU: ratios against the rollout; keep an update only if it improves
+    warmstart_steps: int | None = (
+        None  # supervised steps before RL (default 300 on CPU, 1500 on GPU)
+    )
+    warmstart_batch: int = 64  # demonstrations per warm-start step
+    warmstart_lr: float | None = (
+        None  # warm-start peak learning rate (default 3e-3 on tiny, else 1e-3)
+    )
+    eval_every: int | None = (
+        None  # steps between pass@1 evaluations (default steps // 5; also 0 and last)
+    )
     eval_prompts: int | None = None  # held-out prompts for pass@1 (default 128 on CPU, 512 on GPU)
     # recipe switches
-    recipe: str = "quads"          # the trainer's and the rollout's precision (RECIPES)
-    tis: float = 0.0               # truncated importance sampling cap C (0 = off; verl uses 2)
-    r3: bool = False               # replay the rollout's expert routes in the trainer (R3)
-    rac_ratio: float = 0.5         # fraction of activation blocks compensated by RAC (rac, quads, moeresq)
-    rac_refresh: int = 1           # recalibrate the RAC block selection every N weight syncs
-    act_scale: str = "tensor"      # NVFP4 activations' global scale: per tensor (the paper's) or per row
+    recipe: str = "quads"  # the trainer's and the rollout's precision (RECIPES)
+    tis: float = 0.0  # truncated importance sampling cap C (0 = off; verl uses 2)
+    r3: bool = False  # replay the rollout's expert routes in the trainer (R3)
+    rac_ratio: float = 0.5  # fraction of activation blocks compensated by RAC (rac, quads, moeresq)
+    rac_refresh: int = 1  # recalibrate the RAC block selection every N weight syncs
+    act_scale: str = (
+        "tensor"  # NVFP4 activations' global scale: per tensor (the paper's) or per row
+    )
 
     def __post_init__(self):
         runs.validate(self, CHOICES)
@@ -124,43 +164,70 @@ class TrainConfig:
         gpu = self.device.startswith("cuda")
         if self.preset is None and not self.model:
             self.preset = "small" if gpu else "tiny"
-        runs.preset_overrides(self.preset, self.preset_overrides)  # checked here, applied in build_model
+        runs.preset_overrides(
+            self.preset, self.preset_overrides
+        )  # checked here, applied in build_model
         tiny = self.preset == "tiny"
-        defaults = dict(difficulty=(3 if gpu else 2) if self.task == "arith" else None,
-                        steps=200 if gpu else 60, prompts_per_step=32 if gpu else 16,
-                        lr=1e-4 if tiny else 2e-5,
-                        warmstart_steps=1500 if gpu else 300, warmstart_lr=3e-3 if tiny else 1e-3,
-                        eval_prompts=512 if gpu else 128)
+        defaults = dict(
+            difficulty=(3 if gpu else 2) if self.task == "arith" else None,
+            steps=200 if gpu else 60,
+            prompts_per_step=32 if gpu else 16,
+            lr=1e-4 if tiny else 2e-5,
+            warmstart_steps=1500 if gpu else 300,
+            warmstart_lr=3e-3 if tiny else 1e-3,
+            eval_prompts=512 if gpu else 128,
+        )
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, default)
         self.eval_every = max(1, self.steps // 5) if self.eval_every is None else self.eval_every
-        runs.require(self.minibatches <= self.prompts_per_step * self.group_size, "minibatches", self.minibatches,
-                f"must be at most prompts x group size = {self.prompts_per_step * self.group_size}")
-        world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun: each rank needs rows for every mini-batch
-        runs.require(self.prompts_per_step // world * self.group_size >= self.minibatches, "prompts-per-step",
-                self.prompts_per_step, f"must give each of the {world} ranks at least --minibatches "
-                f"{self.minibatches} rows ({self.group_size} per prompt)")
-        runs.refuse(self.act_scale != "tensor" and RECIPES[self.recipe][1] not in rac.ACTIVATION_MODES, "act-scale",
-                    f"{self.act_scale!r} scales NVFP4 activations; recipe {self.recipe} has none")
+        runs.require(
+            self.minibatches <= self.prompts_per_step * self.group_size,
+            "minibatches",
+            self.minibatches,
+            f"must be at most prompts x group size = {self.prompts_per_step * self.group_size}",
+        )
+        world = int(
+            os.environ.get("WORLD_SIZE", 1)
+        )  # torchrun: each rank needs rows for every mini-batch
+        runs.require(
+            self.prompts_per_step // world * self.group_size >= self.minibatches,
+            "prompts-per-step",
+            self.prompts_per_step,
+            f"must give each of the {world} ranks at least --minibatches "
+            f"{self.minibatches} rows ({self.group_size} per prompt)",
+        )
+        runs.refuse(
+            self.act_scale != "tensor" and RECIPES[self.recipe][1] not in rac.ACTIVATION_MODES,
+            "act-scale",
+            f"{self.act_scale!r} scales NVFP4 activations; recipe {self.recipe} has none",
+        )
         self.run_name = self.run_name or variant_name(self)
 
 
 def variant_name(cfg, ratio_given=False):
     """recipe[@rac_ratio][+row][+tisC][+r3][+mbN][+mipu]: the ratio when not the default, or when asked."""
     ratio = RECIPES[cfg.recipe][2] and (ratio_given or cfg.rac_ratio != TrainConfig.rac_ratio)
-    return (cfg.recipe + (f"@{cfg.rac_ratio:g}" if ratio else "") + "+row" * (cfg.act_scale == "row")
-            + (f"+tis{cfg.tis:g}" if cfg.tis else "") + "+r3" * cfg.r3
-            + (f"+mb{cfg.minibatches}" if cfg.minibatches > 1 else "") + "+mipu" * cfg.mipu)
+    return (
+        cfg.recipe
+        + (f"@{cfg.rac_ratio:g}" if ratio else "")
+        + "+row" * (cfg.act_scale == "row")
+        + (f"+tis{cfg.tis:g}" if cfg.tis else "")
+        + "+r3" * cfg.r3
+        + (f"+mb{cfg.minibatches}" if cfg.minibatches > 1 else "")
+        + "+mipu" * cfg.mipu
+    )
 
 
 # ----------------------------------------------------------------------------- the starting policy
 def build_task(cfg):
     """The task, loaded; a dataset that cannot be loaded is a ConfigError naming the source and the fix."""
     if cfg.task == "arith":
-        return tasks.make_task("arith", difficulty=cfg.difficulty, demo_error_rate=cfg.demo_error_rate,
-                               seed=cfg.seed)
+        return tasks.make_task(
+            "arith", difficulty=cfg.difficulty, demo_error_rate=cfg.demo_error_rate, seed=cfg.seed
+        )
     import datasets
+
     source = cfg.task_source or "openai/gsm8k"
     try:
         return tasks.make_task(cfg.task, source=source, seed=cfg.seed)
@@ -168,29 +235,40 @@ def build_task(cfg):
         raise ConfigError(f"argument --task-source: {error}") from None
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as error:
         cause = f"; {one_line(error.__cause__)}" if error.__cause__ else ""
-        raise ConfigError(f"argument --task-source: cannot load the {cfg.task} dataset {source!r} "
-                          f"({one_line(error)}{cause}); offline, give a local file: --task-source "
-                          "FILE.jsonl (one JSON object per line with 'question' and 'answer')") from None
+        raise ConfigError(
+            f"argument --task-source: cannot load the {cfg.task} dataset {source!r} "
+            f"({one_line(error)}{cause}); offline, give a local file: --task-source "
+            "FILE.jsonl (one JSON object per line with 'question' and 'answer')"
+        ) from None
 
 
 def build_model(cfg, task):
     """The BF16 policy before warm-start: a preset with the task's vocabulary, or a real checkpoint."""
     torch.manual_seed(cfg.seed)
     if not cfg.model:
-        config = moe.MoEConfig.from_preset(cfg.preset, vocab_size=task.tokenizer.vocab_size,
-                                           **runs.preset_overrides(cfg.preset, cfg.preset_overrides))
+        config = moe.MoEConfig.from_preset(
+            cfg.preset,
+            vocab_size=task.tokenizer.vocab_size,
+            **runs.preset_overrides(cfg.preset, cfg.preset_overrides),
+        )
         model = moe.MoETransformer(config)
         model.init_weights()
         return model.to(cfg.device), task.tokenizer
     try:
         model, hf_tokenizer = moe.load_hf(cfg.model)
-    except (OSError, ValueError) as error:  # no config.json, weights that do not fit, an unreachable hub
+    except (
+        OSError,
+        ValueError,
+    ) as error:  # no config.json, weights that do not fit, an unreachable hub
         where = "the directory" if os.path.isdir(cfg.model) else "no such directory, and the hub id"
-        raise ConfigError(f"argument --model: cannot load {cfg.model} ({where}): "
-                          f"{one_line(error)}") from None
+        raise ConfigError(
+            f"argument --model: cannot load {cfg.model} ({where}): {one_line(error)}"
+        ) from None
     if hf_tokenizer is None:
-        raise ConfigError(f"argument --model: {cfg.model} has no tokenizer files (tokenizer.json, "
-                          "tokenizer_config.json or vocab.json); RL needs one")
+        raise ConfigError(
+            f"argument --model: {cfg.model} has no tokenizer files (tokenizer.json, "
+            "tokenizer_config.json or vocab.json); RL needs one"
+        )
     try:
         return model.to(cfg.device), tasks.HFTokenizer(hf_tokenizer)
     except ValueError as error:
@@ -200,7 +278,11 @@ def build_model(cfg, task):
 def autocast(cfg):
     """BF16 compute with FP32 master weights on the GPU; plain FP32 on the CPU (exact, for tests)."""
     gpu = cfg.device.startswith("cuda")
-    return torch.autocast("cuda", dtype=torch.bfloat16) if gpu else torch.autocast("cpu", enabled=False)
+    return (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if gpu
+        else torch.autocast("cpu", enabled=False)
+    )
 
 
 # ----------------------------------------------------------------------------- warm-start
@@ -208,29 +290,40 @@ def warmstart(cfg, model, task, tokenizer):
     """Supervised fine-tuning on demonstrations (loss on completion + EOS tokens), cached on disk."""
     path = runs.warmstart_path(cfg)
     if os.path.exists(path):
-        model.load_state_dict(load_checkpoint(path, cfg.device, "delete it to recompute it",
-                                              "warm-start cache"))
+        model.load_state_dict(
+            load_checkpoint(path, cfg.device, "delete it to recompute it", "warm-start cache")
+        )
         print(f"warm-start: loaded {path}")
         return model
     os.makedirs(os.path.dirname(path), exist_ok=True)
     rng = random.Random(cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart_lr, weight_decay=0.0,
-                                  betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.warmstart_lr, weight_decay=0.0, betas=(0.9, 0.95)
+    )
     bar = tqdm(range(cfg.warmstart_steps), desc="warm-start", dynamic_ncols=True)
     for step in bar:
         warmup = min(1.0, (step + 1) / 50)
         lr = cfg.warmstart_lr * warmup * 0.5 * (1 + math.cos(math.pi * step / cfg.warmstart_steps))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        rows = [(tokenizer.encode(p.prompt), tokenizer.encode(task.demonstration(p, rng)) + [tokenizer.eos_id])
-                for p in task.sample(cfg.warmstart_batch, "train", rng)]          # (prompt, target) ids
+        rows = [
+            (
+                tokenizer.encode(p.prompt),
+                tokenizer.encode(task.demonstration(p, rng)) + [tokenizer.eos_id],
+            )
+            for p in task.sample(cfg.warmstart_batch, "train", rng)
+        ]  # (prompt, target) ids
         width = max(len(a) + len(b) for a, b in rows)
-        tokens = torch.tensor([a + b + [tokenizer.pad_id] * (width - len(a) - len(b)) for a, b in rows])
-        target_mask = torch.tensor([[len(a) <= i < len(a) + len(b) for i in range(width)] for a, b in rows])
+        tokens = torch.tensor(
+            [a + b + [tokenizer.pad_id] * (width - len(a) - len(b)) for a, b in rows]
+        )
+        target_mask = torch.tensor(
+            [[len(a) <= i < len(a) + len(b) for i in range(width)] for a, b in rows]
+        )
         tokens, target_mask = tokens.to(cfg.device), target_mask.to(cfg.device)
         with autocast(cfg):
             logits = model(tokens[:, :-1])
-        logp = grpo.token_logprobs(logits.float(), tokens[:, 1:])                # (N, W-1)
+        logp = grpo.token_logprobs(logits.float(), tokens[:, 1:])  # (N, W-1)
         mask = target_mask[:, 1:]
         loss = -(logp * mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)
@@ -263,18 +356,30 @@ def evaluate(cfg, model, task, tokenizer, problems, ranks=SINGLE):
     start, stop = distributed.shard(len(problems), ranks)
     total = 0.0
     if stop > start:
-        out = rollout.generate(model, encode_prompts(tokenizer, problems[start:stop]), 1,
-                               max_new_tokens(cfg, task), temperature=cfg.temperature,
-                               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=cfg.seed + 12345,
-                               cuda_graph=cfg.cuda_graph, row_offset=start)
+        out = rollout.generate(
+            model,
+            encode_prompts(tokenizer, problems[start:stop]),
+            1,
+            max_new_tokens(cfg, task),
+            temperature=cfg.temperature,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+            seed=cfg.seed + 12345,
+            cuda_graph=cfg.cuda_graph,
+            row_offset=start,
+        )
         total = score(task, tokenizer, problems[start:stop], out, 1).sum().item()
     return (distributed.all_sum([total], ranks)[0] / len(problems)).item()
 
 
 def score(task, tokenizer, problems, out, group_size):
-    completions = [tokenizer.decode(row[m].tolist())
-                   for row, m in zip(out.completion_ids.cpu(), out.completion_mask.cpu())]
-    return torch.tensor([task.reward(problems[i // group_size], text) for i, text in enumerate(completions)])
+    completions = [
+        tokenizer.decode(row[m].tolist())
+        for row, m in zip(out.completion_ids.cpu(), out.completion_mask.cpu())
+    ]
+    return torch.tensor(
+        [task.reward(problems[i // group_size], text) for i, text in enumerate(completions)]
+    )
 
 
 # ----------------------------------------------------------------------------- the two sides of a recipe
@@ -282,17 +387,32 @@ def build_recipe(cfg, model, recipe, rac_ratio):
     """A recipe's two sides from one policy: the rollout model (a converted copy), the trainer (model itself,
     converted in place) and, for trace, the recorder of the rollout's codes (else None)."""
     train_mode, rollout_mode, _ = RECIPES[recipe]
-    rollout_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype(cfg)), rollout_mode,
-                                            rac_ratio=rac_ratio, act_scale=cfg.act_scale)
+    rollout_model = rac.convert_for_rollout(
+        copy.deepcopy(model).to(rollout_dtype(cfg)),
+        rollout_mode,
+        rac_ratio=rac_ratio,
+        act_scale=cfg.act_scale,
+    )
     trainer = qat.convert_for_training(model, train_mode, act_scale=cfg.act_scale)
-    return rollout_model, trainer, qat.RolloutRecorder(cfg.act_scale) if train_mode == "trace" else None
+    return (
+        rollout_model,
+        trainer,
+        qat.RolloutRecorder(cfg.act_scale) if train_mode == "trace" else None,
+    )
 
 
 def shared_state(rollout_model, train_mode, codes=None):
     """What the trainer's forward takes from the rollout (qat.SharedState): moeresq's current RAC block
     masks, read off the rollout's layers (one selection for both sides), and trace's recorded codes."""
-    masks = {path: tuple(selector.mask for selector in rac.selectors(m))
-             for path, m in rollout_model.named_modules() if rac.selectors(m)} if train_mode == "moeresq" else None
+    masks = (
+        {
+            path: tuple(selector.mask for selector in rac.selectors(m))
+            for path, m in rollout_model.named_modules()
+            if rac.selectors(m)
+        }
+        if train_mode == "moeresq"
+        else None
+    )
     return qat.SharedState(masks, codes)
 
 
@@ -303,14 +423,20 @@ def trainer_logprobs(cfg, trainer, seq, shared=qat.SharedState(), rows=slice(Non
     trainer replays the rollout's routes; `shared` (qat.SharedState): what it takes from the rollout."""
     tokens = seq.tokens[rows]
     shared = shared if isinstance(rows, slice) else shared.select_rows(rows, seq.tokens.shape[1])
-    with autocast(cfg), qat.sharing(getattr(trainer, "module", trainer), shared):  # DDP wraps the trainer
+    with (
+        autocast(cfg),
+        qat.sharing(getattr(trainer, "module", trainer), shared),
+    ):  # DDP wraps the trainer
         forced_routes = seq.routes[:, rows] if cfg.r3 else None
         logits, routes = trainer(tokens, forced_routes=forced_routes, return_routes=True)
-    return grpo.token_logprobs(logits[:, :-1].float() / max(cfg.temperature, 1e-6), tokens[:, 1:]), routes
+    return grpo.token_logprobs(
+        logits[:, :-1].float() / max(cfg.temperature, 1e-6), tokens[:, 1:]
+    ), routes
 
 
-def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed, shared=qat.SharedState(),
-                  ranks=SINGLE):
+def policy_update(
+    cfg, trainer, optimizer, seq, advantages, shuffle_seed, shared=qat.SharedState(), ranks=SINGLE
+):
     """GRPO on one rollout batch: cfg.minibatches optimizer steps, each on a shuffled 1/N of its rows.
 
     Three log-probs per token (grpo.py): `rollout` (the engine's), `old` (the trainer under the weights that
@@ -325,28 +451,53 @@ def policy_update(cfg, trainer, optimizer, seq, advantages, shuffle_seed, shared
         with torch.no_grad():
             old_logp, old_routes = trainer_logprobs(cfg, trainer, seq, shared)
         generator = torch.Generator().manual_seed(shuffle_seed + 7919 * ranks.rank)
-        minibatches = torch.randperm(seq.tokens.shape[0], generator=generator).to(seq.tokens.device).chunk(
-            cfg.minibatches)
+        minibatches = (
+            torch.randperm(seq.tokens.shape[0], generator=generator)
+            .to(seq.tokens.device)
+            .chunk(cfg.minibatches)
+        )
     minibatch_stats = []
     for rows in minibatches:
         new_logp, routes = trainer_logprobs(cfg, trainer, seq, shared, rows)
         if cfg.minibatches == 1:
             old_logp, old_routes = new_logp.detach(), routes
         reference = rollout_logp if cfg.mipu else old_logp
-        loss, stats = grpo.policy_loss(new_logp, reference[rows], advantages[rows], mask[rows], cfg.clip_low,
-                                       cfg.clip_high, rollout_logprobs=rollout_logp[rows],
-                                       tis_cap=cfg.tis or None)
-        if distributed.all_sum([0.0 if torch.isfinite(loss) else 1.0], ranks)[0] > 0:  # any rank: all stop
+        loss, stats = grpo.policy_loss(
+            new_logp,
+            reference[rows],
+            advantages[rows],
+            mask[rows],
+            cfg.clip_low,
+            cfg.clip_high,
+            rollout_logprobs=rollout_logp[rows],
+            tis_cap=cfg.tis or None,
+        )
+        if (
+            distributed.all_sum([0.0 if torch.isfinite(loss) else 1.0], ranks)[0] > 0
+        ):  # any rank: all stop
             raise FloatingPointError(f"non-finite loss ({loss.item()})")
         share, stats = distributed.loss_share(loss, stats, mask[rows], ranks)
         optimizer.zero_grad(set_to_none=True)
         (loss * share).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2
+        grad_norm = (
+            grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        )  # FSDP2
         optimizer.step()
-        minibatch_stats.append({"loss": stats.pop("loss"), "grad_norm": grad_norm.detach(), **stats})
-    values = torch.stack([torch.stack([torch.as_tensor(v, dtype=torch.float32, device=grad_norm.device)
-                                       for v in s.values()]) for s in minibatch_stats]).tolist()  # one sync
+        minibatch_stats.append(
+            {"loss": stats.pop("loss"), "grad_norm": grad_norm.detach(), **stats}
+        )
+    values = torch.stack(
+        [
+            torch.stack(
+                [
+                    torch.as_tensor(v, dtype=torch.float32, device=grad_norm.device)
+                    for v in s.values()
+                ]
+            )
+            for s in minibatch_stats
+        ]
+    ).tolist()  # one sync
     return old_logp, old_routes, [dict(zip(minibatch_stats[0], row)) for row in values]
 
 
@@ -354,13 +505,24 @@ def update_metrics(cfg, minibatch_stats):
     """What the log keeps of one policy update: loss and gradient norm (means over mini-batches), and, when
     they can differ from their on-policy values (not with one mini-batch against old: ratio = 1), the PPO
     ratio's mean, min and max, the clipped fractions (TRL's names) and the K3 KL(old || new)."""
+
     def mean(key):
         return sum(s[key] for s in minibatch_stats) / len(minibatch_stats)
 
     record = {"loss": mean("loss"), "grad_norm": mean("grad_norm")}
     if cfg.minibatches > 1 or cfg.mipu:
-        record.update({key: mean(key) for key in ("ratio/mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                                                  "clip_ratio/region_mean", "approx_kl")})
+        record.update(
+            {
+                key: mean(key)
+                for key in (
+                    "ratio/mean",
+                    "clip_ratio/low_mean",
+                    "clip_ratio/high_mean",
+                    "clip_ratio/region_mean",
+                    "approx_kl",
+                )
+            }
+        )
         record["ratio/min"] = min(s["ratio/min"] for s in minibatch_stats)
         record["ratio/max"] = max(s["ratio/max"] for s in minibatch_stats)
     return record
@@ -370,21 +532,34 @@ def update_metrics(cfg, minibatch_stats):
 @dataclass
 class Setup:
     """What a run is built from: models, optimizer, data and paths (everything but the loop's state)."""
+
     cfg: TrainConfig
     task: object
     tokenizer: object
-    trainer: torch.nn.Module        # FP32 master weights, the optimizer's (forward fake-quantized per recipe)
-    train_forward: torch.nn.Module  # what the loop calls: DDP(trainer) under torchrun, else the trainer
-    rollout_model: torch.nn.Module  # the recipe's rollout precision; sync() loads it from the trainer
-    eval_model: torch.nn.Module     # a BF16 copy of the trainer's weights, for the trainer's own pass@1
+    trainer: (
+        torch.nn.Module
+    )  # FP32 master weights, the optimizer's (forward fake-quantized per recipe)
+    train_forward: (
+        torch.nn.Module
+    )  # what the loop calls: DDP(trainer) under torchrun, else the trainer
+    rollout_model: (
+        torch.nn.Module
+    )  # the recipe's rollout precision; sync() loads it from the trainer
+    eval_model: (
+        torch.nn.Module
+    )  # a BF16 copy of the trainer's weights, for the trainer's own pass@1
     optimizer: torch.optim.Optimizer
-    rac_ratio: float                # 0 when the recipe has no RAC
-    calib_tokens: torch.Tensor      # (16, W) prompts + demonstrations that choose RAC's compensated blocks
-    eval_problems: list             # held-out problems for pass@1
-    run_dir: str                    # out_dir/run_name: config.json, metrics.jsonl, checkpoint.pt (tools/runs.py)
-    start_step: int                 # 0, or the checkpoint's step under --resume
-    recorder: object = None         # trace: the qat.RolloutRecorder fed by the rollout
-    ranks: distributed.Distributed = SINGLE  # this process's rank and the world size (1 without torchrun)
+    rac_ratio: float  # 0 when the recipe has no RAC
+    calib_tokens: (
+        torch.Tensor
+    )  # (16, W) prompts + demonstrations that choose RAC's compensated blocks
+    eval_problems: list  # held-out problems for pass@1
+    run_dir: str  # out_dir/run_name: config.json, metrics.jsonl, checkpoint.pt (tools/runs.py)
+    start_step: int  # 0, or the checkpoint's step under --resume
+    recorder: object = None  # trace: the qat.RolloutRecorder fed by the rollout
+    ranks: distributed.Distributed = (
+        SINGLE  # this process's rank and the world size (1 without torchrun)
+    )
 
     def __post_init__(self):
         self.ckpt_path = os.path.join(self.run_dir, "checkpoint.pt")
@@ -394,9 +569,14 @@ class Setup:
 def calibration_tokens(cfg, task, tokenizer):
     """(16, W) prompts + demonstrations on which RAC chooses its compensated blocks (fixed by the seed)."""
     rng = random.Random(cfg.seed + 777)
-    rows = [tokenizer.encode(p.prompt + task.demonstration(p, rng)) for p in task.sample(16, "train", rng)]
+    rows = [
+        tokenizer.encode(p.prompt + task.demonstration(p, rng))
+        for p in task.sample(16, "train", rng)
+    ]
     width = max(map(len, rows))
-    return torch.tensor([r + [tokenizer.pad_id] * (width - len(r)) for r in rows], device=cfg.device)
+    return torch.tensor(
+        [r + [tokenizer.pad_id] * (width - len(r)) for r in rows], device=cfg.device
+    )
 
 
 def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
@@ -406,43 +586,81 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
     ckpt = ckpt if ckpt is not None else check_run_dir(cfg)
     task = build_task(cfg)
     model, tokenizer = build_model(cfg, task)
-    prompt, completion = getattr(task, "max_prompt_chars", 0), max_new_tokens(cfg, task)  # arith: a char a token
+    prompt, completion = (
+        getattr(task, "max_prompt_chars", 0),
+        max_new_tokens(cfg, task),
+    )  # arith: a char a token
     if prompt + completion > model.config.max_seq_len:
-        raise ConfigError(f"{prompt} prompt + {completion} completion tokens exceed the model's max_seq_len="
-                          f"{model.config.max_seq_len}: lower --difficulty or --max-new-tokens, or raise "
-                          "max_seq_len with --preset-overrides")
+        raise ConfigError(
+            f"{prompt} prompt + {completion} completion tokens exceed the model's max_seq_len="
+            f"{model.config.max_seq_len}: lower --difficulty or --max-new-tokens, or raise "
+            "max_seq_len with --preset-overrides"
+        )
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     if ranks.main:  # only rank 0 writes
         if cfg.overwrite and os.path.isdir(run_dir):
-            shutil.rmtree(run_dir)  # the whole run: metrics, checkpoint and whatever was made from them
+            shutil.rmtree(
+                run_dir
+            )  # the whole run: metrics, checkpoint and whatever was made from them
         os.makedirs(run_dir, exist_ok=True)
         config_path = os.path.join(run_dir, "config.json")
         starts = runs.read_provenance(config_path) if ckpt is not None else []
-        start = {"from_step": ckpt["step"] if ckpt is not None else 0, **runs.provenance(cfg.device)}
-        config = {**dataclasses.asdict(cfg), "provenance": starts + [start]}  # one entry per (re)start
+        start = {
+            "from_step": ckpt["step"] if ckpt is not None else 0,
+            **runs.provenance(cfg.device),
+        }
+        config = {
+            **dataclasses.asdict(cfg),
+            "provenance": starts + [start],
+        }  # one entry per (re)start
         write_text(json.dumps(config, indent=2), config_path)
         print(f"run {cfg.run_name}: {json.dumps(dataclasses.asdict(cfg))}")
     if base_state is None:
-        with distributed.rank0_first(ranks):  # rank 0 computes (or loads) the warm-start; the others load it
+        with distributed.rank0_first(
+            ranks
+        ):  # rank 0 computes (or loads) the warm-start; the others load it
             warmstart(cfg, model, task, tokenizer)
     else:
         model.load_state_dict(base_state)  # a comparison: every recipe from the one warm-start
     rac_ratio = cfg.rac_ratio if RECIPES[cfg.recipe][2] else 0.0
     eval_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype(cfg)), "bf16")
     rollout_model, trainer, recorder = build_recipe(cfg, model, cfg.recipe, rac_ratio)
-    train_forward = distributed.distribute_trainer(trainer, cfg, ranks)  # before the optimizer: FSDP2 swaps
-    optimizer = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
+    train_forward = distributed.distribute_trainer(
+        trainer, cfg, ranks
+    )  # before the optimizer: FSDP2 swaps
+    optimizer = torch.optim.AdamW(
+        trainer.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)
+    )
     eval_problems = task.sample(cfg.eval_prompts, "test", random.Random(cfg.seed + 999))
-    s = Setup(cfg, task, tokenizer, trainer, train_forward, rollout_model, eval_model, optimizer, rac_ratio,
-              calibration_tokens(cfg, task, tokenizer), eval_problems, run_dir, 0, recorder, ranks)
+    s = Setup(
+        cfg,
+        task,
+        tokenizer,
+        trainer,
+        train_forward,
+        rollout_model,
+        eval_model,
+        optimizer,
+        rac_ratio,
+        calibration_tokens(cfg, task, tokenizer),
+        eval_problems,
+        run_dir,
+        0,
+        recorder,
+        ranks,
+    )
     if ckpt is not None:
         distributed.load_trainer_state(trainer, optimizer, ckpt["trainer"], ckpt["optimizer"])
         s.start_step = ckpt["step"]
-        if ranks.main:  # drop records logged after the checkpoint (they will be recomputed identically)
+        if (
+            ranks.main
+        ):  # drop records logged after the checkpoint (they will be recomputed identically)
             kept = [r for r in read_metrics(s.metrics_path) if r["step"] <= s.start_step]
             atomic_save("".join(json.dumps(r) + "\n" for r in kept), s.metrics_path, write_text)
             print(f"resumed {run_dir} at step {s.start_step}")
-    sync(s, s.start_step)  # the rollout starts from the trainer's weights (the checkpoint's, on resume)
+    sync(
+        s, s.start_step
+    )  # the rollout starts from the trainer's weights (the checkpoint's, on resume)
     return s
 
 
@@ -458,45 +676,72 @@ def save(s, step):
     """Rank 0 writes the whole trainer and optimizer state (gathered from the shards under FSDP2)."""
     model_state, optimizer_state = distributed.trainer_state(s.trainer, s.optimizer)
     if s.ranks.main:
-        atomic_save({"step": step, "trainer": model_state, "optimizer": optimizer_state,
-                     "config": dataclasses.asdict(s.cfg)}, s.ckpt_path)
+        atomic_save(
+            {
+                "step": step,
+                "trainer": model_state,
+                "optimizer": optimizer_state,
+                "config": dataclasses.asdict(s.cfg),
+            },
+            s.ckpt_path,
+        )
 
 
 def evaluate_both(s):
     """pass@1 on the held-out problems of the rollout model and of the trainer's weights in BF16."""
     distributed.sync_from_trainer(s.eval_model, s.trainer)
-    return {name: evaluate(s.cfg, model, s.task, s.tokenizer, s.eval_problems, s.ranks)
-            for name, model in (("pass@1", s.rollout_model), ("pass@1_bf16_trainer", s.eval_model))}
+    return {
+        name: evaluate(s.cfg, model, s.task, s.tokenizer, s.eval_problems, s.ranks)
+        for name, model in (("pass@1", s.rollout_model), ("pass@1_bf16_trainer", s.eval_model))
+    }
 
 
 def run(cfg, base_state=None, ranks=SINGLE):
     """Warm-start (or reuse), then GRPO for cfg.steps; print a summary. Returns the run directory."""
     ckpt = check_run_dir(cfg)
-    distributed.barrier(ranks)  # every rank has checked the run directory before rank 0 writes to it
+    distributed.barrier(
+        ranks
+    )  # every rank has checked the run directory before rank 0 writes to it
     if ckpt is not None and ckpt["step"] == cfg.steps:
         run_dir = os.path.join(cfg.out_dir, cfg.run_name)
         if ranks.main:
-            print(f"run {run_dir} is complete at step {cfg.steps}: nothing to do (--steps N > {cfg.steps} "
-                  f"extends it)\n{runs.report(cfg, run_dir, runs.warmstart_path(cfg))}")
+            print(
+                f"run {run_dir} is complete at step {cfg.steps}: nothing to do (--steps N > {cfg.steps} "
+                f"extends it)\n{runs.report(cfg, run_dir, runs.warmstart_path(cfg))}"
+            )
         return run_dir
     s = setup(cfg, base_state, ckpt, ranks)
-    if s.start_step == 0 and (baseline := evaluate_both(s)) and ranks.main:  # the curves' common start
+    if (
+        s.start_step == 0 and (baseline := evaluate_both(s)) and ranks.main
+    ):  # the curves' common start
         with open(s.metrics_path, "a") as f:
             f.write(json.dumps({"step": 0, **baseline}) + "\n")
-    bar = tqdm(range(s.start_step, cfg.steps), desc=cfg.run_name, dynamic_ncols=True, initial=s.start_step,
-               total=cfg.steps, disable=not ranks.main)
-    evals = [r for r in read_metrics(s.metrics_path) if "pass@1" in r]  # the bar shows the last pass@1
+    bar = tqdm(
+        range(s.start_step, cfg.steps),
+        desc=cfg.run_name,
+        dynamic_ncols=True,
+        initial=s.start_step,
+        total=cfg.steps,
+        disable=not ranks.main,
+    )
+    evals = [
+        r for r in read_metrics(s.metrics_path) if "pass@1" in r
+    ]  # the bar shows the last pass@1
     last_eval = {k: evals[-1][k] for k in ("pass@1", "pass@1_bf16_trainer")} if evals else {}
-    accepted = [r["mipu/accepted"] > 0 for r in read_metrics(s.metrics_path) if "mipu/accepted" in r]
+    accepted = [
+        r["mipu/accepted"] > 0 for r in read_metrics(s.metrics_path) if "mipu/accepted" in r
+    ]
     with HeldInterrupt(s.start_step) as interrupt:
         try:
             for step in bar:
                 record = rl_step(s, step, interrupt, accepted)
                 last_eval = record if "pass@1" in record else last_eval
-                bar.set_postfix(reward=f"{record['reward']:.2f}",
-                                pass1=f"{last_eval.get('pass@1', math.nan):.2f}",
-                                dlogp=f"{record['mismatch/abs_diff_mean']:.1e}",
-                                max=f"{record['mismatch/abs_diff_max']:.2f}")
+                bar.set_postfix(
+                    reward=f"{record['reward']:.2f}",
+                    pass1=f"{last_eval.get('pass@1', math.nan):.2f}",
+                    dlogp=f"{record['mismatch/abs_diff_mean']:.1e}",
+                    max=f"{record['mismatch/abs_diff_max']:.2f}",
+                )
                 stop = interrupt.requested
                 if ranks.enabled:  # every rank stops after the same step
                     stop = distributed.all_sum([float(stop)], ranks)[0].item() > 0
@@ -504,17 +749,27 @@ def run(cfg, base_state=None, ranks=SINGLE):
                     save(s, step + 1)
                 interrupt.step, interrupt.holding = step + 1, False
                 if stop:
-                    interrupt.stop(f"stopped: checkpoint at step {step + 1} in {s.ckpt_path}; continue with "
-                                   "--resume", ranks)
+                    interrupt.stop(
+                        f"stopped: checkpoint at step {step + 1} in {s.ckpt_path}; continue with "
+                        "--resume",
+                        ranks,
+                    )
         except KeyboardInterrupt:
-            if interrupt.holding:  # a second Ctrl-C inside a step's update: its weights are half-updated
-                interrupt.stop(f"\ninterrupted during step {interrupt.step + 1}'s update: not saved; "
-                               f"{s.ckpt_path} keeps the last checkpoint written; continue with --resume",
-                               ranks)
+            if (
+                interrupt.holding
+            ):  # a second Ctrl-C inside a step's update: its weights are half-updated
+                interrupt.stop(
+                    f"\ninterrupted during step {interrupt.step + 1}'s update: not saved; "
+                    f"{s.ckpt_path} keeps the last checkpoint written; continue with --resume",
+                    ranks,
+                )
             if interrupt.step > s.start_step:  # before this step's update: `step` finished steps
                 save(s, interrupt.step)
-            interrupt.stop(f"\ninterrupted: checkpoint at step {interrupt.step} in {s.ckpt_path}; continue "
-                           "with --resume", ranks)
+            interrupt.stop(
+                f"\ninterrupted: checkpoint at step {interrupt.step} in {s.ckpt_path}; continue "
+                "with --resume",
+                ranks,
+            )
     if ranks.main:
         print(runs.report(cfg, s.run_dir, runs.warmstart_path(cfg), s.start_step))
     return s.run_dir
@@ -527,7 +782,9 @@ def rl_step(s, step, interrupt, accepted):
     interrupt.step, interrupt.holding = step, False
     t0 = time.perf_counter()
     # 1-2. this rank's whole groups of the step's prompts (a function of seed and step), rolled out
-    problems = s.task.sample(cfg.prompts_per_step, "train", random.Random(cfg.seed * 1_000_003 + step))
+    problems = s.task.sample(
+        cfg.prompts_per_step, "train", random.Random(cfg.seed * 1_000_003 + step)
+    )
     first, last = distributed.shard(cfg.prompts_per_step, ranks)
     problems = problems[first:last]
     out, codes = sample(s, problems, first, step)
@@ -541,14 +798,25 @@ def rl_step(s, step, interrupt, accepted):
     # 4-5. trainer log-probs, loss, cfg.minibatches optimizer steps; a Ctrl-C is held from here
     interrupt.holding = True
     try:
-        old_logp, routes, minibatch_stats = policy_update(cfg, s.train_forward, s.optimizer, seq, advantages,
-                                                          cfg.seed * 1_000_003 + step, shared, ranks)
+        old_logp, routes, minibatch_stats = policy_update(
+            cfg,
+            s.train_forward,
+            s.optimizer,
+            seq,
+            advantages,
+            cfg.seed * 1_000_003 + step,
+            shared,
+            ranks,
+        )
     except FloatingPointError as error:
-        raise FloatingPointError(f"{error} at step {step}: stopping. The last good checkpoint is kept at "
-                                 f"{s.ckpt_path} (resume with --resume after changing what diverged).") \
-            from None
-    record = {"step": step + 1,
-              **step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_rollout)}
+        raise FloatingPointError(
+            f"{error} at step {step}: stopping. The last good checkpoint is kept at "
+            f"{s.ckpt_path} (resume with --resume after changing what diverged)."
+        ) from None
+    record = {
+        "step": step + 1,
+        **step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_rollout),
+    }
     # 6. sync the rollout's weights through nvfp4; MIPU keeps them only if the rollout policy improved
     sync(s, step + 1)
     if cfg.mipu:
@@ -567,11 +835,22 @@ def sample(s, problems, first, step):
     """The rollout of this rank's groups in the recipe's precision -> (rollout.Rollout, trace's recorded
     codes or None). trace records what its layers quantize at each decode step (rac.recording): eager."""
     cfg, tokenizer, recorder = s.cfg, s.tokenizer, s.recorder
-    record = (lambda: rac.recording(s.rollout_model, recorder.record)) if recorder is not None else None
-    out = rollout.generate(s.rollout_model, encode_prompts(tokenizer, problems), cfg.group_size,
-                           max_new_tokens(cfg, s.task), temperature=cfg.temperature, eos_id=tokenizer.eos_id,
-                           pad_id=tokenizer.pad_id, seed=cfg.seed * 1_000_003 + step,
-                           row_offset=first * cfg.group_size, cuda_graph=cfg.cuda_graph, decode_context=record)
+    record = (
+        (lambda: rac.recording(s.rollout_model, recorder.record)) if recorder is not None else None
+    )
+    out = rollout.generate(
+        s.rollout_model,
+        encode_prompts(tokenizer, problems),
+        cfg.group_size,
+        max_new_tokens(cfg, s.task),
+        temperature=cfg.temperature,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        seed=cfg.seed * 1_000_003 + step,
+        row_offset=first * cfg.group_size,
+        cuda_graph=cfg.cuda_graph,
+        decode_context=record,
+    )
     codes = qat.recorded_codes(recorder, out) if recorder is not None else None
     if cfg.device.startswith("cuda"):
         torch.cuda.synchronize()  # the rollout's time, not its launch's
@@ -582,18 +861,29 @@ def step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_roll
     """The step's metrics over the whole batch, from every rank's per-token tensors."""
     ranks, mask = s.ranks, seq.loss_mask[:, 1:]
     gather = distributed.gather_rows
-    mismatch = grpo.mismatch_metrics(gather(old_logp, ranks), gather(seq.logprobs[:, 1:], ranks),
-                                     gather(mask, ranks, fill=False), tis_cap=s.cfg.tis or None)
+    mismatch = grpo.mismatch_metrics(
+        gather(old_logp, ranks),
+        gather(seq.logprobs[:, 1:], ranks),
+        gather(mask, ranks, fill=False),
+        tis_cap=s.cfg.tis or None,
+    )
     disagreement = math.nan  # under --r3: the trainer routers' own top-k, which the replay overrode
     if seq.routes is not None:
-        pairs = seq.loss_mask.sum().item() * routes.shape[0]          # valid (token, layer) pairs
+        pairs = seq.loss_mask.sum().item() * routes.shape[0]  # valid (token, layer) pairs
         local = grpo.routing_disagreement(routes, seq.routes, seq.loss_mask) if pairs else 0.0
         disagreement = distributed.weighted_mean([local], pairs, ranks)[0]
-    n_tokens, n_rows = distributed.all_sum([out.completion_mask.sum().item(), out.completion_mask.shape[0]],
-                                           ranks).tolist()
-    return {"reward": gather(rewards, ranks).mean().item(), **update_metrics(s.cfg, minibatch_stats),
-            "completion_len": n_tokens / n_rows, "routing_disagreement": disagreement, "rollout_s": t_rollout,
-            "rollout_tokens_per_s": n_tokens / t_rollout, **{f"mismatch/{k}": v for k, v in mismatch.items()}}
+    n_tokens, n_rows = distributed.all_sum(
+        [out.completion_mask.sum().item(), out.completion_mask.shape[0]], ranks
+    ).tolist()
+    return {
+        "reward": gather(rewards, ranks).mean().item(),
+        **update_metrics(s.cfg, minibatch_stats),
+        "completion_len": n_tokens / n_rows,
+        "routing_disagreement": disagreement,
+        "rollout_s": t_rollout,
+        "rollout_tokens_per_s": n_tokens / t_rollout,
+        **{f"mismatch/{k}": v for k, v in mismatch.items()},
+    }
 
 
 def mipu_before(s, seq):
@@ -606,25 +896,38 @@ def mipu_decide(s, step, seq, advantages, old_logp, shared, before, accepted):
     """MIPU, after the sync: keep the candidate if the synced rollout policy's proxy improved, else restore
     the weights and optimizer state (and sync again). Every rank decides on the whole batch's proxy."""
     cfg, mask, (state, inference_logp) = s.cfg, seq.loss_mask[:, 1:], before
-    proxy = grpo.mipu_proxy(rollout.score(s.rollout_model, seq.tokens, cfg.temperature)[:, 1:],
-                            inference_logp, advantages, mask)
+    proxy = grpo.mipu_proxy(
+        rollout.score(s.rollout_model, seq.tokens, cfg.temperature)[:, 1:],
+        inference_logp,
+        advantages,
+        mask,
+    )
     with torch.no_grad():  # the same estimate for the trainer's policy: what the update believes
         trainer_logp = trainer_logprobs(cfg, s.trainer, seq, shared)[0]
     trainer_proxy = grpo.mipu_proxy(trainer_logp, old_logp, advantages, mask)
     if s.ranks.enabled:
-        proxy, trainer_proxy = distributed.weighted_mean([proxy, trainer_proxy], mask.sum().item(), s.ranks, 0.0)
+        proxy, trainer_proxy = distributed.weighted_mean(
+            [proxy, trainer_proxy], mask.sum().item(), s.ranks, 0.0
+        )
     if proxy <= 0:
         s.trainer.load_state_dict(state[0])
         s.optimizer.load_state_dict(state[1])
         sync(s, step + 1)
     accepted.append(proxy > 0)
-    return {"mipu/proxy": proxy, "mipu/trainer_proxy": trainer_proxy, "mipu/accepted": float(proxy > 0),
-            "mipu/accept_rate": sum(accepted) / len(accepted)}
+    return {
+        "mipu/proxy": proxy,
+        "mipu/trainer_proxy": trainer_proxy,
+        "mipu/accepted": float(proxy > 0),
+        "mipu/accept_rate": sum(accepted) / len(accepted),
+    }
 
 
 # ----------------------------------------------------------------------------- CLI
-def build_parser(prog="train.py", usage="python train.py [--recipe R] [options] (see --help)",
-                 description=__doc__):
+def build_parser(
+    prog="train.py",
+    usage="python train.py [--recipe R] [options] (see --help)",
+    description=__doc__,
+):
     """The CLI, built from TrainConfig by runs.build_parser: one option per field, its comment the help."""
     return runs.build_parser(TrainConfig, CHOICES, prog, usage, description)
 
@@ -640,7 +943,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         cfg = TrainConfig(**vars(args))
-        runs.set_threads(cfg)  # here, not in run(): a program that imports train.py keeps its own setting
+        runs.set_threads(
+            cfg
+        )  # here, not in run(): a program that imports train.py keeps its own setting
         ranks = distributed.init_distributed(cfg)
         return [distributed.run_distributed(run, cfg, ranks) if ranks.enabled else run(cfg)]
     except ConfigError as error:

@@ -6,18 +6,20 @@ bytes 1 KB apart. Stored here as rows in blocks of 16 and K in chunks of 128 ele
 chunk) tile is one contiguous run: 84 us instead of 102 for the gate/up GEMM at 64 decode tokens on the
 H200. K not a multiple of 128 is one chunk. rac.NVFP4Experts keeps its weights in this layout.
 """
+
 from typing import NamedTuple
 
 import torch
 
-EXPERT_ROW_BLOCK = 16              # rows in blocks of 16 ...
-EXPERT_K_CHUNK = 128               # ... by chunks of 128 elements of K (all of K when it is not a multiple)
+EXPERT_ROW_BLOCK = 16  # rows in blocks of 16 ...
+EXPERT_K_CHUNK = 128  # ... by chunks of 128 elements of K (all of K when it is not a multiple)
 
 
 class ExpertWeights(NamedTuple):
     """An NVFP4 expert stack (E, N, K) in the grouped kernels' order."""
-    data: torch.Tensor          # uint8 (E, N / 16, K / chunk, 16, chunk / 2)
-    block_scale: torch.Tensor   # float8_e4m3fn (E, N / 16, K / chunk, 16, chunk / 16)
+
+    data: torch.Tensor  # uint8 (E, N / 16, K / chunk, 16, chunk / 2)
+    block_scale: torch.Tensor  # float8_e4m3fn (E, N / 16, K / chunk, 16, chunk / 16)
     global_scale: torch.Tensor  # float32 (E,)
 
     @property
@@ -36,8 +38,15 @@ def chunk_experts(w_q):
     if N % rows:
         raise ValueError(f"chunk_experts: N={N} rows is not a multiple of {rows}")
 
-    def blocked(t, per_byte):  # (E, N, K / per_byte) -> (E, N / 16, K / chunk, 16, chunk / per_byte)
-        return t.reshape(E, N // rows, rows, K // chunk, chunk // per_byte).transpose(2, 3).contiguous()
+    def blocked(
+        t, per_byte
+    ):  # (E, N, K / per_byte) -> (E, N / 16, K / chunk, 16, chunk / per_byte)
+        return (
+            t.reshape(E, N // rows, rows, K // chunk, chunk // per_byte)
+            .transpose(2, 3)
+            .contiguous()
+        )
+
     return ExpertWeights(blocked(w_q.data, 2), blocked(w_q.block_scale, 16), w_q.global_scale)
 
 

@@ -19,12 +19,13 @@ cast truncates, and the compiler cannot fuse a rounding it does not see. FP16 is
 
 Shape letters: B batch, T tokens, h heads, hd head dim, D row width.
 """
+
 import torch
 import triton
 import triton.language as tl
 
-MAX_DIM = 16384                                    # a whole row sits in one program's registers
-ROUNDED_DTYPES = (torch.bfloat16, torch.float32)   # the dtypes whose roundings _round_to makes
+MAX_DIM = 16384  # a whole row sits in one program's registers
+ROUNDED_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes whose roundings _round_to makes
 
 
 @triton.jit
@@ -72,14 +73,16 @@ def _norm_warps(block: int) -> int:
 def rms_norm(x, weight, eps):
     """The fused RMSNorm (forward only): x (..., D) -> (..., D) in the dtype weight * x would have."""
     if x.dtype not in ROUNDED_DTYPES or weight.dtype not in ROUNDED_DTYPES:
-        raise ValueError(f"rms_norm: x and weight must be bfloat16 or float32, got {x.dtype} and "
-                         f"{weight.dtype}")
-    x2 = x.contiguous().view(-1, x.shape[-1])                                             # (rows, D)
+        raise ValueError(
+            f"rms_norm: x and weight must be bfloat16 or float32, got {x.dtype} and {weight.dtype}"
+        )
+    x2 = x.contiguous().view(-1, x.shape[-1])  # (rows, D)
     y = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(x2.shape[1])
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, x2.shape[1], eps, BLOCK=block,
-                                         num_warps=_norm_warps(block))
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, weight.contiguous(), y, x2.shape[1], eps, BLOCK=block, num_warps=_norm_warps(block)
+        )
     return y.view(x.shape)
 
 
@@ -105,15 +108,27 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, T, H, HD, stride_cos_b, stride_cos_t, eps,
-                      BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)                # x (B*T, H, hd) row-major: row pid
+def _norm_rope_kernel(
+    x_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    y_ptr,
+    T,
+    H,
+    HD,
+    stride_cos_b,
+    stride_cos_t,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # x (B*T, H, hd) row-major: row pid
     token, head = pid // H, pid % H
     b, t = token // T, token % T
     cols = tl.arange(0, BLOCK)
     mask = cols < HD
     half = HD // 2
-    rotated = tl.where(cols < half, cols + half, cols - half)   # rotate_half([a, b]) = [-b, a]
+    rotated = tl.where(cols < half, cols + half, cols - half)  # rotate_half([a, b]) = [-b, a]
     x = tl.load(x_ptr + pid * HD + cols, mask=mask, other=0.0).to(tl.float32)
     inv_rms = _inv_rms(x, HD, eps)
     x_rot = tl.load(x_ptr + pid * HD + rotated, mask=mask, other=0.0).to(tl.float32)
@@ -127,15 +142,19 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, T, H, HD, stride_co
     cos = tl.load(cos_ptr + angle, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + angle, mask=mask, other=0.0).to(tl.float32)
     y = _round_to(_round_to(normed * cos, dtype) + _round_to(normed_rot * sin, dtype), dtype)
-    tl.store(y_ptr + ((b * H + head) * T + t) * HD + cols, y.to(dtype), mask=mask)   # y (B, H, T, hd)
+    tl.store(
+        y_ptr + ((b * H + head) * T + t) * HD + cols, y.to(dtype), mask=mask
+    )  # y (B, H, T, hd)
 
 
 def norm_rope(x, weight, eps, cos, sin):
     """The fused per-head RMSNorm + RoPE (forward only): x (B, T, h, hd), weight (hd,) and cos, sin
     (B, 1, T, hd), all BF16 -> (B, h, T, hd) contiguous."""
     if not x.dtype == weight.dtype == cos.dtype == sin.dtype == torch.bfloat16:
-        raise ValueError(f"norm_rope: x, weight, cos and sin must all be bfloat16, got {x.dtype}, "
-                         f"{weight.dtype}, {cos.dtype} and {sin.dtype}")
+        raise ValueError(
+            f"norm_rope: x, weight, cos and sin must all be bfloat16, got {x.dtype}, "
+            f"{weight.dtype}, {cos.dtype} and {sin.dtype}"
+        )
     B, T, heads, hd = x.shape
     x = x.contiguous()
     cos, sin = cos.expand(B, 1, T, hd), sin.expand(B, 1, T, hd)
@@ -144,6 +163,19 @@ def norm_rope(x, weight, eps, cos, sin):
     y = torch.empty(B, heads, T, hd, dtype=x.dtype, device=x.device)
     if y.numel():
         block = triton.next_power_of_2(hd)
-        _norm_rope_kernel[(B * T * heads,)](x, weight.contiguous(), cos, sin, y, T, heads, hd, cos.stride(0),
-                                            cos.stride(2), eps, BLOCK=block, num_warps=_norm_warps(block))
+        _norm_rope_kernel[(B * T * heads,)](
+            x,
+            weight.contiguous(),
+            cos,
+            sin,
+            y,
+            T,
+            heads,
+            hd,
+            cos.stride(0),
+            cos.stride(2),
+            eps,
+            BLOCK=block,
+            num_warps=_norm_warps(block),
+        )
     return y

@@ -19,6 +19,7 @@ argmax of z and log-probs of the untempered z.
 
 Shape letters: B (or N) rows, V vocab.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -27,10 +28,10 @@ import triton.language as tl
 _ROW_STRIDE = tl.constexpr(0x27D4EB2F)
 _POSITION_STRIDE = tl.constexpr(0x165667B1)
 _TOKEN_STRIDE = tl.constexpr(0x61C88647)
-SAMPLE_FIELDS = 5      # per vocabulary slice: max z, sum exp(z - max), best score, its token, its z
+SAMPLE_FIELDS = 5  # per vocabulary slice: max z, sum exp(z - max), best score, its token, its z
 _FIELDS = tl.constexpr(SAMPLE_FIELDS)
-_SAMPLE_SLICE = 4096   # vocabulary entries per program of the first pass
-_NOISE_BLOCK = 1024    # tokens per program of the noise kernel
+_SAMPLE_SLICE = 4096  # vocabulary entries per program of the first pass
+_NOISE_BLOCK = 1024  # tokens per program of the noise kernel
 
 
 # ----------------------------------------------------------------------------- the noise
@@ -43,15 +44,17 @@ def _mix32_kernel(x):
     return x ^ (x >> 16)
 
 
-
 @triton.jit
 def _uniform_kernel(seed_key_ptr, rows_ptr, position_ptr, row, tokens):
     """The twin's uniforms for one row's tokens: its arithmetic in uint32, whose products wrap mod 2^32
     exactly as the twin's masked int64 ones."""
-    key = (tl.load(seed_key_ptr).to(tl.uint32) + tl.load(rows_ptr + row).to(tl.uint32) * _ROW_STRIDE
-           + tl.load(position_ptr).to(tl.uint32) * _POSITION_STRIDE)
+    key = (
+        tl.load(seed_key_ptr).to(tl.uint32)
+        + tl.load(rows_ptr + row).to(tl.uint32) * _ROW_STRIDE
+        + tl.load(position_ptr).to(tl.uint32) * _POSITION_STRIDE
+    )
     x = _mix32_kernel(_mix32_kernel(key) + tokens.to(tl.uint32) * _TOKEN_STRIDE)
-    return ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07                     # 2^-23
+    return ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
 
 
 @triton.jit
@@ -68,33 +71,49 @@ def sampling_noise(seed_key, rows, position, vocab):
     out = torch.empty(rows.shape[0], vocab, dtype=torch.float32, device=rows.device)
     block = _NOISE_BLOCK
     _noise_kernel[(rows.shape[0], triton.cdiv(vocab, block))](
-        seed_key, rows, position, out, vocab, BLOCK=block)
+        seed_key, rows, position, out, vocab, BLOCK=block
+    )
     return out
 
 
 # ----------------------------------------------------------------------------- the fused sampler
 @triton.jit
-def _sample_slice_kernel(logits_ptr, stride_row, seed_key_ptr, rows_ptr, position_ptr, part_ptr, V,
-                         inv_temperature, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+def _sample_slice_kernel(
+    logits_ptr,
+    stride_row,
+    seed_key_ptr,
+    rows_ptr,
+    position_ptr,
+    part_ptr,
+    V,
+    inv_temperature,
+    GREEDY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row, part = tl.program_id(0), tl.program_id(1)
     tokens = part * BLOCK + tl.arange(0, BLOCK)
     mask = tokens < V
-    z = tl.load(logits_ptr + row.to(tl.int64) * stride_row + tokens, mask=mask,
-                other=float("-inf")).to(tl.float32)
+    z = tl.load(
+        logits_ptr + row.to(tl.int64) * stride_row + tokens, mask=mask, other=float("-inf")
+    ).to(tl.float32)
     if GREEDY:
-        score = z                                          # argmax z; log-probs of the untempered z
+        score = z  # argmax z; log-probs of the untempered z
     else:
-        z = z * inv_temperature                           # z / tau to one fp32 rounding
-        uniform = _uniform_kernel(seed_key_ptr, rows_ptr, position_ptr, row, tokens)  # as _noise_kernel
-        score = tl.where(mask, z - tl.log(-tl.log(uniform)), float("-inf"))   # z - log E
+        z = z * inv_temperature  # z / tau to one fp32 rounding
+        uniform = _uniform_kernel(
+            seed_key_ptr, rows_ptr, position_ptr, row, tokens
+        )  # as _noise_kernel
+        score = tl.where(mask, z - tl.log(-tl.log(uniform)), float("-inf"))  # z - log E
     z_max = tl.max(z, axis=0)
-    best_score, best = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    best_score, best = tl.max(
+        score, axis=0, return_indices=True, return_indices_tie_break_left=True
+    )
     at_best = tl.arange(0, BLOCK) == best
     out = part_ptr + (row * tl.num_programs(1) + part).to(tl.int64) * _FIELDS
     tl.store(out, z_max)
     tl.store(out + 1, tl.sum(tl.exp(z - z_max), axis=0))
     tl.store(out + 2, best_score)
-    tl.store(out + 3, (part * BLOCK + best).to(tl.float32))                    # exact below 2^24
+    tl.store(out + 3, (part * BLOCK + best).to(tl.float32))  # exact below 2^24
     tl.store(out + 4, tl.sum(tl.where(at_best, z, 0.0), axis=0))
 
 
@@ -109,7 +128,7 @@ def _sample_merge_kernel(part_ptr, tokens_ptr, logprobs_ptr, n_parts, PARTS: tl.
     score = tl.load(slices + 2, mask=mask, other=float("-inf"))
     m = tl.max(z_max, axis=0)
     log_normalizer = m + tl.log(tl.sum(sum_exp * tl.exp(z_max - m), axis=0))
-    winner = tl.argmax(score, axis=0, tie_break_left=True)                      # lowest token on ties
+    winner = tl.argmax(score, axis=0, tie_break_left=True)  # lowest token on ties
     at_winner = (idx == winner) & mask
     token = tl.sum(tl.where(at_winner, tl.load(slices + 3, mask=mask, other=0.0), 0.0), axis=0)
     z_token = tl.sum(tl.where(at_winner, tl.load(slices + 4, mask=mask, other=0.0), 0.0), axis=0)
@@ -128,8 +147,20 @@ def sample_tokens(logits, temperature, seed_key, rows, position):
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     if B:
-        _sample_slice_kernel[(B, n_parts)](logits, logits.stride(0), seed_key, rows, position, parts, V,
-                                           1.0 / (temperature or 1.0), GREEDY=temperature == 0,
-                                           BLOCK=_SAMPLE_SLICE, num_warps=8)
-        _sample_merge_kernel[(B,)](parts, tokens, logprobs, n_parts, PARTS=triton.next_power_of_2(n_parts))
+        _sample_slice_kernel[(B, n_parts)](
+            logits,
+            logits.stride(0),
+            seed_key,
+            rows,
+            position,
+            parts,
+            V,
+            1.0 / (temperature or 1.0),
+            GREEDY=temperature == 0,
+            BLOCK=_SAMPLE_SLICE,
+            num_warps=8,
+        )
+        _sample_merge_kernel[(B,)](
+            parts, tokens, logprobs, n_parts, PARTS=triton.next_power_of_2(n_parts)
+        )
     return tokens, logprobs

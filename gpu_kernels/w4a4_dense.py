@@ -24,6 +24,7 @@ step, no shuffles. Variants, each chosen per call or by the autotuner:
     (2^12 g_x) g_w is formed in the order of the one-scale product: equal scales give equal bits.
 The experts' kernels (w4a4_experts.py) reuse the building blocks here.
 """
+
 import itertools
 
 import torch
@@ -34,8 +35,8 @@ from gpu_kernels.expert_layout import EXPERT_ROW_BLOCK
 from gpu_kernels.nvfp4_quantize import _to_bf16_bits
 from gpu_kernels.w4a4_quantize import INTERPRET, OPERAND_SHIFT, empty_planes
 
-PREFILL_ROWS = 257                 # from this many rows on, the weight is decoded once per call
-_EPILOGUE = tl.constexpr(OPERAND_SHIFT ** -2)  # 2^12: undoes the two operands' 2^-6
+PREFILL_ROWS = 257  # from this many rows on, the weight is decoded once per call
+_EPILOGUE = tl.constexpr(OPERAND_SHIFT**-2)  # 2^12: undoes the two operands' 2^-6
 EXPERT_ROWS = tl.constexpr(EXPERT_ROW_BLOCK)
 
 # Packed E2M1 codes -> fp16 x 2^-6 (even and odd nibbles), 4 bytes an invocation: shared by the Triton and
@@ -82,56 +83,115 @@ def _e2m1_pairs_to_fp16(packed, GPU: tl.constexpr):
     if GPU:
         even, odd = tl.inline_asm_elementwise(
             asm=_E2M1_PAIRS_PTX,
-            constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=True,
-            pack=4)
+            constraints="=r,=r,=r,=r,r",
+            args=[packed],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
     else:
-        even = (((packed & 7) << 2) | ((packed & 8) << 4)).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        odd = (((packed >> 2) & 0x1C) | (packed & 0x80)).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        even = (
+            (((packed & 7) << 2) | ((packed & 8) << 4))
+            .to(tl.float8e4nv, bitcast=True)
+            .to(tl.float16)
+        )
+        odd = (
+            (((packed >> 2) & 0x1C) | (packed & 0x80))
+            .to(tl.float8e4nv, bitcast=True)
+            .to(tl.float16)
+        )
     return even, odd
 
 
 @triton.jit
-def _weight_tile(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
-                 ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GPU: tl.constexpr,
-                 CHUNK: tl.constexpr = 0, stride_chunk=0, stride_scale_chunk=0):
+def _weight_tile(
+    data_ptr,
+    scale_ptr,
+    rows,
+    row_mask,
+    k0,
+    K,
+    stride_data,
+    stride_scale,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GPU: tl.constexpr,
+    CHUNK: tl.constexpr = 0,
+    stride_chunk=0,
+    stride_scale_chunk=0,
+):
     """Columns k0..k0+BLOCK_K of NVFP4 rows as (ROWS, BLOCK_K/2) fp16 even and odd tiles holding
     value * block_scale * 2^-6 exactly, for the tensor cores: each row's BLOCK_K/2 bytes load as one
     run (16-byte loads). CHUNK: the rows are in the experts' layout of CHUNK-element chunks (a step
     within one chunk; stride_data / _scale step a block of EXPERT_ROWS rows)."""
-    packed, scale_byte = _weight_bytes(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data,
-                                       stride_scale, BLOCK_K, EVEN_K, CHUNK, stride_chunk, stride_scale_chunk)
+    packed, scale_byte = _weight_bytes(
+        data_ptr,
+        scale_ptr,
+        rows,
+        row_mask,
+        k0,
+        K,
+        stride_data,
+        stride_scale,
+        BLOCK_K,
+        EVEN_K,
+        CHUNK,
+        stride_chunk,
+        stride_scale_chunk,
+    )
     return _decoded_tile(packed, scale_byte, ROWS, BLOCK_K, GPU)
 
 
 @triton.jit
-def _weight_bytes(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
-                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, CHUNK: tl.constexpr, stride_chunk,
-                  stride_scale_chunk):
+def _weight_bytes(
+    data_ptr,
+    scale_ptr,
+    rows,
+    row_mask,
+    k0,
+    K,
+    stride_data,
+    stride_scale,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    CHUNK: tl.constexpr,
+    stride_chunk,
+    stride_scale_chunk,
+):
     """_weight_tile's codes (ROWS, BLOCK_K/2) and E4M3 scale bytes (ROWS, BLOCK_K/16), as loaded."""
     GB: tl.constexpr = BLOCK_K // 16
-    blocks = k0 // 16 + tl.arange(0, GB)                                            # (GB,)
-    byte_cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]                   # (1, BLOCK_K/2)
+    blocks = k0 // 16 + tl.arange(0, GB)  # (GB,)
+    byte_cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]  # (1, BLOCK_K/2)
     if CHUNK:
         block, row = rows // EXPERT_ROWS, rows % EXPERT_ROWS
         chunk, within = k0 // CHUNK, k0 % CHUNK  # within: a multiple of BLOCK_K (wide loads)
         step = tl.multiple_of(chunk * stride_chunk + within // 2, BLOCK_K // 2)
-        data_ptrs = (data_ptr + (block * stride_data + row * (CHUNK // 2))[:, None]
-                     + (step + tl.arange(0, BLOCK_K // 2))[None, :])
+        data_ptrs = (
+            data_ptr
+            + (block * stride_data + row * (CHUNK // 2))[:, None]
+            + (step + tl.arange(0, BLOCK_K // 2))[None, :]
+        )
     else:
         data_ptrs = data_ptr + rows[:, None] * stride_data + byte_cols
     data_mask = row_mask[:, None] & (byte_cols < K // 2)
     if CHUNK:
         step = tl.multiple_of(chunk * stride_scale_chunk + within // 16, GB)
-        scale_ptrs = (scale_ptr + (block * stride_scale + row * (CHUNK // 16))[:, None]
-                      + (step + tl.arange(0, GB))[None, :])
+        scale_ptrs = (
+            scale_ptr
+            + (block * stride_scale + row * (CHUNK // 16))[:, None]
+            + (step + tl.arange(0, GB))[None, :]
+        )
     else:
         scale_ptrs = scale_ptr + rows[:, None] * stride_scale + blocks[None, :]
     if EVEN_K:  # masks constant along K: wide loads
         packed = tl.load(data_ptrs, mask=data_mask, other=0)
-        scale_byte = tl.load(scale_ptrs, mask=row_mask[:, None], other=0)           # (ROWS, GB)
+        scale_byte = tl.load(scale_ptrs, mask=row_mask[:, None], other=0)  # (ROWS, GB)
     else:
         packed = tl.load(data_ptrs, mask=data_mask, other=0)
-        scale_byte = tl.load(scale_ptrs, mask=row_mask[:, None] & (blocks < K // 16)[None, :], other=0)
+        scale_byte = tl.load(
+            scale_ptrs, mask=row_mask[:, None] & (blocks < K // 16)[None, :], other=0
+        )
     return packed, scale_byte
 
 
@@ -139,7 +199,7 @@ def _weight_bytes(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, strid
 def _decoded_tile(packed, scale_byte, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, GPU: tl.constexpr):
     """_weight_bytes' codes and scale bytes -> _weight_tile's even and odd fp16 tiles."""
     GB: tl.constexpr = BLOCK_K // 16
-    block_scale = _e4m3_to_fp16(scale_byte, GPU)[:, :, None]                        # (ROWS, GB, 1)
+    block_scale = _e4m3_to_fp16(scale_byte, GPU)[:, :, None]  # (ROWS, GB, 1)
     even, odd = _e2m1_pairs_to_fp16(packed, GPU)
     even = tl.reshape(tl.reshape(even, (ROWS, GB, 8)) * block_scale, (ROWS, BLOCK_K // 2))
     odd = tl.reshape(tl.reshape(odd, (ROWS, GB, 8)) * block_scale, (ROWS, BLOCK_K // 2))
@@ -147,8 +207,17 @@ def _decoded_tile(packed, scale_byte, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
-def _operand_tile(x_ptr, rows, row_mask, k0, K, stride_row, plane_size, BLOCK_K: tl.constexpr,
-                  EVEN_K: tl.constexpr):
+def _operand_tile(
+    x_ptr,
+    rows,
+    row_mask,
+    k0,
+    K,
+    stride_row,
+    plane_size,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     """Columns k0..k0+BLOCK_K of fp16 operand planes (2, rows, K/2) as (rows, BLOCK_K/2) even and odd
     tiles."""
     cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
@@ -158,10 +227,34 @@ def _operand_tile(x_ptr, rows, row_mask, k0, K, stride_row, plane_size, BLOCK_K:
 
 
 @triton.jit
-def _mainloop(x_ptr, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols, col_mask, stride_w, stride_ws,
-              w_plane, K, k_begin, k_end, W_FP16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, x_rows,
-              X_FIRST: tl.constexpr, CHUNK: tl.constexpr = 0, stride_wc=0, stride_sc=0):
+def _mainloop(
+    x_ptr,
+    row0,
+    M,
+    stride_x,
+    x_plane,
+    w_ptr,
+    w_scale_ptr,
+    cols,
+    col_mask,
+    stride_w,
+    stride_ws,
+    w_plane,
+    K,
+    k_begin,
+    k_end,
+    W_FP16: tl.constexpr,
+    GPU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    x_rows,
+    X_FIRST: tl.constexpr,
+    CHUNK: tl.constexpr = 0,
+    stride_wc=0,
+    stride_sc=0,
+):
     """acc (BLOCK_N, BLOCK_M) = W[cols] @ X[x_rows].T over columns k_begin..k_end, in fp32, without the
     global scales and 2^12. X: fp16 operand planes; W: NVFP4 codes, or fp16 operand planes (W_FP16).
     X_FIRST: X is the MMA's left operand (M side) and the weight its right one, whose staged codes
@@ -175,12 +268,30 @@ def _mainloop(x_ptr, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols, col_m
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if W_FP16:
-            w_even, w_odd = _operand_tile(w_ptr, cols, col_mask, k0, K, stride_w, w_plane, BLOCK_K,
-                                          EVEN_K)
+            w_even, w_odd = _operand_tile(
+                w_ptr, cols, col_mask, k0, K, stride_w, w_plane, BLOCK_K, EVEN_K
+            )
         else:
-            w_even, w_odd = _weight_tile(w_ptr, w_scale_ptr, cols, col_mask, k0, K, stride_w, stride_ws,
-                                         BLOCK_N, BLOCK_K, EVEN_K, GPU, CHUNK, stride_wc, stride_sc)
-        x_even, x_odd = _operand_tile(x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K, EVEN_K)
+            w_even, w_odd = _weight_tile(
+                w_ptr,
+                w_scale_ptr,
+                cols,
+                col_mask,
+                k0,
+                K,
+                stride_w,
+                stride_ws,
+                BLOCK_N,
+                BLOCK_K,
+                EVEN_K,
+                GPU,
+                CHUNK,
+                stride_wc,
+                stride_sc,
+            )
+        x_even, x_odd = _operand_tile(
+            x_ptr, x_rows, row_mask, k0, K, stride_x, x_plane, BLOCK_K, EVEN_K
+        )
         if X_FIRST:
             acc = tl.dot(x_even, tl.trans(w_even), acc)
             acc = tl.dot(x_odd, tl.trans(w_odd), acc)
@@ -188,7 +299,7 @@ def _mainloop(x_ptr, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols, col_m
             acc = tl.dot(w_even, tl.trans(x_even), acc)
             acc = tl.dot(w_odd, tl.trans(x_odd), acc)
     if X_FIRST:
-        acc = tl.trans(acc)                                                          # (BLOCK_N, BLOCK_M)
+        acc = tl.trans(acc)  # (BLOCK_N, BLOCK_M)
     return acc
 
 
@@ -221,21 +332,46 @@ def _split_columns(cols, M, N, N1, N2):
 
 
 @triton.jit
-def _store_split(y_ptr, rows, row_mask, col_base, col_stride, col_mask, value, OUT_BF16: tl.constexpr):
+def _store_split(
+    y_ptr, rows, row_mask, col_base, col_stride, col_mask, value, OUT_BF16: tl.constexpr
+):
     """Store a (cols, rows) tile at _split_columns' offsets."""
     offs = rows[None, :].to(tl.int64) * col_stride[:, None] + col_base[:, None]
     _store_at(y_ptr, offs, row_mask[None, :] & col_mask[:, None], value, OUT_BF16)
 
 
 @triton.jit
-def _weight_operand_kernel(data_ptr, scale_ptr, out_ptr, N, K, stride_data, stride_scale, plane_size,
-                           GPU: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _weight_operand_kernel(
+    data_ptr,
+    scale_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_data,
+    stride_scale,
+    plane_size,
+    GPU: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Prefill: NVFP4 (N, K) -> fp16 planes (2, N, K/2), once per call. Exact: each value fits fp16."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     k0 = tl.program_id(1) * BLOCK_K
     row_mask = rows < N
-    even, odd = _weight_tile(data_ptr, scale_ptr, rows, row_mask, k0, K, stride_data, stride_scale,
-                             ROWS, BLOCK_K, False, GPU)
+    even, odd = _weight_tile(
+        data_ptr,
+        scale_ptr,
+        rows,
+        row_mask,
+        k0,
+        K,
+        stride_data,
+        stride_scale,
+        ROWS,
+        BLOCK_K,
+        False,
+        GPU,
+    )
     cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     offs = rows[:, None].to(tl.int64) * (K // 2) + cols[None, :]
     mask = row_mask[:, None] & (cols < K // 2)[None, :]
@@ -252,14 +388,31 @@ def _weight_operand_kernel(data_ptr, scale_ptr, out_ptr, N, K, stride_data, stri
 # and X_FIRST in two buckets so tests run both operand orders of the experts' kernel (the dense kernel has
 # the weight-first order only: X_FIRST gained nothing there on the H200, 0.96-1.01x at 256 rows).
 DENSE_CONFIGS = {
-    16: [(16, 64, 256, 4, 3, 4), (16, 32, 256, 4, 3, 8), (16, 64, 256, 4, 3, 2), (16, 128, 256, 8, 3, 2)],
-    64: [(32, 64, 256, 4, 3, 2), (64, 64, 256, 8, 3, 4), (32, 64, 256, 4, 3, 4), (32, 32, 256, 4, 3, 4)],
-    256: [(64, 128, 128, 4, 3, 2), (64, 64, 256, 4, 3, 1), (128, 64, 128, 4, 3, 1), (64, 64, 128, 4, 3, 2),
-          (64, 64, 128, 4, 3, 1)],
+    16: [
+        (16, 64, 256, 4, 3, 4),
+        (16, 32, 256, 4, 3, 8),
+        (16, 64, 256, 4, 3, 2),
+        (16, 128, 256, 8, 3, 2),
+    ],
+    64: [
+        (32, 64, 256, 4, 3, 2),
+        (64, 64, 256, 8, 3, 4),
+        (32, 64, 256, 4, 3, 4),
+        (32, 32, 256, 4, 3, 4),
+    ],
+    256: [
+        (64, 128, 128, 4, 3, 2),
+        (64, 64, 256, 4, 3, 1),
+        (128, 64, 128, 4, 3, 1),
+        (64, 64, 128, 4, 3, 2),
+        (64, 64, 128, 4, 3, 1),
+    ],
     4096: [(128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1)],
 }
-INTERPRETER_CONFIGS = {bucket: [(16, 32, 64, 4, 1, 2 if bucket <= 64 else 1, bucket in (16, 256))]
-                        for bucket in DENSE_CONFIGS}
+INTERPRETER_CONFIGS = {
+    bucket: [(16, 32, 64, 4, 1, 2 if bucket <= 64 else 1, bucket in (16, 256))]
+    for bucket in DENSE_CONFIGS
+}
 
 
 def _m_bucket(m, table):
@@ -273,11 +426,23 @@ def _configs(table, x_first=True):
         if bucket not in table:
             continue
         for bm, bn, bk, warps, stages, split_k, *rest in entries:  # rest: X_FIRST, maxnreg
-            kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "BUCKET": bucket}
+            kwargs = {
+                "BLOCK_M": bm,
+                "BLOCK_N": bn,
+                "BLOCK_K": bk,
+                "SPLIT_K": split_k,
+                "BUCKET": bucket,
+            }
             if x_first:
                 kwargs["X_FIRST"] = bool(rest and rest[0])
-            configs.append(triton.Config(kwargs, num_warps=warps, num_stages=stages,
-                                         maxnreg=rest[1] if len(rest) > 1 else None))
+            configs.append(
+                triton.Config(
+                    kwargs,
+                    num_warps=warps,
+                    num_stages=stages,
+                    maxnreg=rest[1] if len(rest) > 1 else None,
+                )
+            )
     return configs
 
 
@@ -299,23 +464,50 @@ def _bench_in_graph(kernel_call, quantiles):
 # Reference: rac.matmul_reference (on the quantizer's operand).
 # ROW_SCALE is left out of the autotuning key: both modes run the configuration tuned first (they differ
 # in the epilogue's loads alone), so that equal scales give equal bits.
-@triton.autotune(configs=_configs(DENSE_CONFIGS, x_first=False), key=["M_BUCKET", "N", "K", "W_FP16"],
-                 prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
+@triton.autotune(
+    configs=_configs(DENSE_CONFIGS, x_first=False),
+    key=["M_BUCKET", "N", "K", "W_FP16"],
+    prune_configs_by={"early_config_prune": _prune},
+    do_bench=_bench_in_graph,
+)
 @triton.heuristics(_HEURISTICS)
 @triton.jit(do_not_specialize=["M"])
 def _dense_kernel(
     # pointers: the operand planes and their global scale (one, or one per row: ROW_SCALE); split-K: partial
     # tiles and per-tile arrival counters
-    x_ptr, x_global_ptr, w_ptr, w_scale_ptr, w_global_ptr, y_ptr, workspace_ptr, counter_ptr,
+    x_ptr,
+    x_global_ptr,
+    w_ptr,
+    w_scale_ptr,
+    w_global_ptr,
+    y_ptr,
+    workspace_ptr,
+    counter_ptr,
     # sizes (M_BUCKET: the autotuning key; *_plane: elements in one operand plane; the columns from N1
     # on take the second weight global scale, from N2 on the third: stacked q/k/v weights)
-    M, N, K, M_BUCKET, x_plane, w_plane, N1, N2,
+    M,
+    N,
+    K,
+    M_BUCKET,
+    x_plane,
+    w_plane,
+    N1,
+    N2,
     # strides (operand planes and y in elements, w in bytes, scales in blocks)
-    stride_x, stride_w, stride_ws,
+    stride_x,
+    stride_w,
+    stride_ws,
     # meta-parameters
-    W_FP16: tl.constexpr, ROW_SCALE: tl.constexpr, OUT_BF16: tl.constexpr, GPU: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    BUCKET: tl.constexpr, EVEN_K: tl.constexpr,
+    W_FP16: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    GPU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BUCKET: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     # N tiles vary fastest: programs running together share the activation rows and stream
     # disjoint weight rows, which is what a weight-bound decode wants.
@@ -328,13 +520,39 @@ def _dense_kernel(
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
     rows = row0 + tl.arange(0, BLOCK_M)
-    acc = _mainloop(x_ptr, row0, M, stride_x, x_plane, w_ptr, w_scale_ptr, cols, col_mask, stride_w,
-                    stride_ws, w_plane, K, k_begin, k_end, W_FP16, GPU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                    rows, False)
+    acc = _mainloop(
+        x_ptr,
+        row0,
+        M,
+        stride_x,
+        x_plane,
+        w_ptr,
+        w_scale_ptr,
+        cols,
+        col_mask,
+        stride_w,
+        stride_ws,
+        w_plane,
+        K,
+        k_begin,
+        k_end,
+        W_FP16,
+        GPU,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        EVEN_K,
+        rows,
+        False,
+    )
     which, col_base, col_stride = _split_columns(cols, M, N, N1, N2)
     w_global = tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[:, None]
-    if ROW_SCALE:  # each row's own x scale, multiplied in the order of the one scale's: (2^12 g_x) g_w
-        scale = _EPILOGUE * tl.load(x_global_ptr + rows, mask=rows < M, other=0.0)[None, :] * w_global
+    if (
+        ROW_SCALE
+    ):  # each row's own x scale, multiplied in the order of the one scale's: (2^12 g_x) g_w
+        scale = (
+            _EPILOGUE * tl.load(x_global_ptr + rows, mask=rows < M, other=0.0)[None, :] * w_global
+        )
     else:
         scale = _EPILOGUE * tl.load(x_global_ptr) * w_global
     if SPLIT_K == 1:
@@ -346,7 +564,7 @@ def _dense_kernel(
         offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         part_ptr = workspace_ptr + pid.to(tl.int64) * (SPLIT_K * tile) + offs
         tl.store(part_ptr + pid_k * tile, acc)
-        tl.debug_barrier()                                                           # all partials issued
+        tl.debug_barrier()  # all partials issued
         arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
         tl.debug_barrier()
         if arrived == SPLIT_K - 1:
@@ -355,7 +573,9 @@ def _dense_kernel(
                 total += tl.load(part_ptr + split * tile, cache_modifier=".cg")
             # ready for the next call
             tl.atomic_xchg(counter_ptr + pid, 0)
-            _store_split(y_ptr, rows, rows < M, col_base, col_stride, col_mask, total * scale, OUT_BF16)
+            _store_split(
+                y_ptr, rows, rows < M, col_base, col_stride, col_mask, total * scale, OUT_BF16
+            )
 
 
 # ------------------------------------------------------------------ launch
@@ -369,13 +589,19 @@ def _split_k_buffers(M, N, bucket, device):
     configs = (INTERPRETER_CONFIGS if INTERPRET else DENSE_CONFIGS)[bucket]
     splits = [(bm, bn, split) for bm, bn, _, _, _, split, *_ in configs if split > 1]
     if not splits:
-        return (torch.empty(1, dtype=torch.float32, device=device),
-                torch.empty(1, dtype=torch.int32, device=device))
-    size = max(split * triton.cdiv(M, bm) * bm * triton.cdiv(N, bn) * bn for bm, bn, split in splits)
+        return (
+            torch.empty(1, dtype=torch.float32, device=device),
+            torch.empty(1, dtype=torch.int32, device=device),
+        )
+    size = max(
+        split * triton.cdiv(M, bm) * bm * triton.cdiv(N, bn) * bn for bm, bn, split in splits
+    )
     tiles = max(triton.cdiv(M, bm) * triton.cdiv(N, bn) for bm, bn, _ in splits)
     counters = _SPLIT_COUNTERS.get(device)
     if counters is None or counters.numel() < tiles:
-        counters = _SPLIT_COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        counters = _SPLIT_COUNTERS[device] = torch.zeros(
+            max(tiles, 4096), dtype=torch.int32, device=device
+        )
     return torch.empty(size, dtype=torch.float32, device=device), counters
 
 
@@ -393,7 +619,10 @@ def split_output(y, M, N, splits):
 
 def column_splits(N, splits):
     """(N1, N2) for the kernels' per-column weight global scale: N rows stacking len(splits) weights."""
-    ends = list(itertools.accumulate(splits or ()))[:-1] + [N, N]  # where weights 2 and 3 begin, else N
+    ends = list(itertools.accumulate(splits or ()))[:-1] + [
+        N,
+        N,
+    ]  # where weights 2 and 3 begin, else N
     return ends[0], ends[1]
 
 
@@ -404,8 +633,18 @@ def weight_operand(w_data, w_block_scale):
     out = empty_planes(N, K // 2, w_data.device)
     rows, block_k = 64, 256
     _weight_operand_kernel[(triton.cdiv(N, rows), triton.cdiv(K, block_k))](
-        w_data, w_scale, out, N, K, w_data.stride(0), w_scale.stride(0), out.stride(0),
-        GPU=not INTERPRET, ROWS=rows, BLOCK_K=block_k)
+        w_data,
+        w_scale,
+        out,
+        N,
+        K,
+        w_data.stride(0),
+        w_scale.stride(0),
+        out.stride(0),
+        GPU=not INTERPRET,
+        ROWS=rows,
+        BLOCK_K=block_k,
+    )
     return out
 
 
@@ -413,13 +652,23 @@ def x_scale_is_per_row(x_global_scale, rows, name):
     """Is an operand's global scale one per row ((rows,) fp32), not one for all (() or (1,))? One row's
     one scale is both: the kernels then read the same value either way."""
     if x_global_scale.numel() not in (1, rows):
-        raise ValueError(f"{name}: x_global_scale must be one scale or one per operand row ({rows},), got shape "
-                         f"{tuple(x_global_scale.shape)}")
+        raise ValueError(
+            f"{name}: x_global_scale must be one scale or one per operand row ({rows},), got shape "
+            f"{tuple(x_global_scale.shape)}"
+        )
     return x_global_scale.numel() > 1
 
 
-def dense_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scale, out_dtype, splits=None,
-                 prefill=None):
+def dense_matmul(
+    operand,
+    x_global_scale,
+    w_data,
+    w_block_scale,
+    w_global_scale,
+    out_dtype,
+    splits=None,
+    prefill=None,
+):
     """y = x @ W.T: operand (2, M, K/2) fp16 and x_global_scale () or (M,) fp32 (per row) from the quantizer
     (a W4A16 operand too); the weight's codes (N, K/2) uint8, block scales (N, K/16) E4M3 and global scales
     (1 to 3,) fp32 -> (M, N) out_dtype, or with splits (the row counts of up to three stacked weights, one
@@ -429,7 +678,9 @@ def dense_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scale,
     row_scale = x_scale_is_per_row(x_global_scale, M, "dense_matmul")
     N, K = w_data.shape[0], w_data.shape[1] * 2
     device = w_data.device
-    y = torch.empty(M * N, dtype=out_dtype, device=device)  # splits: each weight's (M, n) after another
+    y = torch.empty(
+        M * N, dtype=out_dtype, device=device
+    )  # splits: each weight's (M, n) after another
     w_data, w_scale = w_data.contiguous(), w_block_scale.contiguous().view(torch.uint8)
     w_fp16 = M >= PREFILL_ROWS if prefill is None else prefill
     w_ptr, stride_w, w_plane = w_data, w_data.stride(0), 0
@@ -442,9 +693,28 @@ def dense_matmul(operand, x_global_scale, w_data, w_block_scale, w_global_scale,
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
-    _dense_kernel[grid](operand, x_global_scale, w_ptr, w_scale, w_global_scale.contiguous(), as_int16(y),
-                        workspace, counters, M, N, K, bucket, operand.stride(0), w_plane,
-                        *column_splits(N, splits), operand.stride(1), stride_w, w_scale.stride(0),
-                        W_FP16=w_fp16, ROW_SCALE=row_scale, OUT_BF16=out_dtype == torch.bfloat16,
-                        GPU=not INTERPRET)
+    _dense_kernel[grid](
+        operand,
+        x_global_scale,
+        w_ptr,
+        w_scale,
+        w_global_scale.contiguous(),
+        as_int16(y),
+        workspace,
+        counters,
+        M,
+        N,
+        K,
+        bucket,
+        operand.stride(0),
+        w_plane,
+        *column_splits(N, splits),
+        operand.stride(1),
+        stride_w,
+        w_scale.stride(0),
+        W_FP16=w_fp16,
+        ROW_SCALE=row_scale,
+        OUT_BF16=out_dtype == torch.bfloat16,
+        GPU=not INTERPRET,
+    )
     return split_output(y, M, N, splits)

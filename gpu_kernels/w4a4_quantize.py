@@ -30,6 +30,7 @@ and a bf16 value's 8 significant bits fit fp16's 11: the operand is exact wherev
 The format helpers below restate nvfp4.py's (a kernel file imports no project module); the tests hold
 both to the same references bit for bit.
 """
+
 import os
 
 import torch
@@ -39,10 +40,10 @@ import triton.language as tl
 # the format's arithmetic, shared with the NVFP4 quantizer (whose definition is nvfp4.py)
 from gpu_kernels.nvfp4_quantize import _e2m1_value, _load_pairs, _quantize_pairs
 
-BLOCK_SIZE = 16                   # NVFP4 block: 16 elements along K, one E4M3 scale
+BLOCK_SIZE = 16  # NVFP4 block: 16 elements along K, one E4M3 scale
 GLOBAL_SCALE_DIVISOR = 6.0 * 448.0  # 2688: global_scale = amax / (E2M1 max * E4M3 max)
-OPERAND_SHIFT = 2.0 ** -6         # the Hopper kernels' fp16 operands hold value * block_scale * 2^-6
-AMAX_IN_LAUNCH = 4096             # inputs up to this size (M * K): the quantizer reduces the amax itself
+OPERAND_SHIFT = 2.0**-6  # the Hopper kernels' fp16 operands hold value * block_scale * 2^-6
+AMAX_IN_LAUNCH = 4096  # inputs up to this size (M * K): the quantizer reduces the amax itself
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _DIVISOR = tl.constexpr(GLOBAL_SCALE_DIVISOR)
@@ -80,7 +81,9 @@ def _tiles_abs_max(even, odd):
     """max |x| over a row's even and odd (BLOCKS, 8) tiles (masked elements load as 0); NaN counts as Inf,
     as in _abs_max."""
     even, odd = tl.abs(even), tl.abs(odd)
-    running = tl.maximum(tl.where(even == even, even, float("inf")), tl.where(odd == odd, odd, float("inf")))
+    running = tl.maximum(
+        tl.where(even == even, even, float("inf")), tl.where(odd == odd, odd, float("inf"))
+    )
     return tl.max(tl.max(running, axis=1), axis=0)
 
 
@@ -101,14 +104,24 @@ def _mul_rn(a, b, GPU: tl.constexpr):
     into one FMA by the GPU compiler, which skips that rounding (the reference makes it): mul.rn is never
     fused. Seen on the H200: RAC residual codes that differed from the reference's."""
     if GPU:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
     return a * b
 
 
 @triton.jit
-def _quantize_blocks(even, odd, rac_mask_ptr, blocks, in_range, blocks_per_row, global_scale,
-                     HAS_RESIDUAL: tl.constexpr, GPU: tl.constexpr):
+def _quantize_blocks(
+    even,
+    odd,
+    rac_mask_ptr,
+    blocks,
+    in_range,
+    blocks_per_row,
+    global_scale,
+    HAS_RESIDUAL: tl.constexpr,
+    GPU: tl.constexpr,
+):
     """The (BLOCKS, 8) even and odd tiles of flat blocks `blocks` -> codes and E4M3 bytes of x and of its
     RAC residual, and the operand values (DQ(x_q) + DQ(r_q)) / global_scale as fp32 even and odd tiles."""
     code_even, code_odd, block_scale, scale_byte = _quantize_pairs(even, odd, global_scale)
@@ -116,11 +129,13 @@ def _quantize_blocks(even, odd, rac_mask_ptr, blocks, in_range, blocks_per_row, 
     value_odd = _e2m1_value(code_odd) * block_scale[:, None]
     r_even, r_odd, r_byte = code_even, code_odd, scale_byte  # (placeholders without a residual)
     if HAS_RESIDUAL:
-        keep = (tl.load(rac_mask_ptr + blocks % blocks_per_row, mask=in_range, other=0) != 0)[:, None]
+        keep = (tl.load(rac_mask_ptr + blocks % blocks_per_row, mask=in_range, other=0) != 0)[
+            :, None
+        ]
         res_even = tl.where(keep, even - _mul_rn(value_even, global_scale, GPU), 0.0)  # x - DQ(x_q)
         res_odd = tl.where(keep, odd - _mul_rn(value_odd, global_scale, GPU), 0.0)
         r_even, r_odd, r_scale, r_byte = _quantize_pairs(res_even, res_odd, global_scale)
-        value_even += _e2m1_value(r_even) * r_scale[:, None]                         # exact in fp32
+        value_even += _e2m1_value(r_even) * r_scale[:, None]  # exact in fp32
         value_odd += _e2m1_value(r_odd) * r_scale[:, None]
     return code_even, code_odd, scale_byte, r_even, r_odd, r_byte, value_even, value_odd
 
@@ -128,23 +143,46 @@ def _quantize_blocks(even, odd, rac_mask_ptr, blocks, in_range, blocks_per_row, 
 @triton.jit
 def _store_codes(data_ptr, scale_ptr, blocks, in_range, code_even, code_odd, scale_byte):
     pairs = tl.arange(0, 8)
-    tl.store(data_ptr + blocks[:, None] * 8 + pairs[None, :], (code_even | (code_odd << 4)).to(tl.uint8),
-             mask=in_range[:, None])
+    tl.store(
+        data_ptr + blocks[:, None] * 8 + pairs[None, :],
+        (code_even | (code_odd << 4)).to(tl.uint8),
+        mask=in_range[:, None],
+    )
     tl.store(scale_ptr + blocks, scale_byte.to(tl.uint8), mask=in_range)
 
 
 @triton.jit
 def _quantize_activation_kernel(
     # pointers: input (elements, and its pair view), selection, scales, outputs
-    x_ptr, x_words_ptr, rac_mask_ptr, partial_amax_ptr, global_scale_ptr,
-    data_ptr, block_scale_ptr, res_data_ptr, res_block_scale_ptr, operand_ptr,
+    x_ptr,
+    x_words_ptr,
+    rac_mask_ptr,
+    partial_amax_ptr,
+    global_scale_ptr,
+    data_ptr,
+    block_scale_ptr,
+    res_data_ptr,
+    res_block_scale_ptr,
+    operand_ptr,
     # sizes (plane_size: elements in one operand plane, M * K / 2)
-    numel, n_blocks, blocks_per_row, n_partials, plane_size,
+    numel,
+    n_blocks,
+    blocks_per_row,
+    n_partials,
+    plane_size,
     # meta-parameters (ROW_SCALE: one program and one global scale per row, BLOCKS >= blocks_per_row;
     # QUANTIZE False: W4A16, the operand of x itself and a power-of-two scale, no codes)
-    AMAX_HERE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_BF16: tl.constexpr, WRITE_CODES: tl.constexpr,
-    WRITE_OPERAND: tl.constexpr, BLOCKS: tl.constexpr, CHUNK: tl.constexpr, PARTIALS: tl.constexpr,
-    GPU: tl.constexpr, ROW_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
+    AMAX_HERE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    X_BF16: tl.constexpr,
+    WRITE_CODES: tl.constexpr,
+    WRITE_OPERAND: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PARTIALS: tl.constexpr,
+    GPU: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if ROW_SCALE:  # the row's amax from the very tiles it quantizes: one read of x
@@ -157,7 +195,7 @@ def _quantize_activation_kernel(
     else:
         if AMAX_HERE:  # a small input: every program reduces all of it (L2-resident) itself
             amax = _abs_max(x_ptr, 0, numel, CHUNK)
-        else:          # the maxima of _partial_amax_kernel's slices
+        else:  # the maxima of _partial_amax_kernel's slices
             idx = tl.arange(0, PARTIALS)
             partial = tl.load(partial_amax_ptr + idx, mask=idx < n_partials, other=0.0)
             amax = tl.max(partial, axis=0)
@@ -167,20 +205,38 @@ def _quantize_activation_kernel(
         in_range = blocks < n_blocks
         even, odd = _load_pairs(x_words_ptr, blocks, tl.arange(0, 8), in_range[:, None], X_BF16)
     if QUANTIZE:
-        code_even, code_odd, scale_byte, r_even, r_odd, r_byte, value_even, value_odd = _quantize_blocks(
-            even, odd, rac_mask_ptr, blocks, in_range, blocks_per_row, global_scale, HAS_RESIDUAL, GPU)
+        code_even, code_odd, scale_byte, r_even, r_odd, r_byte, value_even, value_odd = (
+            _quantize_blocks(
+                even,
+                odd,
+                rac_mask_ptr,
+                blocks,
+                in_range,
+                blocks_per_row,
+                global_scale,
+                HAS_RESIDUAL,
+                GPU,
+            )
+        )
         if WRITE_CODES:
-            _store_codes(data_ptr, block_scale_ptr, blocks, in_range, code_even, code_odd, scale_byte)
+            _store_codes(
+                data_ptr, block_scale_ptr, blocks, in_range, code_even, code_odd, scale_byte
+            )
             if HAS_RESIDUAL:
-                _store_codes(res_data_ptr, res_block_scale_ptr, blocks, in_range, r_even, r_odd, r_byte)
+                _store_codes(
+                    res_data_ptr, res_block_scale_ptr, blocks, in_range, r_even, r_odd, r_byte
+                )
     else:  # W4A16: x / g; 1 / g is a power of two, so the product is the exact quotient (the same bits)
         inverse = tl.math.div_rn(1.0, global_scale)
         value_even, value_odd = even * inverse, odd * inverse
     if WRITE_OPERAND:  # fp16 planes, 16 contiguous bytes per block in each
         offs = blocks[:, None] * 8 + tl.arange(0, 8)[None, :]
         tl.store(operand_ptr + offs, (value_even * _SHIFT).to(tl.float16), mask=in_range[:, None])
-        tl.store(operand_ptr + plane_size + offs, (value_odd * _SHIFT).to(tl.float16),
-                 mask=in_range[:, None])
+        tl.store(
+            operand_ptr + plane_size + offs,
+            (value_odd * _SHIFT).to(tl.float16),
+            mask=in_range[:, None],
+        )
 
 
 @triton.jit
@@ -195,12 +251,13 @@ def _partial_amax_kernel(x_ptr, partial_ptr, numel, SLICE: tl.constexpr, CHUNK: 
 def empty_planes(rows, half_k, device):
     """An fp16 operand buffer (2, rows, K/2), the planes a multiple of 64 elements apart (16-byte aligned)."""
     plane = triton.cdiv(rows * half_k, 64) * 64
-    return (torch.empty((2, plane), dtype=torch.float16, device=device)[:, :rows * half_k]
-            .view(2, rows, half_k))
+    return torch.empty((2, plane), dtype=torch.float16, device=device)[:, : rows * half_k].view(
+        2, rows, half_k
+    )
 
 
 _AMAX_CHUNK = AMAX_IN_LAUNCH  # elements per load in the amax loops: small inputs in one load
-_AMAX_SLICES = 256       # at most this many partial maxima: every quantizer program reads all of them
+_AMAX_SLICES = 256  # at most this many partial maxima: every quantizer program reads all of them
 
 
 def _partial_chunk(numel):
@@ -220,7 +277,9 @@ def _partial_amax(x):
     return partials
 
 
-def quantize_activation(x, rac_mask=None, codes=False, operand=True, row_scale=False, quantize=True):
+def quantize_activation(
+    x, rac_mask=None, codes=False, operand=True, row_scale=False, quantize=True
+):
     """x (M, K) bf16/fp16/fp32, rac_mask (G,) bool or None -> (data, block_scale, residual_data,
     residual_block_scale, operand, global_scale): the packed codes (M, K/2) uint8 and E4M3 block scales
     (M, G) of x and of its residual (codes=True; the residual's None without a mask), the fp16 operand
@@ -229,8 +288,10 @@ def quantize_activation(x, rac_mask=None, codes=False, operand=True, row_scale=F
     and g the power-of-two scale (per tensor or row) the module's docstring defines."""
     if not quantize and (codes or rac_mask is not None):
         mask = None if rac_mask is None else "a mask"
-        raise ValueError(f"quantize_activation: quantize=False writes x's unquantized operand only: it takes no "
-                         f"codes or rac_mask (got codes={codes}, rac_mask={mask})")
+        raise ValueError(
+            f"quantize_activation: quantize=False writes x's unquantized operand only: it takes no "
+            f"codes or rac_mask (got codes={codes}, rac_mask={mask})"
+        )
     x = x.contiguous()
     if x.dtype == torch.bfloat16 and x.data_ptr() % 4:
         x = x.clone()  # int32 pair loads need 4-byte alignment (an odd-offset view)
@@ -246,10 +307,15 @@ def quantize_activation(x, rac_mask=None, codes=False, operand=True, row_scale=F
     if operand:
         out_operand = empty_planes(M, K // 2, device)
     global_scale = torch.empty((M,) if row_scale else (), dtype=torch.float32, device=device)
-    if row_scale:  # a program a row: its blocks in one tile, its amax its own (no partial-max launch)
+    if (
+        row_scale
+    ):  # a program a row: its blocks in one tile, its amax its own (no partial-max launch)
         amax_here, partials = True, dummy
         blocks = triton.next_power_of_2(blocks_per_row)
-        grid, warps = (M,), min(16, max(4, blocks // 32))  # 4 warps up to 128 blocks (K 2048), then wider
+        grid, warps = (
+            (M,),
+            min(16, max(4, blocks // 32)),
+        )  # 4 warps up to 128 blocks (K 2048), then wider
     else:
         amax_here = x.numel() <= AMAX_IN_LAUNCH
         partials = dummy if amax_here else _partial_amax(x)
@@ -260,13 +326,32 @@ def quantize_activation(x, rac_mask=None, codes=False, operand=True, row_scale=F
         return dummy if t is None else (t.view(view) if view is not None else t)
 
     _quantize_activation_kernel[grid](
-        x, x.view(torch.int32) if x.dtype == torch.bfloat16 else x, ptr(rac_mask, torch.uint8), partials,
-        global_scale, ptr(data), ptr(block_scale, torch.uint8), ptr(res_data), ptr(res_block_scale, torch.uint8),
+        x,
+        x.view(torch.int32) if x.dtype == torch.bfloat16 else x,
+        ptr(rac_mask, torch.uint8),
+        partials,
+        global_scale,
+        ptr(data),
+        ptr(block_scale, torch.uint8),
+        ptr(res_data),
+        ptr(res_block_scale, torch.uint8),
         ptr(out_operand),
-        x.numel(), n_blocks, blocks_per_row, partials.numel() if not amax_here else 0,
+        x.numel(),
+        n_blocks,
+        blocks_per_row,
+        partials.numel() if not amax_here else 0,
         out_operand.stride(0) if operand else 0,
-        AMAX_HERE=amax_here, HAS_RESIDUAL=rac_mask is not None, X_BF16=x.dtype == torch.bfloat16,
-        WRITE_CODES=codes, WRITE_OPERAND=operand, BLOCKS=blocks, CHUNK=_AMAX_CHUNK, GPU=not INTERPRET,
-        PARTIALS=triton.next_power_of_2(partials.numel()), ROW_SCALE=row_scale, QUANTIZE=quantize,
-        num_warps=warps)
+        AMAX_HERE=amax_here,
+        HAS_RESIDUAL=rac_mask is not None,
+        X_BF16=x.dtype == torch.bfloat16,
+        WRITE_CODES=codes,
+        WRITE_OPERAND=operand,
+        BLOCKS=blocks,
+        CHUNK=_AMAX_CHUNK,
+        GPU=not INTERPRET,
+        PARTIALS=triton.next_power_of_2(partials.numel()),
+        ROW_SCALE=row_scale,
+        QUANTIZE=quantize,
+        num_warps=warps,
+    )
     return data, block_scale, res_data, res_block_scale, out_operand, global_scale

@@ -31,17 +31,35 @@ The kernels:
     router weight.
 Tile sizes are autotuned per bucket of rows (CUDA-graph timing), as for the W4A4 kernels.
 """
+
 import torch
 import triton
 import triton.language as tl
 
-from gpu_kernels.w4a4_dense import _HEURISTICS, _bench_in_graph, _m_bucket, _prune, _store_tile, as_int16
-from gpu_kernels.w4a4_experts import _expert_tile, _expert_weight_rows, _grouped_store, _tile_rows, grouped_output
+from gpu_kernels.w4a4_dense import (
+    _HEURISTICS,
+    _bench_in_graph,
+    _m_bucket,
+    _prune,
+    _store_tile,
+    as_int16,
+)
+from gpu_kernels.w4a4_experts import (
+    _expert_tile,
+    _expert_weight_rows,
+    _grouped_store,
+    _tile_rows,
+    grouped_output,
+)
 from gpu_kernels.w4a4_quantize import INTERPRET
 
 E4M3_MAX = 448.0
-PROMOTE_K = 128          # K elements the FP8 MMA sums in its own precision before they join the fp32 accumulator
-FUSE_MAX_ROWS = 16       # the layers' dense GEMM quantizes x itself up to this many rows (one launch, not two)
+PROMOTE_K = (
+    128  # K elements the FP8 MMA sums in its own precision before they join the fp32 accumulator
+)
+FUSE_MAX_ROWS = (
+    16  # the layers' dense GEMM quantizes x itself up to this many rows (one launch, not two)
+)
 _MAX = tl.constexpr(E4M3_MAX)
 _PROMOTE_K = tl.constexpr(PROMOTE_K)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -62,7 +80,11 @@ def _to_e4m3(value, GPU: tl.constexpr):
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
     magnitude = ((tl.abs(value) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
     subnormal = tl.where(bits < 0, -magnitude, magnitude)
-    byte = tl.where(tl.abs(value) < 0.015625, subnormal, normal).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    byte = (
+        tl.where(tl.abs(value) < 0.015625, subnormal, normal)
+        .to(tl.float8e4nv)
+        .to(tl.uint8, bitcast=True)
+    )
     return tl.where(value == value, byte, 0x7F).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
@@ -78,8 +100,11 @@ def _quantize_tile(x, scale, GPU: tl.constexpr):
     """x (R, C) fp32 and its rows' scales (R,) -> E4M3 codes: x / scale (IEEE division), clamped to +-448 (a NaN
     stays NaN, as torch's clamp keeps it), rounded."""
     value = tl.math.div_rn(x, scale[:, None])
-    value = tl.minimum(tl.maximum(value, -_MAX, propagate_nan=tl.PropagateNan.ALL), _MAX,
-                       propagate_nan=tl.PropagateNan.ALL)
+    value = tl.minimum(
+        tl.maximum(value, -_MAX, propagate_nan=tl.PropagateNan.ALL),
+        _MAX,
+        propagate_nan=tl.PropagateNan.ALL,
+    )
     return _to_e4m3(value, GPU)
 
 
@@ -91,8 +116,11 @@ def _rows_amax(x_ptr, rows, row_mask, stride_x, K, ROWS: tl.constexpr, BLOCK_K: 
     running = tl.zeros((ROWS, BLOCK_K), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
-                    mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_x + cols[None, :],
+            mask=row_mask[:, None] & (cols < K)[None, :],
+            other=0.0,
+        )
         running = tl.maximum(running, x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     return tl.max(running, axis=1).to(tl.float32, bitcast=True)
 
@@ -100,11 +128,18 @@ def _rows_amax(x_ptr, rows, row_mask, stride_x, K, ROWS: tl.constexpr, BLOCK_K: 
 @triton.jit
 def _quantize_kernel(
     # pointers: the input, its codes and its row scales
-    x_ptr, codes_ptr, scale_ptr,
+    x_ptr,
+    codes_ptr,
+    scale_ptr,
     # sizes and strides (elements)
-    M, K, stride_x, stride_codes,
+    M,
+    K,
+    stride_x,
+    stride_codes,
     # meta-parameters
-    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, GPU: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GPU: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -114,14 +149,30 @@ def _quantize_kernel(
     for k0 in range(0, K, BLOCK_K):  # the second read of the rows comes from L1 / L2
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = row_mask[:, None] & (cols < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(codes_ptr + rows[:, None] * stride_codes + cols[None, :], _quantize_tile(x, scale, GPU), mask=mask)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+        tl.store(
+            codes_ptr + rows[:, None] * stride_codes + cols[None, :],
+            _quantize_tile(x, scale, GPU),
+            mask=mask,
+        )
 
 
 # ------------------------------------------------------------------ the GEMMs' main loop
 @triton.jit
-def _x_tile(x_ptr, x_rows, row_mask, stride_x, x_scale, cols, K, FUSED: tl.constexpr, GPU: tl.constexpr,
-            EVEN_K: tl.constexpr):
+def _x_tile(
+    x_ptr,
+    x_rows,
+    row_mask,
+    stride_x,
+    x_scale,
+    cols,
+    K,
+    FUSED: tl.constexpr,
+    GPU: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     """Columns `cols` of x's rows as an E4M3 (rows, BLOCK_K) tile: the stored codes, or (FUSED) x itself
     quantized here with its rows' scales x_scale, bit for bit what the quantizer stores."""
     ptrs = x_ptr + x_rows[:, None] * stride_x + cols[None, :]
@@ -134,9 +185,26 @@ def _x_tile(x_ptr, x_rows, row_mask, stride_x, x_scale, cols, K, FUSED: tl.const
 
 
 @triton.jit
-def _mainloop(x_ptr, x_rows, row_mask, stride_x, x_scale, w_ptr, w_rows, w_mask, stride_w, k_begin, k_end, K,
-              FUSED: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr, W_ROWS: tl.constexpr,
-              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _mainloop(
+    x_ptr,
+    x_rows,
+    row_mask,
+    stride_x,
+    x_scale,
+    w_ptr,
+    w_rows,
+    w_mask,
+    stride_w,
+    k_begin,
+    k_end,
+    K,
+    FUSED: tl.constexpr,
+    GPU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    W_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     """acc (W_ROWS, BLOCK_M) = Wc[w_rows] @ xc[x_rows].T over columns k_begin..k_end, on the codes (no scales):
     the weight rows are the MMA's left operand, its wide side. Each weight row's BLOCK_K bytes are one contiguous
     run; with EVEN_K the masks are constant along K and the loads 16 bytes wide."""
@@ -160,12 +228,33 @@ def _mainloop(x_ptr, x_rows, row_mask, stride_x, x_scale, w_ptr, w_rows, w_mask,
 # fused variant of (128, 64, 128) (a few registers). Under the interpreter one small configuration per bucket,
 # splitting K in the decode buckets so that tests run the split-K epilogue.
 DENSE_CONFIGS = {
-    16: [(16, 64, 256, 4, 4, 2), (16, 64, 256, 4, 3, 4), (16, 128, 256, 4, 3, 2), (16, 64, 128, 4, 4, 4),
-         (16, 64, 128, 4, 3, 8)],
-    64: [(32, 64, 256, 4, 3, 2), (64, 64, 256, 4, 3, 2), (64, 128, 128, 4, 4, 1), (32, 128, 256, 8, 3, 1),
-         (64, 64, 128, 4, 4, 4), (64, 64, 128, 4, 3, 8)],
-    256: [(64, 128, 128, 4, 4, 1), (128, 128, 128, 8, 3, 1), (64, 64, 256, 4, 3, 2), (128, 64, 128, 4, 4, 1)],
-    4096: [(128, 128, 128, 8, 3, 1), (128, 128, 128, 8, 4, 1), (64, 128, 128, 4, 4, 1), (128, 64, 128, 4, 4, 1)],
+    16: [
+        (16, 64, 256, 4, 4, 2),
+        (16, 64, 256, 4, 3, 4),
+        (16, 128, 256, 4, 3, 2),
+        (16, 64, 128, 4, 4, 4),
+        (16, 64, 128, 4, 3, 8),
+    ],
+    64: [
+        (32, 64, 256, 4, 3, 2),
+        (64, 64, 256, 4, 3, 2),
+        (64, 128, 128, 4, 4, 1),
+        (32, 128, 256, 8, 3, 1),
+        (64, 64, 128, 4, 4, 4),
+        (64, 64, 128, 4, 3, 8),
+    ],
+    256: [
+        (64, 128, 128, 4, 4, 1),
+        (128, 128, 128, 8, 3, 1),
+        (64, 64, 256, 4, 3, 2),
+        (128, 64, 128, 4, 4, 1),
+    ],
+    4096: [
+        (128, 128, 128, 8, 3, 1),
+        (128, 128, 128, 8, 4, 1),
+        (64, 128, 128, 4, 4, 1),
+        (128, 64, 128, 4, 4, 1),
+    ],
 }
 # The experts: buckets of rows an expert (the mean); BLOCK_N counts output columns, so that the gate/up GEMM's
 # SwiGLU tile stacks 2 * BLOCK_N weight rows. BLOCK_N >= 64: the down GEMM's weight tile fills the wgmma's 64
@@ -177,7 +266,9 @@ GROUPED_CONFIGS = {
     64: [(32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 8, 3)],
     4096: [(64, 128, 128, 8, 3), (128, 64, 128, 8, 3), (64, 64, 128, 4, 4)],
 }
-INTERPRETER_CONFIGS = {bucket: [(16, 32, 64, 4, 1, 2 if bucket <= 64 else 1)] for bucket in DENSE_CONFIGS}
+INTERPRETER_CONFIGS = {
+    bucket: [(16, 32, 64, 4, 1, 2 if bucket <= 64 else 1)] for bucket in DENSE_CONFIGS
+}
 
 
 def _configs(table):
@@ -196,21 +287,42 @@ def _configs(table):
 
 # ------------------------------------------------------------------ the dense GEMM
 # Reference: fp8.linear_reference (FUSED: on fp8.quantize_rowwise's codes of x).
-@triton.autotune(configs=_configs(DENSE_CONFIGS), key=["M_BUCKET", "N", "K", "FUSED"],
-                 prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
+@triton.autotune(
+    configs=_configs(DENSE_CONFIGS),
+    key=["M_BUCKET", "N", "K", "FUSED"],
+    prune_configs_by={"early_config_prune": _prune},
+    do_bench=_bench_in_graph,
+)
 @triton.heuristics(_HEURISTICS)
 @triton.jit(do_not_specialize=["M"])
 def _dense_kernel(
     # pointers: x's codes and row scales, or (FUSED) x itself; the weight's codes and row scales; y; split-K:
     # partial tiles and per-tile arrival counters
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, y_ptr, workspace_ptr, counter_ptr,
+    x_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    y_ptr,
+    workspace_ptr,
+    counter_ptr,
     # sizes (M_BUCKET: the autotuning key)
-    M, N, K, M_BUCKET,
+    M,
+    N,
+    K,
+    M_BUCKET,
     # strides (elements)
-    stride_x, stride_w, stride_y,
+    stride_x,
+    stride_w,
+    stride_y,
     # meta-parameters
-    FUSED: tl.constexpr, OUT_BF16: tl.constexpr, GPU: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BUCKET: tl.constexpr,
+    FUSED: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    GPU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BUCKET: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
     # N tiles vary fastest: programs running together share the activation rows and stream disjoint weight rows
@@ -229,8 +341,26 @@ def _dense_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
-    acc = _mainloop(x_ptr, rows, row_mask, stride_x, x_scale, w_ptr, cols, col_mask, stride_w, k_begin, k_end, K,
-                    FUSED, GPU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    acc = _mainloop(
+        x_ptr,
+        rows,
+        row_mask,
+        stride_x,
+        x_scale,
+        w_ptr,
+        cols,
+        col_mask,
+        stride_w,
+        k_begin,
+        k_end,
+        K,
+        FUSED,
+        GPU,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        EVEN_K,
+    )
     scale = tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)[:, None] * x_scale[None, :]
     if SPLIT_K == 1:
         _store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, acc * scale, OUT_BF16)
@@ -241,53 +371,115 @@ def _dense_kernel(
         offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         part_ptr = workspace_ptr + pid.to(tl.int64) * (SPLIT_K * tile) + offs
         tl.store(part_ptr + pid_k * tile, acc)
-        tl.debug_barrier()                                                           # all partials issued
+        tl.debug_barrier()  # all partials issued
         arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
         tl.debug_barrier()
         if arrived == SPLIT_K - 1:
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for split in range(SPLIT_K):
                 total += tl.load(part_ptr + split * tile, cache_modifier=".cg")
-            tl.atomic_xchg(counter_ptr + pid, 0)                                     # ready for the next call
+            tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next call
             _store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, total * scale, OUT_BF16)
 
 
 # ------------------------------------------------------------------ the experts' grouped GEMM
 # Reference: fp8.grouped_linear_reference.
-@triton.autotune(configs=_configs(GROUPED_CONFIGS), key=["M_BUCKET", "N", "K"],
-                 prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_in_graph)
+@triton.autotune(
+    configs=_configs(GROUPED_CONFIGS),
+    key=["M_BUCKET", "N", "K"],
+    prune_configs_by={"early_config_prune": _prune},
+    do_bench=_bench_in_graph,
+)
 @triton.heuristics(_HEURISTICS)
 @triton.jit
 def _grouped_kernel(
     # pointers: x's codes and row scales; the sorted rows' x rows (row_ids), router weights and where each sorted
     # row's weight is (weight_ids, routing.order); the experts' codes and row scales; rows per expert; y
-    x_ptr, x_scale_ptr, row_ids_ptr, row_weights_ptr, weight_ids_ptr, w_ptr, w_scale_ptr, counts_ptr, y_ptr,
+    x_ptr,
+    x_scale_ptr,
+    row_ids_ptr,
+    row_weights_ptr,
+    weight_ids_ptr,
+    w_ptr,
+    w_scale_ptr,
+    counts_ptr,
+    y_ptr,
     # sizes: N is the weight's rows (2I for SwiGLU, whose output has N/2 columns)
-    N, K, E, M_BUCKET,
+    N,
+    K,
+    E,
+    M_BUCKET,
     # strides (elements): x rows; weight (expert, row); scales (expert); y rows
-    stride_x, stride_we, stride_w, stride_se, stride_y,
+    stride_x,
+    stride_we,
+    stride_w,
+    stride_se,
+    stride_y,
     # meta-parameters
-    GATHER: tl.constexpr, ROW_WEIGHTS: tl.constexpr, WEIGHT_IDS: tl.constexpr, SWIGLU: tl.constexpr,
-    OUT_BF16: tl.constexpr, GPU: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BUCKET: tl.constexpr, EVEN_K: tl.constexpr,
+    GATHER: tl.constexpr,
+    ROW_WEIGHTS: tl.constexpr,
+    WEIGHT_IDS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    GPU: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BUCKET: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert, row0, end_row = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
     if expert >= E:  # the grid is an upper bound on the tile count: surplus programs exit
         return
-    sorted_rows, row_mask, x_rows, weight_rows = _tile_rows(row_ids_ptr, weight_ids_ptr, row0, end_row, GATHER,
-                                                            WEIGHT_IDS, BLOCK_M)
+    sorted_rows, row_mask, x_rows, weight_rows = _tile_rows(
+        row_ids_ptr, weight_ids_ptr, row0, end_row, GATHER, WEIGHT_IDS, BLOCK_M
+    )
     x_rows = x_rows.to(tl.int64)
     n_out = N // 2 if SWIGLU else N
     W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
     w_rows, w_mask = _expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
     expert = expert.to(tl.int64)
     x_scale = tl.load(x_scale_ptr + x_rows, mask=row_mask, other=1.0)
-    acc = _mainloop(x_ptr, x_rows, row_mask, stride_x, x_scale, w_ptr + expert * stride_we, w_rows, w_mask,
-                    stride_w, 0, K, K, False, GPU, BLOCK_M, W_ROWS, BLOCK_K, EVEN_K)
+    acc = _mainloop(
+        x_ptr,
+        x_rows,
+        row_mask,
+        stride_x,
+        x_scale,
+        w_ptr + expert * stride_we,
+        w_rows,
+        w_mask,
+        stride_w,
+        0,
+        K,
+        K,
+        False,
+        GPU,
+        BLOCK_M,
+        W_ROWS,
+        BLOCK_K,
+        EVEN_K,
+    )
     w_scale = tl.load(w_scale_ptr + expert * stride_se + w_rows, mask=w_mask, other=0.0)
-    _grouped_store(acc, w_scale[:, None] * x_scale[None, :], y_ptr, row_weights_ptr, weight_rows, sorted_rows,
-                   row_mask, pid_n, n_out, stride_y, ROW_WEIGHTS, SWIGLU, OUT_BF16, BLOCK_M, BLOCK_N)
+    _grouped_store(
+        acc,
+        w_scale[:, None] * x_scale[None, :],
+        y_ptr,
+        row_weights_ptr,
+        weight_rows,
+        sorted_rows,
+        row_mask,
+        pid_n,
+        n_out,
+        stride_y,
+        ROW_WEIGHTS,
+        SWIGLU,
+        OUT_BF16,
+        BLOCK_M,
+        BLOCK_N,
+    )
 
 
 # ------------------------------------------------------------------ input checks (one line each)
@@ -298,36 +490,55 @@ def _check(ok, message):
 
 def _rows(name, x, dtypes, what):
     """x checked to be a 2-D tensor of one of `dtypes`, with unit stride along its last dim (a copy if not)."""
-    _check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in dtypes,
-           f"w8a8: {name} must be a 2-D {what} tensor, got "
-           f"{(x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    _check(
+        isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in dtypes,
+        f"w8a8: {name} must be a 2-D {what} tensor, got "
+        f"{(x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__}",
+    )
     return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
 
 
 def _check_weight(w_codes, w_scale, K, device, experts=False):
     shape = "(E, N, K)" if experts else "(N, K)"
-    _check(isinstance(w_codes, torch.Tensor) and w_codes.dtype == torch.float8_e4m3fn
-           and w_codes.dim() == 2 + experts and w_codes.is_contiguous(),
-           f"w8a8: w_codes must be a contiguous {shape} float8_e4m3fn tensor, got "
-           f"{(w_codes.dtype, tuple(w_codes.shape)) if isinstance(w_codes, torch.Tensor) else type(w_codes)}")
+    _check(
+        isinstance(w_codes, torch.Tensor)
+        and w_codes.dtype == torch.float8_e4m3fn
+        and w_codes.dim() == 2 + experts
+        and w_codes.is_contiguous(),
+        f"w8a8: w_codes must be a contiguous {shape} float8_e4m3fn tensor, got "
+        f"{(w_codes.dtype, tuple(w_codes.shape)) if isinstance(w_codes, torch.Tensor) else type(w_codes)}",
+    )
     _check(w_codes.shape[-1] == K, f"w8a8: w_codes has K={w_codes.shape[-1]}, the activation K={K}")
-    _check(isinstance(w_scale, torch.Tensor) and w_scale.dtype == torch.float32
-           and tuple(w_scale.shape) == tuple(w_codes.shape[:-1]) and w_scale.is_contiguous(),
-           f"w8a8: w_scale must be contiguous fp32 of shape {tuple(w_codes.shape[:-1])}, got "
-           f"{(w_scale.dtype, tuple(w_scale.shape)) if isinstance(w_scale, torch.Tensor) else type(w_scale)}")
-    _check(w_codes.device == device and w_scale.device == device,
-           f"w8a8: the weight is on {w_codes.device}, its scales on {w_scale.device}, the activation on {device}")
+    _check(
+        isinstance(w_scale, torch.Tensor)
+        and w_scale.dtype == torch.float32
+        and tuple(w_scale.shape) == tuple(w_codes.shape[:-1])
+        and w_scale.is_contiguous(),
+        f"w8a8: w_scale must be contiguous fp32 of shape {tuple(w_codes.shape[:-1])}, got "
+        f"{(w_scale.dtype, tuple(w_scale.shape)) if isinstance(w_scale, torch.Tensor) else type(w_scale)}",
+    )
+    _check(
+        w_codes.device == device and w_scale.device == device,
+        f"w8a8: the weight is on {w_codes.device}, its scales on {w_scale.device}, the activation on {device}",
+    )
 
 
 def _check_scale(x_scale, M, device):
-    _check(isinstance(x_scale, torch.Tensor) and x_scale.dtype == torch.float32 and x_scale.numel() == M
-           and x_scale.is_contiguous() and x_scale.device == device,
-           f"w8a8: x_scale must be {M} contiguous fp32 row scales on {device}, got "
-           f"{(x_scale.dtype, tuple(x_scale.shape)) if isinstance(x_scale, torch.Tensor) else type(x_scale)}")
+    _check(
+        isinstance(x_scale, torch.Tensor)
+        and x_scale.dtype == torch.float32
+        and x_scale.numel() == M
+        and x_scale.is_contiguous()
+        and x_scale.device == device,
+        f"w8a8: x_scale must be {M} contiguous fp32 row scales on {device}, got "
+        f"{(x_scale.dtype, tuple(x_scale.shape)) if isinstance(x_scale, torch.Tensor) else type(x_scale)}",
+    )
 
 
 def _check_out_dtype(out_dtype):
-    _check(out_dtype in _FLOATS, f"w8a8: out_dtype must be bfloat16/float16/float32, got {out_dtype}")
+    _check(
+        out_dtype in _FLOATS, f"w8a8: out_dtype must be bfloat16/float16/float32, got {out_dtype}"
+    )
 
 
 # ------------------------------------------------------------------ launches
@@ -342,10 +553,13 @@ def quantize_rows(x):
         return codes, scale
     block_k = min(triton.next_power_of_2(max(K, 16)), 2048)
     rows = max(1, min(8, 4096 // block_k))  # about 4096 elements a program ...
-    while rows > 1 and triton.cdiv(M, rows) < 264:  # ... but two programs an SM at least, for short latency
+    while (
+        rows > 1 and triton.cdiv(M, rows) < 264
+    ):  # ... but two programs an SM at least, for short latency
         rows //= 2
-    _quantize_kernel[(triton.cdiv(M, rows),)](x, codes, scale, M, K, x.stride(0), K,
-                                              ROWS=rows, BLOCK_K=block_k, GPU=not INTERPRET)
+    _quantize_kernel[(triton.cdiv(M, rows),)](
+        x, codes, scale, M, K, x.stride(0), K, ROWS=rows, BLOCK_K=block_k, GPU=not INTERPRET
+    )
     return codes, scale
 
 
@@ -357,15 +571,25 @@ def _split_k_buffers(M, N, bucket, device):
     reset to zero by the kernel itself: kept per device). Counters are shared by all calls, so split-K launches
     must not run concurrently on two streams."""
     configs = INTERPRETER_CONFIGS if INTERPRET else DENSE_CONFIGS
-    splits = [(bm, bn, split) for bm, bn, _, _, _, split in configs[_m_bucket(bucket, configs)] if split > 1]
+    splits = [
+        (bm, bn, split)
+        for bm, bn, _, _, _, split in configs[_m_bucket(bucket, configs)]
+        if split > 1
+    ]
     if not splits:
-        return (torch.empty(1, dtype=torch.float32, device=device),
-                torch.empty(1, dtype=torch.int32, device=device))
-    size = max(split * triton.cdiv(M, bm) * bm * triton.cdiv(N, bn) * bn for bm, bn, split in splits)
+        return (
+            torch.empty(1, dtype=torch.float32, device=device),
+            torch.empty(1, dtype=torch.int32, device=device),
+        )
+    size = max(
+        split * triton.cdiv(M, bm) * bm * triton.cdiv(N, bn) * bn for bm, bn, split in splits
+    )
     tiles = max(triton.cdiv(M, bm) * triton.cdiv(N, bn) for bm, bn, _ in splits)
     counters = _SPLIT_COUNTERS.get(device)
     if counters is None or counters.numel() < tiles:
-        counters = _SPLIT_COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        counters = _SPLIT_COUNTERS[device] = torch.zeros(
+            max(tiles, 4096), dtype=torch.int32, device=device
+        )
     return torch.empty(size, dtype=torch.float32, device=device), counters
 
 
@@ -381,9 +605,25 @@ def _dense(x, x_scale, w_codes, w_scale, out_dtype, fused):
     def grid(meta):
         return triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"]
 
-    _dense_kernel[grid](x, x_scale, w_codes, w_scale,
-                        as_int16(y), workspace, counters, M, N, K, bucket, x.stride(0), K, N, FUSED=fused,
-                        OUT_BF16=out_dtype == torch.bfloat16, GPU=not INTERPRET)
+    _dense_kernel[grid](
+        x,
+        x_scale,
+        w_codes,
+        w_scale,
+        as_int16(y),
+        workspace,
+        counters,
+        M,
+        N,
+        K,
+        bucket,
+        x.stride(0),
+        K,
+        N,
+        FUSED=fused,
+        OUT_BF16=out_dtype == torch.bfloat16,
+        GPU=not INTERPRET,
+    )
     return y
 
 
@@ -409,8 +649,18 @@ def linear(x, w_codes, w_scale, fused=None, out_dtype=torch.bfloat16):
     return _dense(*quantize_rows(x), w_codes, w_scale, out_dtype, False)
 
 
-def grouped_linear(x_codes, x_scale, w_codes, w_scale, counts, row_ids=None, row_weights=None,
-                   row_weight_ids=None, swiglu=False, out_dtype=torch.bfloat16):
+def grouped_linear(
+    x_codes,
+    x_scale,
+    w_codes,
+    w_scale,
+    counts,
+    row_ids=None,
+    row_weights=None,
+    row_weight_ids=None,
+    swiglu=False,
+    out_dtype=torch.bfloat16,
+):
     """The experts' GEMM, one launch, no host sync: rows (x_codes' own, or x_codes[row_ids]) grouped by expert,
     counts (E,) int64 rows each, times expert e's weight w_codes[e] (E, N, K) float8_e4m3fn with row scales
     w_scale (E, N) fp32; x_scale (rows of x_codes, 1) fp32. swiglu: the weight rows are [gate; up] and the output
@@ -422,29 +672,60 @@ def grouped_linear(x_codes, x_scale, w_codes, w_scale, counts, row_ids=None, row
     _check_weight(w_codes, w_scale, x_codes.shape[1], device, experts=True)
     _check_out_dtype(out_dtype)
     E, N, K = w_codes.shape
-    _check(isinstance(counts, torch.Tensor) and counts.shape == (E,) and counts.device == device
-           and not counts.is_floating_point(),
-           f"w8a8: counts must be an integer tensor of shape ({E},) on {device}, got "
-           f"{(counts.dtype, tuple(counts.shape)) if isinstance(counts, torch.Tensor) else type(counts)}")
+    _check(
+        isinstance(counts, torch.Tensor)
+        and counts.shape == (E,)
+        and counts.device == device
+        and not counts.is_floating_point(),
+        f"w8a8: counts must be an integer tensor of shape ({E},) on {device}, got "
+        f"{(counts.dtype, tuple(counts.shape)) if isinstance(counts, torch.Tensor) else type(counts)}",
+    )
     _check(not swiglu or N % 2 == 0, f"w8a8: swiglu needs an even number of weight rows, got N={N}")
     n_rows = row_ids.numel() if row_ids is not None else x_codes.shape[0]
     if row_weight_ids is not None:
-        _check(row_weights is not None and row_weight_ids.shape == (n_rows,),
-               f"w8a8: row_weight_ids must index row_weights with one id per row ({n_rows},)")
+        _check(
+            row_weights is not None and row_weight_ids.shape == (n_rows,),
+            f"w8a8: row_weight_ids must index row_weights with one id per row ({n_rows},)",
+        )
     elif row_weights is not None:
-        _check(row_weights.shape == (n_rows,), f"w8a8: row_weights must hold one weight per row ({n_rows},), "
-                                               f"got {tuple(row_weights.shape)}")
+        _check(
+            row_weights.shape == (n_rows,),
+            f"w8a8: row_weights must hold one weight per row ({n_rows},), "
+            f"got {tuple(row_weights.shape)}",
+        )
     y, flags, (row_ids, row_weights, row_weight_ids) = grouped_output(
-        n_rows, N, counts, out_dtype, row_ids, row_weights, row_weight_ids, swiglu)
+        n_rows, N, counts, out_dtype, row_ids, row_weights, row_weight_ids, swiglu
+    )
     if n_rows == 0:
         return y
     n_out = y.shape[1]
 
     def grid(meta):  # an upper bound on sum_e cdiv(counts[e], BLOCK_M): no host sync
-        return triton.cdiv(n_rows, meta["BLOCK_M"]) + min(E, n_rows), triton.cdiv(n_out, meta["BLOCK_N"])
+        return triton.cdiv(n_rows, meta["BLOCK_M"]) + min(E, n_rows), triton.cdiv(
+            n_out, meta["BLOCK_N"]
+        )
 
-    _grouped_kernel[grid](x_codes, x_scale, row_ids, row_weights, row_weight_ids,
-                          w_codes, w_scale, counts, as_int16(y), N, K, E,
-                          _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS), x_codes.stride(0), N * K, K, N,
-                          y.stride(0), OUT_BF16=out_dtype == torch.bfloat16, GPU=not INTERPRET, **flags)
+    _grouped_kernel[grid](
+        x_codes,
+        x_scale,
+        row_ids,
+        row_weights,
+        row_weight_ids,
+        w_codes,
+        w_scale,
+        counts,
+        as_int16(y),
+        N,
+        K,
+        E,
+        _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS),
+        x_codes.stride(0),
+        N * K,
+        K,
+        N,
+        y.stride(0),
+        OUT_BF16=out_dtype == torch.bfloat16,
+        GPU=not INTERPRET,
+        **flags,
+    )
     return y

@@ -12,6 +12,7 @@
   (bitwise comparison), `assert_same_quantization` (two NVFP4 tensors hold the same bits), and
   `tiny_model` (the tiny preset with seeded weights).
 """
+
 import os
 import sys
 
@@ -26,6 +27,7 @@ if not _HAS_CUDA:
 
 try:  # a dependency on Linux only: elsewhere the kernel tests skip and the torch twins still run
     import triton  # noqa: F401
+
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
@@ -71,8 +73,13 @@ def report_diff(a, b, name=""):
     return mx, mean
 
 
-_SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-                   torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+_SAME_WIDTH_INT = {
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float8_e4m3fn: torch.uint8,
+    torch.float8_e5m2: torch.uint8,
+}
 
 
 def bits(t):

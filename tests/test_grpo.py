@@ -1,20 +1,39 @@
 """grpo.py: every formula against hand-computed numbers, on tiny CPU tensors."""
+
 import math
 
 import pytest
 import torch
 
 from conftest import raises_one_line
-from grpo import (entropy_from_logits, group_advantages, mipu_proxy, mismatch_metrics, policy_loss,
-                  routing_disagreement, token_logprobs)
+from grpo import (
+    entropy_from_logits,
+    group_advantages,
+    mipu_proxy,
+    mismatch_metrics,
+    policy_loss,
+    routing_disagreement,
+    token_logprobs,
+)
 
 
 # -----------------------------------------------------------------------------
 # group_advantages
 
+
 def test_group_advantages_population_std_and_zero_spread_group():
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0,      # mean 0.5, population std 0.5
-                            0.7, 0.7, 0.7, 0.7])     # no spread: exactly zero
+    rewards = torch.tensor(
+        [
+            1.0,
+            0.0,
+            0.0,
+            1.0,  # mean 0.5, population std 0.5
+            0.7,
+            0.7,
+            0.7,
+            0.7,
+        ]
+    )  # no spread: exactly zero
     adv = group_advantages(rewards, group_size=4, eps=0.0)
     assert torch.equal(adv, torch.tensor([1.0, -1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0]))
     assert adv.dtype == torch.float32
@@ -33,11 +52,12 @@ def test_group_advantages_without_std_is_centred_reward():
 
 def test_group_advantages_eps_bounds_tiny_spread():
     adv = group_advantages(torch.tensor([0.0, 1e-9]), group_size=2, eps=1e-6)
-    assert adv.abs().max() < 1e-2   # a near-tie is not blown up into +-1
+    assert adv.abs().max() < 1e-2  # a near-tie is not blown up into +-1
 
 
 # -----------------------------------------------------------------------------
 # policy_loss
+
 
 def _one_token_each(ratios, advantages):
     """N sequences of one valid token each, with the given ratios pi_theta / pi_old."""
@@ -95,8 +115,10 @@ def test_num_valid_tokens_makes_micro_batches_sum_to_full_batch():
     adv = torch.randn(4)
     full, _ = policy_loss(logprobs, old, adv, mask)
     total = mask.sum().item()
-    halves = [policy_loss(logprobs[rows], old[rows], adv[rows], mask[rows], num_valid_tokens=total)[0]
-              for rows in (slice(0, 2), slice(2, 4))]
+    halves = [
+        policy_loss(logprobs[rows], old[rows], adv[rows], mask[rows], num_valid_tokens=total)[0]
+        for rows in (slice(0, 2), slice(2, 4))
+    ]
     torch.testing.assert_close(halves[0] + halves[1], full)
 
 
@@ -106,8 +128,16 @@ def test_padding_garbage_never_reaches_loss_or_gradient():
     old = torch.tensor([[-1.0, float("-inf")], [-0.5, -2.0]])
     rollout = torch.tensor([[-1.0, 50.0], [-0.5, -2.0]])
     ref = torch.tensor([[-1.0, float("inf")], [-0.5, -2.0]])
-    loss, stats = policy_loss(logprobs, old, torch.tensor([1.0, -1.0]), mask,
-                              rollout_logprobs=rollout, tis_cap=2.0, ref_logprobs=ref, kl_coef=0.1)
+    loss, stats = policy_loss(
+        logprobs,
+        old,
+        torch.tensor([1.0, -1.0]),
+        mask,
+        rollout_logprobs=rollout,
+        tis_cap=2.0,
+        ref_logprobs=ref,
+        kl_coef=0.1,
+    )
     loss.backward()
     assert torch.isfinite(loss)
     assert torch.isfinite(logprobs.grad).all() and logprobs.grad[0, 1] == 0
@@ -122,7 +152,9 @@ def test_truncated_importance_sampling_weights():
     torch.testing.assert_close(loss, torch.tensor(-(2.0 + 0.5) / 2))
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-2.0 / 2], [-0.5 / 2]]))
-    assert not any(name.startswith("tis") for name in stats)  # constant per batch: mismatch_metrics logs it
+    assert not any(
+        name.startswith("tis") for name in stats
+    )  # constant per batch: mismatch_metrics logs it
 
     # Without a cap, rollout log-probs are ignored.
     plain, _ = policy_loss(logprobs, old, adv, mask, rollout_logprobs=rollout)
@@ -137,11 +169,21 @@ def test_clip_acts_on_new_over_old_and_the_weight_on_old_over_rollout():
     logprobs = (old + torch.log(torch.tensor([[1.5], [1.0]]))).requires_grad_()
     rollout = old - torch.log(torch.tensor([[3.0], [0.5]]))
     adv, mask = torch.tensor([1.0, 1.0]), torch.ones(2, 1, dtype=torch.bool)
-    loss, stats = policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.28,
-                              rollout_logprobs=rollout, tis_cap=2.0)
+    loss, stats = policy_loss(
+        logprobs,
+        old,
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.28,
+        rollout_logprobs=rollout,
+        tis_cap=2.0,
+    )
     torch.testing.assert_close(loss, torch.tensor(-(2.0 * 1.28 + 0.5 * 1.0) / 2))
     loss.backward()
-    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0], [-0.5 / 2]]))  # clipped: no gradient
+    torch.testing.assert_close(
+        logprobs.grad, torch.tensor([[0.0], [-0.5 / 2]])
+    )  # clipped: no gradient
     assert stats["clip_ratio/high_mean"].item() == pytest.approx(0.5)
 
 
@@ -151,18 +193,25 @@ def test_clip_fraction_responds_to_clip_high():
     old = -torch.rand(8, 16)
     logprobs = old + 0.3 * torch.randn(8, 16)
     adv, mask = torch.tensor([1.0, -1.0] * 4), torch.ones(8, 16)
-    fractions = [policy_loss(logprobs, old, adv, mask, clip_high=c)[1]["clip_ratio/high_mean"].item()
-                 for c in (0.05, 0.28, 10.0)]
-    expected = [((logprobs - old).exp()[::2] > 1 + c).float().sum().item() / 128 for c in (0.05, 0.28, 10.0)]
-    assert fractions == pytest.approx(expected) and fractions[0] > fractions[1] > fractions[2] == 0.0
+    fractions = [
+        policy_loss(logprobs, old, adv, mask, clip_high=c)[1]["clip_ratio/high_mean"].item()
+        for c in (0.05, 0.28, 10.0)
+    ]
+    expected = [
+        ((logprobs - old).exp()[::2] > 1 + c).float().sum().item() / 128 for c in (0.05, 0.28, 10.0)
+    ]
+    assert (
+        fractions == pytest.approx(expected) and fractions[0] > fractions[1] > fractions[2] == 0.0
+    )
 
 
 def test_k3_kl_to_reference():
     # ref - logp = log 2: k3 = 2 - log 2 - 1; d k3 / d logp = 1 - exp(ref - logp) = -1. A = 0.
     logprobs = torch.full((1, 1), math.log(0.25), requires_grad=True)
     ref = torch.full((1, 1), math.log(0.5))
-    loss, stats = policy_loss(logprobs, logprobs.detach(), torch.zeros(1), torch.ones(1, 1),
-                              ref_logprobs=ref, kl_coef=0.1)
+    loss, stats = policy_loss(
+        logprobs, logprobs.detach(), torch.zeros(1), torch.ones(1, 1), ref_logprobs=ref, kl_coef=0.1
+    )
     k3 = 2.0 - math.log(2.0) - 1.0
     assert loss.item() == pytest.approx(0.1 * k3, rel=1e-6)
     assert stats["kl"].item() == pytest.approx(k3, rel=1e-6)
@@ -176,8 +225,16 @@ def test_gradient_flows_only_through_logprobs():
     logprobs = (-torch.rand(shape)).requires_grad_()
     others = {name: (-torch.rand(shape)).requires_grad_() for name in ("old", "rollout", "ref")}
     adv = torch.randn(4, requires_grad=True)
-    loss, _ = policy_loss(logprobs, others["old"], adv, torch.ones(shape), rollout_logprobs=others["rollout"],
-                          tis_cap=2.0, ref_logprobs=others["ref"], kl_coef=0.05)
+    loss, _ = policy_loss(
+        logprobs,
+        others["old"],
+        adv,
+        torch.ones(shape),
+        rollout_logprobs=others["rollout"],
+        tis_cap=2.0,
+        ref_logprobs=others["ref"],
+        kl_coef=0.05,
+    )
     loss.backward()
     assert logprobs.grad is not None and logprobs.grad.abs().sum() > 0
     assert adv.grad is None and all(tensor.grad is None for tensor in others.values())
@@ -186,13 +243,18 @@ def test_gradient_flows_only_through_logprobs():
 # -----------------------------------------------------------------------------
 # token_logprobs, entropy_from_logits
 
+
 def test_token_logprobs_matches_log_softmax_gather_in_fp32():
     torch.manual_seed(0)
     logits = (torch.randn(2, 5, 11) * 4).bfloat16().requires_grad_()
     tokens = torch.randint(0, 11, (2, 5))
     logp = token_logprobs(logits, tokens)
     assert logp.dtype == torch.float32 and logp.shape == (2, 5)
-    expected = torch.log_softmax(logits.detach().float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    expected = (
+        torch.log_softmax(logits.detach().float(), dim=-1)
+        .gather(-1, tokens.unsqueeze(-1))
+        .squeeze(-1)
+    )
     torch.testing.assert_close(logp.detach(), expected)
     logp.sum().backward()
     assert logits.grad is not None and logits.grad.shape == logits.shape
@@ -200,10 +262,10 @@ def test_token_logprobs_matches_log_softmax_gather_in_fp32():
 
 def test_entropy_from_logits():
     vocab = 8
-    logits = torch.zeros(2, 3, vocab)                   # uniform: entropy log V
-    logits[1, 2] = torch.tensor([0.0] + [float("-inf")] * (vocab - 1))   # one-hot: entropy 0
+    logits = torch.zeros(2, 3, vocab)  # uniform: entropy log V
+    logits[1, 2] = torch.tensor([0.0] + [float("-inf")] * (vocab - 1))  # one-hot: entropy 0
     mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
-    logits[0, 2] = torch.randn(vocab) * 10              # masked out: must not count
+    logits[0, 2] = torch.randn(vocab) * 10  # masked out: must not count
     expected = (3 * math.log(vocab) + 0.0) / 4
     assert entropy_from_logits(logits, mask).item() == pytest.approx(expected, rel=1e-6)
     chunked_bf16 = entropy_from_logits(logits.bfloat16(), mask, chunk_tokens=1)
@@ -214,22 +276,35 @@ def test_entropy_from_logits():
 # -----------------------------------------------------------------------------
 # mismatch_metrics
 
+
 def test_mismatch_metrics_identical_logprobs():
     logp = -torch.rand(3, 4) * 3
     metrics = mismatch_metrics(logp, logp.clone(), torch.ones(3, 4), tis_cap=2.0)
-    for name in ("abs_diff_mean", "abs_diff_max", "abs_diff_p95", "abs_diff_p99", "diff_mean", "kl_k1",
-                 "kl_k3", "tis_clip_frac"):
+    for name in (
+        "abs_diff_mean",
+        "abs_diff_max",
+        "abs_diff_p95",
+        "abs_diff_p99",
+        "diff_mean",
+        "kl_k1",
+        "kl_k3",
+        "tis_clip_frac",
+    ):
         assert metrics[name] == 0.0, name
     for name in ("is_ratio_min", "is_ratio_mean", "is_ratio_max", "tis_ratio_min", "tis_ratio_max"):
         assert metrics[name] == 1.0, name
-    assert metrics["trainer_ppl"] == metrics["rollout_ppl"] == pytest.approx(math.exp(-logp.mean().item()))
+    assert (
+        metrics["trainer_ppl"]
+        == metrics["rollout_ppl"]
+        == pytest.approx(math.exp(-logp.mean().item()))
+    )
     assert metrics["num_tokens"] == 12
     assert all(isinstance(value, (int, float)) for value in metrics.values())
 
 
 def test_mismatch_metrics_known_delta_and_masking():
     rollout = torch.full((2, 3), -1.0)
-    trainer = rollout + torch.tensor([[0.1, -0.2, 99.0], [0.3, 0.0, -99.0]])   # the +-99 are padding
+    trainer = rollout + torch.tensor([[0.1, -0.2, 99.0], [0.3, 0.0, -99.0]])  # the +-99 are padding
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool)
     m = mismatch_metrics(trainer, rollout, mask, tis_cap=1.2)
     deltas = torch.tensor([0.1, -0.2, 0.3, 0.0], dtype=torch.float64)
@@ -246,7 +321,7 @@ def test_mismatch_metrics_known_delta_and_masking():
     assert m["is_ratio_min"] == pytest.approx(math.exp(-0.2))
     assert m["is_ratio_max"] == pytest.approx(math.exp(0.3))
     assert m["is_ratio_mean"] == pytest.approx(deltas.exp().mean().item())
-    assert m["tis_ratio_max"] == pytest.approx(1.2)                       # exp(0.3) = 1.35 truncated
+    assert m["tis_ratio_max"] == pytest.approx(1.2)  # exp(0.3) = 1.35 truncated
     assert m["tis_ratio_mean"] == pytest.approx(deltas.exp().clamp(max=1.2).mean().item())
     assert m["tis_clip_frac"] == pytest.approx(0.25)
     assert "tis_ratio_max" not in mismatch_metrics(trainer, rollout, mask)
@@ -274,11 +349,12 @@ def test_mismatch_metrics_empty_mask_is_nan_not_an_error():
 # -----------------------------------------------------------------------------
 # routing_disagreement
 
+
 def test_routing_disagreement_ignores_order_within_top_k():
     torch.manual_seed(0)
     L, N, T, E, A = 3, 2, 4, 16, 4
     trainer = torch.stack([torch.randperm(E)[:A] for _ in range(L * N * T)]).view(L, N, T, A)
-    rollout = trainer.flip(-1)                                  # same sets, other order
+    rollout = trainer.flip(-1)  # same sets, other order
     mask = torch.ones(N, T, dtype=torch.bool)
     assert routing_disagreement(trainer, rollout, mask) == 0.0
 
@@ -286,7 +362,7 @@ def test_routing_disagreement_ignores_order_within_top_k():
     rollout = rollout.clone()
     rollout[1, ..., 0] = E + 1
     mask[:, -1] = False
-    rollout[:, :, -1] = E + 2                                   # only in padding
+    rollout[:, :, -1] = E + 2  # only in padding
     assert routing_disagreement(trainer, rollout, mask) == pytest.approx(1 / 3)
     assert routing_disagreement(trainer, rollout, mask, any_layer=True) == 1.0
     assert math.isnan(routing_disagreement(trainer, rollout, torch.zeros(N, T)))
@@ -295,62 +371,120 @@ def test_routing_disagreement_ignores_order_within_top_k():
 # -----------------------------------------------------------------------------
 # mipu_proxy
 
+
 def test_mipu_proxy_is_the_advantage_weighted_change_of_the_inference_policy():
     # tokens of a positive-advantage sequence become twice as likely, those of a negative one half as likely
     current = torch.full((2, 3), -2.0)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
     adv = torch.tensor([1.0, -0.5])
     better = current + torch.tensor([[math.log(2)] * 3, [math.log(0.5)] * 3])
-    better[0, 2] = 50.0                                              # padding: ignored
+    better[0, 2] = 50.0  # padding: ignored
     # (1 * (2 - 1) * 2 tokens + (-0.5) * (0.5 - 1) * 3 tokens) / 5 tokens
     assert mipu_proxy(better, current, adv, mask) == pytest.approx((2.0 + 0.75) / 5)
     # the opposite move: the inference policy got worse on the batch -> negative (reject)
     worse = current - (better - current)
-    assert mipu_proxy(worse, current, adv, mask) == pytest.approx((2 * (0.5 - 1) - 0.5 * (2 - 1) * 3) / 5)
+    assert mipu_proxy(worse, current, adv, mask) == pytest.approx(
+        (2 * (0.5 - 1) - 0.5 * (2 - 1) * 3) / 5
+    )
     assert mipu_proxy(worse, current, adv, mask) < 0 < mipu_proxy(better, current, adv, mask)
-    assert mipu_proxy(current, current, adv, mask) == 0.0            # no change
+    assert mipu_proxy(current, current, adv, mask) == 0.0  # no change
     assert mipu_proxy(better, current, adv, torch.zeros(2, 3)) == 0.0
-
 
 
 # -----------------------------------------------------------------------------
 # bad input
 
-LOGPROBS, MASK, ROUTES = torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3, 4, 2, dtype=torch.long)
+LOGPROBS, MASK, ROUTES = (
+    torch.zeros(2, 3),
+    torch.ones(2, 3),
+    torch.zeros(2, 3, 4, 2, dtype=torch.long),
+)
 BAD_CALLS = [  # (id, call, what the message names, the problem it states)
-    ("rewards not in groups", lambda: group_advantages(torch.zeros(7), group_size=4), "group_size=4",
-     "shape (7,) do not split into groups"),
-    ("rewards 2-D", lambda: group_advantages(torch.zeros(2, 4), group_size=4), "rewards",
-     "1-D (N,), got shape (2, 4)"),
-    ("old_logprobs shape", lambda: policy_loss(LOGPROBS, torch.zeros(2, 4), torch.zeros(2), MASK),
-     "old_logprobs", "shape (2, 4) but logprobs has shape (2, 3)"),
-    ("advantages shape", lambda: policy_loss(LOGPROBS, LOGPROBS, torch.zeros(3), MASK), "advantages",
-     "(N,) = (2,), got shape (3,)"),
-    ("mask shape", lambda: policy_loss(LOGPROBS, LOGPROBS, torch.zeros(2), torch.ones(3, 2)), "mask",
-     "shape (3, 2) but logprobs has shape (2, 3)"),
-    ("tis_cap without rollout_logprobs",
-     lambda: policy_loss(LOGPROBS, LOGPROBS, torch.zeros(2), MASK, tis_cap=2.0), "rollout_logprobs",
-     "tis_cap needs"),
-    ("kl_coef without ref_logprobs",
-     lambda: policy_loss(LOGPROBS, LOGPROBS, torch.zeros(2), MASK, kl_coef=0.1),
-     "ref_logprobs", "kl_coef > 0 needs"),
-    ("tokens vs logits", lambda: token_logprobs(torch.zeros(2, 5, 11), torch.zeros(2, 4, dtype=torch.long)),
-     "tokens", "got logits (2, 5, 11) and tokens (2, 4)"),
-    ("mismatch shapes", lambda: mismatch_metrics(LOGPROBS, torch.zeros(2, 4), MASK), "rollout_logprobs",
-     "shape (2, 4) but trainer_logprobs has shape (2, 3)"),
-    ("routes shapes", lambda: routing_disagreement(ROUTES, torch.zeros(2, 3, 4, 3, dtype=torch.long),
-                                                   torch.ones(3, 4)),
-     "routes", "of one shape (L, N, T, A), got (2, 3, 4, 2) and (2, 3, 4, 3)"),
-    ("token_mask shape", lambda: routing_disagreement(ROUTES, ROUTES, torch.ones(3, 5)), "token_mask",
-     "shape (3, 5) but routes (2, 3, 4, 2) need (N, T) = (3, 4)"),
-    ("mipu logprobs shapes", lambda: mipu_proxy(LOGPROBS, torch.zeros(2, 4), torch.zeros(2), MASK),
-     "current_logprobs", "shape (2, 4) but candidate_logprobs has shape (2, 3)"),
-    ("mipu advantages shape", lambda: mipu_proxy(LOGPROBS, LOGPROBS, torch.zeros(3), MASK), "advantages",
-     "(N,) = (2,), got shape (3,)"),
+    (
+        "rewards not in groups",
+        lambda: group_advantages(torch.zeros(7), group_size=4),
+        "group_size=4",
+        "shape (7,) do not split into groups",
+    ),
+    (
+        "rewards 2-D",
+        lambda: group_advantages(torch.zeros(2, 4), group_size=4),
+        "rewards",
+        "1-D (N,), got shape (2, 4)",
+    ),
+    (
+        "old_logprobs shape",
+        lambda: policy_loss(LOGPROBS, torch.zeros(2, 4), torch.zeros(2), MASK),
+        "old_logprobs",
+        "shape (2, 4) but logprobs has shape (2, 3)",
+    ),
+    (
+        "advantages shape",
+        lambda: policy_loss(LOGPROBS, LOGPROBS, torch.zeros(3), MASK),
+        "advantages",
+        "(N,) = (2,), got shape (3,)",
+    ),
+    (
+        "mask shape",
+        lambda: policy_loss(LOGPROBS, LOGPROBS, torch.zeros(2), torch.ones(3, 2)),
+        "mask",
+        "shape (3, 2) but logprobs has shape (2, 3)",
+    ),
+    (
+        "tis_cap without rollout_logprobs",
+        lambda: policy_loss(LOGPROBS, LOGPROBS, torch.zeros(2), MASK, tis_cap=2.0),
+        "rollout_logprobs",
+        "tis_cap needs",
+    ),
+    (
+        "kl_coef without ref_logprobs",
+        lambda: policy_loss(LOGPROBS, LOGPROBS, torch.zeros(2), MASK, kl_coef=0.1),
+        "ref_logprobs",
+        "kl_coef > 0 needs",
+    ),
+    (
+        "tokens vs logits",
+        lambda: token_logprobs(torch.zeros(2, 5, 11), torch.zeros(2, 4, dtype=torch.long)),
+        "tokens",
+        "got logits (2, 5, 11) and tokens (2, 4)",
+    ),
+    (
+        "mismatch shapes",
+        lambda: mismatch_metrics(LOGPROBS, torch.zeros(2, 4), MASK),
+        "rollout_logprobs",
+        "shape (2, 4) but trainer_logprobs has shape (2, 3)",
+    ),
+    (
+        "routes shapes",
+        lambda: routing_disagreement(
+            ROUTES, torch.zeros(2, 3, 4, 3, dtype=torch.long), torch.ones(3, 4)
+        ),
+        "routes",
+        "of one shape (L, N, T, A), got (2, 3, 4, 2) and (2, 3, 4, 3)",
+    ),
+    (
+        "token_mask shape",
+        lambda: routing_disagreement(ROUTES, ROUTES, torch.ones(3, 5)),
+        "token_mask",
+        "shape (3, 5) but routes (2, 3, 4, 2) need (N, T) = (3, 4)",
+    ),
+    (
+        "mipu logprobs shapes",
+        lambda: mipu_proxy(LOGPROBS, torch.zeros(2, 4), torch.zeros(2), MASK),
+        "current_logprobs",
+        "shape (2, 4) but candidate_logprobs has shape (2, 3)",
+    ),
+    (
+        "mipu advantages shape",
+        lambda: mipu_proxy(LOGPROBS, LOGPROBS, torch.zeros(3), MASK),
+        "advantages",
+        "(N,) = (2,), got shape (3,)",
+    ),
 ]
 
 
-@pytest.mark.parametrize("call, names, problem", [case[1:] for case in BAD_CALLS],
-                         ids=[case[0] for case in BAD_CALLS])
+@pytest.mark.parametrize(
+    "call, names, problem", [case[1:] for case in BAD_CALLS], ids=[case[0] for case in BAD_CALLS]
+)
 def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(call, names, problem):
     raises_one_line(call, names, problem)

@@ -1,6 +1,7 @@
 """Tests for gpu_kernels/nvfp4_quantize.py: the Triton quantize, dequantize and fake-quantize kernels against
 nvfp4.py's torch reference, bit for bit (on the CPU under TRITON_INTERPRET=1, on a GPU natively), on
 every bf16 bit pattern, random data of every dtype and adversarial blocks."""
+
 import pytest
 import torch
 from conftest import assert_same_quantization, same_bits
@@ -35,13 +36,18 @@ def test_kernel_matches_reference_on_every_bf16_pattern(kernel_device):
     everything = torch.cat(list(EVERY_BF16.values()))
     # the anchored scale, and the large values under their own global scale (tiny, subnormal and
     # zero block scales)
-    for x, global_scale in [(everything, torch.tensor(ANCHORED_SCALE)), (EVERY_BF16["large"], None)]:
+    for x, global_scale in [
+        (everything, torch.tensor(ANCHORED_SCALE)),
+        (EVERY_BF16["large"], None),
+    ]:
         ref = nvfp4.quantize_reference(x, global_scale)
-        fast = kernel_quantize(x.to(kernel_device), None if global_scale is None
-                               else global_scale.to(kernel_device))
+        fast = kernel_quantize(
+            x.to(kernel_device), None if global_scale is None else global_scale.to(kernel_device)
+        )
         assert_same_quantization(ref, fast)
-        assert same_bits(kernel_dequantize(fast, torch.float32),
-                         nvfp4.dequantize_reference(ref, torch.float32))
+        assert same_bits(
+            kernel_dequantize(fast, torch.float32), nvfp4.dequantize_reference(ref, torch.float32)
+        )
 
 
 SHAPES = [(1, 16), (3, 5, 48), (7, 1, 32), (2, 3, 4, 16), (33, 160)]
@@ -64,8 +70,8 @@ def _adversarial(dtype):
     torch.manual_seed(1)
     x = torch.randn(13, 64)
     x[0] *= 1e-3
-    x[1, 5] = 1e4                                      # one outlier: most blocks become tiny or zero
-    x[2, :16] = 0                                      # zero block
+    x[1, 5] = 1e4  # one outlier: most blocks become tiny or zero
+    x[2, :16] = 0  # zero block
     x[3] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * 8)  # grid ties
     x[4] = -x[3]
     x[5] = torch.finfo(torch.float32).tiny * torch.rand(64)  # subnormal-scale values
@@ -73,13 +79,13 @@ def _adversarial(dtype):
     x[7, 40] = float("inf")
     x[8, 1] = float("-inf")
     x[9] = 447.9 * 6 * 0.01 * torch.sign(torch.randn(64))  # block scales near the E4M3 maximum
-    x[10, :32] = -0.0                                  # a -0.0 block, and negatives that round to -0
+    x[10, :32] = -0.0  # a -0.0 block, and negatives that round to -0
     x[10, 32:48] = torch.tensor([6.0] + [-0.1] * 15)
     return x.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("global_scale", [None, 0.01, 2.0 ** -8])
+@pytest.mark.parametrize("global_scale", [None, 0.01, 2.0**-8])
 def test_triton_quantize_matches_reference_on_adversarial_data(kernel_device, dtype, global_scale):
     x = _adversarial(dtype)
     if global_scale is None:
@@ -115,4 +121,6 @@ def test_kernels_refuse_a_last_dim_off_the_block_size_and_a_foreign_scale(kernel
     with pytest.raises(ValueError, match="multiple of 16"):
         nvfp4_quantize.quantize(x, torch.tensor(1.0, device=kernel_device))
     with pytest.raises(ValueError, match="float32"):
-        nvfp4_quantize.fake_quantize(x[:, :16], torch.tensor(1.0, dtype=torch.float64, device=kernel_device))
+        nvfp4_quantize.fake_quantize(
+            x[:, :16], torch.tensor(1.0, dtype=torch.float64, device=kernel_device)
+        )

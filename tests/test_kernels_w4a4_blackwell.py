@@ -1,6 +1,7 @@
 """gpu_kernels/w4a4_blackwell.py: the native FP4 kernels compile for sm_100 to Blackwell's block-scaled FP4
 tensor-core instruction (with one x scale or one per row), and their first-use check against the Hopper kernels
 names what fails. Their numerics stay untested without a Blackwell GPU."""
+
 import pytest
 import torch
 from test_kernels_w4a4_quantize import compiled_output
@@ -44,8 +45,9 @@ for name, (kernel, types, constants) in kernels.items():
 def test_native_kernels_compile_to_blackwell_fp4_tensor_core_instructions():
     # This checks the instruction, not the numerics: those stay untested without a Blackwell GPU.
     counts = dict(line.split() for line in compiled_output(_COMPILE_FOR_SM100))
-    assert set(counts) == {name + row for name in ("dense", "grouped", "grouped_down") for row in ("", "_row")}, \
-        counts
+    assert set(counts) == {
+        name + row for name in ("dense", "grouped", "grouped_down") for row in ("", "_row")
+    }, counts
     assert all(int(n) > 0 for n in counts.values()), counts
 
 
@@ -53,21 +55,28 @@ def test_disagreement_names_the_kernel_that_fails_or_differs(kernel_device, monk
     # stand-ins for the native launches (no Blackwell GPU here): right, wrong and failing; the Hopper side is
     # the real kernels (on the CPU under the interpreter)
     import rac
+
     w4a4_blackwell = rac.w4a4_blackwell
 
     def codes(x_data, x_scale, r_data, r_scale, global_scale):
         residual = None if r_data is None else nvfp4.NVFP4Tensor(r_data, r_scale, global_scale)
         return nvfp4.NVFP4Tensor(x_data, x_scale, global_scale), residual
 
-    def dense_reference(x_data, x_scale, r_data, r_scale, x_global, w_data, w_scale, w_global, out_dtype):
+    def dense_reference(
+        x_data, x_scale, r_data, r_scale, x_global, w_data, w_scale, w_global, out_dtype
+    ):
         x_q, residual = codes(x_data, x_scale, r_data, r_scale, x_global)
-        return rac.matmul_reference(x_q, nvfp4.NVFP4Tensor(w_data, w_scale, w_global), residual, out_dtype)
+        return rac.matmul_reference(
+            x_q, nvfp4.NVFP4Tensor(w_data, w_scale, w_global), residual, out_dtype
+        )
 
-    def grouped_reference(x_data, x_scale, r_data, r_scale, x_global, w_data, w_scale, w_global, counts,
-                          out_dtype):
+    def grouped_reference(
+        x_data, x_scale, r_data, r_scale, x_global, w_data, w_scale, w_global, counts, out_dtype
+    ):
         x_q, residual = codes(x_data, x_scale, r_data, r_scale, x_global)
-        return rac.grouped_matmul_reference(x_q, rac.ExpertWeights(w_data, w_scale, w_global), counts, residual,
-                                            out_dtype=out_dtype)
+        return rac.grouped_matmul_reference(
+            x_q, rac.ExpertWeights(w_data, w_scale, w_global), counts, residual, out_dtype=out_dtype
+        )
 
     def wrong(reference):
         return lambda *args: reference(*args) * 1.01
@@ -77,12 +86,19 @@ def test_disagreement_names_the_kernel_that_fails_or_differs(kernel_device, monk
 
     device = torch.device(kernel_device)
     for dense, grouped, expected in (
-            (dense_reference, grouped_reference, None),
-            (wrong(dense_reference), grouped_reference, "the native FP4 dense GEMM disagrees with the Hopper"),
-            (dense_reference, wrong(grouped_reference), "the native FP4 grouped GEMM disagrees"),
-            (broken, grouped_reference, "the native FP4 dense GEMM failed on"),
-            (dense_reference, broken, "the native FP4 grouped GEMM failed on")):
+        (dense_reference, grouped_reference, None),
+        (
+            wrong(dense_reference),
+            grouped_reference,
+            "the native FP4 dense GEMM disagrees with the Hopper",
+        ),
+        (dense_reference, wrong(grouped_reference), "the native FP4 grouped GEMM disagrees"),
+        (broken, grouped_reference, "the native FP4 dense GEMM failed on"),
+        (dense_reference, broken, "the native FP4 grouped GEMM failed on"),
+    ):
         monkeypatch.setattr(w4a4_blackwell, "dense_matmul", dense)
         monkeypatch.setattr(w4a4_blackwell, "grouped_matmul", grouped)
         problem = w4a4_blackwell.disagreement(device)
-        assert (problem is None) if expected is None else (expected in problem and "\n" not in problem), problem
+        assert (
+            (problem is None) if expected is None else (expected in problem and "\n" not in problem)
+        ), problem

@@ -3,10 +3,15 @@ steps; compiled for sm_90 on the CPU (8-byte code loads into mma.sync), with one
 GPU against rac.grouped_matmul_reference on short tiles and at every bucket, every configuration forced in turn,
 with per-row x scales (against the reference, bit for bit the one-scale results where equal, a token's output
 independent of its batch) and the W4A16 operand."""
+
 import pytest
 import torch
 from test_kernels_w4a4_dense import assert_rows_close, deterministic_and_close, forced_configs
-from test_kernels_w4a4_experts import assert_batch_invariant, expert_layer, routing_with_empty_experts
+from test_kernels_w4a4_experts import (
+    assert_batch_invariant,
+    expert_layer,
+    routing_with_empty_experts,
+)
 from test_kernels_w4a4_quantize import COMPILE_PREAMBLE, compiled_output, rows_of_many_magnitudes
 
 import moe
@@ -23,8 +28,16 @@ def _gluon_here():
 
 
 def grouped(act, w, counts, **kwargs):
-    return w4a4_experts_gluon.grouped_matmul(act.operand, act.global_scale, w.data, w.block_scale,
-                                             w.global_scale, counts, torch.float32, **kwargs)
+    return w4a4_experts_gluon.grouped_matmul(
+        act.operand,
+        act.global_scale,
+        w.data,
+        w.block_scale,
+        w.global_scale,
+        counts,
+        torch.float32,
+        **kwargs,
+    )
 
 
 def test_gluon_autotuner_keeps_the_bucket_and_steps_k_within_one_chunk_of_the_layout():
@@ -42,7 +55,9 @@ def test_gluon_autotuner_keeps_the_bucket_and_steps_k_within_one_chunk_of_the_la
                 assert step == (k if chunk % k == 0 else 64) and step in expected
 
 
-_COMPILE_GLUON_FOR_SM90 = COMPILE_PREAMBLE + r"""
+_COMPILE_GLUON_FOR_SM90 = (
+    COMPILE_PREAMBLE
+    + r"""
 import itertools
 from triton.experimental.gluon._runtime import GluonASTSource
 from gpu_kernels import w4a4_experts_gluon
@@ -66,14 +81,22 @@ for (swiglu, tile, n, k), row_scale in itertools.product(
     loads1 = len(re.findall(r"ld\.global(?:\.\w+)*\.[us]8", ptx))
     print(int(swiglu), tile, n, k, row_scale, mma, loads8, loads1, int("cp.async" in ptx))
 """
+)
 
 
 def test_a_weight_whose_k_is_not_a_multiple_of_64_is_refused_before_any_launch():
     # the kernel has no K masks: K = 80 would read past every row (on the GPU: garbage, or a fault)
     w = rac.chunk_experts(nvfp4.quantize_weight(torch.randn(2, 32, 80)))
     with pytest.raises(ValueError, match="the weight's K must be a multiple of 64, got 80"):
-        w4a4_experts_gluon.grouped_matmul(torch.zeros(2, 3, 40, dtype=torch.float16), torch.ones(()), w.data,
-                                          w.block_scale, w.global_scale, torch.tensor([3, 0]), torch.float32)
+        w4a4_experts_gluon.grouped_matmul(
+            torch.zeros(2, 3, 40, dtype=torch.float16),
+            torch.ones(()),
+            w.data,
+            w.block_scale,
+            w.global_scale,
+            torch.tensor([3, 0]),
+            torch.float32,
+        )
 
 
 def test_gluon_kernel_loads_8_byte_code_runs_into_mma_sync_on_hopper():
@@ -103,24 +126,39 @@ def test_gluon_kernel_matches_the_reference_on_short_tiles_in_every_config():
     torch.manual_seed(0)
     E, D, I, N_DOWN, tokens, A = 8, 256, 80, 208, 48, 2
     _, routing = routing_with_empty_experts(E, tokens, A, "cuda")
-    x = rac.quantize_activation_triton(torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16),
-                                       torch.arange(D // 16, device="cuda") % 2 == 0, codes=True)
-    h = rac.quantize_activation_triton(torch.randn(tokens * A, 128, device="cuda", dtype=torch.bfloat16),
-                                       codes=True)
+    x = rac.quantize_activation_triton(
+        torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16),
+        torch.arange(D // 16, device="cuda") % 2 == 0,
+        codes=True,
+    )
+    h = rac.quantize_activation_triton(
+        torch.randn(tokens * A, 128, device="cuda", dtype=torch.bfloat16), codes=True
+    )
     gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device="cuda"))
     down_q = nvfp4.quantize_weight(torch.randn(E, N_DOWN, 128, device="cuda"))
     gate_up_w, down_w = rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q)
     row_weights = torch.rand(tokens * A, device="cuda")
     references = (
-        rac.grouped_matmul_reference(x.x_q, gate_up_q, routing.counts, x.residual, row_ids=routing.token_ids,
-                                     swiglu=True, out_dtype=torch.float32),
-        rac.grouped_matmul_reference(h.x_q, down_q, routing.counts, row_weights=row_weights,
-                                     out_dtype=torch.float32))
+        rac.grouped_matmul_reference(
+            x.x_q,
+            gate_up_q,
+            routing.counts,
+            x.residual,
+            row_ids=routing.token_ids,
+            swiglu=True,
+            out_dtype=torch.float32,
+        ),
+        rac.grouped_matmul_reference(
+            h.x_q, down_q, routing.counts, row_weights=row_weights, out_dtype=torch.float32
+        ),
+    )
     bucket = w4a4_experts_gluon._m_bucket(-(-tokens * A // E), w4a4_experts_gluon.GLUON_CONFIGS)
     failures = []
     for config in forced_configs(w4a4_experts_gluon._grouped_gluon_kernel, bucket):
-        outputs = (grouped(x, gate_up_w, routing.counts, row_ids=routing.token_ids, swiglu=True),
-                   grouped(h, down_w, routing.counts, row_weights=row_weights))
+        outputs = (
+            grouped(x, gate_up_w, routing.counts, row_ids=routing.token_ids, swiglu=True),
+            grouped(h, down_w, routing.counts, row_weights=row_weights),
+        )
         for name, y, reference in zip(("gate/up", "down"), outputs, references):
             error = ((y - reference).abs().max() / reference.abs().max()).item()
             if not error <= 2e-3:  # NaN fails too
@@ -133,6 +171,7 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
     # each configuration forced and repeated at each of the kernel's buckets (4, 8, 16, 64 rows an expert)
     # and at a prefill of 512 evaluation prompts, 26k tokens, on the small preset's shapes
     import triton
+
     if not _gluon_here():
         pytest.skip("the Gluon experts kernel runs on sm_89 and sm_90 only")
     torch.manual_seed(0)
@@ -143,35 +182,68 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
     kernel, calls = w4a4_experts_gluon._grouped_gluon_kernel, {}
     for tokens in (32, 64, 128, 512, 26112):
         routing = moe.route_tokens(torch.rand(tokens, E, device="cuda").topk(A, dim=-1).indices, E)
-        x = rac.quantize_activation_triton(torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16),
-                                           codes=True)
-        h = rac.quantize_activation_triton(torch.randn(tokens * A, I, device="cuda", dtype=torch.bfloat16),
-                                           codes=True)
+        x = rac.quantize_activation_triton(
+            torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16), codes=True
+        )
+        h = rac.quantize_activation_triton(
+            torch.randn(tokens * A, I, device="cuda", dtype=torch.bfloat16), codes=True
+        )
         row_weights = torch.rand(tokens * A, device="cuda")
-        bucket = w4a4_experts_gluon._m_bucket(triton.cdiv(tokens * A, E), w4a4_experts_gluon.GLUON_CONFIGS)
+        bucket = w4a4_experts_gluon._m_bucket(
+            triton.cdiv(tokens * A, E), w4a4_experts_gluon.GLUON_CONFIGS
+        )
         calls[f"gate/up T={tokens}"] = (
-            kernel, bucket, lambda c: False,
-            lambda x=x, routing=routing: grouped(x, gate_up_w, routing.counts, row_ids=routing.token_ids,
-                                                 swiglu=True),
-            rac.grouped_matmul_reference(x.x_q, gate_up_q, routing.counts, row_ids=routing.token_ids,
-                                         swiglu=True, out_dtype=torch.float32))
-        if tokens in (64, 512):  # with a scale per row (rows 10x apart either way), gathered at gate/up
-            x_rows = (torch.randn(tokens, D, device="cuda")
-                      * torch.logspace(-1, 1, tokens, device="cuda")[:, None]).bfloat16()
+            kernel,
+            bucket,
+            lambda c: False,
+            lambda x=x, routing=routing: grouped(
+                x, gate_up_w, routing.counts, row_ids=routing.token_ids, swiglu=True
+            ),
+            rac.grouped_matmul_reference(
+                x.x_q,
+                gate_up_q,
+                routing.counts,
+                row_ids=routing.token_ids,
+                swiglu=True,
+                out_dtype=torch.float32,
+            ),
+        )
+        if tokens in (
+            64,
+            512,
+        ):  # with a scale per row (rows 10x apart either way), gathered at gate/up
+            x_rows = (
+                torch.randn(tokens, D, device="cuda")
+                * torch.logspace(-1, 1, tokens, device="cuda")[:, None]
+            ).bfloat16()
             x_row = rac.quantize_activation_triton(x_rows, act_scale="row")
             calls[f"gate/up row scales T={tokens}"] = (
-                kernel, bucket, lambda c: False,
-                lambda x_row=x_row, routing=routing: grouped(x_row, gate_up_w, routing.counts,
-                                                             row_ids=routing.token_ids, swiglu=True),
-                rac.grouped_matmul_reference(nvfp4.quantize_activation(x_rows, None, "row")[0], gate_up_q,
-                                             routing.counts, row_ids=routing.token_ids, swiglu=True,
-                                             out_dtype=torch.float32))
+                kernel,
+                bucket,
+                lambda c: False,
+                lambda x_row=x_row, routing=routing: grouped(
+                    x_row, gate_up_w, routing.counts, row_ids=routing.token_ids, swiglu=True
+                ),
+                rac.grouped_matmul_reference(
+                    nvfp4.quantize_activation(x_rows, None, "row")[0],
+                    gate_up_q,
+                    routing.counts,
+                    row_ids=routing.token_ids,
+                    swiglu=True,
+                    out_dtype=torch.float32,
+                ),
+            )
         calls[f"down T={tokens}"] = (
-            kernel, bucket, lambda c: False,
-            lambda h=h, routing=routing, row_weights=row_weights: grouped(h, down_w, routing.counts,
-                                                                          row_weights=row_weights),
-            rac.grouped_matmul_reference(h.x_q, down_q, routing.counts, row_weights=row_weights,
-                                         out_dtype=torch.float32))
+            kernel,
+            bucket,
+            lambda c: False,
+            lambda h=h, routing=routing, row_weights=row_weights: grouped(
+                h, down_w, routing.counts, row_weights=row_weights
+            ),
+            rac.grouped_matmul_reference(
+                h.x_q, down_q, routing.counts, row_weights=row_weights, out_dtype=torch.float32
+            ),
+        )
     failures = deterministic_and_close(calls)
     assert not failures, "\n".join(failures)
 
@@ -197,27 +269,58 @@ def test_gluon_kernel_with_row_scales_and_the_w4a16_operand_matches_the_referenc
     mask = torch.arange(D // 16, device="cuda") % 2 == 0
     router_weights = torch.rand(tokens * A, device="cuda")
     bucket = w4a4_experts_gluon._m_bucket(-(-tokens * A // E), w4a4_experts_gluon.GLUON_CONFIGS)
-    tensor_act = rac.quantize_activation_triton(torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16), mask)
+    tensor_act = rac.quantize_activation_triton(
+        torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16), mask
+    )
     per_row = tensor_act._replace(global_scale=tensor_act.global_scale.expand(tokens).contiguous())
     failures = []
     for config in forced_configs(w4a4_experts_gluon._grouped_gluon_kernel, bucket):
         try:
             _, hidden, y = _gluon_layer(gate_up_w, down_w, mask)(x, expert_ids, router_weights)
             x_q, residual = nvfp4.quantize_activation(x, mask, "row")
-            assert_rows_close(hidden, rac.grouped_matmul_reference(
-                x_q, gate_up_q, routing.counts, residual, row_ids=routing.token_ids, swiglu=True,
-                out_dtype=torch.float32), 2e-3, "gluon row gate/up")
+            assert_rows_close(
+                hidden,
+                rac.grouped_matmul_reference(
+                    x_q,
+                    gate_up_q,
+                    routing.counts,
+                    residual,
+                    row_ids=routing.token_ids,
+                    swiglu=True,
+                    out_dtype=torch.float32,
+                ),
+                2e-3,
+                "gluon row gate/up",
+            )
             h_q, _ = nvfp4.quantize_activation(hidden.bfloat16(), None, "row")
-            assert_rows_close(y, rac.grouped_matmul_reference(
-                h_q, down_q, routing.counts, row_weights=router_weights, row_weight_ids=routing.order,
-                out_dtype=torch.float32), 1e-5, "gluon row down")
+            assert_rows_close(
+                y,
+                rac.grouped_matmul_reference(
+                    h_q,
+                    down_q,
+                    routing.counts,
+                    row_weights=router_weights,
+                    row_weight_ids=routing.order,
+                    out_dtype=torch.float32,
+                ),
+                1e-5,
+                "gluon row down",
+            )
             kwargs = dict(row_ids=routing.token_ids, swiglu=True)
-            assert torch.equal(grouped(tensor_act, gate_up_w, routing.counts, **kwargs),
-                               grouped(per_row, gate_up_w, routing.counts, **kwargs)), "row vs tensor bits"
-            _, hidden, y = _gluon_layer(gate_up_w, down_w, quantize=False)(x, expert_ids, router_weights)
+            assert torch.equal(
+                grouped(tensor_act, gate_up_w, routing.counts, **kwargs),
+                grouped(per_row, gate_up_w, routing.counts, **kwargs),
+            ), "row vs tensor bits"
+            _, hidden, y = _gluon_layer(gate_up_w, down_w, quantize=False)(
+                x, expert_ids, router_weights
+            )
             rows = x.float()[routing.token_ids].split(routing.counts.tolist())
-            gate, up = torch.cat([r @ w.T for r, w in zip(rows, gate_up_q.dequantize(torch.float32))]).chunk(2, -1)
-            assert_rows_close(hidden, torch.nn.functional.silu(gate) * up, 1e-5, "gluon w4a16 gate/up")
+            gate, up = torch.cat(
+                [r @ w.T for r, w in zip(rows, gate_up_q.dequantize(torch.float32))]
+            ).chunk(2, -1)
+            assert_rows_close(
+                hidden, torch.nn.functional.silu(gate) * up, 1e-5, "gluon w4a16 gate/up"
+            )
         except AssertionError as error:
             failures.append(f"{config}: {str(error).splitlines()[0][:200]}")
     assert not failures, "\n".join(failures)
@@ -231,14 +334,21 @@ def test_gluon_kernel_a_tokens_output_does_not_depend_on_its_batch_under_row_sca
         pytest.skip("the Gluon experts kernel runs on sm_89 and sm_90 only")
     E, D, I, A = 128, 2048, 768, 8
     generator = torch.Generator().manual_seed(0)
-    gate_up_w, down_w = (rac.chunk_experts(nvfp4.quantize_weight(torch.randn(*shape, generator=generator).cuda()
-                                                                 * 0.02)) for shape in ((E, 2 * I, D), (E, D, I)))
+    gate_up_w, down_w = (
+        rac.chunk_experts(
+            nvfp4.quantize_weight(torch.randn(*shape, generator=generator).cuda() * 0.02)
+        )
+        for shape in ((E, 2 * I, D), (E, D, I))
+    )
     x = rows_of_many_magnitudes(64, D, 1).cuda()
     expert_ids = torch.rand(64, E, generator=generator).topk(A, dim=-1).indices.cuda()
     router_weights = torch.rand(64, A, generator=generator).cuda()
-    extra = (torch.randn(40, D, generator=generator).cuda().bfloat16() * 1e3,
-             torch.rand(40, E, generator=generator).topk(A, dim=-1).indices.cuda(),
-             torch.rand(40, A, generator=generator).cuda())
+    extra = (
+        torch.randn(40, D, generator=generator).cuda().bfloat16() * 1e3,
+        torch.rand(40, E, generator=generator).topk(A, dim=-1).indices.cuda(),
+        torch.rand(40, A, generator=generator).cuda(),
+    )
     for mask in (None, torch.arange(D // 16, device="cuda") % 2 == 0):
-        assert_batch_invariant(_gluon_layer(gate_up_w, down_w, mask), x, expert_ids, router_weights, extra,
-                               (0, 17, 63))
+        assert_batch_invariant(
+            _gluon_layer(gate_up_w, down_w, mask), x, expert_ids, router_weights, extra, (0, 17, 63)
+        )

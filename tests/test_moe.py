@@ -1,5 +1,6 @@
 """moe.py: logits match Hugging Face's Qwen3-MoE, sparse experts match a dense all-expert computation,
 route replay, the KV-cache contract, and clear errors."""
+
 import itertools
 import json
 import os
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import raises_one_line, report_diff, same_bits, tiny_model
+from conftest import raises_one_line, report_diff, tiny_model
 from safetensors.torch import load_file, save_file
 
 import moe
@@ -31,11 +32,23 @@ def random_model():
 def save_hf_model(directory, norm_topk_prob=True, n_kv_heads=2, tie=False, **overrides):
     """A tiny random Qwen3MoeForCausalLM written with save_pretrained; returns the HF model."""
     hf_config = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=n_kv_heads, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=n_kv_heads,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
         moe_intermediate_size=16,
-        max_position_embeddings=64, norm_topk_prob=norm_topk_prob, tie_word_embeddings=tie,
-        rope_theta=1e6, attn_implementation="eager", **overrides)
+        max_position_embeddings=64,
+        norm_topk_prob=norm_topk_prob,
+        tie_word_embeddings=tie,
+        rope_theta=1e6,
+        attn_implementation="eager",
+        **overrides,
+    )
     torch.manual_seed(0)
     hf_model = transformers.Qwen3MoeForCausalLM(hf_config).eval()
     with torch.no_grad():
@@ -53,12 +66,22 @@ def rewrite_expert_layout(src, dst, fused):
     for i in range(n_layers):
         prefix = f"model.layers.{i}.mlp.experts"
         if f"{prefix}.gate_up_proj" not in tensors:  # per-expert on disk: fuse first
-            n_experts = sum(k.startswith(f"{prefix}.") and k.endswith(".gate_proj.weight") for k in tensors)
-            gate, up, down = (torch.stack([tensors.pop(f"{prefix}.{e}.{p}.weight") for e in range(n_experts)])
-                              for p in ("gate_proj", "up_proj", "down_proj"))
-            tensors[f"{prefix}.gate_up_proj"], tensors[f"{prefix}.down_proj"] = torch.cat((gate, up), 1), down
+            n_experts = sum(
+                k.startswith(f"{prefix}.") and k.endswith(".gate_proj.weight") for k in tensors
+            )
+            gate, up, down = (
+                torch.stack([tensors.pop(f"{prefix}.{e}.{p}.weight") for e in range(n_experts)])
+                for p in ("gate_proj", "up_proj", "down_proj")
+            )
+            tensors[f"{prefix}.gate_up_proj"], tensors[f"{prefix}.down_proj"] = (
+                torch.cat((gate, up), 1),
+                down,
+            )
         if not fused:
-            gate_up, down = tensors.pop(f"{prefix}.gate_up_proj"), tensors.pop(f"{prefix}.down_proj")
+            gate_up, down = (
+                tensors.pop(f"{prefix}.gate_up_proj"),
+                tensors.pop(f"{prefix}.down_proj"),
+            )
             gate, up = gate_up.chunk(2, dim=1)
             for e in range(gate_up.shape[0]):
                 tensors[f"{prefix}.{e}.gate_proj.weight"] = gate[e].contiguous()
@@ -73,13 +96,14 @@ def rewrite_expert_layout(src, dst, fused):
 def dense_moe_reference(experts, x, expert_ids, expert_weights):
     """Every expert on every token, masked by the routing: y = sum_e w[t, e] f_e(x[t])."""
     T, D = x.shape
-    tokens = torch.arange(T)[:, None].expand_as(expert_ids)                                # (T, A)
+    tokens = torch.arange(T)[:, None].expand_as(expert_ids)  # (T, A)
     dense_weights = torch.zeros(T, experts.n_experts).index_put_(
-        (tokens, expert_ids), expert_weights, accumulate=True)                              # (T, E)
+        (tokens, expert_ids), expert_weights, accumulate=True
+    )  # (T, E)
     y = torch.zeros(T, D)
     for e in range(experts.n_experts):
         gate, up = (x @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
-        y += dense_weights[:, e:e + 1] * ((F.silu(gate) * up) @ experts.down_proj[e].T)
+        y += dense_weights[:, e : e + 1] * ((F.silu(gate) * up) @ experts.down_proj[e].T)
     return y
 
 
@@ -98,9 +122,17 @@ class ConcatKVCache:
 
 
 # ----------------------------------------------------------------------------------------------- Hugging Face
-@pytest.mark.parametrize("norm_topk_prob,n_kv_heads,tie", [
-    (True, 2, False), (False, 2, False), (True, 4, False), (False, 4, False), (True, 2, True),
-], ids=["normtopk-gqa", "nonorm-gqa", "normtopk-mha", "nonorm-mha", "normtopk-gqa-tied"])
+@pytest.mark.parametrize(
+    "norm_topk_prob,n_kv_heads,tie",
+    [
+        (True, 2, False),
+        (False, 2, False),
+        (True, 4, False),
+        (False, 4, False),
+        (True, 2, True),
+    ],
+    ids=["normtopk-gqa", "nonorm-gqa", "normtopk-mha", "nonorm-mha", "normtopk-gqa-tied"],
+)
 def test_logits_match_hugging_face_qwen3_moe(tmp_path, norm_topk_prob, n_kv_heads, tie):
     hf_model = save_hf_model(tmp_path, norm_topk_prob, n_kv_heads, tie)
     model, tokenizer = load_hf(str(tmp_path))
@@ -158,8 +190,11 @@ def test_sparse_experts_match_dense_all_expert_computation():
     # Experts 0 and 5 get no tokens (empty groups), and some tokens repeat an expert (forced routes may).
     expert_ids = torch.tensor([1, 2, 3, 4, 6, 7])[torch.randint(6, (40, 2))]
     expert_weights = torch.rand(40, 2)
-    max_diff, _ = report_diff(experts(x, expert_ids, expert_weights),
-                              dense_moe_reference(experts, x, expert_ids, expert_weights), "sparse vs dense")
+    max_diff, _ = report_diff(
+        experts(x, expert_ids, expert_weights),
+        dense_moe_reference(experts, x, expert_ids, expert_weights),
+        "sparse vs dense",
+    )
     assert max_diff < 1e-5
 
 
@@ -186,23 +221,39 @@ def test_route_tokens_groups_assignments_by_expert():
     routing = route_tokens(expert_ids, n_experts=5)
     flat = expert_ids.reshape(-1)
     assert flat[routing.order].tolist() == [0, 0, 0, 1, 2, 3, 3, 3]
-    assert routing.token_ids.tolist() == [0, 1, 3, 2, 1, 0, 2, 3]  # stable: token order within an expert
+    assert routing.token_ids.tolist() == [
+        0,
+        1,
+        3,
+        2,
+        1,
+        0,
+        2,
+        3,
+    ]  # stable: token order within an expert
     assert routing.counts.tolist() == [3, 1, 1, 3, 0]
     assert routing.offsets.tolist() == [3, 4, 5, 8, 8] and routing.offsets.dtype == torch.int32
     assert torch.equal(routing.order[routing.inverse_order], torch.arange(8))
 
 
-@pytest.mark.parametrize("n_experts", [256, 300])  # the widest uint8 sort key, and the int32 one beyond it
+@pytest.mark.parametrize(
+    "n_experts", [256, 300]
+)  # the widest uint8 sort key, and the int32 one beyond it
 def test_route_tokens_matches_a_stable_sort_oracle_for_every_key_width(n_experts):
     generator = torch.Generator().manual_seed(0)
     expert_ids = torch.randint(n_experts, (97, 8), generator=generator)
-    expert_ids[0, 0], expert_ids[1, 0] = n_experts - 1, 255  # the largest ids sort last, 255 stays 255
+    expert_ids[0, 0], expert_ids[1, 0] = (
+        n_experts - 1,
+        255,
+    )  # the largest ids sort last, 255 stays 255
     routing = route_tokens(expert_ids, n_experts)
     flat = expert_ids.reshape(-1).tolist()
     order = sorted(range(len(flat)), key=lambda n: (flat[n], n))
     assert routing.order.tolist() == order
     assert routing.counts.tolist() == [flat.count(e) for e in range(n_experts)]
-    assert routing.offsets.tolist() == list(itertools.accumulate(flat.count(e) for e in range(n_experts)))
+    assert routing.offsets.tolist() == list(
+        itertools.accumulate(flat.count(e) for e in range(n_experts))
+    )
 
 
 @pytest.mark.cuda
@@ -215,7 +266,10 @@ def test_router_on_cuda_takes_the_fused_kernel_with_or_without_grad_and_chooses_
         weights, ids = moe.router_top_k(logits, 8, True)
     twin_weights, twin_ids = moe.router_top_k_reference(logits, 8, True)
     assert torch.equal(ids.sort(-1).values, twin_ids.sort(-1).values)
-    by_id, twin_by_id = weights.gather(-1, ids.argsort(-1)), twin_weights.gather(-1, twin_ids.argsort(-1))
+    by_id, twin_by_id = (
+        weights.gather(-1, ids.argsort(-1)),
+        twin_weights.gather(-1, twin_ids.argsort(-1)),
+    )
     torch.testing.assert_close(by_id, twin_by_id, rtol=1e-6, atol=0)
     trained = moe.router_top_k(logits.float().requires_grad_(), 8, True)[0]
     assert type(trained.grad_fn).__name__ == "RouterTopKBackward"  # training takes it too
@@ -227,8 +281,10 @@ def test_sum_expert_rows_is_each_tokens_rows_added_in_order():
     T, A, D = 6, 3, 32
     routing = route_tokens(torch.randint(4, (T, A), generator=generator), 4)
     y_sorted = torch.randn(T * A, D, generator=generator)
-    rows_of = {int(n): i for i, n in enumerate(routing.order)}          # assignment t*A + a -> sorted row
-    oracle = torch.stack([sum(y_sorted[rows_of[t * A + a]].double() for a in range(A)) for t in range(T)])
+    rows_of = {int(n): i for i, n in enumerate(routing.order)}  # assignment t*A + a -> sorted row
+    oracle = torch.stack(
+        [sum(y_sorted[rows_of[t * A + a]].double() for a in range(A)) for t in range(T)]
+    )
     got = moe.sum_expert_rows(y_sorted, routing, A)
     torch.testing.assert_close(got.double(), oracle, rtol=1e-6, atol=1e-6)
     bf16 = moe.sum_expert_rows(y_sorted.bfloat16(), routing, A)  # one rounding, at the end
@@ -242,13 +298,17 @@ def test_route_tokens_takes_the_counting_sort_on_cuda_for_a_decode_step(monkeypa
         pytest.skip("needs CUDA")
     calls = []
     original = moe.routing_kernels.route_tokens
-    monkeypatch.setattr(moe.routing_kernels, "route_tokens", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(
+        moe.routing_kernels, "route_tokens", lambda *a: calls.append(1) or original(*a)
+    )
     for tokens, fused in ((256, True), (moe.routing_kernels.MAX_ASSIGNMENTS // 8 + 1, False)):
         calls.clear()
         expert_ids = torch.randint(128, (tokens, 8), device="cuda")
         routing = moe.route_tokens(expert_ids, 128)
         assert bool(calls) == fused
-        assert all(torch.equal(a, b) for a, b in zip(routing, moe.route_tokens_reference(expert_ids, 128)))
+        assert all(
+            torch.equal(a, b) for a, b in zip(routing, moe.route_tokens_reference(expert_ids, 128))
+        )
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm not in this torch")
@@ -257,7 +317,9 @@ def test_grouped_mm_fast_path_matches_loop_twin_in_bf16_on_cpu():
     E, D, I, N = 4, 64, 32, 48
     gate_up = torch.randn(E, 2 * I, D, dtype=torch.bfloat16, requires_grad=True)
     down = torch.randn(E, D, I, dtype=torch.bfloat16, requires_grad=True)
-    routing = route_tokens(torch.tensor([0, 0, 2, 3])[torch.randint(4, (N, 1))], E)  # expert 1 empty
+    routing = route_tokens(
+        torch.tensor([0, 0, 2, 3])[torch.randint(4, (N, 1))], E
+    )  # expert 1 empty
     x = torch.randn(N, D, dtype=torch.bfloat16)[routing.token_ids]
     fast = moe.expert_swiglu_grouped(x, routing.offsets, gate_up, down)
     fast_grads = torch.autograd.grad(fast.float().square().sum(), (gate_up, down))
@@ -285,7 +347,9 @@ def test_cuda_bf16_experts_take_grouped_mm_and_match_fp32_loop():
     fast_experts.load_state_dict(experts.state_dict())
     fast = fast_experts(x.bfloat16(), expert_ids, expert_weights)
     fast_grad = torch.autograd.grad(fast.float().square().sum(), fast_experts.down_proj)[0]
-    assert report_diff(fast, reference, "cuda grouped bf16 vs fp32")[0] < 2e-2 * reference.abs().max()
+    assert (
+        report_diff(fast, reference, "cuda grouped bf16 vs fp32")[0] < 2e-2 * reference.abs().max()
+    )
     assert report_diff(fast_grad, reference_grad, "grad")[0] < 3e-2 * reference_grad.abs().max()
 
 
@@ -303,7 +367,7 @@ def test_rms_norm_takes_the_fused_kernel_on_cuda_and_matches_the_twin(monkeypatc
         y = norm(x)
     assert calls and y.dtype == torch.bfloat16
     expected = moe.rms_norm_reference(x, norm.weight, norm.eps)
-    assert ((y.float() - expected.float()).abs() <= 2 * 2 ** -7 * expected.float().abs()).all()
+    assert ((y.float() - expected.float()).abs() <= 2 * 2**-7 * expected.float().abs()).all()
     assert (y != expected).float().mean() < 0.01  # rarely one BF16 unit apart, never more
 
 
@@ -311,11 +375,15 @@ def test_norm_layers_route_fp16_to_their_torch_twins():
     x = torch.randn(2, 1, 4, 16).half()
     cos, sin = moe.rope_cos_sin(torch.zeros(2, 1, dtype=torch.long), 16, 1e6, torch.float16)
     norm = moe.RMSNorm(16, 1e-6).half()
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the kernels' dtype check routes them
+    device = (
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )  # on a GPU: the kernels' dtype check routes them
     x, cos, sin, norm = x.to(device), cos.to(device), sin.to(device), norm.to(device)
     with torch.no_grad():
         assert torch.equal(norm(x), moe.rms_norm_reference(x, norm.weight, 1e-6))
-        plain = moe.apply_rope(moe.rms_norm_reference(x, norm.weight, 1e-6).transpose(1, 2), cos, sin)
+        plain = moe.apply_rope(
+            moe.rms_norm_reference(x, norm.weight, 1e-6).transpose(1, 2), cos, sin
+        )
         assert torch.equal(moe.norm_rope(x, norm, cos, sin), plain)
 
 
@@ -330,7 +398,9 @@ def test_norm_rope_keeps_autograd_and_the_composition_off_cuda():
 
 
 @pytest.mark.cuda
-def test_attention_takes_the_fused_norm_rope_on_cuda_without_grad_and_matches_the_autograd_path(monkeypatch):
+def test_attention_takes_the_fused_norm_rope_on_cuda_without_grad_and_matches_the_autograd_path(
+    monkeypatch,
+):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     config = moe.MoEConfig.from_preset("qwen3-30b-a3b", n_layers=1)
@@ -338,8 +408,12 @@ def test_attention_takes_the_fused_norm_rope_on_cuda_without_grad_and_matches_th
     for norm in (attention.q_norm, attention.k_norm):
         norm.weight.data.uniform_(0.5, 1.5)
     x = torch.randn(8, 5, config.dim, device="cuda", dtype=torch.bfloat16)
-    cos, sin = moe.rope_cos_sin(torch.randint(0, 4096, (8, 5), device="cuda"), config.head_dim,
-                                config.rope_theta, torch.bfloat16)
+    cos, sin = moe.rope_cos_sin(
+        torch.randint(0, 4096, (8, 5), device="cuda"),
+        config.head_dim,
+        config.rope_theta,
+        torch.bfloat16,
+    )
     calls = []
     original = moe.norm_kernels.norm_rope
     monkeypatch.setattr(moe.norm_kernels, "norm_rope", lambda *a: calls.append(1) or original(*a))
@@ -363,10 +437,14 @@ def test_replaying_recorded_routes_reproduces_logits_exactly():
 def test_forced_routes_choose_the_experts_and_the_router_still_gets_gradients():
     model = random_model()
     tokens = torch.randint(48, (2, 12))
-    forced = torch.rand(2, 2, 12, 8).argsort(dim=-1)[..., :2]  # (L, B, T, A) distinct random experts
+    forced = torch.rand(2, 2, 12, 8).argsort(dim=-1)[
+        ..., :2
+    ]  # (L, B, T, A) distinct random experts
     gate_logits = []  # each router's output on the input it really got (after forced layers upstream)
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: gate_logits.append(o.detach()))
-             for layer in model.layers]
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda m, i, o: gate_logits.append(o.detach()))
+        for layer in model.layers
+    ]
     logits, routes = model(tokens, forced_routes=forced, return_routes=True)
     for hook in hooks:
         hook.remove()
@@ -374,7 +452,9 @@ def test_forced_routes_choose_the_experts_and_the_router_still_gets_gradients():
         own = g.float().softmax(-1).topk(2, dim=-1).indices.view(2, 12, 2)
         assert torch.equal(layer_routes.sort(-1).values, own.sort(-1).values)
     assert not torch.equal(routes.sort(-1).values, forced.sort(-1).values)
-    assert not torch.allclose(logits, model(tokens))  # other experts than the router's top-k really ran
+    assert not torch.allclose(
+        logits, model(tokens)
+    )  # other experts than the router's top-k really ran
     F.cross_entropy(logits.flatten(0, 1), torch.randint(48, (24,))).backward()
     for layer in model.layers:
         grad = layer.mlp.gate.weight.grad
@@ -387,12 +467,18 @@ def test_prefill_then_decode_with_kv_cache_matches_full_forward():
     tokens = torch.randint(48, (B, T))
     full = model(tokens)
     cache = ConcatKVCache(model.config.n_layers)
-    causal = torch.ones(P, P, dtype=torch.bool).tril()[None, None]            # (1, 1, P, P)
-    prefill = model(tokens[:, :P], positions=torch.arange(P).expand(B, P), attn_mask=causal, kv_cache=cache)
+    causal = torch.ones(P, P, dtype=torch.bool).tril()[None, None]  # (1, 1, P, P)
+    prefill = model(
+        tokens[:, :P], positions=torch.arange(P).expand(B, P), attn_mask=causal, kv_cache=cache
+    )
     diffs = [report_diff(prefill, full[:, :P], "prefill")[0]]
     for t in range(P, T):
-        step = model(tokens[:, t:t + 1], positions=torch.full((B, 1), t), kv_cache=cache,
-                     attn_mask=torch.ones(B, 1, 1, t + 1, dtype=torch.bool))
+        step = model(
+            tokens[:, t : t + 1],
+            positions=torch.full((B, 1), t),
+            kv_cache=cache,
+            attn_mask=torch.ones(B, 1, 1, t + 1, dtype=torch.bool),
+        )
         diffs.append(report_diff(step[:, 0], full[:, t], f"decode {t}")[0])
     assert cache.keys[0].shape == (B, model.config.n_kv_heads, T, model.config.head_dim)
     assert max(diffs) < 1e-5
@@ -402,8 +488,8 @@ def test_prefill_then_decode_with_kv_cache_matches_full_forward():
 def test_qwen3_30b_a3b_preset_has_the_published_parameter_counts():
     with torch.device("meta"):
         model = MoETransformer(MoEConfig.from_preset("qwen3-30b-a3b"))
-    assert 30.0e9 < model.num_params() < 31.0e9           # "30.5B total"
-    assert 3.2e9 < model.num_params(active=True) < 3.5e9   # "3.3B activated"
+    assert 30.0e9 < model.num_params() < 31.0e9  # "30.5B total"
+    assert 3.2e9 < model.num_params(active=True) < 3.5e9  # "3.3B activated"
 
 
 def test_swappable_layers_lists_attention_linears_and_experts_and_optionally_router_and_head():
@@ -411,8 +497,12 @@ def test_swappable_layers_lists_attention_linears_and_experts_and_optionally_rou
     n_layers = model.config.n_layers
     default = moe.swappable_layers(model)
     assert sum(isinstance(m, moe.Experts) for _, _, m in default) == n_layers
-    assert sorted({name for parent, name, m in default if isinstance(parent, moe.Attention)}) == \
-        ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert sorted({name for parent, name, m in default if isinstance(parent, moe.Attention)}) == [
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "v_proj",
+    ]
     assert len(default) == 5 * n_layers
     everything = moe.swappable_layers(model, include_router=True, include_lm_head=True)
     assert len(everything) == 6 * n_layers + 1
@@ -431,36 +521,92 @@ def _forward(**kwargs):
 
 
 BAD_CALLS = [  # (id, call given a scratch directory, what the message names, the problem it states)
-    ("heads", lambda tmp: tiny_config(n_heads=6, n_kv_heads=4), "n_heads=6", "not divisible by n_kv_heads=4"),
+    (
+        "heads",
+        lambda tmp: tiny_config(n_heads=6, n_kv_heads=4),
+        "n_heads=6",
+        "not divisible by n_kv_heads=4",
+    ),
     ("active", lambda tmp: tiny_config(n_active=9), "n_active=9", "exceeds n_experts=8"),
     ("head_dim", lambda tmp: tiny_config(head_dim=15), "head_dim=15", "must be even"),
     ("vocab", lambda tmp: tiny_config(vocab_size=0), "vocab_size", "positive int"),
     ("theta", lambda tmp: tiny_config(rope_theta=0.0), "rope_theta", "positive"),
     ("preset", lambda tmp: MoEConfig.from_preset("huge"), "'huge'", "qwen3-30b-a3b"),
-    ("1-D tokens", lambda tmp: _forward(tokens=torch.zeros(10, dtype=torch.long)), "tokens",
-     "(B, T), got (10,)"),
+    (
+        "1-D tokens",
+        lambda tmp: _forward(tokens=torch.zeros(10, dtype=torch.long)),
+        "tokens",
+        "(B, T), got (10,)",
+    ),
     ("float tokens", lambda tmp: _forward(tokens=torch.zeros(2, 5)), "tokens", "integer"),
-    ("too long", lambda tmp: _forward(tokens=torch.zeros(1, 65, dtype=torch.long)), "max_seq_len=64",
-     "exceed"),
+    (
+        "too long",
+        lambda tmp: _forward(tokens=torch.zeros(1, 65, dtype=torch.long)),
+        "max_seq_len=64",
+        "exceed",
+    ),
     ("cache alone", lambda tmp: _forward(kv_cache=ConcatKVCache(2)), "kv_cache", "attn_mask"),
-    ("expert rows", lambda tmp: moe.sum_expert_rows(torch.zeros(5, 4), route_tokens(torch.zeros(3, 2,
-     dtype=torch.long), 4), 2), "y_sorted (5, 4)", "N = 6"),
+    (
+        "expert rows",
+        lambda tmp: moe.sum_expert_rows(
+            torch.zeros(5, 4), route_tokens(torch.zeros(3, 2, dtype=torch.long), 4), 2
+        ),
+        "y_sorted (5, 4)",
+        "N = 6",
+    ),
     ("float mask", lambda tmp: _forward(attn_mask=torch.zeros(2, 1, 5, 5)), "attn_mask", "bool"),
-    ("positions", lambda tmp: _forward(positions=torch.zeros(2, 4, dtype=torch.long)), "positions", "(2, 5)"),
-    ("routes shape", lambda tmp: _forward(forced_routes=torch.zeros(2, 5, 2, dtype=torch.long)),
-     "forced_routes", "(L, B, T, A)"),
-    ("routes ids", lambda tmp: _forward(forced_routes=torch.full((2, 2, 5, 2), 8)), "forced_routes",
-     "[0, 8)"),
-    ("llama", lambda tmp: load_hf(_saved_config(tmp, transformers.LlamaConfig(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=4))), "model_type", "'llama'"),
-    ("features", lambda tmp: load_hf(_saved_config(tmp, transformers.Qwen3MoeConfig(
-        mlp_only_layers=[0], attention_bias=True))), "mlp_only_layers", "attention_bias"),
-    ("no weights", lambda tmp: load_hf(_saved_config(tmp, transformers.Qwen3MoeConfig())),
-     "*.safetensors", "no "),
+    (
+        "positions",
+        lambda tmp: _forward(positions=torch.zeros(2, 4, dtype=torch.long)),
+        "positions",
+        "(2, 5)",
+    ),
+    (
+        "routes shape",
+        lambda tmp: _forward(forced_routes=torch.zeros(2, 5, 2, dtype=torch.long)),
+        "forced_routes",
+        "(L, B, T, A)",
+    ),
+    (
+        "routes ids",
+        lambda tmp: _forward(forced_routes=torch.full((2, 2, 5, 2), 8)),
+        "forced_routes",
+        "[0, 8)",
+    ),
+    (
+        "llama",
+        lambda tmp: load_hf(
+            _saved_config(
+                tmp,
+                transformers.LlamaConfig(
+                    hidden_size=32, num_hidden_layers=1, num_attention_heads=4
+                ),
+            )
+        ),
+        "model_type",
+        "'llama'",
+    ),
+    (
+        "features",
+        lambda tmp: load_hf(
+            _saved_config(
+                tmp, transformers.Qwen3MoeConfig(mlp_only_layers=[0], attention_bias=True)
+            )
+        ),
+        "mlp_only_layers",
+        "attention_bias",
+    ),
+    (
+        "no weights",
+        lambda tmp: load_hf(_saved_config(tmp, transformers.Qwen3MoeConfig())),
+        "*.safetensors",
+        "no ",
+    ),
 ]
 
 
-@pytest.mark.parametrize("call, names, problem", [case[1:] for case in BAD_CALLS],
-                         ids=[case[0] for case in BAD_CALLS])
+@pytest.mark.parametrize(
+    "call, names, problem", [case[1:] for case in BAD_CALLS], ids=[case[0] for case in BAD_CALLS]
+)
 def test_bad_input_raises_one_line_naming_the_field_and_the_problem(tmp_path, call, names, problem):
     raises_one_line(lambda: call(tmp_path), names, problem)

@@ -2,6 +2,7 @@
 included), signs, packing, edge cases, the error bound, and the public API on both paths (the torch
 reference, and the Triton kernels of gpu_kernels/nvfp4_quantize.py; their own tests are in
 test_kernels_nvfp4_quantize.py)."""
+
 import re
 
 import pytest
@@ -17,9 +18,13 @@ GRID = nvfp4.E2M1_VALUES
 def _oracle_e4m3(v):
     """Nearest E4M3 value to v >= 0 (float64) by enumerating the grid, ties to the even mantissa,
     clamped to 448."""
-    fields = [(e, m) for e in range(16) for m in range(8) if not (e == 15 and m == 7)]  # 0x7F is NaN
-    grid = torch.tensor([(1 + m / 8) * 2.0 ** (e - 7) if e else m / 8 * 2.0 ** -6 for e, m in fields],
-                        dtype=torch.float64)
+    fields = [
+        (e, m) for e in range(16) for m in range(8) if not (e == 15 and m == 7)
+    ]  # 0x7F is NaN
+    grid = torch.tensor(
+        [(1 + m / 8) * 2.0 ** (e - 7) if e else m / 8 * 2.0**-6 for e, m in fields],
+        dtype=torch.float64,
+    )
     mant_even = torch.tensor([m % 2 == 0 for _, m in fields])
     v = v.clamp(0, 448).unsqueeze(-1)
     dist = (grid - v).abs()
@@ -57,18 +62,20 @@ def _oracle_dequantize(x, global_scale):
     amax = blocks.abs().amax(dim=-1)
     scale_f32 = ((amax / 6).float().double() / global_scale).float()  # the two fp32 divisions
     block_scale = _oracle_e4m3(scale_f32.double())
-    unit = (block_scale * global_scale).float().double()[:, None]     # (blocks, 1)
+    unit = (block_scale * global_scale).float().double()[:, None]  # (blocks, 1)
     q = torch.where(unit > 0, blocks / unit, torch.zeros_like(blocks))
     value = _oracle_e2m1(q, sign_of=blocks)
     alternative = value.clone()
     for i, mid in enumerate(nvfp4.E2M1_MIDPOINTS):
-        exact = mid * unit                                              # exact in float64
-        product = exact.float().double()                                # what the format compares with
+        exact = mid * unit  # exact in float64
+        product = exact.float().double()  # what the format compares with
         mag = blocks.abs()
         between = (mag >= torch.minimum(exact, product)) & (mag <= torch.maximum(exact, product))
         across = torch.where(value.abs() == GRID[i], GRID[i + 1], GRID[i])
-        alternative = torch.where(between & (exact != product), torch.copysign(across, blocks), alternative)
-    scale = block_scale[:, None] * global_scale                          # products exact in float64
+        alternative = torch.where(
+            between & (exact != product), torch.copysign(across, blocks), alternative
+        )
+    scale = block_scale[:, None] * global_scale  # products exact in float64
     return tuple((v * scale).float().reshape(x.shape) for v in (value, alternative))
 
 
@@ -120,7 +127,7 @@ def test_packing_is_an_exact_inverse_of_unpacking():
 
 
 # ------------------------------------------------------------------ every bf16 bit pattern
-ANCHORED_SCALE = 2.0 ** -8
+ANCHORED_SCALE = 2.0**-8
 
 
 def _every_bf16_pattern():
@@ -134,16 +141,22 @@ def _every_bf16_pattern():
     small, large = patterns[finite & (patterns.abs() <= 6)], patterns[finite & (patterns.abs() > 6)]
     small = torch.cat([small, small.new_zeros(-small.numel() % 15)]).view(-1, 15)
     anchor = torch.full((small.shape[0], 1), 6.0, dtype=torch.bfloat16)
-    large = torch.cat([large, large[:-large.numel() % 16]]).view(-1, 16)
-    return {"small": torch.cat([small, anchor], dim=1), "large": large,
-            "non-finite": patterns[~finite].view(-1, 16)}
+    large = torch.cat([large, large[: -large.numel() % 16]]).view(-1, 16)
+    return {
+        "small": torch.cat([small, anchor], dim=1),
+        "large": large,
+        "non-finite": patterns[~finite].view(-1, 16),
+    }
 
 
 EVERY_BF16 = _every_bf16_pattern()
 
 
 def test_every_bf16_pattern_lands_on_the_oracle_value_with_its_sign():
-    assert sum(x.numel() for x in EVERY_BF16.values()) >= 65536 and EVERY_BF16["non-finite"].numel() == 256
+    assert (
+        sum(x.numel() for x in EVERY_BF16.values()) >= 65536
+        and EVERY_BF16["non-finite"].numel() == 256
+    )
     for name, x in EVERY_BF16.items():
         out = nvfp4.dequantize_reference(nvfp4.quantize_reference(x, ANCHORED_SCALE), torch.float32)
         if name == "non-finite":
@@ -184,15 +197,15 @@ def test_each_tie_of_the_grid_rounds_to_the_even_code(sign):
     x = torch.zeros(1, 16)
     x[0, 0] = 6.0
     x[0, 1:8] = sign * torch.tensor(ties)
-    out = nvfp4.dequantize_reference(nvfp4.quantize_reference(x, 2.0 ** -8), torch.float32)
+    out = nvfp4.dequantize_reference(nvfp4.quantize_reference(x, 2.0**-8), torch.float32)
     assert out[0, 1:8].tolist() == [sign * e for e in expected]
     # one ulp either side of a tie goes to the nearer neighbour
     above = torch.nextafter(torch.tensor(ties), torch.tensor(10.0))
     below = torch.nextafter(torch.tensor(ties), torch.tensor(-10.0))
     x[0, 1:8] = sign * above
-    up = nvfp4.dequantize_reference(nvfp4.quantize_reference(x, 2.0 ** -8), torch.float32)[0, 1:8]
+    up = nvfp4.dequantize_reference(nvfp4.quantize_reference(x, 2.0**-8), torch.float32)[0, 1:8]
     x[0, 1:8] = sign * below
-    down = nvfp4.dequantize_reference(nvfp4.quantize_reference(x, 2.0 ** -8), torch.float32)[0, 1:8]
+    down = nvfp4.dequantize_reference(nvfp4.quantize_reference(x, 2.0**-8), torch.float32)[0, 1:8]
     assert up.abs().tolist() == [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
     assert down.abs().tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0]
 
@@ -219,7 +232,7 @@ def test_all_zero_tensor_has_global_scale_one_and_dequantizes_to_signed_zeros():
 def test_zero_block_beside_nonzero_blocks_is_stored_as_signed_zeros():
     x = torch.randn(1, 64)
     x[0, 16:32] = 0
-    x[0, 32:48] = 1e-12   # far below the tensor's largest value: its scale rounds to 0
+    x[0, 32:48] = 1e-12  # far below the tensor's largest value: its scale rounds to 0
     x[0, 48:64] = -1e-12
     q = nvfp4.quantize_reference(x)
     assert (q.block_scale.float()[0, 1:] == 0).all() and q.block_scale.float()[0, 0] > 0
@@ -231,10 +244,16 @@ def test_negative_values_rounding_to_zero_are_stored_as_negative_zero():
     x = torch.zeros(1, 16)
     x[0, 0] = 6.0
     x[0, 1:5] = torch.tensor([-0.1, -0.25, 0.1, -0.0])  # -0.25 is a tie: rounds to the even code 0
-    q = nvfp4.quantize_reference(x, 2.0 ** -8)
+    q = nvfp4.quantize_reference(x, 2.0**-8)
     assert nvfp4.unpack_codes(q.data)[0, 1:6].tolist() == [8, 8, 0, 8, 0]
     out = nvfp4.dequantize_reference(q, torch.float32)
-    assert (out[0, 1:5] == 0).all() and _sign_bits(out[0, 1:6]).tolist() == [True, True, False, True, False]
+    assert (out[0, 1:5] == 0).all() and _sign_bits(out[0, 1:6]).tolist() == [
+        True,
+        True,
+        False,
+        True,
+        False,
+    ]
 
 
 def test_subnormal_inputs_are_quantized_not_flushed():
@@ -243,7 +262,9 @@ def test_subnormal_inputs_are_quantized_not_flushed():
     assert (x.float().abs() < tiny).all()
     out = nvfp4.dequantize_reference(nvfp4.quantize_reference(x), torch.float32)
     assert out.abs().sum() > 0
-    rel = (out.double() - x.double()).norm() / x.double().norm()  # float64: squares underflow in fp32
+    rel = (
+        out.double() - x.double()
+    ).norm() / x.double().norm()  # float64: squares underflow in fp32
     assert rel < 0.2
 
 
@@ -275,7 +296,7 @@ def test_dequantization_error_is_within_the_format_bound():
     divisor = (q.block_scale.float() * q.global_scale).repeat_interleave(16, dim=-1)
     assert ((out - x).abs() <= divisor).all()
     block_amax = x.abs().reshape(256, 64, 16).amax(-1).repeat_interleave(16, dim=-1)
-    assert (divisor <= block_amax / 6 * (1 + 2 ** -4)).all()
+    assert (divisor <= block_amax / 6 * (1 + 2**-4)).all()
     rel = ((out - x).norm() / x.norm()).item()
     print(f"relative RMS error on N(0,1): {rel:.4f}")
     assert rel < 0.11
@@ -288,7 +309,9 @@ def test_quantize_on_cuda_uses_the_kernel_and_matches_reference_at_scale():
     x[:, 17] *= 50  # an outlier channel
     q = nvfp4.quantize(x)
     assert_same_quantization(nvfp4.quantize_reference(x.cpu()), q)
-    assert same_bits(nvfp4.dequantize(q), nvfp4.dequantize_reference(nvfp4.quantize_reference(x.cpu())))
+    assert same_bits(
+        nvfp4.dequantize(q), nvfp4.dequantize_reference(nvfp4.quantize_reference(x.cpu()))
+    )
     assert same_bits(nvfp4.fake_quantize(x), nvfp4.dequantize(q))
 
 
@@ -297,13 +320,15 @@ def test_quantize_on_cuda_uses_the_kernel_and_matches_reference_at_scale():
 def test_fake_quantize_and_quantize_then_dequantize_equal_the_oracle(api_device, dtype):
     torch.manual_seed(0)
     x = torch.randn(6, 64) * torch.logspace(-7, 2, 6)[:, None]  # rows of very different scales
-    x[5, :16] = -x[5, :16].abs() * 1e-9                       # negative values that round to -0
+    x[5, :16] = -x[5, :16].abs() * 1e-9  # negative values that round to -0
     x = x.to(dtype)
     global_scale = _oracle_global_scale(x)
     fake = nvfp4.fake_quantize(x.to(api_device))
     report_diff(fake.cpu(), x, "fake_quantize vs x")
     _assert_equals_oracle(fake, x, global_scale)
-    _assert_equals_oracle(nvfp4.dequantize(nvfp4.quantize(x.to(api_device)), dtype), x, global_scale)
+    _assert_equals_oracle(
+        nvfp4.dequantize(nvfp4.quantize(x.to(api_device)), dtype), x, global_scale
+    )
 
 
 def test_gradient_of_fake_quantize_is_the_identity(api_device):
@@ -319,7 +344,9 @@ def test_a_given_global_scale_is_the_one_the_blocks_are_scaled_by(api_device):
     shared = nvfp4.compute_global_scale(torch.cat([a, b]))
     assert same_bits(shared, _oracle_global_scale(torch.cat([a, b])))
     for given in (shared, shared.item()):  # a tensor or a Python float
-        q = nvfp4.quantize(a.to(api_device), given if isinstance(given, float) else given.to(api_device))
+        q = nvfp4.quantize(
+            a.to(api_device), given if isinstance(given, float) else given.to(api_device)
+        )
         assert same_bits(q.global_scale, shared)
         _assert_equals_oracle(nvfp4.dequantize(q, torch.float32), a, shared)
     # a's own scale is about 10x smaller: its block scales, and so its values, differ
@@ -337,7 +364,7 @@ def test_weight_rule_gives_trainer_and_rollout_the_oracle_values(api_device, sha
     w = w.to(torch.bfloat16)
     matrices = w.reshape(-1, *shape[-2:])
     scales = torch.stack([_oracle_global_scale(m) for m in matrices])
-    q = nvfp4.quantize_weight(w.to(api_device))                     # the rollout's packed weight
+    q = nvfp4.quantize_weight(w.to(api_device))  # the rollout's packed weight
     assert q.global_scale.shape == shape[:-2] and same_bits(q.global_scale.reshape(-1), scales)
     rollout_weight = nvfp4.dequantize(q, w.dtype).reshape(matrices.shape)
     trainer_weight = nvfp4.fake_quantize_weight(w.to(api_device)).reshape(matrices.shape)
@@ -369,29 +396,60 @@ def _on_mixed_devices():
 BAD_CALLS = [  # (id, call, the argument the message names, the problem it states)
     ("list", lambda: nvfp4.quantize([1.0] * 16), "x", "torch.Tensor"),
     ("int32", lambda: nvfp4.quantize(torch.ones(4, 16, dtype=torch.int32)), "x", "torch.int32"),
-    ("fp8", lambda: nvfp4.quantize(torch.ones(4, 16).to(torch.float8_e4m3fn)), "x", "float8_e4m3fn"),
+    (
+        "fp8",
+        lambda: nvfp4.quantize(torch.ones(4, 16).to(torch.float8_e4m3fn)),
+        "x",
+        "float8_e4m3fn",
+    ),
     ("empty", lambda: nvfp4.quantize(torch.empty(0, 16)), "x", "non-empty"),
     ("0-dim", lambda: nvfp4.quantize(torch.tensor(1.0)), "x", "at least one dim"),
-    ("K=20", lambda: nvfp4.quantize(torch.randn(4, 20)), "last dim", "multiple of the block size 16"),
+    (
+        "K=20",
+        lambda: nvfp4.quantize(torch.randn(4, 20)),
+        "last dim",
+        "multiple of the block size 16",
+    ),
     ("fake K=20", lambda: nvfp4.fake_quantize(torch.randn(4, 20)), "fake_quantize", "multiple of"),
-    ("fake int32", lambda: nvfp4.fake_quantize(torch.ones(4, 16, dtype=torch.int32)), "fake_quantize",
-     "int32"),
-    ("scale device", lambda: nvfp4.quantize(torch.randn(2, 16), torch.tensor(1.0, device="meta")),
-     "global_scale", "meta"),
-    ("scale shape", lambda: nvfp4.quantize(torch.randn(4, 8, 32), torch.ones(8)), "global_scale",
-     "one per matrix"),
-    ("scale of 2-D", lambda: nvfp4.quantize(torch.randn(2, 16), torch.ones(3)), "global_scale",
-     "one per row (shape (2,)), got shape (3,)"),
-    ("per_matrix 2-D", lambda: nvfp4.compute_global_scale(torch.randn(8, 32), per_matrix=True),
-     "per_matrix", "(..., N, K)"),
+    (
+        "fake int32",
+        lambda: nvfp4.fake_quantize(torch.ones(4, 16, dtype=torch.int32)),
+        "fake_quantize",
+        "int32",
+    ),
+    (
+        "scale device",
+        lambda: nvfp4.quantize(torch.randn(2, 16), torch.tensor(1.0, device="meta")),
+        "global_scale",
+        "meta",
+    ),
+    (
+        "scale shape",
+        lambda: nvfp4.quantize(torch.randn(4, 8, 32), torch.ones(8)),
+        "global_scale",
+        "one per matrix",
+    ),
+    (
+        "scale of 2-D",
+        lambda: nvfp4.quantize(torch.randn(2, 16), torch.ones(3)),
+        "global_scale",
+        "one per row (shape (2,)), got shape (3,)",
+    ),
+    (
+        "per_matrix 2-D",
+        lambda: nvfp4.compute_global_scale(torch.randn(8, 32), per_matrix=True),
+        "per_matrix",
+        "(..., N, K)",
+    ),
     ("not NVFP4", lambda: nvfp4.dequantize(torch.zeros(2, 8)), "q", "NVFP4Tensor"),
     ("mixed devices", lambda: nvfp4.dequantize(_on_mixed_devices()), "block_scale", "one device"),
     ("odd codes", lambda: nvfp4.pack_codes(torch.zeros(3, dtype=torch.uint8)), "code", "even"),
 ]
 
 
-@pytest.mark.parametrize("call, argument, problem", [case[1:] for case in BAD_CALLS],
-                         ids=[case[0] for case in BAD_CALLS])
+@pytest.mark.parametrize(
+    "call, argument, problem", [case[1:] for case in BAD_CALLS], ids=[case[0] for case in BAD_CALLS]
+)
 def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(call, argument, problem):
     message = raises_one_line(call, argument, problem)
-    assert re.search(rf"\b{re.escape(argument)}\b", message), message   # the name as a word
+    assert re.search(rf"\b{re.escape(argument)}\b", message), message  # the name as a word

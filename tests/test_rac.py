@@ -2,13 +2,22 @@
 activation compensation (block selection, calibration, the error it removes), q/k/v sharing one
 quantization and one GEMM, the experts' fast path against their reference and moe.py, model conversion,
 weight sync against the QAT weight rule, and clear errors. The kernels themselves: tests/test_kernels_w4a4_*.py."""
+
 import copy
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import HAS_TRITON, bits, raises_one_line, relative_error, report_diff, same_bits, tiny_model
+from conftest import (
+    HAS_TRITON,
+    bits,
+    raises_one_line,
+    relative_error,
+    report_diff,
+    same_bits,
+    tiny_model,
+)
 
 import fp8
 import moe
@@ -21,11 +30,12 @@ def _outlier_activations(rows, cols, seed, device="cpu", dtype=torch.bfloat16):
     """Heavy-tailed activations with a fixed set of outlier channels (as a real layer input has)."""
     generator = torch.Generator().manual_seed(seed)
     channel_scale = torch.exp(0.5 * torch.randn(cols, generator=generator))
-    channel_scale[torch.randperm(cols, generator=generator)[:max(1, cols // 32)]] *= 20.0
+    channel_scale[torch.randperm(cols, generator=generator)[: max(1, cols // 32)]] *= 20.0
 
     def batch():
         t = torch.distributions.StudentT(4.0).sample((rows, cols)) * channel_scale
         return t.to(device, dtype)
+
     return batch
 
 
@@ -46,32 +56,49 @@ def test_backend_is_chosen_once_per_gpu_by_its_capability(monkeypatch):
     # experts (the Triton ones under the interpreter); Blackwell runs its native check once, and falls back
     # to the Triton kernels when it fails
     checks = []
-    monkeypatch.setattr(rac.w4a4_blackwell, "disagreement", lambda device: checks.append(device) or problem)
+    monkeypatch.setattr(
+        rac.w4a4_blackwell, "disagreement", lambda device: checks.append(device) or problem
+    )
     gluon, problem = "gluon" if rac.w4a4_experts_gluon is not None else "triton", None
     for capability, interpret, problem, expected, warning in (
-            ((8, 0), False, None, "reference", "this GPU: 8.0"), ((8, 6), False, None, "reference", "this GPU: 8.6"),
-            ((8, 9), False, None, gluon, None), ((9, 0), False, None, gluon, None),
-            ((9, 0), True, None, "triton", None), ((10, 0), False, "the native FP4 dense GEMM failed", "triton",
-                                                   "the native FP4 dense GEMM failed; using the Hopper kernels"),
-            ((10, 0), False, None, "native", None)):
+        ((8, 0), False, None, "reference", "this GPU: 8.0"),
+        ((8, 6), False, None, "reference", "this GPU: 8.6"),
+        ((8, 9), False, None, gluon, None),
+        ((9, 0), False, None, gluon, None),
+        ((9, 0), True, None, "triton", None),
+        (
+            (10, 0),
+            False,
+            "the native FP4 dense GEMM failed",
+            "triton",
+            "the native FP4 dense GEMM failed; using the Hopper kernels",
+        ),
+        ((10, 0), False, None, "native", None),
+    ):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
         monkeypatch.setattr(rac.w4a4_quantize, "INTERPRET", interpret)
         monkeypatch.setattr(rac, "_BACKENDS", {})
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert [rac.backend(torch.device("cuda", 0)) for _ in range(3)] == [expected] * 3, capability
+            assert [rac.backend(torch.device("cuda", 0)) for _ in range(3)] == [expected] * 3, (
+                capability
+            )
         messages = [str(w.message) for w in caught]
         assert len(messages) == (1 if warning else 0), (capability, messages)
         if warning:
             assert warning in messages[0] and "\n" not in messages[0], messages
             assert expected != "reference" or "8.9+" in messages[0]
     assert len(checks) == 2  # only Blackwell runs the check, once per device
-    assert rac.backend(torch.device("cpu")) == "reference" and rac.use_triton(torch.zeros(1)) is False
+    assert (
+        rac.backend(torch.device("cpu")) == "reference" and rac.use_triton(torch.zeros(1)) is False
+    )
 
 
 def test_experts_take_the_gluon_kernel_only_where_the_backend_says_so(monkeypatch, kernel_device):
     launched = []
-    fake_gluon = type("Gluon", (), {"grouped_matmul": lambda *args, **kwargs: launched.append("gluon")})
+    fake_gluon = type(
+        "Gluon", (), {"grouped_matmul": lambda *args, **kwargs: launched.append("gluon")}
+    )
     monkeypatch.setattr(rac, "w4a4_experts_gluon", fake_gluon, raising=False)
     act = rac.quantize_activation_triton(torch.randn(4, 64, device=kernel_device))
     for path, K, expected in (("gluon", 64, ["gluon"]), ("gluon", 96, []), ("triton", 64, [])):
@@ -82,7 +109,13 @@ def test_experts_take_the_gluon_kernel_only_where_the_backend_says_so(monkeypatc
         rac.grouped_matmul_triton(act, w, torch.tensor([4, 0], device=kernel_device))
         assert launched == expected, (path, K)
     # prefill-sized calls (from 2,048 tokens on, the layer's count or else the rows) take Triton's
-    for tokens, expected in ((None, ["gluon"]), (1024, ["gluon"]), (2047, ["gluon"]), (2048, []), (4096, [])):
+    for tokens, expected in (
+        (None, ["gluon"]),
+        (1024, ["gluon"]),
+        (2047, ["gluon"]),
+        (2048, []),
+        (4096, []),
+    ):
         monkeypatch.setattr(rac, "backend", lambda device: "gluon")
         launched.clear()
         w = rac.chunk_experts(nvfp4.quantize_weight(torch.randn(2, 16, 64, device=kernel_device)))
@@ -99,7 +132,9 @@ def test_rac_reduces_output_error_monotonically_on_outlier_channels():
     batch = _outlier_activations(64, 256, seed=0, dtype=torch.float32)
     calibration, x = batch(), batch()
     w_q = nvfp4.quantize_weight(torch.randn(96, 256))
-    exact = x @ w_q.dequantize(torch.float32).T  # the same weights: only the activation error is measured
+    exact = (
+        x @ w_q.dequantize(torch.float32).T
+    )  # the same weights: only the activation error is measured
     errors = []
     for ratio in (0.0, 0.25, 0.5, 0.75, 1.0):
         selector = rac.RACSelector(16, ratio)
@@ -113,15 +148,15 @@ def test_rac_reduces_output_error_monotonically_on_outlier_channels():
 
 
 def test_selector_picks_the_highest_error_blocks_and_calibrate_rac_refreshes_them():
-    selector = rac.RACSelector(8, 0.25)                               # round(0.25 * 8) = 2 blocks
+    selector = rac.RACSelector(8, 0.25)  # round(0.25 * 8) = 2 blocks
     x = torch.randn(32, 128)
-    x[:, 16 * 5 + 3] *= 40.0                                          # blocks 5 and 2 hold large values
-    x[:, 16 * 2:16 * 3] *= 10.0
+    x[:, 16 * 5 + 3] *= 40.0  # blocks 5 and 2 hold large values
+    x[:, 16 * 2 : 16 * 3] *= 10.0
     mask = selector(x)  # never calibrated: the first input decides
     assert mask.tolist() == [i in (2, 5) for i in range(8)]
     x2 = torch.randn(32, 128)
-    x2[:, 16 * 7:] *= 30.0
-    assert selector(x2).tolist() == mask.tolist()                     # frozen after its first input
+    x2[:, 16 * 7 :] *= 30.0
+    assert selector(x2).tolist() == mask.tolist()  # frozen after its first input
 
     model = tiny_model(vocab_size=48)
     rollout = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4", rac_ratio=0.5)
@@ -150,16 +185,22 @@ def _shared_attention(device):
 
 def _count_calls(monkeypatch, name):
     calls, original = [], getattr(rac, name)
-    monkeypatch.setattr(rac, name, lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    monkeypatch.setattr(
+        rac, name, lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    )
     return calls
 
 
 @torch.no_grad()
 def test_q_k_v_quantize_their_one_input_once_and_equal_unshared_layers(monkeypatch):
     attention, layers = _shared_attention("cpu")
-    assert layers[1].rac is layers[0].rac and layers[2].rac is layers[0].rac   # one selector for one input
+    assert (
+        layers[1].rac is layers[0].rac and layers[2].rac is layers[0].rac
+    )  # one selector for one input
     calls = _count_calls(monkeypatch, "quantize_activation_reference")
-    x = torch.randn(3, 5, layers[0].in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
+    x = torch.randn(
+        3, 5, layers[0].in_features, generator=torch.Generator().manual_seed(0)
+    ).bfloat16()
     mask = layers[0].rac(x.reshape(-1, x.shape[-1]))  # calibrates the shared selector on x
     calls.clear()
 
@@ -171,14 +212,14 @@ def test_q_k_v_quantize_their_one_input_once_and_equal_unshared_layers(monkeypat
             expected = rac.nvfp4_linear_reference(x.reshape(-1, x.shape[-1]), layer.weight_q, mask)
             assert same_bits(y, expected.to(x.dtype).view(*x.shape[:-1], -1))
 
-    check(layers, x, 1)                                   # q quantizes, k and v reuse
-    assert layers[0].shared_input.input is None           # all three have read it: nothing kept alive
-    check((layers[2], layers[0], layers[1]), x, 1)        # in any order
+    check(layers, x, 1)  # q quantizes, k and v reuse
+    assert layers[0].shared_input.input is None  # all three have read it: nothing kept alive
+    check((layers[2], layers[0], layers[1]), x, 1)  # in any order
     layers[0](x)
-    x.mul_(2.0)                                           # modified in place between two readers
+    x.mul_(2.0)  # modified in place between two readers
     check(layers[1:], x, 1)
-    check(layers, x.clone(), 1)                           # equal values in another tensor: quantized anew
-    check((layers[0], layers[0]), x, 2)                   # one layer twice: it reads x anew
+    check(layers, x.clone(), 1)  # equal values in another tensor: quantized anew
+    check((layers[0], layers[0]), x, 2)  # one layer twice: it reads x anew
 
 
 def _check_one_stacked_gemm(monkeypatch, layers, x, gemms_expected):
@@ -195,13 +236,19 @@ def _check_one_stacked_gemm(monkeypatch, layers, x, gemms_expected):
 @torch.no_grad()
 def test_q_k_v_run_as_one_stacked_gemm_that_follows_weight_reloads(monkeypatch, kernel_device):
     attention, layers = _shared_attention(kernel_device)
-    monkeypatch.setattr(rac, "use_triton", lambda x: True)  # the CUDA path, here under the interpreter
+    monkeypatch.setattr(
+        rac, "use_triton", lambda x: True
+    )  # the CUDA path, here under the interpreter
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(5, layers[0].in_features, generator=generator).to(kernel_device, torch.bfloat16)
     _check_one_stacked_gemm(monkeypatch, layers, x, 1)
     # the layers' buffers are views of the stacked weight: a reload (sync_weights) lands in it
-    layers[1].load_weight(torch.randn(layers[1].out_features, layers[1].in_features, generator=generator)
-                          .to(kernel_device) * 100)
+    layers[1].load_weight(
+        torch.randn(layers[1].out_features, layers[1].in_features, generator=generator).to(
+            kernel_device
+        )
+        * 100
+    )
     _check_one_stacked_gemm(monkeypatch, layers, x.clone(), 1)
     # a buffer replaced (the layer moved, say): the layers run one by one, still correct
     layers[2].weight_data = layers[2].weight_data.clone()
@@ -214,8 +261,12 @@ def test_q_k_v_run_as_one_stacked_gemm_that_follows_weight_reloads(monkeypatch, 
 def test_q_k_v_share_the_triton_quantization_and_gemm_on_gpu(monkeypatch):
     attention, layers = _shared_attention("cuda")
     for rows in (1, 96):  # one row (no use case, but it must work) and a batch
-        _check_one_stacked_gemm(monkeypatch, layers, torch.randn(rows, layers[0].in_features, device="cuda",
-                                                                 dtype=torch.bfloat16), 1)
+        _check_one_stacked_gemm(
+            monkeypatch,
+            layers,
+            torch.randn(rows, layers[0].in_features, device="cuda", dtype=torch.bfloat16),
+            1,
+        )
 
 
 @torch.no_grad()
@@ -230,8 +281,12 @@ def test_convert_for_rollout_logits_bf16_identical_fp8_closer_than_nvfp4():
             linear_type = rac.NVFP4Linear if mode == "nvfp4" else fp8.FP8Linear
             projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
             assert all(isinstance(p, linear_type) for p in projections)
-            assert isinstance(block.experts, rac.NVFP4Experts if mode == "nvfp4" else fp8.FP8Experts)
-            assert type(block.gate) is nn.Linear and type(rollout.lm_head) is nn.Linear  # stay full precision
+            assert isinstance(
+                block.experts, rac.NVFP4Experts if mode == "nvfp4" else fp8.FP8Experts
+            )
+            assert (
+                type(block.gate) is nn.Linear and type(rollout.lm_head) is nn.Linear
+            )  # stay full precision
         errors[(mode, ratio)] = relative_error(rollout(tokens), reference)
     print("relative logit error vs the unconverted model:", errors)
     assert errors[("bf16", 0.0)] == 0.0
@@ -239,8 +294,9 @@ def test_convert_for_rollout_logits_bf16_identical_fp8_closer_than_nvfp4():
     assert 0 < 2 * errors[("fp8", 0.0)] < errors[("nvfp4", 0.0)] < 0.3
     assert errors[("nvfp4", 0.5)] < errors[("nvfp4", 0.0)]
 
-    rollout = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4", quantize_router=True,
-                                      quantize_lm_head=True)
+    rollout = rac.convert_for_rollout(
+        copy.deepcopy(model), "nvfp4", quantize_router=True, quantize_lm_head=True
+    )
     assert isinstance(rollout.layers[0].mlp.gate, rac.NVFP4Linear)
     assert isinstance(rollout.lm_head, rac.NVFP4Linear)
 
@@ -252,13 +308,17 @@ def _assert_rollout_weights_are_the_qat_weights(rollout, trainer):
         if isinstance(module, rac.NVFP4Linear):
             pairs = [(module.weight_q, masters[f"{path}.weight"])]
         elif isinstance(module, rac.NVFP4Experts):
-            pairs = [(rac.unchunk_experts(module.gate_up_w), masters[f"{path}.gate_up_proj"]),
-                     (rac.unchunk_experts(module.down_w), masters[f"{path}.down_proj"])]
+            pairs = [
+                (rac.unchunk_experts(module.gate_up_w), masters[f"{path}.gate_up_proj"]),
+                (rac.unchunk_experts(module.down_w), masters[f"{path}.down_proj"]),
+            ]
         else:
             continue
         for quantized, master in pairs:
             with torch.no_grad():
-                assert same_bits(quantized.dequantize(master.dtype), nvfp4.fake_quantize_weight(master)), path
+                assert same_bits(
+                    quantized.dequantize(master.dtype), nvfp4.fake_quantize_weight(master)
+                ), path
             checked += 1
     assert checked == 2 * (4 + 2)
     for name, param in rollout.named_parameters():  # norms, embeddings, routers, LM head: copied
@@ -276,9 +336,9 @@ def test_the_twin_path_dequantizes_a_weight_again_whenever_it_changes():
 
     first = layer(x)
     assert same_bits(first, twin()) and same_bits(layer(x), first)
-    layer.load_weight(torch.randn(24, 64))                    # what sync_weights does
+    layer.load_weight(torch.randn(24, 64))  # what sync_weights does
     assert same_bits(layer(x), twin()) and not torch.equal(layer(x), first)
-    layer.weight_global_scale.mul_(2.0)                        # any in-place write to a buffer
+    layer.weight_global_scale.mul_(2.0)  # any in-place write to a buffer
     assert same_bits(layer(x), twin())
     # a whole model: a sync after the trainer's weights moved gives what a fresh conversion gives
     model, tokens = tiny_model(vocab_size=48), _tokens()
@@ -295,8 +355,11 @@ def test_the_twin_path_dequantizes_a_weight_again_whenever_it_changes():
 # ============================================================================ the error sources: w4a16, w16a4
 def _oracle_w16a4(x, w, mask, act_scale):
     """Each row quantized alone (per row) or the tensor at once, then a float64 product with w itself."""
-    rows = [nvfp4.fake_quantize_activation(r[None], mask) for r in x] if act_scale == "row" else [
-        nvfp4.fake_quantize_activation(x, mask)]
+    rows = (
+        [nvfp4.fake_quantize_activation(r[None], mask) for r in x]
+        if act_scale == "row"
+        else [nvfp4.fake_quantize_activation(x, mask)]
+    )
     return (torch.cat(rows).double() @ w.double().T).float()
 
 
@@ -306,11 +369,13 @@ def test_w16a4_layer_is_the_fake_quantized_input_times_the_full_precision_weight
     linear = nn.Linear(64, 48, bias=False)
     x = _outlier_activations(6, 64, seed=1, dtype=torch.float32)()
     layer = rac.NVFP4Linear.from_float(linear, rac_ratio=0.5, mode="w16a4", act_scale=act_scale)
-    mask = layer.rac(x)                                      # calibrated on x: half of the 4 blocks
+    mask = layer.rac(x)  # calibrated on x: half of the 4 blocks
     assert int(mask.sum()) == 2
     expected = _oracle_w16a4(x, linear.weight.detach(), mask, act_scale)
     assert report_diff(layer(x), expected, "w16a4 vs oracle")[0] <= 1e-5 * expected.abs().max()
-    quantized = rac.NVFP4Linear.from_float(linear, rac_ratio=0.5, act_scale=act_scale)(x)  # W4A4 differs
+    quantized = rac.NVFP4Linear.from_float(linear, rac_ratio=0.5, act_scale=act_scale)(
+        x
+    )  # W4A4 differs
     assert (quantized - expected).abs().max() > 1e-3 * expected.abs().max()
 
 
@@ -331,12 +396,22 @@ def test_weight_only_and_activation_only_experts_equal_moe_with_one_operand_quan
     else:  # an independent loop: each input fake-quantized as one tensor, float64 products
         routing = moe.route_tokens(ids, experts.n_experts)
         x_sorted = fq(x)[routing.token_ids].double()
-        gate_up = torch.cat([x_e @ w.double().T for x_e, w in zip(x_sorted.split(routing.counts.tolist()),
-                                                                    experts.gate_up_proj.detach())])
+        gate_up = torch.cat(
+            [
+                x_e @ w.double().T
+                for x_e, w in zip(
+                    x_sorted.split(routing.counts.tolist()), experts.gate_up_proj.detach()
+                )
+            ]
+        )
         gate, up = gate_up.float().chunk(2, dim=-1)
         h = fq(torch.nn.functional.silu(gate) * up).double()
-        y = torch.cat([h_e @ w.double().T for h_e, w in zip(h.split(routing.counts.tolist()),
-                                                              experts.down_proj.detach())]).float()
+        y = torch.cat(
+            [
+                h_e @ w.double().T
+                for h_e, w in zip(h.split(routing.counts.tolist()), experts.down_proj.detach())
+            ]
+        ).float()
         expected = moe.combine_expert_outputs(y, routing, weights)
     got = layer(x, ids, weights)
     assert report_diff(got, expected, f"{mode} experts")[0] <= 1e-5 * expected.abs().max()
@@ -344,7 +419,7 @@ def test_weight_only_and_activation_only_experts_equal_moe_with_one_operand_quan
 
 def test_a_rows_quantization_under_row_scales_does_not_depend_on_its_batch():
     x = _outlier_activations(64, 64, seed=2, dtype=torch.float32)()
-    x[5] *= 1000.0                                             # one loud row sets the tensor's scale
+    x[5] *= 1000.0  # one loud row sets the tensor's scale
     mask = torch.tensor([True, False, True, False])
     for act_scale, same in (("row", True), ("tensor", False)):
         batch, _ = nvfp4.quantize_activation(x, mask, act_scale)
@@ -359,8 +434,10 @@ def test_sync_weights_reloads_exactly_the_qat_weights():
     with torch.no_grad():
         for p in trainer.parameters():  # a training step happened: the rollout copy is stale
             p.add_(torch.randn_like(p) * 0.05)
-    assert not same_bits(rollout.layers[0].attn.q_proj.weight_q.dequantize(torch.float32),
-                          nvfp4.fake_quantize_weight(trainer.layers[0].attn.q_proj.weight).detach())
+    assert not same_bits(
+        rollout.layers[0].attn.q_proj.weight_q.dequantize(torch.float32),
+        nvfp4.fake_quantize_weight(trainer.layers[0].attn.q_proj.weight).detach(),
+    )
     rac.sync_weights(rollout, trainer)
     _assert_rollout_weights_are_the_qat_weights(rollout, trainer)
 
@@ -391,7 +468,9 @@ def test_nvfp4_experts_fast_path_matches_the_twin_and_moe(kernel_device):
     fast = layer._forward_triton(x, routing, weights.reshape(-1))
     twin = layer._forward_reference(x, routing, weights.reshape(-1))
     report_diff(fast, twin, "NVFP4Experts triton vs twin")
-    torch.testing.assert_close(fast.float(), twin.float(), rtol=2e-2, atol=2e-2 * twin.abs().max().item())
+    torch.testing.assert_close(
+        fast.float(), twin.float(), rtol=2e-2, atol=2e-2 * twin.abs().max().item()
+    )
     combined = (twin[routing.inverse_order].view(9, 2, -1).sum(dim=1)).to(x.dtype)
     if kernel_device == "cpu":  # the module's own forward takes the twin on the CPU
         assert torch.equal(layer(x, expert_ids, weights), combined)
@@ -404,8 +483,14 @@ def test_nvfp4_experts_fast_path_matches_the_twin_and_moe(kernel_device):
 # ============================================================================ errors
 def _grouped_call(rows=4, K=32):
     """(act, w, counts) of a small grouped GEMM on the CPU: enough for its input checks."""
-    act = rac.Activation(None, None, torch.zeros(2, rows, K // 2, dtype=torch.float16), torch.ones(()))
-    return act, rac.chunk_experts(nvfp4.quantize_weight(torch.randn(2, 16, K))), torch.tensor([rows, 0])
+    act = rac.Activation(
+        None, None, torch.zeros(2, rows, K // 2, dtype=torch.float16), torch.ones(())
+    )
+    return (
+        act,
+        rac.chunk_experts(nvfp4.quantize_weight(torch.randn(2, 16, K))),
+        torch.tensor([rows, 0]),
+    )
 
 
 def _three_stacked():
@@ -413,78 +498,216 @@ def _three_stacked():
 
 
 BAD_CALLS = [  # (id, call, what the message names, the problem it states)
-    *[(f"{label} ({name})", lambda q=quantize, args=args: q(*args), names, problem)
-      for name, quantize in (("twin", rac.quantize_activation_reference),
-                             ("Triton", rac.quantize_activation_triton))[:2 if HAS_TRITON else 1]
-      for label, args, names, problem in (
-          ("activation K", (torch.randn(2, 40),), "K=40", "not a multiple of the NVFP4 block size 16"),
-          ("activation dtype", (torch.randint(0, 4, (2, 32)),), "activations", "got dtype torch.int64"),
-          ("rac_mask shape", (torch.randn(2, 32), torch.ones(3, dtype=torch.bool)), "rac_mask",
-           "(G,) = (2,) on cpu, got torch.bool (3,) on cpu"))],
-    ("K mismatch", lambda: rac.matmul_reference(nvfp4.quantize(torch.randn(2, 32)),
-                                                nvfp4.quantize(torch.randn(4, 48))),
-    "K differs", "x_q (2, 32) vs w_q (4, 48)"),
-    ("residual scale", lambda: rac.matmul_reference(nvfp4.quantize(torch.randn(2, 32)),
-                                                    nvfp4.quantize(torch.randn(4, 32)),
-                                                    nvfp4.quantize(torch.randn(2, 32))),
-    "residual", "must share x_q's global scale"),
-    ("x_q type", lambda: rac.matmul_reference([1.0], nvfp4.quantize(torch.randn(4, 32))),
-     "x_q", "must be an NVFP4Tensor or Tensor, got list"),
-    ("router weight ids", lambda: rac.grouped_matmul_triton(*_grouped_call(), row_weights=torch.ones(6),
-                                                            row_weight_ids=torch.arange(3)),
-     "row_weight_ids", "one id per row (4,), got (3,) and row_weights (6,)"),
-    ("router weights", lambda: rac.grouped_matmul_triton(*_grouped_call(), row_weights=torch.ones(5)),
-     "row_weights", "one weight per row (4,), got (5,)"),
-    ("experts layout", lambda: rac.grouped_matmul_triton(_grouped_call()[0], rac.unchunk_experts(
-        _grouped_call()[1]), _grouped_call()[2]), "w must be ExpertWeights", "got NVFP4Tensor"),
-    ("experts rows", lambda: rac.chunk_experts(nvfp4.quantize_weight(torch.randn(2, 8, 32))), "N=8 rows",
-     "not a multiple of 16"),
-    ("router weight ids (twin)", lambda: rac.grouped_matmul_reference(
-        nvfp4.quantize(torch.randn(4, 32)), *_grouped_call()[1:], row_weights=torch.ones(6),
-        row_weight_ids=torch.arange(3)), "grouped_matmul_reference: row_weight_ids", "one id per row (4,)"),
-    ("kernel K", lambda: rac.nvfp4_linear_triton(torch.randn(2, 40), nvfp4.quantize(torch.randn(4, 48))),
-     "K=40", "not a multiple of"),
-    ("x vs weight", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 48))),
-     "x (2, 32)", "does not match the weight (4, 48)"),
-    ("out_dtype", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32).half(),
-                                                  nvfp4.quantize(torch.randn(4, 32)), out_dtype=torch.int8),
-    "out_dtype", "got torch.int8"),
-    ("rac_mask dtype", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32),
-                                                       nvfp4.quantize(torch.randn(4, 32)), torch.ones(2)),
-    "rac_mask", "must be a bool tensor of shape (G,) = (2,) on cpu, got torch.float32 (2,) on cpu"),
-    ("splits sum", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), _three_stacked(), splits=(4, 4, 5)),
-    "splits (4, 4, 5)", "adding up to the weight's N = 12"),
-    ("splits scales", lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), _three_stacked()),
-    "3 global scales", "expected 1 (one per stacked weight)"),
-    ("layer features", lambda: rac.NVFP4Linear(40, 8), "40 features",
-     "not a multiple of the NVFP4 block size"),
-    ("input device", lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32, device="meta")), "input on meta",
-     "but weights on cpu"),
-    ("input dtype", lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32).to(torch.float8_e4m3fn)), "NVFP4Linear",
-     "bfloat16/float16/float32 tensor, got torch.float8_e4m3fn"),
-    ("input width", lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 48)), "last dim 32", "got shape (2, 48)"),
+    *[
+        (f"{label} ({name})", lambda q=quantize, args=args: q(*args), names, problem)
+        for name, quantize in (
+            ("twin", rac.quantize_activation_reference),
+            ("Triton", rac.quantize_activation_triton),
+        )[: 2 if HAS_TRITON else 1]
+        for label, args, names, problem in (
+            (
+                "activation K",
+                (torch.randn(2, 40),),
+                "K=40",
+                "not a multiple of the NVFP4 block size 16",
+            ),
+            (
+                "activation dtype",
+                (torch.randint(0, 4, (2, 32)),),
+                "activations",
+                "got dtype torch.int64",
+            ),
+            (
+                "rac_mask shape",
+                (torch.randn(2, 32), torch.ones(3, dtype=torch.bool)),
+                "rac_mask",
+                "(G,) = (2,) on cpu, got torch.bool (3,) on cpu",
+            ),
+        )
+    ],
+    (
+        "K mismatch",
+        lambda: rac.matmul_reference(
+            nvfp4.quantize(torch.randn(2, 32)), nvfp4.quantize(torch.randn(4, 48))
+        ),
+        "K differs",
+        "x_q (2, 32) vs w_q (4, 48)",
+    ),
+    (
+        "residual scale",
+        lambda: rac.matmul_reference(
+            nvfp4.quantize(torch.randn(2, 32)),
+            nvfp4.quantize(torch.randn(4, 32)),
+            nvfp4.quantize(torch.randn(2, 32)),
+        ),
+        "residual",
+        "must share x_q's global scale",
+    ),
+    (
+        "x_q type",
+        lambda: rac.matmul_reference([1.0], nvfp4.quantize(torch.randn(4, 32))),
+        "x_q",
+        "must be an NVFP4Tensor or Tensor, got list",
+    ),
+    (
+        "router weight ids",
+        lambda: rac.grouped_matmul_triton(
+            *_grouped_call(), row_weights=torch.ones(6), row_weight_ids=torch.arange(3)
+        ),
+        "row_weight_ids",
+        "one id per row (4,), got (3,) and row_weights (6,)",
+    ),
+    (
+        "router weights",
+        lambda: rac.grouped_matmul_triton(*_grouped_call(), row_weights=torch.ones(5)),
+        "row_weights",
+        "one weight per row (4,), got (5,)",
+    ),
+    (
+        "experts layout",
+        lambda: rac.grouped_matmul_triton(
+            _grouped_call()[0], rac.unchunk_experts(_grouped_call()[1]), _grouped_call()[2]
+        ),
+        "w must be ExpertWeights",
+        "got NVFP4Tensor",
+    ),
+    (
+        "experts rows",
+        lambda: rac.chunk_experts(nvfp4.quantize_weight(torch.randn(2, 8, 32))),
+        "N=8 rows",
+        "not a multiple of 16",
+    ),
+    (
+        "router weight ids (twin)",
+        lambda: rac.grouped_matmul_reference(
+            nvfp4.quantize(torch.randn(4, 32)),
+            *_grouped_call()[1:],
+            row_weights=torch.ones(6),
+            row_weight_ids=torch.arange(3),
+        ),
+        "grouped_matmul_reference: row_weight_ids",
+        "one id per row (4,)",
+    ),
+    (
+        "kernel K",
+        lambda: rac.nvfp4_linear_triton(torch.randn(2, 40), nvfp4.quantize(torch.randn(4, 48))),
+        "K=40",
+        "not a multiple of",
+    ),
+    (
+        "x vs weight",
+        lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 48))),
+        "x (2, 32)",
+        "does not match the weight (4, 48)",
+    ),
+    (
+        "out_dtype",
+        lambda: rac.nvfp4_linear_triton(
+            torch.randn(2, 32).half(), nvfp4.quantize(torch.randn(4, 32)), out_dtype=torch.int8
+        ),
+        "out_dtype",
+        "got torch.int8",
+    ),
+    (
+        "rac_mask dtype",
+        lambda: rac.nvfp4_linear_triton(
+            torch.randn(2, 32), nvfp4.quantize(torch.randn(4, 32)), torch.ones(2)
+        ),
+        "rac_mask",
+        "must be a bool tensor of shape (G,) = (2,) on cpu, got torch.float32 (2,) on cpu",
+    ),
+    (
+        "splits sum",
+        lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), _three_stacked(), splits=(4, 4, 5)),
+        "splits (4, 4, 5)",
+        "adding up to the weight's N = 12",
+    ),
+    (
+        "splits scales",
+        lambda: rac.nvfp4_linear_triton(torch.randn(2, 32), _three_stacked()),
+        "3 global scales",
+        "expected 1 (one per stacked weight)",
+    ),
+    (
+        "layer features",
+        lambda: rac.NVFP4Linear(40, 8),
+        "40 features",
+        "not a multiple of the NVFP4 block size",
+    ),
+    (
+        "input device",
+        lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32, device="meta")),
+        "input on meta",
+        "but weights on cpu",
+    ),
+    (
+        "input dtype",
+        lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 32).to(torch.float8_e4m3fn)),
+        "NVFP4Linear",
+        "bfloat16/float16/float32 tensor, got torch.float8_e4m3fn",
+    ),
+    (
+        "input width",
+        lambda: rac.NVFP4Linear(32, 8)(torch.randn(2, 48)),
+        "last dim 32",
+        "got shape (2, 48)",
+    ),
     ("selector ratio", lambda: rac.RACSelector(4, 1.5), "rac_ratio", "in [0, 1], got 1.5"),
-    ("convert ratio", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4", rac_ratio=-0.1),
-     "rac_ratio", "in [0, 1], got -0.1"),
-    ("mode", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "int4"), "'int4'",
-     "unknown rollout mode"),
-    ("fp8 with RAC", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "fp8", rac_ratio=0.5),
-     "rac_ratio=0.5", "concerns NVFP4 activations; mode 'fp8' has none"),
-    ("w4a16 with RAC", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "w4a16", rac_ratio=0.5),
-     "rac_ratio=0.5", "mode 'w4a16' has none"),
-    ("act_scale", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4", act_scale="col"),
-     "act_scale", "one of ['tensor', 'row'], got 'col'"),
-    ("w4a16 row scale", lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "w4a16", act_scale="row"),
-     "act_scale='row'", "mode 'w4a16' has none"),
-    ("layer mode", lambda: rac.NVFP4Linear(32, 8, mode="fp8"), "'fp8'",
-     "choose one of ['nvfp4', 'w4a16', 'w16a4']"),
-    ("sync target", lambda: rac.sync_weights(rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4"),
-                                             nn.Linear(2, 2)),
-     "sync_weights", "has no parameter 'layers.0.attn.q_proj.weight'"),
+    (
+        "convert ratio",
+        lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4", rac_ratio=-0.1),
+        "rac_ratio",
+        "in [0, 1], got -0.1",
+    ),
+    (
+        "mode",
+        lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "int4"),
+        "'int4'",
+        "unknown rollout mode",
+    ),
+    (
+        "fp8 with RAC",
+        lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "fp8", rac_ratio=0.5),
+        "rac_ratio=0.5",
+        "concerns NVFP4 activations; mode 'fp8' has none",
+    ),
+    (
+        "w4a16 with RAC",
+        lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "w4a16", rac_ratio=0.5),
+        "rac_ratio=0.5",
+        "mode 'w4a16' has none",
+    ),
+    (
+        "act_scale",
+        lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4", act_scale="col"),
+        "act_scale",
+        "one of ['tensor', 'row'], got 'col'",
+    ),
+    (
+        "w4a16 row scale",
+        lambda: rac.convert_for_rollout(tiny_model(vocab_size=48), "w4a16", act_scale="row"),
+        "act_scale='row'",
+        "mode 'w4a16' has none",
+    ),
+    (
+        "layer mode",
+        lambda: rac.NVFP4Linear(32, 8, mode="fp8"),
+        "'fp8'",
+        "choose one of ['nvfp4', 'w4a16', 'w16a4']",
+    ),
+    (
+        "sync target",
+        lambda: rac.sync_weights(
+            rac.convert_for_rollout(tiny_model(vocab_size=48), "nvfp4"), nn.Linear(2, 2)
+        ),
+        "sync_weights",
+        "has no parameter 'layers.0.attn.q_proj.weight'",
+    ),
 ]
 
 
-@pytest.mark.parametrize("call, names, problem", [case[1:] for case in BAD_CALLS],
-                         ids=[case[0] for case in BAD_CALLS])
+@pytest.mark.parametrize(
+    "call, names, problem", [case[1:] for case in BAD_CALLS], ids=[case[0] for case in BAD_CALLS]
+)
 def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(call, names, problem):
     raises_one_line(call, names, problem)

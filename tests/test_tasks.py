@@ -1,17 +1,28 @@
 """tasks.py: tokenizer, exact verifiers (including a fuzz that must never raise), imperfect
 demonstrations, held-out split, and GSM8K loading from a local file (offline)."""
+
 import json
 import random
 
 import pytest
 
 from conftest import raises_one_line
-from tasks import (TEST_FRACTION, ArithmeticTask, CharTokenizer, GSM8KTask, HFTokenizer, Problem,
-                   _in_test_split, extract_answer, make_task)
+from tasks import (
+    TEST_FRACTION,
+    ArithmeticTask,
+    CharTokenizer,
+    GSM8KTask,
+    HFTokenizer,
+    Problem,
+    _in_test_split,
+    extract_answer,
+    make_task,
+)
 
 
 # -----------------------------------------------------------------------------
 # CharTokenizer
+
 
 def test_tokenizer_round_trip_and_specials():
     task = ArithmeticTask(difficulty=3)
@@ -23,7 +34,9 @@ def test_tokenizer_round_trip_and_specials():
     assert tok.decode(ids) == text
     assert tok.decode([tok.bos_id] + ids + [tok.eos_id] + tok.encode("999") + [tok.pad_id]) == text
     assert tok.decode([tok.pad_id, tok.bos_id] + tok.encode("1+2") + [tok.pad_id]) == "1+2"
-    assert tok.vocab_size == 3 + len(tok.alphabet) and len({tok.pad_id, tok.bos_id, tok.eos_id}) == 3
+    assert (
+        tok.vocab_size == 3 + len(tok.alphabet) and len({tok.pad_id, tok.bos_id, tok.eos_id}) == 3
+    )
 
 
 def test_tokenizer_decode_never_raises_on_any_ids():
@@ -39,15 +52,29 @@ def test_tokenizer_decode_never_raises_on_any_ids():
 # -----------------------------------------------------------------------------
 # ArithmeticTask: verifier, demonstrations, split
 
+
 def test_arith_reward_correct_wrong_and_garbage():
     task = ArithmeticTask(difficulty=3)
     problem = Problem(prompt="347+589=", answer="936")
     assert task.reward(problem, "7+9+0=16;4+8+1=13;3+5+1=09>936") == 1.0
-    assert task.reward(problem, ">936") == 1.0                 # outcome reward: the scratchpad is not graded
-    assert task.reward(problem, "junk>0936 ") == 1.0           # leading zero and whitespace tolerated
-    assert task.reward(problem, "7+9+0=16;4+8+0=12;3+5+1=09>926") == 0.0   # dropped carry
-    for wrong in ["936", ">937", ">93", ">9360", ">936>1", ">936;", "> 9 36", ">", "", ">-936", ">936.0",
-                  ">\u0669\u0663\u0666", ">\u00b9\u00b2"]:   # Arabic-Indic digits, superscripts
+    assert task.reward(problem, ">936") == 1.0  # outcome reward: the scratchpad is not graded
+    assert task.reward(problem, "junk>0936 ") == 1.0  # leading zero and whitespace tolerated
+    assert task.reward(problem, "7+9+0=16;4+8+0=12;3+5+1=09>926") == 0.0  # dropped carry
+    for wrong in [
+        "936",
+        ">937",
+        ">93",
+        ">9360",
+        ">936>1",
+        ">936;",
+        "> 9 36",
+        ">",
+        "",
+        ">-936",
+        ">936.0",
+        ">\u0669\u0663\u0666",
+        ">\u00b9\u00b2",
+    ]:  # Arabic-Indic digits, superscripts
         assert task.reward(problem, wrong) == 0.0, wrong
     assert task.reward(problem, None) == 0.0
     assert task.reward(Problem("0+0=", "0"), "0+0+0=00>0") == 1.0
@@ -61,7 +88,9 @@ def test_clean_demonstrations_are_correct_short_and_encodable(difficulty):
     for problem in task.sample(300, "train", rng):
         demo = task.demonstration(problem, rng)
         assert task.reward(problem, demo) == 1.0, (problem, demo)
-        assert len(demo) <= task.max_completion_chars and len(problem.prompt) <= task.max_prompt_chars
+        assert (
+            len(demo) <= task.max_completion_chars and len(problem.prompt) <= task.max_prompt_chars
+        )
         task.tokenizer.encode(problem.prompt + demo)
     assert ArithmeticTask(difficulty=4).max_completion_chars <= 48
 
@@ -100,9 +129,11 @@ def test_demonstrations_are_wrong_at_the_given_rate(rate):
 def test_train_and_test_problems_are_disjoint_and_seed_independent():
     rng = random.Random(0)
     task = ArithmeticTask(difficulty=2)
+
     def operand_pair(problem):
         a, b = map(int, problem.prompt.rstrip("=").split("+"))
         return min(a, b), max(a, b)
+
     train = {operand_pair(p) for p in task.sample(5000, "train", rng)}
     test = {operand_pair(p) for p in task.sample(1000, "test", rng)}
     assert train and test and not train & test
@@ -111,16 +142,22 @@ def test_train_and_test_problems_are_disjoint_and_seed_independent():
     share = sum(_in_test_split(f"{min(a, b)}+{max(a, b)}") for a, b in population) / len(population)
     assert share == pytest.approx(TEST_FRACTION, abs=0.02)
     other_seed = ArithmeticTask(difficulty=2, seed=123)
-    assert all(operand_pair(p) not in train for p in other_seed.sample(500, "test", random.Random(5)))
-    assert len(ArithmeticTask(difficulty=1).sample(20, "test", rng)) == 20   # 1 digit: a tiny held-out set
+    assert all(
+        operand_pair(p) not in train for p in other_seed.sample(500, "test", random.Random(5))
+    )
+    assert (
+        len(ArithmeticTask(difficulty=1).sample(20, "test", rng)) == 20
+    )  # 1 digit: a tiny held-out set
 
 
 def test_sampling_is_reproducible_from_the_rng():
     task = ArithmeticTask(difficulty=3, demo_error_rate=0.5)
+
     def draw(seed):
         rng = random.Random(seed)
         problems = task.sample(20, "train", rng)
         return problems, [task.demonstration(p, rng) for p in problems]
+
     assert draw(7) == draw(7) and draw(7) != draw(8)
 
 
@@ -128,18 +165,33 @@ def test_sampling_is_reproducible_from_the_rng():
 # GSM8K through a local jsonl (no network)
 
 GSM8K_ROWS = [
-    {"question": "Mia buys 3 packs of 12 pencils and gives away 9. How many pencils does she have left?",
-     "answer": "She buys 3*12=<<3*12=36>>36 pencils.\nShe has 36-9=<<36-9=27>>27 left.\n#### 27"},
-    {"question": "A farm sells 1,250 eggs a day for 5 days. How many eggs is that?",
-     "answer": "That is 1,250*5=<<1250*5=6250>>6,250 eggs.\n#### 6,250"},
-    {"question": "A shirt costs $20 and is 15% off. What is the sale price in dollars?",
-     "answer": "The discount is 20*0.15=<<20*0.15=3>>3 dollars.\nThe price is 20-3=<<20-3=17>>17.\n#### 17"},
-    {"question": "The temperature was 4 degrees and fell by 10 degrees. What is it now?",
-     "answer": "It is 4-10=<<4-10=-6>>-6 degrees.\n#### -6"},
-    {"question": "Tom splits 7 liters of juice equally into 2 bottles. How many liters per bottle?",
-     "answer": "Each bottle gets 7/2=<<7/2=3.5>>3.5 liters.\n#### 3.5"},
-] + [{"question": f"What is {i} plus {i}?", "answer": f"{i}+{i}=<<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}"}
-     for i in range(40)]
+    {
+        "question": "Mia buys 3 packs of 12 pencils and gives away 9. How many pencils does she have left?",
+        "answer": "She buys 3*12=<<3*12=36>>36 pencils.\nShe has 36-9=<<36-9=27>>27 left.\n#### 27",
+    },
+    {
+        "question": "A farm sells 1,250 eggs a day for 5 days. How many eggs is that?",
+        "answer": "That is 1,250*5=<<1250*5=6250>>6,250 eggs.\n#### 6,250",
+    },
+    {
+        "question": "A shirt costs $20 and is 15% off. What is the sale price in dollars?",
+        "answer": "The discount is 20*0.15=<<20*0.15=3>>3 dollars.\nThe price is 20-3=<<20-3=17>>17.\n#### 17",
+    },
+    {
+        "question": "The temperature was 4 degrees and fell by 10 degrees. What is it now?",
+        "answer": "It is 4-10=<<4-10=-6>>-6 degrees.\n#### -6",
+    },
+    {
+        "question": "Tom splits 7 liters of juice equally into 2 bottles. How many liters per bottle?",
+        "answer": "Each bottle gets 7/2=<<7/2=3.5>>3.5 liters.\n#### 3.5",
+    },
+] + [
+    {
+        "question": f"What is {i} plus {i}?",
+        "answer": f"{i}+{i}=<<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}",
+    }
+    for i in range(40)
+]
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +219,7 @@ def test_gsm8k_local_file_loads_answers_and_split(gsm8k_task, gsm8k_file):
         demo = gsm8k_task.demonstration(problem, random.Random(0))
         assert "<<" not in demo and demo.rstrip().splitlines()[-1].startswith("####")
         assert gsm8k_task.reward(problem, demo) == 1.0
-        assert "####" in problem.prompt   # the instruction names the answer format
+        assert "####" in problem.prompt  # the instruction names the answer format
     # A separate test file replaces the hash split; sampling is without replacement when possible.
     separate = make_task("gsm8k", source=gsm8k_file, test_source=gsm8k_file)
     assert len(separate.problems["test"]) == len(GSM8K_ROWS)
@@ -176,23 +228,26 @@ def test_gsm8k_local_file_loads_answers_and_split(gsm8k_task, gsm8k_file):
     assert len(separate.sample(100, "train", random.Random(0))) == 100
 
 
-@pytest.mark.parametrize("completion, expected", [
-    ("She has 36-9=27 left.\n#### 27", 1.0),
-    ("#### 27.0", 1.0),
-    ("#### 27.0000001", 1.0),            # within 1e-6
-    ("#### 27.00001", 0.0),
-    ("So the answer is 27.", 1.0),       # no marker: last number
-    ("27 pencils, not 28", 0.0),
-    ("I guess 27 at first... #### 28", 0.0),   # the marker wins over earlier numbers
-    ("#### 28\nActually 27", 0.0),
-    ("The answer is $\\boxed{27}$ (checked with 3 steps)", 1.0),
-    ("\\boxed{\\frac{54}{2} = 27}", 1.0),
-    ("\\boxed{27", 1.0),                 # an unclosed box is ignored: the last number in the text counts
-    ("\\boxed{28", 0.0),
-    ("nothing numeric here", 0.0),
-    ("####", 0.0),
-    ("", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("She has 36-9=27 left.\n#### 27", 1.0),
+        ("#### 27.0", 1.0),
+        ("#### 27.0000001", 1.0),  # within 1e-6
+        ("#### 27.00001", 0.0),
+        ("So the answer is 27.", 1.0),  # no marker: last number
+        ("27 pencils, not 28", 0.0),
+        ("I guess 27 at first... #### 28", 0.0),  # the marker wins over earlier numbers
+        ("#### 28\nActually 27", 0.0),
+        ("The answer is $\\boxed{27}$ (checked with 3 steps)", 1.0),
+        ("\\boxed{\\frac{54}{2} = 27}", 1.0),
+        ("\\boxed{27", 1.0),  # an unclosed box is ignored: the last number in the text counts
+        ("\\boxed{28", 0.0),
+        ("nothing numeric here", 0.0),
+        ("####", 0.0),
+        ("", 0.0),
+    ],
+)
 def test_gsm8k_reward_extraction(gsm8k_task, completion, expected):
     problem = Problem(prompt="q", answer="27")
     assert gsm8k_task.reward(problem, completion) == expected
@@ -210,22 +265,44 @@ def test_gsm8k_reward_commas_negatives_decimals(gsm8k_task):
 # -----------------------------------------------------------------------------
 # Fuzz: rewards never raise and stay in [0, 1]
 
+
 def _fuzz_strings(count, seed=0):
     rng = random.Random(seed)
     alphabet = "0123456789+-*/=;>#.,$ ()\\{}boxed\n" + "\u0663\u00b2\u2212\ufffd\U0001f600é中"
-    fixed = ["(" * 10000, ")" * 10000, ">" + "9" * 10000, "9" * 100_000, "#### " + "9" * 100_000,
-             "\\boxed{" * 2000, "\\boxed{" + "9" * 5000 + "}", "1" + ",0" * 20000, "-" * 5000 + "1",
-             ">" * 5000, "#" * 5000, "0." + "0" * 5000 + "1", "1e999999", "nan", "inf", "#### nan",
-             "\x00\x01\x02", "\ud800", "9" * 1_000_001]
+    fixed = [
+        "(" * 10000,
+        ")" * 10000,
+        ">" + "9" * 10000,
+        "9" * 100_000,
+        "#### " + "9" * 100_000,
+        "\\boxed{" * 2000,
+        "\\boxed{" + "9" * 5000 + "}",
+        "1" + ",0" * 20000,
+        "-" * 5000 + "1",
+        ">" * 5000,
+        "#" * 5000,
+        "0." + "0" * 5000 + "1",
+        "1e999999",
+        "nan",
+        "inf",
+        "#### nan",
+        "\x00\x01\x02",
+        "\ud800",
+        "9" * 1_000_001,
+    ]
     strings = list(fixed)
     while len(strings) < count:
         kind = rng.random()
         if kind < 0.6:
             strings.append("".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60))))
         elif kind < 0.8:
-            strings.append("".join(chr(rng.randint(0, 0x10FFFF)) for _ in range(rng.randint(0, 20))))
+            strings.append(
+                "".join(chr(rng.randint(0, 0x10FFFF)) for _ in range(rng.randint(0, 20)))
+            )
         else:
-            strings.append(rng.choice([">", "#### ", "\\boxed{", ""]) + str(rng.randint(-10**60, 10**60)))
+            strings.append(
+                rng.choice([">", "#### ", "\\boxed{", ""]) + str(rng.randint(-(10**60), 10**60))
+            )
     return strings
 
 
@@ -247,6 +324,7 @@ def test_make_task_builds_the_named_task_with_its_arguments():
 # -----------------------------------------------------------------------------
 # Bad input: one line naming the argument and the problem
 
+
 def _gsm8k_file(directory, rows):
     path = directory / "rows.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -254,33 +332,81 @@ def _gsm8k_file(directory, rows):
 
 
 BAD_CALLS = [  # (id, call given a scratch directory, exception, what the message names, the problem)
-    ("character", lambda tmp: CharTokenizer("0123456789+").encode("1+x"), ValueError, "'x'",
-     "not in the alphabet"),
+    (
+        "character",
+        lambda tmp: CharTokenizer("0123456789+").encode("1+x"),
+        ValueError,
+        "'x'",
+        "not in the alphabet",
+    ),
     ("alphabet", lambda tmp: CharTokenizer("0120"), ValueError, "alphabet", "distinct"),
-    ("difficulty", lambda tmp: ArithmeticTask(difficulty=0), ValueError, "difficulty", ">= 1, got 0"),
-    ("error rate", lambda tmp: ArithmeticTask(demo_error_rate=1.5), ValueError, "demo_error_rate",
-     "[0, 1], got 1.5"),
-    ("split", lambda tmp: ArithmeticTask().sample(1, "validation"), ValueError, "split", "'validation'"),
-    ("gsm8k split", lambda tmp: GSM8KTask(source=_gsm8k_file(tmp, GSM8K_ROWS)).sample(1, "dev"), ValueError,
-     "split", "'dev'"),
-    ("fields", lambda tmp: GSM8KTask(source=_gsm8k_file(tmp, [{"problem": "1+1?", "solution": "2"}])),
-     ValueError, "question", "lacks the field"),
-    ("no answer", lambda tmp: GSM8KTask(source=_gsm8k_file(tmp, [{"question": "1+1?", "answer": "2"}])),
-     ValueError, "####", "no"),
-    ("missing file", lambda tmp: GSM8KTask(source=str(tmp / "absent.jsonl")), FileNotFoundError,
-     "absent.jsonl", "no such"),
+    (
+        "difficulty",
+        lambda tmp: ArithmeticTask(difficulty=0),
+        ValueError,
+        "difficulty",
+        ">= 1, got 0",
+    ),
+    (
+        "error rate",
+        lambda tmp: ArithmeticTask(demo_error_rate=1.5),
+        ValueError,
+        "demo_error_rate",
+        "[0, 1], got 1.5",
+    ),
+    (
+        "split",
+        lambda tmp: ArithmeticTask().sample(1, "validation"),
+        ValueError,
+        "split",
+        "'validation'",
+    ),
+    (
+        "gsm8k split",
+        lambda tmp: GSM8KTask(source=_gsm8k_file(tmp, GSM8K_ROWS)).sample(1, "dev"),
+        ValueError,
+        "split",
+        "'dev'",
+    ),
+    (
+        "fields",
+        lambda tmp: GSM8KTask(source=_gsm8k_file(tmp, [{"problem": "1+1?", "solution": "2"}])),
+        ValueError,
+        "question",
+        "lacks the field",
+    ),
+    (
+        "no answer",
+        lambda tmp: GSM8KTask(source=_gsm8k_file(tmp, [{"question": "1+1?", "answer": "2"}])),
+        ValueError,
+        "####",
+        "no",
+    ),
+    (
+        "missing file",
+        lambda tmp: GSM8KTask(source=str(tmp / "absent.jsonl")),
+        FileNotFoundError,
+        "absent.jsonl",
+        "no such",
+    ),
     ("task", lambda tmp: make_task("countdown"), ValueError, "'countdown'", "available"),
 ]
 
 
-@pytest.mark.parametrize("call, error, names, problem", [case[1:] for case in BAD_CALLS],
-                         ids=[case[0] for case in BAD_CALLS])
-def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(tmp_path, call, error, names, problem):
+@pytest.mark.parametrize(
+    "call, error, names, problem",
+    [case[1:] for case in BAD_CALLS],
+    ids=[case[0] for case in BAD_CALLS],
+)
+def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(
+    tmp_path, call, error, names, problem
+):
     raises_one_line(lambda: call(tmp_path), names, problem, error)
 
 
 class _FakeHFTokenizer:
     """The few attributes and methods of a Hugging Face tokenizer that HFTokenizer uses: one id per char."""
+
     def __init__(self, eos_token_id, pad_token_id):
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
 

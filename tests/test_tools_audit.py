@@ -1,5 +1,6 @@
 """tools/audit.py: one batch scored three ways per recipe from a run's checkpoint, written where no earlier
 audit is replaced unasked; its command line."""
+
 import json
 import os
 import shutil
@@ -29,7 +30,9 @@ def quads_run(tmp_path_factory):
 
 
 def test_audit_scores_one_batch_three_ways_per_recipe(quads_run, capsys):
-    code, _, _, table_path = main_exit([quads_run, "--recipes", "bf16,nvfp4", "--device", "cpu"], capsys)
+    code, _, _, table_path = main_exit(
+        [quads_run, "--recipes", "bf16,nvfp4", "--device", "cpu"], capsys
+    )
     folder = os.path.join(quads_run, "audit_step3")  # the checkpoint's step
     assert code == 0 and table_path == os.path.join(folder, "audit.md")
     with open(os.path.join(folder, "audit.json")) as f:
@@ -41,13 +44,20 @@ def test_audit_scores_one_batch_three_ways_per_recipe(quads_run, capsys):
     assert nvfp4["A-B"]["abs_diff_mean"] > 1e-3 and nvfp4["B-C"]["abs_diff_mean"] > 1e-3
     assert bf16["B-B replay max"] == nvfp4["B-B replay max"] == 0.0  # one prefill is repeatable
     with open(table_path) as f:
-        rows = [line for line in f.read().splitlines() if line.startswith("| ") and "recipe" not in line
-                and not line.startswith("| ---")]
+        rows = [
+            line
+            for line in f.read().splitlines()
+            if line.startswith("| ") and "recipe" not in line and not line.startswith("| ---")
+        ]
     assert [row.split("|")[1].strip() for row in rows] == ["bf16", "nvfp4"]
-    assert float(rows[1].split("|")[4]) == pytest.approx(nvfp4["A-B"]["abs_diff_mean"], rel=1e-2)  # A-B MAE
+    assert float(rows[1].split("|")[4]) == pytest.approx(
+        nvfp4["A-B"]["abs_diff_mean"], rel=1e-2
+    )  # A-B MAE
     batch = torch.load(os.path.join(folder, "batch_nvfp4.pt"), weights_only=True)
     mask = batch["loss_mask"][:, 1:]
-    assert (batch["A"] - batch["B"])[mask].abs().mean().item() == pytest.approx(nvfp4["A-B"]["abs_diff_mean"])
+    assert (batch["A"] - batch["B"])[mask].abs().mean().item() == pytest.approx(
+        nvfp4["A-B"]["abs_diff_mean"]
+    )
 
     # a second audit never replaces the first unasked: refused, or written where --out says
     before = tree_digest(folder)
@@ -59,37 +69,69 @@ def test_audit_scores_one_batch_three_ways_per_recipe(quads_run, capsys):
     other = os.path.join(quads_run, "another")
     # a checkpoint file works as well as its run directory, and gives the same batch
     main_exit([checkpoint, "--recipes", "nvfp4", "--device", "cpu", "--out", other], capsys)
-    assert torch.equal(torch.load(os.path.join(other, "batch_nvfp4.pt"), weights_only=True)["tokens"],
-                       batch["tokens"])
+    assert torch.equal(
+        torch.load(os.path.join(other, "batch_nvfp4.pt"), weights_only=True)["tokens"],
+        batch["tokens"],
+    )
     assert tree_digest(folder) == before
-    main_exit([quads_run, "--recipes", "nvfp4", "--device", "cpu", "--overwrite"], capsys)  # asked: replaced
+    main_exit(
+        [quads_run, "--recipes", "nvfp4", "--device", "cpu", "--overwrite"], capsys
+    )  # asked: replaced
     assert sorted(os.listdir(folder)) == ["audit.json", "audit.md", "batch_nvfp4.pt"]
 
 
-def test_row_scales_and_batches_are_audited_and_row_scales_close_the_engines_own_gap(quads_run, tmp_path,
-                                                                                    capsys):
-    main_exit([quads_run, "--recipes", "nvfp4,nvfp4+row", "--batches", "2", "--device", "cpu", "--out",
-               str(tmp_path)], capsys)
+def test_row_scales_and_batches_are_audited_and_row_scales_close_the_engines_own_gap(
+    quads_run, tmp_path, capsys
+):
+    main_exit(
+        [
+            quads_run,
+            "--recipes",
+            "nvfp4,nvfp4+row",
+            "--batches",
+            "2",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+        ],
+        capsys,
+    )
     with open(tmp_path / "audit.json") as f:
         results = json.load(f)["recipes"]
-    assert sorted(results) == ["nvfp4 (batch 1)", "nvfp4 (batch 2)", "nvfp4+row (batch 1)", "nvfp4+row (batch 2)"]
-    for batch in (1, 2):  # per row, decode and prefill round each token alike: A - B at the fp32 order
+    assert sorted(results) == [
+        "nvfp4 (batch 1)",
+        "nvfp4 (batch 2)",
+        "nvfp4+row (batch 1)",
+        "nvfp4+row (batch 2)",
+    ]
+    for batch in (
+        1,
+        2,
+    ):  # per row, decode and prefill round each token alike: A - B at the fp32 order
         tensor, row = results[f"nvfp4 (batch {batch})"], results[f"nvfp4+row (batch {batch})"]
         assert tensor["A-B"]["abs_diff_mean"] > 1e-3 and row["A-B"]["abs_diff_max"] < 1e-4
-        assert row["A-C"]["abs_diff_mean"] > 1e-3  # the BF16 trainer still computes another function
+        assert (
+            row["A-C"]["abs_diff_mean"] > 1e-3
+        )  # the BF16 trainer still computes another function
     assert os.path.isfile(tmp_path / "batch_nvfp4+row_2.pt")
 
 
 def test_audit_builds_the_symmetric_recipes_as_training_does(quads_run, tmp_path, capsys):
     """moeresq's trainer takes the rollout's RAC masks and trace's the codes its rollout recorded: so
     moeresq's trainer equals the rollout's prefill (B = C), and trace's follows its decode (C ~ A)."""
-    main_exit([quads_run, "--recipes", "moeresq,trace", "--device", "cpu", "--out", str(tmp_path)], capsys)
+    main_exit(
+        [quads_run, "--recipes", "moeresq,trace", "--device", "cpu", "--out", str(tmp_path)], capsys
+    )
 
     def gaps(recipe):
         batch = torch.load(tmp_path / f"batch_{recipe}.pt", weights_only=True)
         mask = batch["loss_mask"][:, 1:]
-        return {pair: (batch[pair[0]] - batch[pair[1]])[mask].abs().mean().item()
-                for pair in ("AB", "BC", "AC")}
+        return {
+            pair: (batch[pair[0]] - batch[pair[1]])[mask].abs().mean().item()
+            for pair in ("AB", "BC", "AC")
+        }
+
     moeresq, trace = gaps("moeresq"), gaps("trace")
     assert moeresq["AB"] > 1e-3 and moeresq["BC"] < 1e-5
     assert trace["AB"] > 1e-3 and trace["AC"] < 0.2 * trace["AB"]
@@ -103,34 +145,61 @@ def test_outlier_figures_match_hand_computed_values():
     stats = audit.outlier_stats(x)
     rms = ((31 + 30000.0**2 + sum((0.5 + i / 62) ** 2 for i in range(32))) / 64) ** 0.5
     assert stats["max/rms"] == pytest.approx(30000.0 / rms, rel=1e-6)
-    assert stats["block amax max/median"] == 30000.0  # block amaxes (3e4, 1; 0.74, 1): the lower median is 1
-    assert stats["blocks below 2^-6"] == 0.75          # 448 * b / 3e4 < 2^-6 for every b <= 1
+    assert (
+        stats["block amax max/median"] == 30000.0
+    )  # block amaxes (3e4, 1; 0.74, 1): the lower median is 1
+    assert stats["blocks below 2^-6"] == 0.75  # 448 * b / 3e4 < 2^-6 for every b <= 1
     row_only = audit.outlier_stats(torch.ones(3, 32))
     assert row_only["rel. error tensor"] == row_only["rel. error row"] == 0.0
-    assert stats["rel. error row"] < stats["rel. error tensor"]  # row 1 no longer shares the 3e4's scale
+    assert (
+        stats["rel. error row"] < stats["rel. error tensor"]
+    )  # row 1 no longer shares the 3e4's scale
 
 
-def test_outliers_reports_each_quantized_input_and_keeps_earlier_reports(quads_run, tmp_path, capsys):
-    code, out, _, path = main_exit([quads_run, "--outliers", "--device", "cpu", "--out", str(tmp_path)], capsys)
+def test_outliers_reports_each_quantized_input_and_keeps_earlier_reports(
+    quads_run, tmp_path, capsys
+):
+    code, out, _, path = main_exit(
+        [quads_run, "--outliers", "--device", "cpu", "--out", str(tmp_path)], capsys
+    )
     assert code == 0 and path == str(tmp_path / "outliers.md")
     with open(path) as f:
         rows = [line.split("|")[1].strip() for line in f if line.startswith("| layers.")]
-    assert rows == [f"layers.{i}.{name}" for i in range(moe.PRESETS["tiny"].n_layers) for name in
-                    ("attn.q_proj (+2 sharing it)", "attn.o_proj", "mlp.experts", "mlp.experts (down)")]
-    code, _, err, _ = main_exit([quads_run, "--outliers", "--device", "cpu", "--out", str(tmp_path)], capsys)
+    assert rows == [
+        f"layers.{i}.{name}"
+        for i in range(moe.PRESETS["tiny"].n_layers)
+        for name in (
+            "attn.q_proj (+2 sharing it)",
+            "attn.o_proj",
+            "mlp.experts",
+            "mlp.experts (down)",
+        )
+    ]
+    code, _, err, _ = main_exit(
+        [quads_run, "--outliers", "--device", "cpu", "--out", str(tmp_path)], capsys
+    )
     assert code == 2 and f"{tmp_path} holds an audit (outliers.md)" in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["RUN", "--recipes", "bf16,int3"], "argument --recipes: choose from bf16"),
-    (["RUN", "--recipes", "bf16,"], f"argument --recipes: choose from {', '.join(train.RECIPES)}, each "
-     "optionally with +row, got ''"),
-    (["RUN", "--recipes", "nvfp4+col"], "argument --recipes: choose from bf16"),
-    (["RUN", "--batches", "0"], "argument --batches: must be an integer >= 1, got 0"),
-    (["RUN", "--outliers", "--batches", "2"], "argument --batches: the outlier report scores one batch"),
-    (["/nonexistent/run"], "argument RUN: no checkpoint at '/nonexistent/run'"),
-    (["RUN", "--device", "tpu"], "argument --device: choose from cpu, cuda, cuda:N, got 'tpu'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["RUN", "--recipes", "bf16,int3"], "argument --recipes: choose from bf16"),
+        (
+            ["RUN", "--recipes", "bf16,"],
+            f"argument --recipes: choose from {', '.join(train.RECIPES)}, each "
+            "optionally with +row, got ''",
+        ),
+        (["RUN", "--recipes", "nvfp4+col"], "argument --recipes: choose from bf16"),
+        (["RUN", "--batches", "0"], "argument --batches: must be an integer >= 1, got 0"),
+        (
+            ["RUN", "--outliers", "--batches", "2"],
+            "argument --batches: the outlier report scores one batch",
+        ),
+        (["/nonexistent/run"], "argument RUN: no checkpoint at '/nonexistent/run'"),
+        (["RUN", "--device", "tpu"], "argument --device: choose from cpu, cuda, cuda:N, got 'tpu'"),
+    ],
+)
 def test_a_bad_value_exits_2_with_one_line_naming_it(argv, message, quads_run, capsys):
     before = tree_digest(quads_run)
     code, out, err, _ = main_exit([quads_run if a == "RUN" else a for a in argv], capsys)
@@ -140,11 +209,16 @@ def test_a_bad_value_exits_2_with_one_line_naming_it(argv, message, quads_run, c
 
 
 def test_an_unreadable_checkpoint_is_one_line_naming_the_file(quads_run, tmp_path, capsys):
-    for name, damage in (("truncated", lambda path: open(path, "r+b").truncate(os.path.getsize(path) // 2)),
-                         ("foreign", lambda path: torch.save({"weights": torch.ones(2)}, path))):
+    for name, damage in (
+        ("truncated", lambda path: open(path, "r+b").truncate(os.path.getsize(path) // 2)),
+        ("foreign", lambda path: torch.save({"weights": torch.ones(2)}, path)),
+    ):
         run_dir = tmp_path / name
         shutil.copytree(quads_run, run_dir)
         damage(run_dir / "checkpoint.pt")
         code, _, err, _ = main_exit([str(run_dir), "--device", "cpu"], capsys)
         assert code == 2 and err.count("\n") == 1, err
-        assert f"cannot read the checkpoint {run_dir}/checkpoint.pt" in err and "give another run" in err
+        assert (
+            f"cannot read the checkpoint {run_dir}/checkpoint.pt" in err
+            and "give another run" in err
+        )

@@ -1,4 +1,5 @@
 """tools/plot.py on hand-written metrics: the trailing mean, the table's numbers, the figure's file."""
+
 import json
 import os
 
@@ -11,9 +12,19 @@ def write_run(path, mean_gaps):
     """A run directory whose metrics.jsonl has step 0's pass@1 and one record per mean |delta logp|."""
     os.makedirs(path)
     records = [{"step": 0, "pass@1": 0.25, "pass@1_bf16_trainer": 0.5}]
-    records += [{"step": i + 1, "reward": 0.5, "mismatch/abs_diff_mean": gap, "mismatch/abs_diff_max": 10*gap,
-                 "mismatch/kl_k3": gap / 2, "routing_disagreement": 0.01 * (i + 1),
-                 "rollout_tokens_per_s": 1000.0, "step_s": 2.0} for i, gap in enumerate(mean_gaps)]
+    records += [
+        {
+            "step": i + 1,
+            "reward": 0.5,
+            "mismatch/abs_diff_mean": gap,
+            "mismatch/abs_diff_max": 10 * gap,
+            "mismatch/kl_k3": gap / 2,
+            "routing_disagreement": 0.01 * (i + 1),
+            "rollout_tokens_per_s": 1000.0,
+            "step_s": 2.0,
+        }
+        for i, gap in enumerate(mean_gaps)
+    ]
     records[-1].update({"pass@1": 0.75, "pass@1_bf16_trainer": 0.625})
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in records))
@@ -30,7 +41,9 @@ def test_the_table_has_a_row_per_run_with_its_mismatch_averaged_over_the_last_te
     gaps = [float(i) for i in range(1, 13)]  # 12 steps: the window at the end is steps 3..12
     runs = [write_run(tmp_path / "a", gaps), write_run(tmp_path / "b", [1.0] * 12)]
     lines = plot.summarize(runs, checkpoints=(5,)).splitlines()
-    assert len(lines) == 2 + 2 and "mean abs dlogp @ 5, 12" in lines[0] and "rollout tok/s" in lines[0]
+    assert (
+        len(lines) == 2 + 2 and "mean abs dlogp @ 5, 12" in lines[0] and "rollout tok/s" in lines[0]
+    )
     cells = [cell.strip() for cell in lines[2].split("|")]
     assert cells[1:3] == ["a", "0.750 / 0.625"]
     assert cells[3] == f"{sum(gaps[:5]) / 5:.2e}, {sum(gaps[2:]) / 10:.2e}"  # steps 1-5, steps 3-12
@@ -43,4 +56,7 @@ def test_one_run_gets_its_own_figure_and_several_need_a_path(tmp_path, capsys):
     assert os.path.getsize(os.path.join(run, "curves.png")) > 0
     with pytest.raises(SystemExit) as stop:
         plot.main([run, write_run(tmp_path / "b", [1e-3])])
-    assert stop.value.code == 2 and "argument --out: required with several runs" in capsys.readouterr().err
+    assert (
+        stop.value.code == 2
+        and "argument --out: required with several runs" in capsys.readouterr().err
+    )

@@ -27,6 +27,7 @@ command's device. Every recipe starts from the checkpoint's weights and scores a
 (same prompts and seed). Writes audit.md, audit.json and each batch (tokens, A, B, C) as batch_<recipe>.pt
 into RUN/audit_step<N>/ (or --out DIR); an audit that is there is refused unless --overwrite replaces it.
 """
+
 import argparse
 import copy
 import dataclasses
@@ -35,7 +36,9 @@ import os
 import random
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # also as a plain script
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # also as a plain script
 
 import torch  # noqa: E402
 
@@ -46,31 +49,61 @@ import rollout  # noqa: E402
 import train  # noqa: E402
 from tools import runs  # noqa: E402
 
-STATS = [("signed mean", "diff_mean"), ("MAE", "abs_diff_mean"), ("p95", "abs_diff_p95"),
-         ("p99", "abs_diff_p99"), ("max", "abs_diff_max")]
-SKIPPED = ("device", "run_name", "resume", "overwrite", "threads", "mipu", "tis")  # not the audit's business
+STATS = [
+    ("signed mean", "diff_mean"),
+    ("MAE", "abs_diff_mean"),
+    ("p95", "abs_diff_p95"),
+    ("p99", "abs_diff_p99"),
+    ("max", "abs_diff_max"),
+]
+SKIPPED = (
+    "device",
+    "run_name",
+    "resume",
+    "overwrite",
+    "threads",
+    "mipu",
+    "tis",
+)  # not the audit's business
 
 
-def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", overwrite=False,
-          cuda_graph=True, batches=1, outliers=False):
+def audit(
+    path,
+    recipes=("bf16", "nvfp4", "quads"),
+    device="cpu",
+    out_dir="",
+    overwrite=False,
+    cuda_graph=True,
+    batches=1,
+    outliers=False,
+):
     """Audit the checkpoint at `path` (a run directory or a checkpoint file) -> the path of audit.md
     (of outliers.md with `outliers`)."""
     ckpt_path = path if os.path.isfile(path) else os.path.join(path, "checkpoint.pt")
     if not os.path.isfile(ckpt_path):
-        raise runs.ConfigError(f"argument RUN: no checkpoint at {path!r}; give a run directory holding "
-                                "checkpoint.pt or a checkpoint file")
+        raise runs.ConfigError(
+            f"argument RUN: no checkpoint at {path!r}; give a run directory holding "
+            "checkpoint.pt or a checkpoint file"
+        )
     ckpt = runs.load_checkpoint(ckpt_path, "cpu", "give another run directory or checkpoint")
     run_dir = os.path.dirname(os.path.abspath(ckpt_path))
     out_dir = out_dir or os.path.join(run_dir, f"audit_step{ckpt['step']}")
     ours = ("outliers.md",) if outliers else ("audit.md", "audit.json")
-    earlier = sorted(name for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else []) if name in ours
-                     or not outliers and name.startswith("batch_") and name.endswith(".pt"))
+    earlier = sorted(
+        name
+        for name in (os.listdir(out_dir) if os.path.isdir(out_dir) else [])
+        if name in ours or not outliers and name.startswith("batch_") and name.endswith(".pt")
+    )
     if earlier and not overwrite:
-        raise runs.ConfigError(f"{out_dir} holds an audit ({', '.join(earlier)}): add --overwrite to "
-                                "replace it, or give --out DIR")
+        raise runs.ConfigError(
+            f"{out_dir} holds an audit ({', '.join(earlier)}): add --overwrite to "
+            "replace it, or give --out DIR"
+        )
     known = {f.name for f in dataclasses.fields(train.TrainConfig)}
-    cfg = train.TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in known and k not in SKIPPED},
-                            device=device)
+    cfg = train.TrainConfig(
+        **{k: v for k, v in ckpt["config"].items() if k in known and k not in SKIPPED},
+        device=device,
+    )
     task = train.build_task(cfg)
     model, tokenizer = train.build_model(cfg, task)
     model.load_state_dict(ckpt["trainer"])  # QAT layers keep moe.py's parameter names
@@ -79,54 +112,87 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
         os.remove(os.path.join(out_dir, name))
     os.makedirs(out_dir, exist_ok=True)
     if outliers:
-        return outlier_report(cfg, model, task, tokenizer, ckpt_path, ckpt["step"], out_dir, cuda_graph)
+        return outlier_report(
+            cfg, model, task, tokenizer, ckpt_path, ckpt["step"], out_dir, cuda_graph
+        )
 
     results = {}
     for spec, batch in ((spec, b) for spec in recipes for b in range(batches)):
         recipe, _, scale = spec.partition("+")
         cfg = dataclasses.replace(cfg, recipe=recipe, act_scale=scale or "tensor", run_name="audit")
         rac_ratio = cfg.rac_ratio if train.RECIPES[recipe][2] else 0.0
-        rollout_model, trainer, recorder = train.build_recipe(cfg, copy.deepcopy(model), recipe, rac_ratio)
+        rollout_model, trainer, recorder = train.build_recipe(
+            cfg, copy.deepcopy(model), recipe, rac_ratio
+        )
         if rac_ratio > 0:
             train.rac.calibrate_rac(rollout_model, calib_tokens)
-        record = (lambda m=rollout_model: train.rac.recording(m, recorder.record)) if recorder else None
+        record = (
+            (lambda m=rollout_model: train.rac.recording(m, recorder.record)) if recorder else None
+        )
         out = sample_batch(cfg, rollout_model, task, tokenizer, batch, cuda_graph, record)
         codes = qat.recorded_codes(recorder, out) if recorder is not None else None
         shared = train.shared_state(rollout_model, train.RECIPES[recipe][0], codes)
         seq = out.sequences()
         mask = seq.loss_mask[:, 1:]
-        recorded = seq.logprobs[:, 1:]                                                    # A
-        rescored, replayed = (rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:]
-                              for _ in range(2))                                         # B, B'
+        recorded = seq.logprobs[:, 1:]  # A
+        rescored, replayed = (
+            rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:] for _ in range(2)
+        )  # B, B'
         with torch.no_grad():
-            trainer_logp, _ = train.trainer_logprobs(cfg, trainer, seq, shared)            # C
+            trainer_logp, _ = train.trainer_logprobs(cfg, trainer, seq, shared)  # C
         name = spec + (f" (batch {batch + 1})" if batches > 1 else "")
-        results[name] = {"tokens": int(mask.sum()), "A-B": grpo.mismatch_metrics(recorded, rescored, mask),
-                         "B-C": grpo.mismatch_metrics(rescored, trainer_logp, mask),
-                         "A-C": grpo.mismatch_metrics(recorded, trainer_logp, mask),
-                         "B-B replay max": (rescored - replayed)[mask].abs().max().item()}
-        runs.atomic_save({"tokens": seq.tokens.cpu(), "loss_mask": seq.loss_mask.cpu(), "A": recorded.cpu(),
-                           "B": rescored.cpu(), "C": trainer_logp.cpu()},
-                          os.path.join(out_dir, f"batch_{spec}" + (f"_{batch + 1}" if batches > 1 else "") + ".pt"))
+        results[name] = {
+            "tokens": int(mask.sum()),
+            "A-B": grpo.mismatch_metrics(recorded, rescored, mask),
+            "B-C": grpo.mismatch_metrics(rescored, trainer_logp, mask),
+            "A-C": grpo.mismatch_metrics(recorded, trainer_logp, mask),
+            "B-B replay max": (rescored - replayed)[mask].abs().max().item(),
+        }
+        runs.atomic_save(
+            {
+                "tokens": seq.tokens.cpu(),
+                "loss_mask": seq.loss_mask.cpu(),
+                "A": recorded.cpu(),
+                "B": rescored.cpu(),
+                "C": trainer_logp.cpu(),
+            },
+            os.path.join(
+                out_dir, f"batch_{spec}" + (f"_{batch + 1}" if batches > 1 else "") + ".pt"
+            ),
+        )
         del rollout_model, trainer
 
-    header = (f"Log-prob audit of {ckpt_path} (RL step {ckpt['step']}): {cfg.prompts_per_step} prompts x "
-              f"{cfg.group_size} samples per recipe, preset {cfg.preset or cfg.model}, temperature "
-              f"{cfg.temperature:g}, {device}, torch {torch.__version__}. d in nats over completion tokens; "
-              "A recorded at decode, B one-prefill re-score, C trainer forward.")
-    columns = (["recipe", "tokens"] + [f"{pair} {name}" for pair in ("A-B", "B-C", "A-C") for name, _ in STATS]
-               + ["B replay max"])
+    header = (
+        f"Log-prob audit of {ckpt_path} (RL step {ckpt['step']}): {cfg.prompts_per_step} prompts x "
+        f"{cfg.group_size} samples per recipe, preset {cfg.preset or cfg.model}, temperature "
+        f"{cfg.temperature:g}, {device}, torch {torch.__version__}. d in nats over completion tokens; "
+        "A recorded at decode, B one-prefill re-score, C trainer forward."
+    )
+    columns = (
+        ["recipe", "tokens"]
+        + [f"{pair} {name}" for pair in ("A-B", "B-C", "A-C") for name, _ in STATS]
+        + ["B replay max"]
+    )
     lines = [header, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for recipe, r in results.items():
-        cells = [recipe, str(r["tokens"])] + [f"{r[pair][key]:.2e}" for pair in ("A-B", "B-C", "A-C")
-                                              for _, key in STATS]
+        cells = [recipe, str(r["tokens"])] + [
+            f"{r[pair][key]:.2e}" for pair in ("A-B", "B-C", "A-C") for _, key in STATS
+        ]
         lines.append("| " + " | ".join(cells + [f"{r['B-B replay max']:.1e}"]) + " |")
     table = "\n".join(lines) + "\n"
     md_path = os.path.join(out_dir, "audit.md")
     runs.atomic_save(table, md_path, runs.write_text)
-    record = {"checkpoint": ckpt_path, "step": ckpt["step"], "device": device, "torch": torch.__version__,
-              "config": dataclasses.asdict(cfg), "recipes": results}
-    runs.atomic_save(json.dumps(record, indent=2), os.path.join(out_dir, "audit.json"), runs.write_text)
+    record = {
+        "checkpoint": ckpt_path,
+        "step": ckpt["step"],
+        "device": device,
+        "torch": torch.__version__,
+        "config": dataclasses.asdict(cfg),
+        "recipes": results,
+    }
+    runs.atomic_save(
+        json.dumps(record, indent=2), os.path.join(out_dir, "audit.json"), runs.write_text
+    )
     print(table)
     return md_path
 
@@ -134,10 +200,18 @@ def audit(path, recipes=("bf16", "nvfp4", "quads"), device="cpu", out_dir="", ov
 def sample_batch(cfg, rollout_model, task, tokenizer, batch, cuda_graph, decode_context=None):
     """The rollout of audit batch `batch`: its own prompts and sampling seed, the same for every recipe."""
     problems = task.sample(cfg.prompts_per_step, "train", random.Random(cfg.seed + 4242 + batch))
-    return rollout.generate(rollout_model, train.encode_prompts(tokenizer, problems), cfg.group_size,
-                            train.max_new_tokens(cfg, task), temperature=cfg.temperature, eos_id=tokenizer.eos_id,
-                            pad_id=tokenizer.pad_id, seed=cfg.seed + 4242 + batch, cuda_graph=cuda_graph,
-                            decode_context=decode_context)
+    return rollout.generate(
+        rollout_model,
+        train.encode_prompts(tokenizer, problems),
+        cfg.group_size,
+        train.max_new_tokens(cfg, task),
+        temperature=cfg.temperature,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        seed=cfg.seed + 4242 + batch,
+        cuda_graph=cuda_graph,
+        decode_context=decode_context,
+    )
 
 
 def outlier_stats(x):
@@ -146,12 +220,21 @@ def outlier_stats(x):
     rms, amax = x.pow(2).mean().sqrt(), x.abs().amax()
     blocks = x.abs().reshape(len(x), -1, nvfp4.BLOCK_SIZE).amax(-1)
     blocks = blocks[blocks > 0]
-    e4m3_scales = blocks / nvfp4.E2M1_MAX / nvfp4.activation_global_scale(x)  # under the tensor's scale
-    error = {s: ((x - nvfp4.fake_quantize_activation(x, None, s)).norm() / x.norm()).item()
-             for s in nvfp4.ACT_SCALES}
-    return {"rows": len(x), "max/rms": (amax / rms).item(), "block amax max/median":
-            (blocks.max() / blocks.median()).item(), "blocks below 2^-6": (e4m3_scales < 2**-6).float().mean()
-            .item(), "rel. error tensor": error["tensor"], "rel. error row": error["row"]}
+    e4m3_scales = (
+        blocks / nvfp4.E2M1_MAX / nvfp4.activation_global_scale(x)
+    )  # under the tensor's scale
+    error = {
+        s: ((x - nvfp4.fake_quantize_activation(x, None, s)).norm() / x.norm()).item()
+        for s in nvfp4.ACT_SCALES
+    }
+    return {
+        "rows": len(x),
+        "max/rms": (amax / rms).item(),
+        "block amax max/median": (blocks.max() / blocks.median()).item(),
+        "blocks below 2^-6": (e4m3_scales < 2**-6).float().mean().item(),
+        "rel. error tensor": error["tensor"],
+        "rel. error row": error["row"],
+    }
 
 
 def outlier_report(cfg, model, task, tokenizer, ckpt_path, step, out_dir, cuda_graph):
@@ -159,17 +242,30 @@ def outlier_report(cfg, model, task, tokenizer, ckpt_path, step, out_dir, cuda_g
     rollout_model = train.rac.convert_for_rollout(model, "nvfp4")
     out = sample_batch(cfg, rollout_model, task, tokenizer, 0, cuda_graph)
     inputs = {}  # (layer paths, index) -> x of the prefill
-    with train.rac.recording(rollout_model, lambda paths, index, x, routes: inputs.setdefault(
-            (paths[0] + ("", " (down)")[index], len(paths)), x.detach().reshape(-1, x.shape[-1]).clone())):
+    with train.rac.recording(
+        rollout_model,
+        lambda paths, index, x, routes: inputs.setdefault(
+            (paths[0] + ("", " (down)")[index], len(paths)),
+            x.detach().reshape(-1, x.shape[-1]).clone(),
+        ),
+    ):
         rollout.score(rollout_model, out.sequences().tokens, cfg.temperature)
-    stats = {f"{path}" + (f" (+{n - 1} sharing it)" if n > 1 else ""): outlier_stats(x)
-             for (path, n), x in inputs.items()}
+    stats = {
+        f"{path}" + (f" (+{n - 1} sharing it)" if n > 1 else ""): outlier_stats(x)
+        for (path, n), x in inputs.items()
+    }
     columns = list(next(iter(stats.values())))
-    lines = [f"Inputs of the NVFP4 rollout of {ckpt_path} (RL step {step}), one prefill of its own batch of "
-             f"{cfg.prompts_per_step} x {cfg.group_size} samples, {cfg.device}, torch {torch.__version__}.", "",
-             "| input | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
+    lines = [
+        f"Inputs of the NVFP4 rollout of {ckpt_path} (RL step {step}), one prefill of its own batch of "
+        f"{cfg.prompts_per_step} x {cfg.group_size} samples, {cfg.device}, torch {torch.__version__}.",
+        "",
+        "| input | " + " | ".join(columns) + " |",
+        "| --- |" + " ---: |" * len(columns),
+    ]
     for name, row in stats.items():
-        lines.append(f"| {name} | {row['rows']} | " + " | ".join(f"{row[c]:.3g}" for c in columns[1:]) + " |")
+        lines.append(
+            f"| {name} | {row['rows']} | " + " | ".join(f"{row[c]:.3g}" for c in columns[1:]) + " |"
+        )
     table = "\n".join(lines) + "\n"
     md_path = os.path.join(out_dir, "outliers.md")
     runs.atomic_save(table, md_path, runs.write_text)
@@ -179,33 +275,71 @@ def outlier_report(cfg, model, task, tokenizer, ckpt_path, step, out_dir, cuda_g
 
 def main(argv=None):
     """The command line. A ConfigError exits 2 with its one line."""
-    parser = runs.Parser(prog="python -m tools.audit", description=__doc__,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run", metavar="RUN", help="a run directory (its checkpoint.pt) or a checkpoint file")
-    parser.add_argument("--recipes", default="bf16,nvfp4,quads", help="the recipes whose rollout and trainer "
-                        "score the batch (default: bf16,nvfp4,quads)")
-    parser.add_argument("--device", default="", help="cpu, cuda or cuda:N (default: cuda if available)")
-    parser.add_argument("--out", default="", help="the audit's directory (default: RUN/audit_step<N>)")
+    parser = runs.Parser(
+        prog="python -m tools.audit",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "run", metavar="RUN", help="a run directory (its checkpoint.pt) or a checkpoint file"
+    )
+    parser.add_argument(
+        "--recipes",
+        default="bf16,nvfp4,quads",
+        help="the recipes whose rollout and trainer score the batch (default: bf16,nvfp4,quads)",
+    )
+    parser.add_argument(
+        "--device", default="", help="cpu, cuda or cuda:N (default: cuda if available)"
+    )
+    parser.add_argument(
+        "--out", default="", help="the audit's directory (default: RUN/audit_step<N>)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an audit that is there")
-    parser.add_argument("--batches", type=int, default=1, help="batches scored per recipe, each its own prompts "
-                        "and sampling seed (default: 1)")
-    parser.add_argument("--outliers", action="store_true", help="report the NVFP4 rollout's input outliers "
-                        "instead of the log-prob audit (see above)")
-    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
-                        help="decode steps as a captured CUDA graph (GPU only) (default: True)")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        default=1,
+        help="batches scored per recipe, each its own prompts and sampling seed (default: 1)",
+    )
+    parser.add_argument(
+        "--outliers",
+        action="store_true",
+        help="report the NVFP4 rollout's input outliers instead of the log-prob audit (see above)",
+    )
+    parser.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode steps as a captured CUDA graph (GPU only) (default: True)",
+    )
     args = parser.parse_args(argv)
     try:
         for spec in args.recipes.split(","):  # (an empty name, as in "bf16,", is refused too)
             recipe, plus, scale = spec.partition("+")
-            runs.require(recipe in train.RECIPES and scale in (("row",) if plus else ("",)), "recipes", spec,
-                         f"choose from {', '.join(train.RECIPES)}, each optionally with +row")
+            runs.require(
+                recipe in train.RECIPES and scale in (("row",) if plus else ("",)),
+                "recipes",
+                spec,
+                f"choose from {', '.join(train.RECIPES)}, each optionally with +row",
+            )
         runs.require(args.batches >= 1, "batches", args.batches, "must be an integer >= 1")
-        runs.refuse(args.outliers and args.batches != 1, "batches", "the outlier report scores one batch "
-                    "(--outliers takes no --batches)")
+        runs.refuse(
+            args.outliers and args.batches != 1,
+            "batches",
+            "the outlier report scores one batch (--outliers takes no --batches)",
+        )
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         train.TrainConfig(device=device)  # checks the device as train.py does
-        return audit(args.run, args.recipes.split(","), device, args.out, args.overwrite, args.cuda_graph,
-                     args.batches, args.outliers)
+        return audit(
+            args.run,
+            args.recipes.split(","),
+            device,
+            args.out,
+            args.overwrite,
+            args.cuda_graph,
+            args.batches,
+            args.outliers,
+        )
     except runs.ConfigError as error:
         parser.error(str(error))
 

@@ -10,6 +10,7 @@ Each variant is a train.py run in out_dir/<variant>/ (named as written: `rac@0.5
 figure and table go to out_dir/compare_<variants>.png and .md. Nothing is replaced unasked: runs and
 outputs that exist are refused unless --resume continues them or --overwrite starts them over.
 """
+
 import copy
 import dataclasses
 import hashlib
@@ -18,7 +19,9 @@ import multiprocessing
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # also as a plain script
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # also as a plain script
 
 import torch  # noqa: E402
 
@@ -35,9 +38,12 @@ def parse_variant(spec):
     head, *flags = spec.split("+")
     recipe, at, ratio = head.partition("@")
     if recipe not in train.RECIPES:
-        raise runs.ConfigError(f"argument variants: unknown recipe {recipe!r} in variant {spec!r}; choose "
-                                f"from {', '.join(train.RECIPES)}" if recipe else
-                                f"argument variants: variant {spec!r} names no recipe; {FORM}")
+        raise runs.ConfigError(
+            f"argument variants: unknown recipe {recipe!r} in variant {spec!r}; choose "
+            f"from {', '.join(train.RECIPES)}"
+            if recipe
+            else f"argument variants: variant {spec!r} names no recipe; {FORM}"
+        )
     fields = {"recipe": recipe}
     try:
         if at:
@@ -53,22 +59,29 @@ def parse_variant(spec):
         raise runs.ConfigError(f"argument variants: cannot read variant {spec!r}; {FORM}") from None
     if at and not train.RECIPES[recipe][2]:
         rac_recipes = ", ".join(r for r in train.RECIPES if train.RECIPES[r][2])
-        raise runs.ConfigError(f"argument variants: variant {spec!r}: recipe {recipe} has no RAC, so no "
-                                f"@ratio; RAC recipes: {rac_recipes}")
+        raise runs.ConfigError(
+            f"argument variants: variant {spec!r}: recipe {recipe} has no RAC, so no "
+            f"@ratio; RAC recipes: {rac_recipes}"
+        )
     if not 0 <= fields.get("rac_ratio", 0) <= 1:
-        raise runs.ConfigError(f"argument variants: variant {spec!r}: the RAC ratio after '@' must be in "
-                                "[0, 1]")
+        raise runs.ConfigError(
+            f"argument variants: variant {spec!r}: the RAC ratio after '@' must be in [0, 1]"
+        )
     if not 0 <= fields.get("tis", 0) < math.inf:
-        raise runs.ConfigError(f"argument variants: variant {spec!r}: the TIS cap after 'tis' must be >= 0")
+        raise runs.ConfigError(
+            f"argument variants: variant {spec!r}: the TIS cap after 'tis' must be >= 0"
+        )
     return fields
 
 
 def variant_configs(cfg, variants):
-    """"v1,v2,..." -> one TrainConfig per variant, named as written (a given @ratio stays in the name)."""
+    """ "v1,v2,..." -> one TrainConfig per variant, named as written (a given @ratio stays in the name)."""
     specs = variants.split(",")
     if not all(specs):
-        raise runs.ConfigError(f"argument variants: empty variant in {variants!r}; give comma-separated "
-                                "variants, e.g. bf16,nvfp4,quads")
+        raise runs.ConfigError(
+            f"argument variants: empty variant in {variants!r}; give comma-separated "
+            "variants, e.g. bf16,nvfp4,quads"
+        )
     configs = []
     for spec in specs:
         fields = parse_variant(spec)
@@ -76,14 +89,23 @@ def variant_configs(cfg, variants):
         config.run_name = train.variant_name(config, ratio_given="rac_ratio" in fields)
         configs.append(config)
     for i, config in enumerate(configs):
-        same = next((c for c in configs[:i] if dataclasses.replace(c, run_name="") ==
-                     dataclasses.replace(config, run_name="")), None)
+        same = next(
+            (
+                c
+                for c in configs[:i]
+                if dataclasses.replace(c, run_name="") == dataclasses.replace(config, run_name="")
+            ),
+            None,
+        )
         if same is not None and same.run_name == config.run_name:
-            raise runs.ConfigError(f"argument variants: {variants!r} names the run {config.run_name!r} "
-                                    "twice")
+            raise runs.ConfigError(
+                f"argument variants: {variants!r} names the run {config.run_name!r} twice"
+            )
         if same is not None:
-            raise runs.ConfigError(f"argument variants: {same.run_name!r} and {config.run_name!r} are the "
-                                    "same run; give it once")
+            raise runs.ConfigError(
+                f"argument variants: {same.run_name!r} and {config.run_name!r} are the "
+                "same run; give it once"
+            )
     return configs
 
 
@@ -104,8 +126,10 @@ def study(cfg, variants, jobs=1):
         runs.check_run_dir(config, rename="choose another --out-dir")
     existing = [path for path in outputs if os.path.exists(path)]
     if existing and not (cfg.resume or cfg.overwrite):
-        raise runs.ConfigError(f"{existing[0]} exists: add --overwrite to replace it (or --resume to "
-                                "continue the runs)")
+        raise runs.ConfigError(
+            f"{existing[0]} exists: add --overwrite to replace it (or --resume to "
+            "continue the runs)"
+        )
     task = train.build_task(configs[0])
     model, tokenizer = train.build_model(configs[0], task)
     base_state = copy.deepcopy(train.warmstart(configs[0], model, task, tokenizer).state_dict())
@@ -116,7 +140,9 @@ def study(cfg, variants, jobs=1):
         # are then measured on a shared device: compare them only between runs made with the same --jobs.
         del model, base_state
         threads = max(1, torch.get_num_threads() // jobs)  # CPU: split the cores between processes
-        with multiprocessing.get_context("spawn").Pool(jobs, torch.set_num_threads, (threads,)) as pool:
+        with multiprocessing.get_context("spawn").Pool(
+            jobs, torch.set_num_threads, (threads,)
+        ) as pool:
             run_dirs = pool.map(train.run, configs, chunksize=1)
     figure, table_path = outputs
     plot(run_dirs, figure)
@@ -128,19 +154,34 @@ def study(cfg, variants, jobs=1):
 
 def main(argv=None):
     """The command line: train.py's options, the variants and --jobs. A ConfigError exits 2 with one line."""
-    parser = train.build_parser(prog="python -m tools.compare", description=__doc__,
-                                usage="python -m tools.compare V1,V2,... [--jobs N] [train.py options]")
+    parser = train.build_parser(
+        prog="python -m tools.compare",
+        description=__doc__,
+        usage="python -m tools.compare V1,V2,... [--jobs N] [train.py options]",
+    )
     parser.add_argument("variants", help="comma-separated variants recipe[@rac_ratio][+tisC][+r3]")
-    parser.add_argument("--jobs", type=int, default=1, metavar="N", help="variants run at once, one process "
-                        "each (a small model leaves a GPU mostly idle) (default: 1)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="variants run at once, one process "
+        "each (a small model leaves a GPU mostly idle) (default: 1)",
+    )
     args = vars(parser.parse_args(argv))
     variants, jobs = args.pop("variants"), args.pop("jobs")
     try:
         runs.require(runs.is_int(jobs) and jobs >= 1, "jobs", jobs, "must be an integer >= 1")
-        runs.refuse(args["run_name"], "run-name", "not allowed with a comparison (it names each variant's "
-                      "directory itself)")
-        runs.refuse("RANK" in os.environ, "variants", "not allowed under torchrun (a comparison runs "
-                      "processes of its own)")
+        runs.refuse(
+            args["run_name"],
+            "run-name",
+            "not allowed with a comparison (it names each variant's directory itself)",
+        )
+        runs.refuse(
+            "RANK" in os.environ,
+            "variants",
+            "not allowed under torchrun (a comparison runs processes of its own)",
+        )
         cfg = train.TrainConfig(**args)
         runs.set_threads(cfg)
         return study(cfg, variants, jobs)

@@ -12,6 +12,7 @@ Without torchrun `init_distributed` returns SINGLE and every helper here is the 
 train.py reads the same with one process or many. Beyond one node the same script runs under
 `torchrun --nnodes`; nothing here is a home-made communication layer.
 """
+
 import contextlib
 import math
 import os
@@ -19,9 +20,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 import rac
 
@@ -30,7 +35,7 @@ import rac
 class Distributed:
     rank: int = 0
     world_size: int = 1
-    enabled: bool = False          # under torchrun (a process group exists), even with one process
+    enabled: bool = False  # under torchrun (a process group exists), even with one process
 
     @property
     def main(self):
@@ -72,12 +77,12 @@ def gather_rows(x, ranks, fill=0):
     padded[0] = rows
     if x.dim() > 1:
         padded[1] = max(shape[1] for shape in shapes)
-    flag = x.dtype == torch.bool                                  # gloo gathers no bools: send bytes
+    flag = x.dtype == torch.bool  # gloo gathers no bools: send bytes
     buffer = torch.full(padded, fill, dtype=torch.uint8 if flag else x.dtype, device=x.device)
     buffer[tuple(slice(0, n) for n in x.shape)] = x
     parts = [torch.empty_like(buffer) for _ in shapes]
     dist.all_gather(parts, buffer)
-    gathered = torch.cat([part[:shape[0]] for part, shape in zip(parts, shapes)])
+    gathered = torch.cat([part[: shape[0]] for part, shape in zip(parts, shapes)])
     return gathered.bool() if flag else gathered
 
 
@@ -98,8 +103,11 @@ def weighted_mean(values, weight, ranks, empty=math.nan):
 
 
 def _collective_device(ranks):
-    return (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
-            else torch.device("cpu"))
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
 
 
 def barrier(ranks):
@@ -125,11 +133,13 @@ def distribute_trainer(trainer, cfg, ranks):
         return trainer
     if cfg.fsdp:
         from torch.distributed.fsdp import fully_shard
+
         for block in trainer.layers:
             fully_shard(block)
         fully_shard(trainer)
         return trainer
     from torch.nn.parallel import DistributedDataParallel
+
     device_ids = [torch.cuda.current_device()] if cfg.device.startswith("cuda") else None
     return DistributedDataParallel(trainer, device_ids=device_ids)
 
@@ -166,8 +176,9 @@ FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 def trainer_state(trainer, optimizer):
     """Whole (unsharded) state dicts keyed by parameter name, whatever the world size or sharding, so a
     checkpoint resumes on any number of ranks. Collective under FSDP2: every rank must call it."""
-    return get_model_state_dict(trainer, options=FULL_STATE), get_optimizer_state_dict(trainer, optimizer,
-                                                                                        options=FULL_STATE)
+    return get_model_state_dict(trainer, options=FULL_STATE), get_optimizer_state_dict(
+        trainer, optimizer, options=FULL_STATE
+    )
 
 
 def load_trainer_state(trainer, optimizer, model_state, optimizer_state):
@@ -188,9 +199,9 @@ def reduce_stats(stats, weight, ranks):
     extreme = torch.tensor([key in MIN_STATS or key in MAX_STATS for key in keys], device=device)
     sign = torch.tensor([-1.0 if key in MIN_STATS else 1.0 for key in keys], device=device)
     summed = torch.where(extreme, 0.0, values * weight)
-    dist.all_reduce(summed)                                          # two collectives for all statistics:
-    maxima = torch.where(extreme, values * sign, -math.inf)          # the sums, and the extremes (a minimum
-    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)                    # as the maximum of its negation)
+    dist.all_reduce(summed)  # two collectives for all statistics:
+    maxima = torch.where(extreme, values * sign, -math.inf)  # the sums, and the extremes (a minimum
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)  # as the maximum of its negation)
     return dict(zip(keys, torch.where(extreme, maxima * sign, summed)))
 
 

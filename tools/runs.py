@@ -13,6 +13,7 @@ out_dir/warmstart/ caches each starting policy, keyed by what determines it (war
 - the command line is built from the config dataclass (build_parser): a field's comment is its --help;
   every value is checked before anything runs (validate), each problem one line naming its flag.
 """
+
 import argparse
 import dataclasses
 import hashlib
@@ -38,62 +39,141 @@ class ConfigError(ValueError):
 
 
 # ----------------------------------------------------------------------------- the config's values, checked
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # "org/name"; anything else must be a local directory
-AT_LEAST = dict(steps=1, prompts_per_step=1, max_new_tokens=1, warmstart_batch=1, eval_every=1,
-                eval_prompts=1, checkpoint_every=1, rac_refresh=1, threads=1, difficulty=1, minibatches=1,
-                group_size=2, seed=0, warmstart_steps=0)
-BOUNDED = dict(rac_ratio=(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-               demo_error_rate=(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-               clip_low=(lambda v: 0 <= v < 1, "must be in [0, 1)"),
-               clip_high=(lambda v: 0 <= v < math.inf, "must be a number >= 0"),
-               tis=(lambda v: 0 <= v < math.inf, "must be a number >= 0 (0 = off)"),
-               **{name: (lambda v: 0 < v < math.inf, "must be a number > 0")
-                  for name in ("lr", "warmstart_lr", "grad_clip", "temperature")})
+HUB_ID = re.compile(
+    r"[A-Za-z0-9][\w.-]*/[\w.-]+"
+)  # "org/name"; anything else must be a local directory
+AT_LEAST = dict(
+    steps=1,
+    prompts_per_step=1,
+    max_new_tokens=1,
+    warmstart_batch=1,
+    eval_every=1,
+    eval_prompts=1,
+    checkpoint_every=1,
+    rac_refresh=1,
+    threads=1,
+    difficulty=1,
+    minibatches=1,
+    group_size=2,
+    seed=0,
+    warmstart_steps=0,
+)
+BOUNDED = dict(
+    rac_ratio=(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    demo_error_rate=(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    clip_low=(lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    clip_high=(lambda v: 0 <= v < math.inf, "must be a number >= 0"),
+    tis=(lambda v: 0 <= v < math.inf, "must be a number >= 0 (0 = off)"),
+    **{
+        name: (lambda v: 0 < v < math.inf, "must be a number > 0")
+        for name in ("lr", "warmstart_lr", "grad_clip", "temperature")
+    },
+)
 
 
 def validate(cfg, choices):
     """Every value as given, before the defaults fill in the rest: a ConfigError naming the flag."""
     for name, low in AT_LEAST.items():
-        value, why = getattr(cfg, name), " (GRPO compares the samples of one prompt)" * (name == "group_size")
-        require(value is None or is_int(value) and value >= low, name, value,
-                f"must be an integer >= {low}{why}")
+        value, why = (
+            getattr(cfg, name),
+            " (GRPO compares the samples of one prompt)" * (name == "group_size"),
+        )
+        require(
+            value is None or is_int(value) and value >= low,
+            name,
+            value,
+            f"must be an integer >= {low}{why}",
+        )
     for name, (ok, allowed) in BOUNDED.items():
         value = getattr(cfg, name)
-        require(value is None and name in ("lr", "warmstart_lr") or is_real(value) and ok(value), name, value,
-                 allowed)
+        require(
+            value is None and name in ("lr", "warmstart_lr") or is_real(value) and ok(value),
+            name,
+            value,
+            allowed,
+        )
     for name, allowed_values in choices.items():
         value = getattr(cfg, name)
-        require(value is None or value in allowed_values, name, value,
-                f"choose from {', '.join(allowed_values)}")
+        require(
+            value is None or value in allowed_values,
+            name,
+            value,
+            f"choose from {', '.join(allowed_values)}",
+        )
     kind, _, index = (cfg.device or "cpu").partition(":")
-    require(kind in ("cpu", "cuda") and (not index or kind == "cuda" and index.isdigit()), "device",
-            cfg.device, "choose from cpu, cuda, cuda:N")
-    refuse(kind == "cuda" and not torch.cuda.is_available(), "device", f"{cfg.device!r} but torch "
-            f"{torch.__version__} sees no CUDA GPU (built with CUDA {torch.version.cuda}); use --device cpu")
-    refuse(index and int(index) >= torch.cuda.device_count(), "device",
-            f"{cfg.device!r} but there are {torch.cuda.device_count()} GPUs")
-    refuse(cfg.preset and cfg.model, "preset", "not allowed with argument --model (it has its size)")
-    refuse(cfg.preset_overrides and cfg.model, "preset-overrides", "not allowed with argument --model (it has "
-           "its size)")
-    refuse(cfg.model and cfg.task == "arith", "model",
-           "a real checkpoint brings its own tokenizer: add --task gsm8k")
-    refuse(not cfg.model and cfg.task != "arith", "task", f"{cfg.task} needs a real model and its tokenizer: "
-            "add --model DIR")
+    require(
+        kind in ("cpu", "cuda") and (not index or kind == "cuda" and index.isdigit()),
+        "device",
+        cfg.device,
+        "choose from cpu, cuda, cuda:N",
+    )
+    refuse(
+        kind == "cuda" and not torch.cuda.is_available(),
+        "device",
+        f"{cfg.device!r} but torch "
+        f"{torch.__version__} sees no CUDA GPU (built with CUDA {torch.version.cuda}); use --device cpu",
+    )
+    refuse(
+        index and int(index) >= torch.cuda.device_count(),
+        "device",
+        f"{cfg.device!r} but there are {torch.cuda.device_count()} GPUs",
+    )
+    refuse(
+        cfg.preset and cfg.model, "preset", "not allowed with argument --model (it has its size)"
+    )
+    refuse(
+        cfg.preset_overrides and cfg.model,
+        "preset-overrides",
+        "not allowed with argument --model (it has its size)",
+    )
+    refuse(
+        cfg.model and cfg.task == "arith",
+        "model",
+        "a real checkpoint brings its own tokenizer: add --task gsm8k",
+    )
+    refuse(
+        not cfg.model and cfg.task != "arith",
+        "task",
+        f"{cfg.task} needs a real model and its tokenizer: add --model DIR",
+    )
     refuse(cfg.task_source and cfg.task == "arith", "task-source", "applies to --task gsm8k only")
-    refuse(cfg.difficulty is not None and cfg.task != "arith", "difficulty", "applies to --task arith only")
-    refuse(cfg.model and not os.path.isdir(cfg.model) and not HUB_ID.fullmatch(cfg.model), "model",
-            f"no such directory: {cfg.model} (give a Hugging Face Qwen3-MoE directory, or a hub id such as "
-            "Qwen/Qwen3-30B-A3B)")
-    require(cfg.run_name == "" or os.path.basename(cfg.run_name) == cfg.run_name
-             and cfg.run_name not in (".", "..", "warmstart"), "run-name", cfg.run_name,
-             "must be a directory name under --out-dir (no '/'; 'warmstart' holds the warm-start cache)")
+    refuse(
+        cfg.difficulty is not None and cfg.task != "arith",
+        "difficulty",
+        "applies to --task arith only",
+    )
+    refuse(
+        cfg.model and not os.path.isdir(cfg.model) and not HUB_ID.fullmatch(cfg.model),
+        "model",
+        f"no such directory: {cfg.model} (give a Hugging Face Qwen3-MoE directory, or a hub id such as "
+        "Qwen/Qwen3-30B-A3B)",
+    )
+    require(
+        cfg.run_name == ""
+        or os.path.basename(cfg.run_name) == cfg.run_name
+        and cfg.run_name not in (".", "..", "warmstart"),
+        "run-name",
+        cfg.run_name,
+        "must be a directory name under --out-dir (no '/'; 'warmstart' holds the warm-start cache)",
+    )
     refuse(cfg.resume and cfg.overwrite, "overwrite", "not allowed with argument --resume")
-    refuse(cfg.fsdp and "RANK" not in os.environ, "fsdp", "shards the trainer across torchrun ranks: run it "
-           "as torchrun --nproc_per_node=N train.py --fsdp ...")
-    refuse(cfg.mipu and cfg.fsdp, "mipu", "not allowed with argument --fsdp (a rejected update restores "
-           "whole state dicts)")
-    refuse(cfg.mipu and cfg.tis, "mipu", "not allowed with argument --tis (MIPU takes its ratios against the "
-            "rollout's own log-probs, so there is no engine mismatch left for TIS to correct)")
+    refuse(
+        cfg.fsdp and "RANK" not in os.environ,
+        "fsdp",
+        "shards the trainer across torchrun ranks: run it "
+        "as torchrun --nproc_per_node=N train.py --fsdp ...",
+    )
+    refuse(
+        cfg.mipu and cfg.fsdp,
+        "mipu",
+        "not allowed with argument --fsdp (a rejected update restores whole state dicts)",
+    )
+    refuse(
+        cfg.mipu and cfg.tis,
+        "mipu",
+        "not allowed with argument --tis (MIPU takes its ratios against the "
+        "rollout's own log-probs, so there is no engine mismatch left for TIS to correct)",
+    )
 
 
 def preset_overrides(preset, text):
@@ -102,26 +182,43 @@ def preset_overrides(preset, text):
     dividing every reduction dimension the rollout quantizes (dim, n_heads x head_dim, expert_dim)."""
     if not text:
         return {}
-    types = {f.name: f.type for f in dataclasses.fields(moe.MoEConfig) if f.name != "vocab_size"}  # the task's
+    types = {
+        f.name: f.type for f in dataclasses.fields(moe.MoEConfig) if f.name != "vocab_size"
+    }  # the task's
     words, overrides = {int: "an integer", float: "a number", bool: "true or false"}, {}
     for item in text.split(","):
         name, _, value = item.partition("=")
-        require(name in types, "preset_overrides", text, f"{name!r} is not a model field; give name=value "
-                f"pairs joined by commas, names from {', '.join(types)}")
+        require(
+            name in types,
+            "preset_overrides",
+            text,
+            f"{name!r} is not a model field; give name=value "
+            f"pairs joined by commas, names from {', '.join(types)}",
+        )
         kind = types[name]
         try:
             overrides[name] = {"true": True, "false": False}[value] if kind is bool else kind(value)
         except (KeyError, ValueError):
-            raise ConfigError(f"argument --preset-overrides: {name}={value!r} must be {words[kind]}") from None
+            raise ConfigError(
+                f"argument --preset-overrides: {name}={value!r} must be {words[kind]}"
+            ) from None
     try:
         config = moe.MoEConfig.from_preset(preset, **overrides)
     except ValueError as error:
         raise ConfigError(f"argument --preset-overrides: {error}") from None
-    widths = {"dim": config.dim, "n_heads x head_dim": config.n_heads * config.head_dim,
-              "expert_dim": config.expert_dim}
+    widths = {
+        "dim": config.dim,
+        "n_heads x head_dim": config.n_heads * config.head_dim,
+        "expert_dim": config.expert_dim,
+    }
     for name, width in widths.items():
-        require(width % 16 == 0, "preset_overrides", text, f"{name} = {width} must be a multiple of 16 "
-                "(NVFP4 quantizes 16-element blocks along it)")
+        require(
+            width % 16 == 0,
+            "preset_overrides",
+            text,
+            f"{name} = {width} must be a multiple of 16 "
+            "(NVFP4 quantizes 16-element blocks along it)",
+        )
     return overrides
 
 
@@ -149,8 +246,19 @@ def one_line(error):
 
 
 # ----------------------------------------------------------------------------- the warm-start cache
-WARMSTART_KEY = ("preset", "model", "task", "task_source", "difficulty", "demo_error_rate", "warmstart_steps",
-                 "warmstart_batch", "warmstart_lr", "seed", "device")  # what determines it; not the recipe
+WARMSTART_KEY = (
+    "preset",
+    "model",
+    "task",
+    "task_source",
+    "difficulty",
+    "demo_error_rate",
+    "warmstart_steps",
+    "warmstart_batch",
+    "warmstart_lr",
+    "seed",
+    "device",
+)  # what determines it; not the recipe
 
 
 def warmstart_path(cfg):
@@ -158,7 +266,9 @@ def warmstart_path(cfg):
     join the key only when given, so the keys of runs without them are those of before the option."""
     fields = WARMSTART_KEY + ("preset_overrides",) * bool(cfg.preset_overrides)
     key = json.dumps({name: getattr(cfg, name) for name in fields}, sort_keys=True)
-    return os.path.join(cfg.out_dir, "warmstart", hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt")
+    return os.path.join(
+        cfg.out_dir, "warmstart", hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt"
+    )
 
 
 CHECKPOINT_KEYS = {"step", "trainer", "optimizer", "config"}
@@ -197,8 +307,18 @@ def read_metrics(path):
 
 RUN_FILES = ("metrics.jsonl", "checkpoint.pt")  # what makes a directory hold a run
 # what a resumed run may change: when it stops and what it writes, not what it computes
-RESUMABLE_FIELDS = {"steps", "eval_every", "checkpoint_every", "resume", "overwrite", "out_dir", "run_name",
-                    "threads", "cuda_graph", "fsdp"}
+RESUMABLE_FIELDS = {
+    "steps",
+    "eval_every",
+    "checkpoint_every",
+    "resume",
+    "overwrite",
+    "out_dir",
+    "run_name",
+    "threads",
+    "cuda_graph",
+    "fsdp",
+}
 
 
 def check_run_dir(cfg, rename="choose another --run-name"):
@@ -209,24 +329,37 @@ def check_run_dir(cfg, rename="choose another --run-name"):
     if not cfg.resume:
         found = [name for name in RUN_FILES if os.path.exists(os.path.join(run_dir, name))]
         if found and not cfg.overwrite:
-            raise ConfigError(f"{run_dir} holds a run ({', '.join(found)}): add --resume to continue it, "
-                              f"--overwrite to start it over, or {rename}")
+            raise ConfigError(
+                f"{run_dir} holds a run ({', '.join(found)}): add --resume to continue it, "
+                f"--overwrite to start it over, or {rename}"
+            )
         return None
     if not os.path.exists(ckpt_path):
-        raise ConfigError(f"argument --resume: no checkpoint {ckpt_path} to resume (drop --resume to start "
-                          "the run, or give the --out-dir and --run-name of the run to continue)")
-    ckpt = load_checkpoint(ckpt_path, cfg.device, "restore it, or start the run over with --overwrite")
+        raise ConfigError(
+            f"argument --resume: no checkpoint {ckpt_path} to resume (drop --resume to start "
+            "the run, or give the --out-dir and --run-name of the run to continue)"
+        )
+    ckpt = load_checkpoint(
+        ckpt_path, cfg.device, "restore it, or start the run over with --overwrite"
+    )
     stored = {f.name: ckpt["config"].get(f.name, f.default) for f in dataclasses.fields(cfg)}
-    changes = [f"--{name.replace('_', '-')} {value} -> {getattr(cfg, name)}" for name, value in stored.items()
-               if name not in RESUMABLE_FIELDS and value != getattr(cfg, name)]
+    changes = [
+        f"--{name.replace('_', '-')} {value} -> {getattr(cfg, name)}"
+        for name, value in stored.items()
+        if name not in RESUMABLE_FIELDS and value != getattr(cfg, name)
+    ]
     if changes:
-        raise ConfigError(f"cannot resume {run_dir}: this command changes {', '.join(changes)}; a resumed "
-                          "run keeps its config (--steps may grow): give the run's values, or a new "
-                          "--run-name")
+        raise ConfigError(
+            f"cannot resume {run_dir}: this command changes {', '.join(changes)}; a resumed "
+            "run keeps its config (--steps may grow): give the run's values, or a new "
+            "--run-name"
+        )
     if cfg.steps < ckpt["step"]:
-        raise ConfigError(f"argument --steps: {cfg.steps}, but the run in {run_dir} is at step "
-                          f"{ckpt['step']}; "
-                          f"a run cannot be shortened (give --steps >= {ckpt['step']})")
+        raise ConfigError(
+            f"argument --steps: {cfg.steps}, but the run in {run_dir} is at step "
+            f"{ckpt['step']}; "
+            f"a run cannot be shortened (give --steps >= {ckpt['step']})"
+        )
     return ckpt
 
 
@@ -254,8 +387,11 @@ class HeldInterrupt:
     def _handler(self, signum, frame):
         if self.holding and not self.requested:
             self.requested = True
-            print("\nCtrl-C: finishing this step's update, then saving (Ctrl-C again: stop now, unsaved)",
-                  file=sys.stderr, flush=True)
+            print(
+                "\nCtrl-C: finishing this step's update, then saving (Ctrl-C again: stop now, unsaved)",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         raise KeyboardInterrupt
 
@@ -279,22 +415,30 @@ def report(cfg, run_dir, warmstart, start_step=None):
         lines[0] += f"; RL steps {ran[0]['step']}-{ran[-1]['step']} took {seconds:.0f} s{resumed}"
     if evals:
         first, last = evals[0], evals[-1]
-        lines.append(f"  pass@1        rollout {last['pass@1']:.3f}, BF16 trainer "
-                     f"{last['pass@1_bf16_trainer']:.3f} at step {last['step']} (step {first['step']}: "
-                     f"{first['pass@1']:.3f}, {first['pass@1_bf16_trainer']:.3f})")
+        lines.append(
+            f"  pass@1        rollout {last['pass@1']:.3f}, BF16 trainer "
+            f"{last['pass@1_bf16_trainer']:.3f} at step {last['step']} (step {first['step']}: "
+            f"{first['pass@1']:.3f}, {first['pass@1_bf16_trainer']:.3f})"
+        )
     if steps:
         mean = sum(r["mismatch/abs_diff_mean"] for r in steps) / len(steps)
         worst = max(r["mismatch/abs_diff_max"] for r in steps)
-        lines.append(f"  |delta logp|  mean {mean:.2e}, max {worst:.3f} over steps 1-{steps[-1]['step']}")
-    lines += [f"  {'metrics':<13} {os.path.join(run_dir, 'metrics.jsonl')}",
-              f"  {'checkpoint':<13} {os.path.join(run_dir, 'checkpoint.pt')}",
-              f"  {'warm-start':<13} {warmstart}",
-              f"  {'figure':<13} python -m tools.plot {run_dir}"]
+        lines.append(
+            f"  |delta logp|  mean {mean:.2e}, max {worst:.3f} over steps 1-{steps[-1]['step']}"
+        )
+    lines += [
+        f"  {'metrics':<13} {os.path.join(run_dir, 'metrics.jsonl')}",
+        f"  {'checkpoint':<13} {os.path.join(run_dir, 'checkpoint.pt')}",
+        f"  {'warm-start':<13} {warmstart}",
+        f"  {'figure':<13} python -m tools.plot {run_dir}",
+    ]
     return "\n".join(lines)
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's "prog: error: ..." and exit 2, without the 40-option usage
+    def error(
+        self, message
+    ):  # argparse's "prog: error: ..." and exit 2, without the 40-option usage
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -320,23 +464,39 @@ def option_docs(config_class):
 def build_parser(config_class, choices, prog, usage, description):
     """The command line of a config dataclass: one option per field, grouped and documented as the fields
     are (option_docs), with its type, default and, for the fields in `choices`, the values it takes."""
-    parser = Parser(prog=prog, description=description, usage=usage,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(
+        prog=prog,
+        description=description,
+        usage=usage,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     docs, groups, hints = option_docs(config_class), {}, typing.get_type_hints(config_class)
     for field in dataclasses.fields(config_class):
         group_name, text = docs.get(field.name, ("options", ""))
-        group = groups.setdefault(group_name, parser.add_argument_group(group_name)) \
-            if group_name not in groups else groups[group_name]
+        group = (
+            groups.setdefault(group_name, parser.add_argument_group(group_name))
+            if group_name not in groups
+            else groups[group_name]
+        )
         text += f" {{{', '.join(choices[field.name])}}}" if field.name in choices else ""
         text += f" (default: {field.default})" if field.default not in (None, "") else ""
         kind = hints[field.name]
-        kind = next((t for t in typing.get_args(kind) if t is not type(None)), kind)  # int | None -> int
+        kind = next(
+            (t for t in typing.get_args(kind) if t is not type(None)), kind
+        )  # int | None -> int
         flag, text = "--" + field.name.replace("_", "-"), text.replace("%", "%%")
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=text)
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=field.default, help=text
+            )
         else:
-            group.add_argument(flag, type=kind, default=field.default, help=text,
-                               metavar={int: "N", float: "X"}.get(kind, "STR"))
+            group.add_argument(
+                flag,
+                type=kind,
+                default=field.default,
+                help=text,
+                metavar={int: "N", float: "X"}.get(kind, "STR"),
+            )
     return parser
 
 
@@ -348,7 +508,9 @@ def provenance(device):
 
     def git(*args):
         try:
-            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+            done = subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=30
+            )
         except (OSError, subprocess.SubprocessError):
             return None
         if done.returncode != 0:
@@ -359,6 +521,7 @@ def provenance(device):
     changes = git("status", "--porcelain", "--untracked-files=no")
     try:
         import triton
+
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
@@ -366,12 +529,14 @@ def provenance(device):
         name = torch.cuda.get_device_name(torch.device(device))
     else:
         name = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
-    return {"commit": commit,
-            "dirty": None if changes is None else bool(changes),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "triton": triton_version,
-            "device": name}
+    return {
+        "commit": commit,
+        "dirty": None if changes is None else bool(changes),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "device": name,
+    }
 
 
 def read_provenance(config_path):
@@ -392,6 +557,9 @@ def set_threads(cfg):
 
 def interrupted_before_rl():
     """Ctrl-C before the RL loop (warm-start, loading, the step-0 evaluation): one line, exit 130."""
-    print("\ninterrupted before the first RL step: no checkpoint written, and the warm-start is cached only "
-          "once complete; run the command again to start", file=sys.stderr)
+    print(
+        "\ninterrupted before the first RL step: no checkpoint written, and the warm-start is cached only "
+        "once complete; run the command again to start",
+        file=sys.stderr,
+    )
     sys.exit(130)

@@ -103,9 +103,7 @@ class TrainConfig:
     overwrite: bool = False  # start over where a run is (deletes the run's directory)
     seed: int = 0  # model init, warm-start, data order and sampling all derive from it
     device: str = ""  # cpu, cuda or cuda:N ("" = cuda if available, else cpu)
-    threads: int | None = (
-        None  # torch's CPU threads (default 1 on the tiny preset, see runs.set_threads)
-    )
+    threads: int | None = None  # torch's CPU threads (default 1 on the tiny preset)
     checkpoint_every: int = 25  # steps between checkpoints (also written at the end and on Ctrl-C)
     cuda_graph: bool = True  # decode steps as a captured CUDA graph (GPU only)
     fsdp: bool = False  # under torchrun: shard the trainer per block (FSDP2) instead of DDP
@@ -116,37 +114,23 @@ class TrainConfig:
     task: str = "arith"  # arith: built in, with its own tokenizer; gsm8k: needs --model
     task_source: str = ""  # gsm8k: a .jsonl/.json/.parquet file or a hub dataset (openai/gsm8k)
     difficulty: int | None = None  # arith: digits per operand (default 2 on CPU, 3 on GPU)
-    demo_error_rate: float = (
-        0.5  # share of warm-start demonstrations with one mistake (room for RL)
-    )
+    demo_error_rate: float = 0.5  # share of demonstrations with one mistake (room for RL)
     # RL
     steps: int | None = None  # RL steps (default 60 on CPU, 200 on GPU)
     prompts_per_step: int | None = None  # P, prompts per step (default 16 on CPU, 32 on GPU)
     group_size: int = 8  # G, samples per prompt: GRPO's advantages compare them
-    lr: float | None = (
-        None  # AdamW learning rate of RL (default 1e-4 on the tiny preset, else 2e-5)
-    )
-    temperature: float = (
-        1.0  # sampling temperature of the rollout (the trainer's log-probs use it too)
-    )
-    max_new_tokens: int | None = (
-        None  # completion length cap (default the task's longest completion + EOS)
-    )
+    lr: float | None = None  # AdamW learning rate of RL (default 1e-4 on tiny, else 2e-5)
+    temperature: float = 1.0  # sampling temperature (the trainer's log-probs use it too)
+    max_new_tokens: int | None = None  # completion cap (default the task's longest + EOS)
     clip_low: float = 0.2  # PPO ratio clip below 1 - clip_low
     clip_high: float = 0.28  # PPO ratio clip above 1 + clip_high (clip-higher, as in DAPO)
     grad_clip: float = 1.0  # max global gradient norm
     minibatches: int = 1  # optimizer steps per rollout batch, each on a shuffled 1/N of its rows
     mipu: bool = False  # MIPU: ratios against the rollout; keep an update only if it improves
-    warmstart_steps: int | None = (
-        None  # supervised steps before RL (default 300 on CPU, 1500 on GPU)
-    )
+    warmstart_steps: int | None = None  # supervised steps (default 300 on CPU, 1500 on GPU)
     warmstart_batch: int = 64  # demonstrations per warm-start step
-    warmstart_lr: float | None = (
-        None  # warm-start peak learning rate (default 3e-3 on tiny, else 1e-3)
-    )
-    eval_every: int | None = (
-        None  # steps between pass@1 evaluations (default steps // 5; also 0 and last)
-    )
+    warmstart_lr: float | None = None  # warm-start peak lr (default 3e-3 on tiny, else 1e-3)
+    eval_every: int | None = None  # steps between evaluations (default steps // 5; also 0, last)
     eval_prompts: int | None = None  # held-out prompts for pass@1 (default 128 on CPU, 512 on GPU)
     # recipe switches
     recipe: str = "quads"  # the trainer's and the rollout's precision (RECIPES)
@@ -154,9 +138,7 @@ class TrainConfig:
     r3: bool = False  # replay the rollout's expert routes in the trainer (R3)
     rac_ratio: float = 0.5  # fraction of activation blocks compensated by RAC (rac, quads, moeresq)
     rac_refresh: int = 1  # recalibrate the RAC block selection every N weight syncs
-    act_scale: str = (
-        "tensor"  # NVFP4 activations' global scale: per tensor (the paper's) or per row
-    )
+    act_scale: str = "tensor"  # NVFP4 activations' global scale: per tensor (paper) or per row
 
     def __post_init__(self):
         runs.validate(self, CHOICES)
@@ -557,9 +539,8 @@ class Setup:
     run_dir: str  # out_dir/run_name: config.json, metrics.jsonl, checkpoint.pt (tools/runs.py)
     start_step: int  # 0, or the checkpoint's step under --resume
     recorder: object = None  # trace: the qat.RolloutRecorder fed by the rollout
-    ranks: distributed.Distributed = (
-        SINGLE  # this process's rank and the world size (1 without torchrun)
-    )
+    ranks: distributed.Distributed = SINGLE  # this process's rank and the world size (1 without
+        # torchrun)
 
     def __post_init__(self):
         self.ckpt_path = os.path.join(self.run_dir, "checkpoint.pt")

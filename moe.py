@@ -245,9 +245,31 @@ def norm_rope(x: Tensor, norm: "RMSNorm", cos: Tensor, sin: Tensor) -> Tensor:
     return norm_kernels.norm_rope(x, norm.weight, norm.eps, cos, sin)
 
 
+def call_layer(layer: nn.Module, hand_offs: dict | None, name: str, *inputs):
+    """layer(*inputs), or layer(*inputs, hand_offs[name]) when the caller hands this layer something for
+    this call: a replaced layer's per-call argument, passed down visibly rather than set on the layer."""
+    if hand_offs is None or name not in hand_offs:
+        return layer(*inputs)
+    return layer(*inputs, hand_offs[name])
+
+
+def hand_offs_below(hand_offs: dict | None, prefix: str) -> dict | None:
+    """The entries of `hand_offs` under module path `prefix` ("layers.3."), keyed by the rest of their
+    path; None when there are none (the common case: no layer takes anything)."""
+    if not hand_offs:
+        return None
+    below = {}
+    for path, value in hand_offs.items():
+        if path.startswith(prefix):
+            below[path[len(prefix) :]] = value
+    return below or None
+
+
 class Attention(nn.Module):
     """Causal GQA self-attention with Qwen3's per-head RMSNorm on q and k (before RoPE). The projections
-    are only ever called as `self.q_proj(x)`, so quantized modules with that call can replace them."""
+    are called as `self.q_proj(x)` (through call_layer), so quantized modules with that call can
+    replace them; one the caller hands something for this call is called `self.q_proj(x, hand_off)`.
+    q, k and v read one input in project_qkv, which a quantized twin may override as a whole."""
 
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
@@ -266,14 +288,29 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_eps)
 
+    def project_qkv(self, x: Tensor, hand_offs: dict | None = None):
+        """q, k and v of x (B, T, D): three projections of one input. A quantized twin (rac.py's
+        NVFP4Attention) overrides this to quantize x once and run one stacked GEMM."""
+        q = call_layer(self.q_proj, hand_offs, "q_proj", x)  # (B, T, H*hd)
+        k = call_layer(self.k_proj, hand_offs, "k_proj", x)  # (B, T, Hkv*hd)
+        v = call_layer(self.v_proj, hand_offs, "v_proj", x)  # (B, T, Hkv*hd)
+        return q, k, v
+
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None = None, kv_cache=None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attn_mask: Tensor | None = None,
+        kv_cache=None,
+        hand_offs: dict | None = None,
     ):
         B, T, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        q = norm_rope(self.q_proj(x).view(B, T, H, hd), self.q_norm, cos, sin)  # (B, H, T, hd)
-        k = norm_rope(self.k_proj(x).view(B, T, Hkv, hd), self.k_norm, cos, sin)  # (B, Hkv, T, hd)
-        v = self.v_proj(x).view(B, T, Hkv, hd).transpose(1, 2)  # (B, Hkv, T, hd)
+        q, k, v = self.project_qkv(x, hand_offs)
+        q = norm_rope(q.view(B, T, H, hd), self.q_norm, cos, sin)  # (B, H, T, hd)
+        k = norm_rope(k.view(B, T, Hkv, hd), self.k_norm, cos, sin)  # (B, Hkv, T, hd)
+        v = v.view(B, T, Hkv, hd).transpose(1, 2)  # (B, Hkv, T, hd)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
         group = H // Hkv  # query heads per key/value head
@@ -292,7 +329,8 @@ class Attention(nn.Module):
                 1, 1, group, 1
             )  # (B, 1, group*T, S)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, T, D)
+        y = y.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, H*hd)
+        return call_layer(self.o_proj, hand_offs, "o_proj", y)  # (B, T, D)
 
 
 # ----------------------------------------------------------------------------------------------- experts
@@ -484,16 +522,18 @@ class MoEBlock(nn.Module):
         self.gate = nn.Linear(config.dim, config.n_experts, bias=False)  # the router (HF's name)
         self.experts = Experts(config)
 
-    def forward(self, x: Tensor, forced_routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, forced_routes: Tensor | None = None, hand_offs: dict | None = None
+    ) -> tuple[Tensor, Tensor]:
         lead_shape, D = x.shape[:-1], x.shape[-1]
         x = x.reshape(-1, D)  # (T, D)
         routes = (
             None if forced_routes is None else forced_routes.reshape(-1, self.n_active)
         )  # (T, A)
-        weights, own = router_top_k(
-            self.gate(x), self.n_active, self.norm_topk_prob, routes
-        )  # (T, A) each
-        y = self.experts(x, own if routes is None else routes, weights)
+        logits = call_layer(self.gate, hand_offs, "gate", x)  # (T, E)
+        weights, own = router_top_k(logits, self.n_active, self.norm_topk_prob, routes)  # (T, A) each
+        chosen = own if routes is None else routes
+        y = call_layer(self.experts, hand_offs, "experts", x, chosen, weights)
         return y.view(*lead_shape, D), own.view(*lead_shape, self.n_active)
 
 
@@ -506,9 +546,13 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.dim, config.rms_eps)
         self.mlp = MoEBlock(config)
 
-    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None, forced_routes=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, kv_cache)
-        moe_out, routes = self.mlp(self.mlp_norm(x), forced_routes)
+    def forward(
+        self, x, cos, sin, attn_mask=None, kv_cache=None, forced_routes=None, hand_offs=None
+    ):
+        attn_hand_offs = hand_offs_below(hand_offs, "attn.")
+        mlp_hand_offs = hand_offs_below(hand_offs, "mlp.")
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, kv_cache, attn_hand_offs)
+        moe_out, routes = self.mlp(self.mlp_norm(x), forced_routes, mlp_hand_offs)
         return x + moe_out, routes
 
 
@@ -551,6 +595,7 @@ class MoETransformer(nn.Module):
         kv_cache=None,
         forced_routes: Tensor | None = None,
         return_routes: bool = False,
+        hand_offs: dict | None = None,
     ):
         """tokens (B, T) int64 -> logits (B, T, V) in the model's dtype (upcast before a log-softmax).
         positions (B, T): RoPE positions, default 0..T-1.
@@ -559,6 +604,9 @@ class MoETransformer(nn.Module):
         kv_cache: any object with update(layer_idx, k, v) -> (k, v); needs attn_mask and positions.
         forced_routes (L, B, T, A) int64: replay these experts instead of each router's top-k.
         return_routes: also return each router's own top-k, (L, B, T, A) int64, replayed or not.
+        hand_offs: {module path: object}, what a replaced layer takes for this call besides its input
+            (the symmetric trainer's share of the rollout, a rollout recorder); the layer at a path named
+            here is called layer(x, hand_offs[path]), every other layer(x). Paths are named_modules'.
         """
         c = self.config
         check(
@@ -603,12 +651,14 @@ class MoETransformer(nn.Module):
         x = self.embed(tokens)  # (B, T, D)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)  # (B, 1, T, hd) each
         routes = []
-        for layer, forced in zip(
-            self.layers, [None] * c.n_layers if forced_routes is None else forced_routes
-        ):
-            x, layer_routes = layer(x, cos, sin, attn_mask, kv_cache, forced)
+        for i, layer in enumerate(self.layers):
+            forced = None
+            if forced_routes is not None:
+                forced = forced_routes[i]
+            layer_hand_offs = hand_offs_below(hand_offs, f"layers.{i}.")
+            x, layer_routes = layer(x, cos, sin, attn_mask, kv_cache, forced, layer_hand_offs)
             routes.append(layer_routes)  # (B, T, A)
-        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        logits = call_layer(self.lm_head, hand_offs, "lm_head", self.norm(x))  # (B, T, V)
         return (logits, torch.stack(routes)) if return_routes else logits
 
 

@@ -1,34 +1,42 @@
-"""The rollout side: NVFP4 W4A4 layers with residual activation compensation (RAC), the conversion of a
-moe.py model into its rollout twin, and weight sync.
+"""The rollout side: NVFP4 W4A4 layers with residual activation compensation (RAC), the conversion of
+a moe.py model into its rollout twin, and weight sync.
 
 A rollout layer computes y = x @ W.T, W (N, K), both operands blocked by 16 along K (G = K / 16 blocks):
 
-    W_q = quantize_weight(W)              nvfp4.py's one weight rule: the codes qat.py trains with
-    x_q = Q(x)                            NVFP4 with a dynamic global scale amax(|x|) / (6 * 448) per call
-    r   = x - DQ(x_q)                     the activation's quantization residual, exact in fp32
-    r_q = Q(S * r)                        S keeps whole 16-channel blocks: the round(rac_ratio * G) blocks
-                                          with the largest mean |r| (calibrated), zero elsewhere
+    W_q = quantize_weight(W)      nvfp4.py's one weight rule (qat.py, read next, trains with the same)
+    x_q = Q(x)                    NVFP4 with a dynamic global scale amax(|x|) / (6 * 448) per call
+    r   = x - DQ(x_q)             the activation's quantization residual, exact in fp32
+    r_q = Q(S * r)                S keeps whole 16-channel blocks: the round(rac_ratio * G) blocks
+                                  with the largest mean |r| (calibrated), zero elsewhere
     y   = DQ(x_q) @ DQ(W_q).T + DQ(r_q) @ DQ(W_q).T  =  (DQ(x_q) + DQ(r_q)) @ DQ(W_q).T
 
-Whole blocks keep the weight's codes and block scales valid for the residual term, so RAC never re-reads
-weights. rac_ratio 0 is naive NVFP4, 1 compensates every block (QUADS uses about 0.5). The residual shares
-x's global scale (nvfp4.quantize_activation, as in training). That scale is dynamic, since RL changes the
-weights every step, per tensor (the paper's: a token's rounding then depends on its batch) or per row
-(act_scale="row": it does not). Modes beside W4A4, to separate the two error sources: "w4a16" (the same
-weights and GEMMs, activations unquantized) and "w16a4" (full-precision weights on the reference path).
+Whole blocks keep the weight's codes and block scales valid for the residual term, so RAC never
+re-reads weights: one W4A4 GEMM whose K is longer. rac_ratio 0 is naive NVFP4 (the selector then
+chooses nothing and the residual is never computed); 1 compensates every block; QUADS uses about 0.5.
+The residual shares x's global scale (nvfp4.quantize_activation, the rule both sides call). That scale
+is dynamic, since RL changes the weights every step, and is taken per tensor (the paper's: a token's
+rounding then depends on the rows beside it in its batch) or per row (act_scale="row": it does not).
+Two modes beside W4A4 separate the two error sources: "w4a16" (the same weights and GEMMs, activations
+unquantized) and "w16a4" (full-precision weights on the reference path, NVFP4 activations).
 
-Reading order: references (plain PyTorch, fp32), block selection, the layers (q/k/v_proj share one
-input: SharedInput), conversion and sync, TRACE's `recording`, the fast path (gpu_kernels/w4a4_*.py), and
-`backend`, the one place a path is chosen. Hopper: fp16 MMAs on the FP4 weight decoded in registers.
-Blackwell: `tl.dot_scaled` on the codes, numerics UNTESTED, checked against the Hopper kernels first.
+Reading order: the references (plain PyTorch, fp32), block selection, the layers (an attention's
+q/k/v_proj read one input: NVFP4Attention quantizes it once for the three), conversion, sync and
+calibration, what TRACE's trainer takes from the rollout (InputRecorder, rac_masks: symmetric.py uses
+them), the fast path (gpu_kernels/w4a4_*.py), and `backend`, the one place a path is chosen. Hopper:
+fp16 MMAs on the FP4 weight decoded in registers. Blackwell: `tl.dot_scaled` on the codes, numerics
+UNTESTED, checked against the Hopper kernels on first use.
 
-Shape letters: M rows, K reduction dim, N outputs, G = K / 16 blocks, T tokens, A active experts, R = T * A,
-E experts, D model dim, I expert hidden. Left out: static activation scales, per-expert RAC selection, a
-one-row GEMV (RL decodes whole batches), FP4 KV caches. The FP8 baseline is fp8.py.
+Nothing of a rollout's data is set on a layer from outside: what a layer records (TRACE) is handed to
+its forward as an argument (moe.py's hand_offs). Two pieces of state are kept on purpose, each by its
+owner: a RACSelector's mask (the calibrated selection, refreshed by calibrate_rac) and the reference
+path's dequantized weight (DequantizedWeight, cleared whenever the layer loads a weight).
+
+Shape letters: M rows, K reduction dim, N outputs, G = K / 16 blocks, T tokens, A active experts,
+R = T * A, E experts, D model dim, I expert hidden. Left out: static activation scales, per-expert RAC
+selection, a one-row GEMV (RL decodes whole batches), FP4 KV caches. The FP8 baseline, which these
+layers' conversion also offers (mode "fp8"), is fp8.py, read after the trainer-side modules.
 """
 
-import contextlib
-import functools
 import warnings
 from typing import NamedTuple
 
@@ -138,7 +146,6 @@ class RACSelector(nn.Module):
             "error_sum", torch.zeros_like(self.mask, dtype=torch.float64), persistent=False
         )
         self.set_ratio(rac_ratio)
-        self.record = None  # within `recording` only: what is told of each input this selector sees
 
     def set_ratio(self, rac_ratio):
         _check_ratio(rac_ratio)
@@ -156,17 +163,15 @@ class RACSelector(nn.Module):
         self.calibrating, self.calibrated = False, True
 
     @torch.no_grad()
-    def forward(self, x, routes=None):
-        """x (M, K) -> the mask (G,) or None (naive); routes: (moe.Routing, expert_ids) of a down input."""
-        if self.record is not None:
-            self.record(x, routes)
+    def forward(self, x):
+        """x (M, K) -> the mask (G,), or None when nothing is compensated (naive NVFP4)."""
         if self.n_selected == 0:
             return None
-        if self.calibrating or not self.calibrated:  # sum of M * mean |x - DQ(Q(x))| per block
+        if self.calibrating or not self.calibrated:
+            # sum over inputs of M * mean |x - DQ(Q(x))| per block
             residual = x.float() - nvfp4.fake_quantize_activation(x, None, self.act_scale)  # (M, K)
-            error = (
-                residual.abs().reshape(-1, x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE).mean(dim=(0, 2))
-            )  # (G,)
+            blocks = residual.abs().reshape(-1, x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)  # (M, G, 16)
+            error = blocks.mean(dim=(0, 2))  # (G,)
             self.error_sum += error.double() * x.shape[0]
             self.mask.zero_()
             self.mask[torch.topk(self.error_sum, self.n_selected).indices] = True
@@ -184,24 +189,23 @@ def unchunk_experts(w):
 
 # ======================================================================== rollout layers
 class DequantizedWeight:
-    """DQ(W) in fp32 for the reference path, kept while W's buffers are unmodified (a sixth of a CPU train.py)."""
+    """DQ(W) in fp32 for the reference path, computed once per weight load: dequantizing on every call
+    costs a sixth of a CPU train.py. Its owner, the layer, calls clear() whenever it writes the weight
+    (load_weight, load_state_dict), so a kept value never outlives the codes it came from.
+    w16a4 keeps the full-precision weight itself in `full`."""
 
-    held, value, full = (
-        (),
-        None,
-        None,
-    )  # held: (tensor, version), so that their memory is not reused
+    def __init__(self):
+        self.value = None
+        self.full = None
+
+    def clear(self):
+        self.value = None
 
     def __call__(self, q):
-        tensors = (q.data, q.block_scale, q.global_scale)
-        if self.full is not None or any(
-            t.is_inference() for t in tensors
-        ):  # w16a4: the full weight itself
-            return self.full if self.full is not None else _dequantized(q)
-        if len(self.held) != 3 or any(
-            t is not h or t._version != v for t, (h, v) in zip(tensors, self.held)
-        ):
-            self.held, self.value = [(t, t._version) for t in tensors], _dequantized(q)
+        if self.full is not None:
+            return self.full
+        if self.value is None:
+            self.value = _dequantized(q)
         return self.value
 
 
@@ -214,14 +218,11 @@ def _quantized_input(x2, rac_mask, layer, kernels):
     """What a layer's GEMM takes of x2 (M, K): the quantizer's Activation on the kernels, else the codes
     (x_q, residual); w4a16 quantizes nothing (its operand of x, or x2 itself with no residual)."""
     if kernels:
-        return quantize_activation_triton(
-            x2, rac_mask, act_scale=layer.act_scale, quantize=layer.mode != "w4a16"
-        )
-    return (
-        (x2, None)
-        if layer.mode == "w4a16"
-        else quantize_activation_reference(x2, rac_mask, layer.act_scale)
-    )
+        quantize = layer.mode != "w4a16"
+        return quantize_activation_triton(x2, rac_mask, act_scale=layer.act_scale, quantize=quantize)
+    if layer.mode == "w4a16":
+        return (x2, None)
+    return quantize_activation_reference(x2, rac_mask, layer.act_scale)
 
 
 class NVFP4Linear(nn.Module):
@@ -241,38 +242,24 @@ class NVFP4Linear(nn.Module):
         super().__init__()
         _check_blocks("NVFP4Linear", in_features)
         _check_mode(mode, rac_ratio, act_scale, NVFP4_MODES)
-        self.in_features, self.out_features, self.mode, self.act_scale = (
-            in_features,
-            out_features,
-            mode,
-            act_scale,
-        )
-        for part, buffer in zip(
-            _PARTS,
-            (
-                torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device),
-                torch.zeros(
-                    out_features,
-                    in_features // BLOCK_SIZE,
-                    dtype=torch.float8_e4m3fn,
-                    device=device,
-                ),
-                torch.ones((), dtype=torch.float32, device=device),
-            ),
-        ):
-            self.register_buffer(f"weight_{part}", buffer)
-        self.bias = (
-            nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
-            if bias
-            else None
-        )
-        self.rac = RACSelector(
-            in_features // BLOCK_SIZE, rac_ratio, device=device, act_scale=act_scale
-        )
-        self.weight_fp32 = DequantizedWeight()  # the twin path's DQ(W) (w16a4: W)
-        self.shared_input = (
-            None  # a SharedInput when layers read the same input (convert_for_rollout)
-        )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.mode = mode
+        self.act_scale = act_scale
+        G = in_features // BLOCK_SIZE
+        codes = torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
+        block_scale = torch.zeros(out_features, G, dtype=torch.float8_e4m3fn, device=device)
+        global_scale = torch.ones((), dtype=torch.float32, device=device)
+        self.register_buffer("weight_data", codes)
+        self.register_buffer("weight_block_scale", block_scale)
+        self.register_buffer("weight_global_scale", global_scale)
+        self.bias = None
+        if bias:
+            zeros = torch.zeros(out_features, device=device)
+            self.bias = nn.Parameter(zeros, requires_grad=False)
+        self.rac = RACSelector(G, rac_ratio, device=device, act_scale=act_scale)
+        # the reference path's DQ(W) (w16a4: W itself), cleared whenever the weight is written
+        self.weight_fp32 = DequantizedWeight()
 
     weight_q = property(
         lambda self: NVFP4Tensor(*(getattr(self, f"weight_{part}") for part in _PARTS))
@@ -303,19 +290,32 @@ class NVFP4Linear(nn.Module):
         q = nvfp4.quantize_weight(weight.detach())
         for part in _PARTS:
             getattr(self, f"weight_{part}").copy_(getattr(q, part))
+        self.weight_fp32.clear()
         if self.mode == "w16a4":
             self.weight_fp32.full = weight.detach().float().clone()
         if bias is not None and self.bias is not None:
             self.bias.copy_(bias)
 
-    def forward(self, x):
+    def _load_from_state_dict(self, *args, **kwargs):
+        # a state dict writes the weight's buffers too: the kept DQ(W) must go with the old codes
+        super()._load_from_state_dict(*args, **kwargs)
+        self.weight_fp32.clear()
+
+    def share_input(self, selector, weight_views):
+        """Read the input of a group (NVFP4Attention's q/k/v): the group's one RACSelector, and weight
+        buffers that become `weight_views`, views of the group's stacked weight."""
+        self.rac = selector
+        self.weight_data, self.weight_block_scale, self.weight_global_scale = weight_views
+
+    def forward(self, x, record=None):
+        """x (..., K) -> (..., N). record: a RecordSlot (InputRecorder) that keeps what this layer
+        quantizes, handed to this call by the caller (TRACE's rollout), else None."""
         fp8.check_layer_input(x, self.in_features, self.weight_data.device, "NVFP4Linear")
         x2 = x.reshape(-1, self.in_features)  # (M, K)
-        y = (
-            self.shared_input.output(self, x, x2)
-            if self.shared_input is not None
-            else self._matmul(x2, _quantized_input(x2, self.rac(x2), self, _kernels(x2, self)))
-        )
+        if record is not None:
+            record.record(0, x2)
+        act = _quantized_input(x2, self.rac(x2), self, _kernels(x2, self))
+        y = self._matmul(x2, act)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -326,12 +326,14 @@ class NVFP4Linear(nn.Module):
         if isinstance(act, Activation):
             return layer_matmul(act, w_q, x2.dtype)
         x_q, residual = act  # the twin's codes
-        return matmul_reference(x_q, w_q, residual, torch.float32, self.weight_fp32(w_q)).to(
-            x2.dtype
-        )
+        y = matmul_reference(x_q, w_q, residual, torch.float32, self.weight_fp32(w_q))
+        return y.to(x2.dtype)
 
     def extra_repr(self):
-        return f"in={self.in_features}, out={self.out_features}, rac={self.rac.rac_ratio} {self.mode}, {self.act_scale}"
+        return (
+            f"in={self.in_features}, out={self.out_features}, rac={self.rac.rac_ratio}, "
+            f"{self.mode}, {self.act_scale}"
+        )
 
 
 def stack_weights(weights):
@@ -343,65 +345,70 @@ def stack_weights(weights):
     )
 
 
-class SharedInput:
-    """One input of several NVFP4Linear layers (q/k/v_proj, one RACSelector): the first reader computes every
-    output (kernels: one GEMM over a stacked weight whose views are the layers' buffers), kept until each has
-    read it. Reuse needs the very tensor, unmodified; inference tensors: each layer alone."""
+class NVFP4Attention(moe.Attention):
+    """moe.Attention whose q/k/v_proj (NVFP4Linear) read their one input once: one RACSelector, one
+    quantization and, on the kernels, one GEMM over a stacked weight (three global scales) whose views
+    are the three layers' own buffers, so weight sync and state dicts see three ordinary layers."""
 
-    def __init__(self, layers):
-        self.layers = list(layers)
-        self.splits = [layer.out_features for layer in self.layers]
-        self.input, self.version, self.outputs, self.waiting, self.warned = (
-            None,
-            None,
-            None,
-            (),
-            False,
-        )
-        q = self.weight_q = stack_weights([layer.weight_q for layer in self.layers])
-        for layer, *views in zip(
-            self.layers, q.data.split(self.splits), q.block_scale.split(self.splits), q.global_scale
-        ):  # the layers' buffers become views of the stacked weight
-            layer.weight_data, layer.weight_block_scale, layer.weight_global_scale = views
-        self.offsets = self._offsets()
-
-    def _offsets(self):
-        return [
-            getattr(layer, f"weight_{part}").data_ptr() - getattr(self.weight_q, part).data_ptr()
-            for layer in self.layers
-            for part in _PARTS
-        ]
+    @classmethod
+    def from_float(cls, attention):
+        """A twin of `attention` whose q/k/v_proj are already NVFP4Linear; the same submodules."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        for name, value in vars(attention).items():  # plain attributes such as layer_idx
+            if not name.startswith("_") and name != "training":
+                setattr(layer, name, value)
+        for name, child in attention.named_children():
+            setattr(layer, name, child)
+        layer.qkv = (layer.q_proj, layer.k_proj, layer.v_proj)
+        layer.splits = [proj.out_features for proj in layer.qkv]
+        layer.weight_q = stack_weights([proj.weight_q for proj in layer.qkv])
+        q = layer.weight_q
+        views = zip(q.data.split(layer.splits), q.block_scale.split(layer.splits), q.global_scale)
+        for proj, weight_views in zip(layer.qkv, views):
+            proj.share_input(layer.q_proj.rac, weight_views)
+        return layer.train(attention.training)
 
     def _stacked(self):
-        """The stacked weight, or None (and one warning) if a layer's buffers are no longer views of it."""
-        if not ((views := self._offsets() == self.offsets) or self.warned):
-            warnings.warn(
-                "rac.SharedInput: q/k/v_proj's weights are no longer views of their stacked weight "
-                "(moved or replaced after convert_for_rollout?): running three GEMMs"
-            )
-            self.warned = True
-        return self.weight_q if views else None
+        """The stacked weight; None if a layer's buffers are no longer views of it (moved or replaced
+        after conversion), then each layer multiplies alone, with one warning."""
+        for proj in self.qkv:
+            for part in _PARTS:
+                view = getattr(proj, f"weight_{part}")
+                whole = getattr(self.weight_q, part)
+                if view.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr():
+                    warnings.warn(
+                        "rac.NVFP4Attention: q/k/v_proj's weights are no longer views of their "
+                        "stacked weight: running three GEMMs",
+                        stacklevel=3,
+                    )
+                    return None
+        return self.weight_q
 
-    def output(self, layer, x, x2):
-        """`layer`'s output on x (x2: x as (M, K)), computed now or kept from the first reader of x."""
-        if self.input is x and x._version == self.version and layer in self.waiting:
-            self.waiting = tuple(other for other in self.waiting if other is not layer)
-            y = self.outputs[self.layers.index(layer)]
-            if not self.waiting:  # everyone has read it: keep nothing alive
-                self.input = self.outputs = None
-            return y
-        act = _quantized_input(x2, layer.rac(x2), layer, kernels := _kernels(x2, layer))
-        if x.is_inference():
-            return layer._matmul(x2, act)
-        stacked = self._stacked() if kernels else None
-        outputs = (
-            layer_matmul(act, stacked, x2.dtype, self.splits)
-            if stacked is not None
-            else [other._matmul(x2, act) for other in self.layers]
-        )
-        self.input, self.version, self.outputs = x, x._version, outputs
-        self.waiting = tuple(other for other in self.layers if other is not layer)
-        return outputs[self.layers.index(layer)]
+    def project_qkv(self, x, hand_offs=None):
+        """q, k and v of x (B, T, D), from one quantization of x; hand_offs: TRACE's RecordSlot for
+        the group (under any of the three paths), else None."""
+        x2 = x.reshape(-1, x.shape[-1])  # (M, D)
+        record = None
+        if hand_offs is not None:
+            record = hand_offs.get("q_proj")
+        if record is not None:
+            record.record(0, x2)
+        kernels = _kernels(x2, self.q_proj)
+        act = _quantized_input(x2, self.q_proj.rac(x2), self.q_proj, kernels)
+        stacked = None
+        if kernels:
+            stacked = self._stacked()
+        if stacked is not None:
+            outputs = layer_matmul(act, stacked, x2.dtype, self.splits)
+        else:
+            outputs = [proj._matmul(x2, act) for proj in self.qkv]
+        results = []
+        for proj, y in zip(self.qkv, outputs):
+            if proj.bias is not None:
+                y = y + proj.bias.to(y.dtype)
+            results.append(y.view(*x.shape[:-1], proj.out_features))
+        return tuple(results)
 
 
 class NVFP4Experts(nn.Module):
@@ -466,21 +473,34 @@ class NVFP4Experts(nn.Module):
             q = chunk_experts(nvfp4.quantize_weight(w.detach()))
             for part in _PARTS:
                 getattr(self, f"{name}_{part}").copy_(getattr(q, part))
+            getattr(self, f"{name}_fp32").clear()
             if self.mode == "w16a4":
                 getattr(self, f"{name}_fp32").full = w.detach().float().clone()
 
-    def forward(self, x, expert_ids, expert_weights):
-        """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) -> (T, D) in x.dtype, as moe.Experts."""
+    def _load_from_state_dict(self, *args, **kwargs):
+        # a state dict writes the weights' buffers too: the kept DQ(W) must go with the old codes
+        super()._load_from_state_dict(*args, **kwargs)
+        self.gate_up_fp32.clear()
+        self.down_fp32.clear()
+
+    def forward(self, x, expert_ids, expert_weights, record=None):
+        """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) -> (T, D) in x.dtype, as
+        moe.Experts. record: a RecordSlot (InputRecorder) keeping both quantized inputs, or None."""
         fp8.check_layer_input(x, self.dim, self.gate_up_data.device, "NVFP4Experts")
         routing = moe.route_tokens(expert_ids, self.n_experts)
-        forward = self._forward_triton if _kernels(x, self) else self._forward_reference
-        y_sorted = forward(
-            x, routing, expert_weights.reshape(-1), (routing, expert_ids)
-        )  # (R, D), weighted
+        if record is not None:
+            record.record(0, x)
+            record = RouteSlot(record, routing, expert_ids)
+        if _kernels(x, self):
+            forward = self._forward_triton
+        else:
+            forward = self._forward_reference
+        y_sorted = forward(x, routing, expert_weights.reshape(-1), record)  # (R, D), weighted
         return moe.sum_expert_rows(y_sorted, routing, expert_ids.shape[1]).to(x.dtype)
 
-    def _forward_triton(self, x, routing, expert_weights, routes=None):
-        """x (T, D), routing, expert_weights (T * A,) -> (R, D): each sorted row times its router weight."""
+    def _forward_triton(self, x, routing, expert_weights, record=None):
+        """x (T, D), routing, expert_weights (T * A,) -> (R, D): each sorted row times its router
+        weight. record: a RouteSlot for the down input, or None."""
         T = x.shape[0]  # the layer's token count chooses the experts' kernel, not its R rows
         act = _quantized_input(x, self.rac_gate_up(x), self, kernels=True)
         hidden = grouped_matmul_triton(
@@ -492,7 +512,9 @@ class NVFP4Experts(nn.Module):
             out_dtype=x.dtype,
             tokens=T,
         )  # (R, I)
-        act = _quantized_input(hidden, self.rac_down(hidden, routes), self, kernels=True)
+        if record is not None:
+            record.record(1, hidden)
+        act = _quantized_input(hidden, self.rac_down(hidden), self, kernels=True)
         return grouped_matmul_triton(
             act,
             self.down_w,
@@ -503,7 +525,7 @@ class NVFP4Experts(nn.Module):
             tokens=T,
         )  # (R, D)
 
-    def _forward_reference(self, x, routing, expert_weights, routes=None):
+    def _forward_reference(self, x, routing, expert_weights, record=None):
         """The twin: the same quantization steps, dequantized, a loop of fp32 matmuls over experts."""
         gate_up_w, down_w = self.gate_up_w, self.down_w
         x_q, residual = _quantized_input(x, self.rac_gate_up(x), self, kernels=False)
@@ -517,7 +539,9 @@ class NVFP4Experts(nn.Module):
             out_dtype=x.dtype,
             w=self.gate_up_fp32(gate_up_w),
         )
-        h_q, residual = _quantized_input(hidden, self.rac_down(hidden, routes), self, kernels=False)
+        if record is not None:
+            record.record(1, hidden)
+        h_q, residual = _quantized_input(hidden, self.rac_down(hidden), self, kernels=False)
         return grouped_matmul_reference(
             h_q,
             down_w,
@@ -540,36 +564,48 @@ def selectors(layer):
     """A layer's RACSelectors, one per quantized input: (rac,), (gate/up, down) of experts, or ()."""
     if isinstance(layer, NVFP4Linear):
         return (layer.rac,)
-    return (layer.rac_gate_up, layer.rac_down) if isinstance(layer, NVFP4Experts) else ()
+    if isinstance(layer, NVFP4Experts):
+        return (layer.rac_gate_up, layer.rac_down)
+    return ()
 
 
 # ======================================================================== conversion, sync, calibration
 def convert_for_rollout(
     model, mode, rac_ratio=0.0, quantize_router=False, quantize_lm_head=False, act_scale="tensor"
 ):
-    """Swap a moe.py model's layers for rollout layers in place; returns the model. mode: "bf16" (unchanged),
-    "fp8" (fp8.py), "nvfp4" (W4A4, RAC on round(rac_ratio * G) blocks, act_scale "tensor" or "row"), "w4a16"
-    or "w16a4" (NVFP4 weights or activations alone). Swapped: the attention projections and experts, with the
-    flags the routers and the LM head; q/k/v_proj share one SharedInput."""
+    """Swap a moe.py model's layers for rollout layers in place; returns the model.
+
+    mode: "bf16" (unchanged), "fp8" (fp8.py), "nvfp4" (W4A4, RAC on round(rac_ratio * G) blocks,
+    act_scale "tensor" or "row"), "w4a16" or "w16a4" (NVFP4 weights or activations alone). Swapped: the
+    attention projections and experts, with the flags the routers and the LM head; an attention
+    whose q/k/v_proj are all NVFP4Linear becomes an NVFP4Attention (one quantization of its input)."""
     _check_mode(mode, rac_ratio, act_scale)
     if mode == "bf16":
         return model
     for parent, name, child in moe.swappable_layers(model, quantize_router, quantize_lm_head):
         experts = isinstance(child, moe.Experts)
-        setattr(
-            parent,
-            name,
-            (NVFP4Experts if experts else NVFP4Linear).from_float(child, rac_ratio, mode, act_scale)
-            if mode in NVFP4_MODES
-            else (fp8.FP8Experts if experts else fp8.FP8Linear).from_float(child),
-        )
-    for attention in model.modules():
-        layers = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-        if isinstance(attention, moe.Attention) and all(isinstance(m, NVFP4Linear) for m in layers):
-            shared = SharedInput(layers)  # one input x: one block selection, quantization and GEMM
-            for layer in layers:
-                layer.rac, layer.shared_input = layers[0].rac, shared
+        if mode in NVFP4_MODES and experts:
+            layer = NVFP4Experts.from_float(child, rac_ratio, mode, act_scale)
+        elif mode in NVFP4_MODES:
+            layer = NVFP4Linear.from_float(child, rac_ratio, mode, act_scale)
+        elif experts:
+            layer = fp8.FP8Experts.from_float(child)
+        else:
+            layer = fp8.FP8Linear.from_float(child)
+        setattr(parent, name, layer)
+    for parent, name, attention in list(_attention_modules(model)):
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        if all(isinstance(proj, NVFP4Linear) for proj in projections):
+            setattr(parent, name, NVFP4Attention.from_float(attention))
     return model
+
+
+def _attention_modules(model):
+    """(parent, attribute, moe.Attention) for every attention block not yet an NVFP4Attention."""
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, moe.Attention) and not isinstance(child, NVFP4Attention):
+                yield parent, name, child
 
 
 @torch.no_grad()
@@ -620,21 +656,145 @@ def calibrate_rac(rollout_model, tokens):
     return rollout_model
 
 
-@contextlib.contextmanager
-def recording(model, record):
-    """Within the block each quantized input x goes to record(paths, index, x, routes): the layers reading x
-    (q/k/v share one), index 0 (a linear's or the experts' gate/up input) or 1 (their down input)."""
-    sites = {}  # selector -> (paths, index)
-    for path, m in model.named_modules():
-        for index, selector in enumerate(selectors(m)):
-            sites[selector] = (sites.get(selector, ((), 0))[0] + (path,), index)
-    for selector, (paths, index) in sites.items():
-        selector.record = functools.partial(record, paths, index)
-    try:
-        yield model
-    finally:
-        for selector in sites:
-            selector.record = None
+def rac_masks(rollout_model):
+    """A snapshot of every NVFP4 layer's RAC block masks, {layer path: (mask (G,) bool, ...)}, one per
+    quantized input (a linear: one; experts: gate/up, down), cloned: the rollout's selection at the
+    time of the call, unchanged by a later calibrate_rac. MoEResQ's trainer takes it (symmetric.py)."""
+    masks = {}
+    for path, layer in rollout_model.named_modules():
+        layer_selectors = selectors(layer)
+        if layer_selectors:
+            masks[path] = tuple(selector.mask.clone() for selector in layer_selectors)
+    return masks
+
+
+# ======================================================================== TRACE: recording the rollout
+class RecordedCodes(NamedTuple):
+    """What the rollout's quantizer produced for some rows of one layer input, one record per row."""
+
+    keys: torch.Tensor  # (M',) int64, ascending: trainer row b * W + w (down input: row * E + expert)
+    data: torch.Tensor  # (M', K/2) uint8 packed E2M1 codes, low nibble first
+    block_scale: torch.Tensor  # (M', G) float8_e4m3fn
+    global_scale: torch.Tensor  # (M',) fp32
+    n_experts: int = 1  # E for an experts layer's down input (keys row * E + expert), else 1
+
+
+class InputRecorder:
+    """The NVFP4 codes of every quantized layer input at each decode step of one rollout, for TRACE's
+    trainer (symmetric.py), which rounds towards them.
+
+    Made for one rollout: `hand_offs()` gives each NVFP4 layer a RecordSlot, which rollout.generate
+    passes to the decode steps' forward (moe.py's hand_offs: an argument of the call, as the KV cache
+    is); the layer records the input it quantizes; `codes(out)` then returns the completion tokens'
+    records, keyed by the trainer's (row, column). The input is re-quantized with nvfp4.quantize and the
+    rollout's act_scale, which gives the rollout's own codes. Per token and input of width K: K/2 + K/16
+    + 12 bytes (1.5 KB per token and layer on the small preset), held from the rollout to the update."""
+
+    def __init__(self, rollout_model, act_scale="tensor"):
+        self.act_scale = act_scale  # the rollout's: one global scale per tensor or per row
+        self.steps = {}  # (paths, index) -> [(data, block_scale, global_scale) per decode step]
+        self.experts = {}  # (paths, index) -> [expert_ids (T, A) per decode step]
+        self.n_experts = {}  # (paths, index) -> E
+        self.slots = {}
+        groups = []  # q/k/v read one input: one slot for the group, named by all their paths
+        grouped = set()
+        for path, layer in rollout_model.named_modules():
+            if isinstance(layer, NVFP4Attention):
+                paths = [f"{path}.{name}" for name in ("q_proj", "k_proj", "v_proj")]
+                groups.append(paths)
+                grouped.update(paths)
+        for path, layer in rollout_model.named_modules():
+            if isinstance(layer, (NVFP4Linear, NVFP4Experts)) and path not in grouped:
+                groups.append([path])
+        for paths in groups:
+            slot = RecordSlot(self, tuple(paths))
+            for path in paths:
+                self.slots[path] = slot
+
+    def hand_offs(self):
+        """{layer path: RecordSlot}: what the decode steps' forward hands each NVFP4 layer."""
+        return dict(self.slots)
+
+    @torch.no_grad()
+    def record(self, paths, index, x, routes=None):
+        """x (M, K): input `index` of the layers at `paths` at this decode step; index 1 (the experts'
+        down input, rows sorted by expert) with routes = (moe.Routing, expert_ids (T, A))."""
+        q = nvfp4.quantize(x, nvfp4.activation_global_scale(x, self.act_scale))
+        data = q.data
+        block_scale = q.block_scale.view(torch.uint8)
+        global_scale = q.global_scale.float().expand(x.shape[0])  # (M,)
+        if index == 1:  # rows sorted by expert -> assignment order t * A + a
+            routing, expert_ids = routes
+            data = data.index_copy(0, routing.order, data)
+            block_scale = block_scale.index_copy(0, routing.order, block_scale)
+            global_scale = global_scale.index_copy(0, routing.order, global_scale)
+            self.experts.setdefault((paths, index), []).append(expert_ids)
+            self.n_experts[paths, index] = routing.counts.numel()
+        self.steps.setdefault((paths, index), []).append((data, block_scale, global_scale))
+
+    @torch.no_grad()
+    def codes(self, out):
+        """{layer path: (RecordedCodes or None, ...)} of the completion tokens of `out` (a
+        rollout.Rollout), one entry per quantized input, keyed by the trainer's position b * W + w:
+        completion token t of row b sits at column prompt_lengths[b] + t of right-padded rows of width
+        W; the experts' down inputs by (b * W + w) * E + expert."""
+        completion_mask, prompt_lengths = out.completion_mask, out.prompt_lengths
+        width = int((out.prompt_lengths + out.completion_lengths).max())  # the trainer's W
+        B, T = completion_mask.shape
+        b, t = completion_mask.nonzero(as_tuple=True)  # (n,) each, ascending
+        position = b * width + prompt_lengths[b] + t  # (n,) trainer rows
+        by_path = {}
+        for (paths, index), records in self.steps.items():
+            if len(records) < T:
+                raise ValueError(
+                    f"InputRecorder: {paths[0]!r} saw {len(records)} decode steps, "
+                    f"the rollout has {T} tokens"
+                )
+            columns = list(zip(*records[:T]))
+            data, block_scale, global_scale = (torch.stack(c, dim=1) for c in columns)  # (B[*A], T, .)
+            if index == 1:
+                experts = torch.stack(self.experts[paths, index][:T], dim=1)  # (B, T, A)
+                E = self.n_experts[paths, index]
+                A = experts.shape[-1]
+                data = data.view(B, A, T, -1).transpose(1, 2)[b, t].flatten(0, 1)  # (n * A, K/2)
+                block_scale = block_scale.view(B, A, T, -1).transpose(1, 2)[b, t].flatten(0, 1)
+                global_scale = global_scale.view(B, A, T).transpose(1, 2)[b, t].flatten()  # (n*A,)
+                keys = (position[:, None] * E + experts[b, t]).flatten()  # (n * A,)
+                order = keys.argsort()
+                block_scale = block_scale[order].view(torch.float8_e4m3fn)
+                codes = RecordedCodes(keys[order], data[order], block_scale, global_scale[order], E)
+            else:
+                block_scale = block_scale[b, t].view(torch.float8_e4m3fn)
+                codes = RecordedCodes(position, data[b, t], block_scale, global_scale[b, t])
+            for path in paths:
+                by_path.setdefault(path, {})[index] = codes
+        result = {}
+        for path, sites in by_path.items():
+            result[path] = tuple(sites.get(i) for i in range(max(sites) + 1))
+        return result
+
+
+class RecordSlot(NamedTuple):
+    """What an NVFP4 layer is handed to record its quantized inputs: the recorder and the layers'
+    paths (q, k and v share one input, so one slot)."""
+
+    recorder: InputRecorder
+    paths: tuple
+
+    def record(self, index, x):
+        self.recorder.record(self.paths, index, x)
+
+
+class RouteSlot(NamedTuple):
+    """A RecordSlot with the experts' routes of this call, which the down input's record needs."""
+
+    slot: RecordSlot
+    routing: moe.Routing
+    expert_ids: torch.Tensor
+
+    def record(self, index, x):
+        routes = (self.routing, self.expert_ids)
+        self.slot.recorder.record(self.slot.paths, index, x, routes)
 
 
 # ==================================================================== the fast path (gpu_kernels/w4a4_*.py)

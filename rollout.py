@@ -31,7 +31,6 @@ Shape letters: P prompts, G samples per prompt, N = P*G rows (prompt-major), Tp 
 completion width, W = Tp + T (trainer rows), S cache slots, V vocab, L layers, Hkv kv heads, hd head dim.
 """
 
-import contextlib
 import dataclasses
 import operator
 import warnings
@@ -245,7 +244,7 @@ class DecodeState:
         self.capture_tried = False
 
 
-def decode_step(model: MoETransformer, state: DecodeState) -> None:
+def decode_step(model: MoETransformer, state: DecodeState, hand_offs: dict | None = None) -> None:
     """Feed every row's next_input, record its routes, sample the following token. Only device tensors and
     in-place writes to `state`: capturable as a CUDA graph, no host sync."""
     cache, s = state.cache, state.sampling
@@ -255,7 +254,12 @@ def decode_step(model: MoETransformer, state: DecodeState) -> None:
         state.slots <= cache.length
     )  # (N, S)
     logits, routes = model(
-        state.next_input, positions, attn_mask[:, None, None], kv_cache=cache, return_routes=True
+        state.next_input,
+        positions,
+        attn_mask[:, None, None],
+        kv_cache=cache,
+        return_routes=True,
+        hand_offs=hand_offs,
     )  # (N, 1, V), (L, N, 1, A)
     cache.length.add_(1)
     state.routes.index_copy_(2, step, routes)
@@ -502,15 +506,16 @@ def generate(
     seed: int = 0,
     cuda_graph: bool = True,
     row_offset: int = 0,
-    decode_context=None,
+    decode_hand_offs: dict | None = None,
 ) -> Rollout:
     """Sample num_samples completions of each prompt (a list of token-id lists, any lengths) -> Rollout.
     temperature 0 is greedy; top_k 0 and top_p 1 disable truncation. eos_id None: every row runs to
     max_new_tokens. pad_id fills prompt padding and the columns after EOS (any valid token id). seed and
     row_offset choose the sampling noise: row n of this call draws the noise of row id row_offset + n (so a
     process sampling rows [r, r + N) of a larger batch gets exactly those rows' tokens). cuda_graph: replay
-    the decode step as a CUDA graph (CUDA only). decode_context: a function returning a context entered around
-    eager decode steps (TRACE records there). no_grad: the results can be constants in the trainer's graph."""
+    the decode step as a CUDA graph (CUDA only). decode_hand_offs: {layer path: object} handed to the
+    layers on every decode step's forward (moe.py's hand_offs; TRACE's rac.InputRecorder slots), the
+    decode then eager. no_grad: the results can be constants in the trainer's graph."""
     c, device = model.config, model.embed.weight.device
     prompts = _check_arguments(
         c,
@@ -537,7 +542,7 @@ def generate(
         eos_id=eos_id,
         pad_id=int(pad_id),
     )
-    use_graph = cuda_graph and device.type == "cuda" and decode_context is None
+    use_graph = cuda_graph and device.type == "cuda" and decode_hand_offs is None
     state = get_decode_state(model, N, prompt_width, max_new_tokens, sampling, use_graph)
 
     # ---- prefill: each prompt once, its keys/values copied to its G rows of the cache
@@ -571,16 +576,18 @@ def generate(
 
     # ---- decode: step t feeds completion token t (recording its routes) and samples token t + 1
     check_interval = FINISHED_CHECK_INTERVAL if device.type == "cuda" else 1
-    with (decode_context or contextlib.nullcontext)():
-        for step in range(max_new_tokens):
-            state.graph.replay() if state.graph is not None else decode_step(model, state)
-            if (
-                eos_id is not None
-                and (step + 1) % check_interval == 0
-                and step + 1 < max_new_tokens
-                and not bool(state.alive.any())
-            ):  # the one host sync, every check_interval steps
-                break
+    for step in range(max_new_tokens):
+        if state.graph is not None:
+            state.graph.replay()
+        else:
+            decode_step(model, state, decode_hand_offs)
+        if (
+            eos_id is not None
+            and (step + 1) % check_interval == 0
+            and step + 1 < max_new_tokens
+            and not bool(state.alive.any())
+        ):  # the one host sync, every check_interval steps
+            break
 
     # ---- trim to the longest completion (every kept token has been fed, so its routes are recorded)
     width = int(state.token_mask[:, :max_new_tokens].sum(dim=1).max())

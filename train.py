@@ -57,6 +57,7 @@ import nvfp4
 import qat
 import rac
 import rollout
+import symmetric
 import tasks
 from tools import distributed, runs
 from tools.distributed import SINGLE
@@ -366,84 +367,78 @@ def score(task, tokenizer, problems, out, group_size):
 
 # ----------------------------------------------------------------------------- the two sides of a recipe
 def build_recipe(cfg, model, recipe, rac_ratio):
-    """A recipe's two sides from one policy: the rollout model (a converted copy), the trainer (model itself,
-    converted in place) and, for trace, the recorder of the rollout's codes (else None)."""
+    """A recipe's two sides from one policy: the rollout model (a converted copy in the rollout's
+    precision) and the trainer (model itself, converted in place)."""
     train_mode, rollout_mode, _ = RECIPES[recipe]
+    rollout_model = copy.deepcopy(model).to(rollout_dtype(cfg))
     rollout_model = rac.convert_for_rollout(
-        copy.deepcopy(model).to(rollout_dtype(cfg)),
-        rollout_mode,
-        rac_ratio=rac_ratio,
-        act_scale=cfg.act_scale,
+        rollout_model, rollout_mode, rac_ratio=rac_ratio, act_scale=cfg.act_scale
     )
-    trainer = qat.convert_for_training(model, train_mode, act_scale=cfg.act_scale)
-    return (
-        rollout_model,
-        trainer,
-        qat.RolloutRecorder(cfg.act_scale) if train_mode == "trace" else None,
-    )
-
-
-def shared_state(rollout_model, train_mode, codes=None):
-    """What the trainer's forward takes from the rollout (qat.SharedState): moeresq's current RAC block
-    masks, read off the rollout's layers (one selection for both sides), and trace's recorded codes."""
-    masks = (
-        {
-            path: tuple(selector.mask for selector in rac.selectors(m))
-            for path, m in rollout_model.named_modules()
-            if rac.selectors(m)
-        }
-        if train_mode == "moeresq"
-        else None
-    )
-    return qat.SharedState(masks, codes)
+    trainer = model
+    if train_mode == "qat":
+        trainer = qat.convert_for_training(model)
+    elif train_mode in symmetric.MODES:
+        trainer = symmetric.convert_for_training(model, train_mode, act_scale=cfg.act_scale)
+    return rollout_model, trainer
 
 
 # ----------------------------------------------------------------------------- the policy update
-def trainer_logprobs(cfg, trainer, seq, shared=qat.SharedState(), rows=slice(None)):
+def trainer_logprobs(cfg, trainer, seq, share=None, rows=slice(None)):
     """The trainer's log-probs of the sampled tokens of `rows`, tempered as the rollout sampled them:
-    (n, W-1) fp32, aligned with seq.logprobs[:, 1:]; and the experts it chose, (L, n, W, A). With --r3 the
-    trainer replays the rollout's routes; `shared` (qat.SharedState): what it takes from the rollout."""
+    (n, W-1) fp32, aligned with seq.logprobs[:, 1:]; and the experts it chose, (L, n, W, A).
+
+    With --r3 the trainer replays the rollout's routes (forced_routes). share: what a symmetric trainer
+    takes from the rollout (symmetric.RolloutShare, or None), handed to its layers as arguments of this
+    forward (moe.py's hand_offs)."""
     tokens = seq.tokens[rows]
-    shared = shared if isinstance(rows, slice) else shared.select_rows(rows, seq.tokens.shape[1])
-    with (
-        autocast(cfg),
-        qat.sharing(getattr(trainer, "module", trainer), shared),
-    ):  # DDP wraps the trainer
-        forced_routes = seq.routes[:, rows] if cfg.r3 else None
-        logits, routes = trainer(tokens, forced_routes=forced_routes, return_routes=True)
-    return grpo.token_logprobs(
-        logits[:, :-1].float() / max(cfg.temperature, 1e-6), tokens[:, 1:]
-    ), routes
+    forced_routes = None
+    if cfg.r3:
+        forced_routes = seq.routes[:, rows]
+    hand_offs = None
+    if share is not None:
+        if not isinstance(rows, slice):
+            share = share.select_rows(rows, seq.tokens.shape[1])
+        model = getattr(trainer, "module", trainer)  # DDP wraps the trainer; paths are the model's
+        hand_offs = share.hand_offs(model)
+    with autocast(cfg):
+        logits, routes = trainer(
+            tokens, forced_routes=forced_routes, return_routes=True, hand_offs=hand_offs
+        )
+    logits = logits[:, :-1].float() / max(cfg.temperature, 1e-6)
+    return grpo.token_logprobs(logits, tokens[:, 1:]), routes
 
 
 def policy_update(
-    cfg, trainer, optimizer, seq, advantages, shuffle_seed, shared=qat.SharedState(), ranks=SINGLE
+    cfg, trainer, optimizer, seq, advantages, shuffle_seed, rollout_share=None, ranks=SINGLE
 ):
     """GRPO on one rollout batch: cfg.minibatches optimizer steps, each on a shuffled 1/N of its rows.
 
-    Three log-probs per token (grpo.py): `rollout` (the engine's), `old` (the trainer under the weights that
-    sampled: one forward without gradient first) and `new` (each mini-batch's forward, with the gradient).
-    With one mini-batch, old is that forward, detached: the on-policy update. The ratio is new / old (new /
-    rollout with --mipu); a mini-batch's loss is normalized by its valid tokens (DAPO), a rank's weighted by
-    its share of them (tools/distributed.py). Returns old (N, W-1), the trainer's routes under the sampling
-    weights (L, N, W, A) and per mini-batch a dict of floats (loss, grad_norm, grpo.policy_loss's)."""
-    mask, rollout_logp = seq.loss_mask[:, 1:], seq.logprobs[:, 1:]
+    Three log-probs per token (grpo.py): `rollout` (the engine's), `old` (the trainer under the weights
+    that sampled: one forward without gradient first) and `new` (each mini-batch's forward, with the
+    gradient). With one mini-batch, old is that forward, detached: the on-policy update. The ratio is
+    new / old (new / rollout with --mipu); a mini-batch's loss is normalized by its valid tokens (DAPO),
+    a rank's weighted by its share of them (tools/distributed.py). rollout_share: what a symmetric
+    trainer takes from the rollout (trainer_logprobs). Returns old (N, W-1), the trainer's routes under
+    the sampling weights (L, N, W, A) and per mini-batch a dict of floats (loss, grad_norm and
+    grpo.policy_loss's statistics)."""
+    mask = seq.loss_mask[:, 1:]
+    rollout_logp = seq.logprobs[:, 1:]
     minibatches = [slice(None)]
     if cfg.minibatches > 1:
         with torch.no_grad():
-            old_logp, old_routes = trainer_logprobs(cfg, trainer, seq, shared)
+            old_logp, old_routes = trainer_logprobs(cfg, trainer, seq, rollout_share)
         generator = torch.Generator().manual_seed(shuffle_seed + 7919 * ranks.rank)
-        minibatches = (
-            torch.randperm(seq.tokens.shape[0], generator=generator)
-            .to(seq.tokens.device)
-            .chunk(cfg.minibatches)
-        )
+        order = torch.randperm(seq.tokens.shape[0], generator=generator).to(seq.tokens.device)
+        minibatches = order.chunk(cfg.minibatches)
     minibatch_stats = []
     for rows in minibatches:
-        new_logp, routes = trainer_logprobs(cfg, trainer, seq, shared, rows)
+        new_logp, routes = trainer_logprobs(cfg, trainer, seq, rollout_share, rows)
         if cfg.minibatches == 1:
-            old_logp, old_routes = new_logp.detach(), routes
-        reference = rollout_logp if cfg.mipu else old_logp
+            old_logp = new_logp.detach()
+            old_routes = routes
+        reference = old_logp
+        if cfg.mipu:
+            reference = rollout_logp
         loss, stats = grpo.policy_loss(
             new_logp,
             reference[rows],
@@ -454,32 +449,24 @@ def policy_update(
             rollout_logprobs=rollout_logp[rows],
             tis_cap=cfg.tis or None,
         )
-        if (
-            distributed.all_sum([0.0 if torch.isfinite(loss) else 1.0], ranks)[0] > 0
-        ):  # any rank: all stop
+        # any rank's non-finite loss stops every rank
+        not_finite = 0.0 if torch.isfinite(loss) else 1.0
+        if distributed.all_sum([not_finite], ranks)[0] > 0:
             raise FloatingPointError(f"non-finite loss ({loss.item()})")
-        share, stats = distributed.loss_share(loss, stats, mask[rows], ranks)
+        loss_weight, stats = distributed.loss_share(loss, stats, mask[rows], ranks)
         optimizer.zero_grad(set_to_none=True)
-        (loss * share).backward()
+        (loss * loss_weight).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
-        grad_norm = (
-            grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        )  # FSDP2
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+            grad_norm = grad_norm.full_tensor()
         optimizer.step()
-        minibatch_stats.append(
-            {"loss": stats.pop("loss"), "grad_norm": grad_norm.detach(), **stats}
-        )
-    values = torch.stack(
-        [
-            torch.stack(
-                [
-                    torch.as_tensor(v, dtype=torch.float32, device=grad_norm.device)
-                    for v in s.values()
-                ]
-            )
-            for s in minibatch_stats
-        ]
-    ).tolist()  # one sync
+        minibatch_stats.append({"loss": stats.pop("loss"), "grad_norm": grad_norm.detach(), **stats})
+    # every statistic to the host in one sync
+    rows_of_values = []
+    for stats in minibatch_stats:
+        values = [torch.as_tensor(v, dtype=torch.float32, device=grad_norm.device) for v in stats.values()]
+        rows_of_values.append(torch.stack(values))
+    values = torch.stack(rows_of_values).tolist()
     return old_logp, old_routes, [dict(zip(minibatch_stats[0], row)) for row in values]
 
 
@@ -538,7 +525,6 @@ class Setup:
     eval_problems: list  # held-out problems for pass@1
     run_dir: str  # out_dir/run_name: config.json, metrics.jsonl, checkpoint.pt (tools/runs.py)
     start_step: int  # 0, or the checkpoint's step under --resume
-    recorder: object = None  # trace: the qat.RolloutRecorder fed by the rollout
     ranks: distributed.Distributed = SINGLE  # this process's rank and the world size (1 without
         # torchrun)
 
@@ -605,7 +591,7 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
         model.load_state_dict(base_state)  # a comparison: every recipe from the one warm-start
     rac_ratio = cfg.rac_ratio if RECIPES[cfg.recipe][2] else 0.0
     eval_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype(cfg)), "bf16")
-    rollout_model, trainer, recorder = build_recipe(cfg, model, cfg.recipe, rac_ratio)
+    rollout_model, trainer = build_recipe(cfg, model, cfg.recipe, rac_ratio)
     train_forward = distributed.distribute_trainer(
         trainer, cfg, ranks
     )  # before the optimizer: FSDP2 swaps
@@ -627,7 +613,6 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
         eval_problems,
         run_dir,
         0,
-        recorder,
         ranks,
     )
     if ckpt is not None:
@@ -768,13 +753,12 @@ def rl_step(s, step, interrupt, accepted):
     )
     first, last = distributed.shard(cfg.prompts_per_step, ranks)
     problems = problems[first:last]
-    out, codes = sample(s, problems, first, step)
+    out, rollout_share = sample(s, problems, first, step)
     t_rollout = time.perf_counter() - t0
     # 3. rewards and group advantages
     rewards = score(s.task, s.tokenizer, problems, out, cfg.group_size).to(cfg.device)
     advantages = grpo.group_advantages(rewards, cfg.group_size)
     seq = out.sequences()
-    shared = shared_state(s.rollout_model, RECIPES[cfg.recipe][0], codes)
     before = mipu_before(s, seq) if cfg.mipu else None
     # 4-5. trainer log-probs, loss, cfg.minibatches optimizer steps; a Ctrl-C is held from here
     interrupt.holding = True
@@ -786,7 +770,7 @@ def rl_step(s, step, interrupt, accepted):
             seq,
             advantages,
             cfg.seed * 1_000_003 + step,
-            shared,
+            rollout_share,
             ranks,
         )
     except FloatingPointError as error:
@@ -801,7 +785,8 @@ def rl_step(s, step, interrupt, accepted):
     # 6. sync the rollout's weights through nvfp4; MIPU keeps them only if the rollout policy improved
     sync(s, step + 1)
     if cfg.mipu:
-        record.update(mipu_decide(s, step, seq, advantages, old_logp, shared, before, accepted))
+        decision = mipu_decide(s, step, seq, advantages, old_logp, rollout_share, before, accepted)
+        record.update(decision)
     # 7. evaluate, log
     if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
         record.update(evaluate_both(s))
@@ -813,12 +798,20 @@ def rl_step(s, step, interrupt, accepted):
 
 
 def sample(s, problems, first, step):
-    """The rollout of this rank's groups in the recipe's precision -> (rollout.Rollout, trace's recorded
-    codes or None). trace records what its layers quantize at each decode step (rac.recording): eager."""
-    cfg, tokenizer, recorder = s.cfg, s.tokenizer, s.recorder
-    record = (
-        (lambda: rac.recording(s.rollout_model, recorder.record)) if recorder is not None else None
-    )
+    """The rollout of this rank's groups in the recipe's precision -> (rollout.Rollout, what a symmetric
+    trainer takes from it: a symmetric.RolloutShare, or None for the other trainers).
+
+    moeresq takes a snapshot of the rollout's RAC block masks, those that sampled this batch (the sync
+    after the update recalibrates the rollout's own). trace takes the codes the rollout's quantizers
+    produced: a fresh rac.InputRecorder hands each NVFP4 layer a slot through the decode steps' forward
+    (eager decode), and returns the completion tokens' codes after the rollout."""
+    cfg, tokenizer = s.cfg, s.tokenizer
+    train_mode = RECIPES[cfg.recipe][0]
+    recorder = None
+    decode_hand_offs = None
+    if train_mode == "trace":
+        recorder = rac.InputRecorder(s.rollout_model, cfg.act_scale)
+        decode_hand_offs = recorder.hand_offs()
     out = rollout.generate(
         s.rollout_model,
         encode_prompts(tokenizer, problems),
@@ -830,12 +823,16 @@ def sample(s, problems, first, step):
         seed=cfg.seed * 1_000_003 + step,
         row_offset=first * cfg.group_size,
         cuda_graph=cfg.cuda_graph,
-        decode_context=record,
+        decode_hand_offs=decode_hand_offs,
     )
-    codes = qat.recorded_codes(recorder, out) if recorder is not None else None
+    rollout_share = None
+    if train_mode == "moeresq":
+        rollout_share = symmetric.RolloutShare(masks=rac.rac_masks(s.rollout_model))
+    elif train_mode == "trace":
+        rollout_share = symmetric.RolloutShare(codes=recorder.codes(out))
     if cfg.device.startswith("cuda"):
         torch.cuda.synchronize()  # the rollout's time, not its launch's
-    return out, codes
+    return out, rollout_share
 
 
 def step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_rollout):
@@ -873,7 +870,7 @@ def mipu_before(s, seq):
     return state, rollout.score(s.rollout_model, seq.tokens, s.cfg.temperature)[:, 1:]
 
 
-def mipu_decide(s, step, seq, advantages, old_logp, shared, before, accepted):
+def mipu_decide(s, step, seq, advantages, old_logp, rollout_share, before, accepted):
     """MIPU, after the sync: keep the candidate if the synced rollout policy's proxy improved, else restore
     the weights and optimizer state (and sync again). Every rank decides on the whole batch's proxy."""
     cfg, mask, (state, inference_logp) = s.cfg, seq.loss_mask[:, 1:], before
@@ -884,7 +881,7 @@ def mipu_decide(s, step, seq, advantages, old_logp, shared, before, accepted):
         mask,
     )
     with torch.no_grad():  # the same estimate for the trainer's policy: what the update believes
-        trainer_logp = trainer_logprobs(cfg, s.trainer, seq, shared)[0]
+        trainer_logp = trainer_logprobs(cfg, s.trainer, seq, rollout_share)[0]
     trainer_proxy = grpo.mipu_proxy(trainer_logp, old_logp, advantages, mask)
     if s.ranks.enabled:
         proxy, trainer_proxy = distributed.weighted_mean(

@@ -194,39 +194,35 @@ def _count_calls(monkeypatch, name):
 @torch.no_grad()
 def test_q_k_v_quantize_their_one_input_once_and_equal_unshared_layers(monkeypatch):
     attention, layers = _shared_attention("cpu")
+    assert isinstance(attention, rac.NVFP4Attention)
     assert (
         layers[1].rac is layers[0].rac and layers[2].rac is layers[0].rac
-    )  # one selector for one input
+    )  # one input, one selector
     calls = _count_calls(monkeypatch, "quantize_activation_reference")
-    x = torch.randn(
-        3, 5, layers[0].in_features, generator=torch.Generator().manual_seed(0)
-    ).bfloat16()
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, layers[0].in_features, generator=generator).bfloat16()
     mask = layers[0].rac(x.reshape(-1, x.shape[-1]))  # calibrates the shared selector on x
     calls.clear()
-
-    def check(order, x, quantizations):
-        calls.clear()
-        outputs = [layer(x) for layer in order]
-        assert len(calls) == quantizations
-        for layer, y in zip(order, outputs):  # the layer's own computation, nothing shared
-            expected = rac.nvfp4_linear_reference(x.reshape(-1, x.shape[-1]), layer.weight_q, mask)
-            assert same_bits(y, expected.to(x.dtype).view(*x.shape[:-1], -1))
-
-    check(layers, x, 1)  # q quantizes, k and v reuse
-    assert layers[0].shared_input.input is None  # all three have read it: nothing kept alive
-    check((layers[2], layers[0], layers[1]), x, 1)  # in any order
-    layers[0](x)
-    x.mul_(2.0)  # modified in place between two readers
-    check(layers[1:], x, 1)
-    check(layers, x.clone(), 1)  # equal values in another tensor: quantized anew
-    check((layers[0], layers[0]), x, 2)  # one layer twice: it reads x anew
+    outputs = attention.project_qkv(x)
+    assert len(calls) == 1  # one quantization of x for the three
+    for layer, y in zip(layers, outputs):  # each layer's own computation
+        expected = rac.nvfp4_linear_reference(x.reshape(-1, x.shape[-1]), layer.weight_q, mask)
+        assert same_bits(y, expected.to(x.dtype).view(*x.shape[:-1], -1))
+        assert same_bits(layer(x), y)  # the layer alone computes the same
+    # nothing is kept between calls: another input gives its own outputs
+    x2 = x * 2
+    calls.clear()
+    outputs = attention.project_qkv(x2)
+    assert len(calls) == 1
+    expected = rac.nvfp4_linear_reference(x2.reshape(-1, x.shape[-1]), layers[1].weight_q, mask)
+    assert same_bits(outputs[1], expected.to(x.dtype).view(*x.shape[:-1], -1))
 
 
-def _check_one_stacked_gemm(monkeypatch, layers, x, gemms_expected):
+def _check_one_stacked_gemm(monkeypatch, attention, layers, x, gemms_expected):
     mask = layers[0].rac(x)
     gemms = _count_calls(monkeypatch, "layer_matmul")
     quantizations = _count_calls(monkeypatch, "quantize_activation_triton")
-    outputs = [layer(x) for layer in layers]
+    outputs = attention.project_qkv(x)
     assert (len(gemms), len(quantizations)) == (gemms_expected, 1)
     for layer, y in zip(layers, outputs):  # each layer's own twin
         reference = rac.nvfp4_linear_reference(x.float(), layer.weight_q, mask)
@@ -241,7 +237,7 @@ def test_q_k_v_run_as_one_stacked_gemm_that_follows_weight_reloads(monkeypatch, 
     )  # the CUDA path, here under the interpreter
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(5, layers[0].in_features, generator=generator).to(kernel_device, torch.bfloat16)
-    _check_one_stacked_gemm(monkeypatch, layers, x, 1)
+    _check_one_stacked_gemm(monkeypatch, attention, layers, x, 1)
     # the layers' buffers are views of the stacked weight: a reload (sync_weights) lands in it
     layers[1].load_weight(
         torch.randn(layers[1].out_features, layers[1].in_features, generator=generator).to(
@@ -249,11 +245,11 @@ def test_q_k_v_run_as_one_stacked_gemm_that_follows_weight_reloads(monkeypatch, 
         )
         * 100
     )
-    _check_one_stacked_gemm(monkeypatch, layers, x.clone(), 1)
+    _check_one_stacked_gemm(monkeypatch, attention, layers, x.clone(), 1)
     # a buffer replaced (the layer moved, say): the layers run one by one, still correct
     layers[2].weight_data = layers[2].weight_data.clone()
     with pytest.warns(UserWarning, match="no longer views of their stacked weight"):
-        _check_one_stacked_gemm(monkeypatch, layers, x.clone(), 3)
+        _check_one_stacked_gemm(monkeypatch, attention, layers, x.clone(), 3)
 
 
 @pytest.mark.cuda
@@ -263,6 +259,7 @@ def test_q_k_v_share_the_triton_quantization_and_gemm_on_gpu(monkeypatch):
     for rows in (1, 96):  # one row (no use case, but it must work) and a batch
         _check_one_stacked_gemm(
             monkeypatch,
+            attention,
             layers,
             torch.randn(rows, layers[0].in_features, device="cuda", dtype=torch.bfloat16),
             1,
@@ -326,7 +323,7 @@ def _assert_rollout_weights_are_the_qat_weights(rollout, trainer):
 
 
 @torch.no_grad()
-def test_the_twin_path_dequantizes_a_weight_again_whenever_it_changes():
+def test_the_twin_path_dequantizes_a_weight_again_whenever_it_is_loaded():
     torch.manual_seed(0)
     layer = rac.NVFP4Linear.from_float(nn.Linear(64, 24, bias=False))
     x = torch.randn(5, 64)
@@ -338,8 +335,14 @@ def test_the_twin_path_dequantizes_a_weight_again_whenever_it_changes():
     assert same_bits(first, twin()) and same_bits(layer(x), first)
     layer.load_weight(torch.randn(24, 64))  # what sync_weights does
     assert same_bits(layer(x), twin()) and not torch.equal(layer(x), first)
-    layer.weight_global_scale.mul_(2.0)  # any in-place write to a buffer
+    # a write that is not a weight load (no load_weight, no state dict) asks for clear() explicitly
+    layer.weight_global_scale.mul_(2.0)
+    layer.weight_fp32.clear()
     assert same_bits(layer(x), twin())
+    # a state dict is a weight load: the kept DQ(W) goes with the old codes
+    other = rac.NVFP4Linear.from_float(nn.Linear(64, 24, bias=False))
+    layer.load_state_dict(other.state_dict())
+    assert same_bits(layer(x), other(x)) and same_bits(layer(x), twin())
     # a whole model: a sync after the trainer's weights moved gives what a fresh conversion gives
     model, tokens = tiny_model(vocab_size=48), _tokens()
     rollout = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")
@@ -441,7 +444,7 @@ def test_sync_weights_reloads_exactly_the_qat_weights():
     rac.sync_weights(rollout, trainer)
     _assert_rollout_weights_are_the_qat_weights(rollout, trainer)
 
-    qat.convert_for_training(trainer, "qat")  # same parameter names: sync works unchanged
+    qat.convert_for_training(trainer)  # same parameter names: sync works unchanged
     with torch.no_grad():
         for p in trainer.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -711,3 +714,65 @@ BAD_CALLS = [  # (id, call, what the message names, the problem it states)
 )
 def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(call, names, problem):
     raises_one_line(call, names, problem)
+
+
+# ============================================================================ TRACE: the rollout's record
+def recorded_and_used(x):
+    """What InputRecorder keeps of x (nvfp4.quantize) and what the rollout's quantizer used."""
+    return nvfp4.quantize(x), rac.quantize_activation_triton(x, codes=True).x_q
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_recorders_requantization_is_the_rollout_kernels_bit_for_bit(dtype, kernel_device):
+    """InputRecorder keeps nvfp4.quantize(x) of each rollout layer input; the rollout's fused quantizer
+    (under the Triton interpreter on the CPU) must have produced the same codes and scales."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, dtype=dtype).to(kernel_device)
+    x[:, 16:32] *= 40
+    recorded, used = recorded_and_used(x)
+    assert torch.equal(recorded.global_scale.reshape(()), used.global_scale.reshape(()))
+    assert torch.equal(recorded.data, used.data)
+    assert torch.equal(recorded.block_scale.view(torch.uint8), used.block_scale.view(torch.uint8))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [64, 4096])  # a decode step, a prefill
+def test_cuda_the_recorders_requantization_is_the_rollout_kernels_bit_for_bit(rows):
+    torch.manual_seed(0)
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    x[:, 64:80] *= 40
+    recorded, used = recorded_and_used(x)
+    assert torch.equal(recorded.global_scale.reshape(()), used.global_scale.reshape(()))
+    assert torch.equal(recorded.data, used.data)
+    assert torch.equal(recorded.block_scale.view(torch.uint8), used.block_scale.view(torch.uint8))
+
+
+@torch.no_grad()
+def test_the_recorder_keeps_each_layers_quantized_input_with_its_own_act_scale():
+    """Each NVFP4 layer records the input it quantizes, once per call (q, k and v: once for the three,
+    under each path), requantized with the recorder's act_scale: the rollout's codes."""
+    seen = {}
+    for act_scale in ("tensor", "row"):
+        model = tiny_model(vocab_size=48)
+        rollout_model = rac.convert_for_rollout(model, "nvfp4", act_scale=act_scale)
+        recorder = rac.InputRecorder(rollout_model, act_scale)
+        slots = recorder.hand_offs()
+        assert slots["layers.0.attn.q_proj"] is slots["layers.0.attn.v_proj"]
+        assert slots["layers.0.attn.o_proj"] is not slots["layers.0.attn.q_proj"]
+        attention = rollout_model.layers[0].attn
+        tokens = _tokens()
+        rollout_model(tokens, hand_offs=slots)
+        hidden = rollout_model.embed(tokens)
+        x = rollout_model.layers[0].attn_norm(hidden).reshape(-1, 64)  # q/k/v's input
+        steps = recorder.steps[
+            (("layers.0.attn.q_proj", "layers.0.attn.k_proj", "layers.0.attn.v_proj"), 0)
+        ]
+        assert len(steps) == 1  # one record for the three
+        data, block_scale, global_scale = steps[0]
+        expected = nvfp4.quantize(x, nvfp4.activation_global_scale(x, act_scale))
+        assert torch.equal(data, expected.data)
+        assert torch.equal(block_scale, expected.block_scale.view(torch.uint8))
+        assert torch.equal(global_scale, expected.global_scale.float().expand(x.shape[0]))
+        seen[act_scale] = global_scale
+        assert isinstance(attention, rac.NVFP4Attention)
+    assert seen["tensor"].unique().numel() == 1 and seen["row"].unique().numel() > 1

@@ -23,6 +23,7 @@ import nvfp4
 import qat
 import rac
 import rollout
+import symmetric
 import train
 from tools import runs
 
@@ -428,13 +429,12 @@ def test_moeresq_takes_the_rollouts_own_rac_selection():
         7 * torch.randint(9, (4, 16)),
     ):  # a recalibration changes both
         rac.calibrate_rac(rollout_model, batch)
-        masks = train.shared_state(rollout_model, "moeresq").masks
-        assert torch.equal(
-            masks["layers.0.attn.q_proj"][0], q_rollout.rac.mask
-        )  # the rollout's selection
+        masks = rac.rac_masks(rollout_model)
+        # the rollout's selection, as a snapshot
+        assert torch.equal(masks["layers.0.attn.q_proj"][0], q_rollout.rac.mask)
+        assert masks["layers.0.attn.q_proj"][0] is not q_rollout.rac.mask
         assert torch.equal(masks["layers.1.mlp.experts"][1], down_rollout.rac_down.mask)
         assert int(q_rollout.rac.mask.sum()) == 2  # half of the 4 blocks
-    assert train.shared_state(rollout_model, "qat").masks is None
 
 
 @pytest.mark.slow
@@ -946,7 +946,7 @@ def update_fixture(**overrides):
     task = train.build_task(cfg)
     model, tokenizer = train.build_model(cfg, task)
     rollout_model = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")
-    trainer = qat.convert_for_training(model, "qat")
+    trainer = qat.convert_for_training(model)
     prompts = train.encode_prompts(tokenizer, task.sample(4, "train", random.Random(0)))
     seq = rollout.generate(
         rollout_model, prompts, 4, 12, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, seed=0
@@ -1393,33 +1393,86 @@ def test_a_model_that_cannot_be_loaded_is_one_line_naming_the_flag(tmp_path):
 
 
 # ============================================================================ trace: the rollout's record
-def test_the_rollout_records_only_when_asked_and_the_trainer_takes_the_codes_for_one_call():
+def test_the_rollout_records_only_when_handed_a_recorder_and_the_trainer_takes_the_codes():
     torch.manual_seed(0)
     model = moe.MoETransformer(moe.MoEConfig.from_preset("tiny"))
     model.init_weights(std=0.2)
-    trace_trainer = qat.convert_for_training(copy.deepcopy(model), "trace")
+    trace_trainer = symmetric.convert_for_training(copy.deepcopy(model), "trace")
     rollout_model = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4")
-    recorder = qat.RolloutRecorder()
+    recorder = rac.InputRecorder(rollout_model)
     generate = dict(num_samples=2, max_new_tokens=4, eos_id=None, pad_id=0, seed=0)
     rollout.generate(rollout_model, [[1, 2, 3]], **generate)  # an evaluation: not recorded
     assert recorder.steps == {}
     out = rollout.generate(
-        rollout_model,
-        [[1, 2, 3]],
-        **generate,
-        decode_context=lambda: rac.recording(rollout_model, recorder.record),
+        rollout_model, [[1, 2, 3]], **generate, decode_hand_offs=recorder.hand_offs()
     )
-    assert all(m.record is None for m in rollout_model.modules() if isinstance(m, rac.RACSelector))
-    shared = qat.SharedState(codes=qat.recorded_codes(recorder, out))
-    assert (
-        shared.codes["layers.0.attn.o_proj"][0].keys.numel() == 2 * 4
-    )  # 2 samples x 4 decode steps
-    assert shared.codes["layers.1.mlp.experts"][1].keys.numel() == 2 * 4 * 2  # A = 2
-    with qat.sharing(trace_trainer, shared):  # the codes reach the layers for this call only
-        assert (
-            trace_trainer.layers[0].attn.o_proj.rollout_codes
-            is shared.codes["layers.0.attn.o_proj"]
+    share = symmetric.RolloutShare(codes=recorder.codes(out))
+    # 2 samples x 4 decode steps; the experts' down input: A = 2 records a token
+    assert share.codes["layers.0.attn.o_proj"][0].keys.numel() == 2 * 4
+    assert share.codes["layers.1.mlp.experts"][1].keys.numel() == 2 * 4 * 2
+    # q, k and v read one input: one record, under each of their paths
+    qkv = [share.codes[f"layers.0.attn.{name}_proj"][0] for name in "qkv"]
+    assert qkv[0] is qkv[1] is qkv[2]
+    hand_offs = share.hand_offs(trace_trainer)
+    assert hand_offs["layers.0.attn.o_proj"].codes is share.codes["layers.0.attn.o_proj"]
+    # nothing stays on the layers: a forward without the hand-offs rounds on its own
+    seq = out.sequences()
+    guided = trace_trainer(seq.tokens, hand_offs=hand_offs)
+    own = trace_trainer(seq.tokens)
+    assert not torch.equal(guided, own)
+    assert torch.equal(own, trace_trainer(seq.tokens))
+
+
+def test_trace_with_row_scales_keeps_its_first_steps_gap_over_later_rollouts(tmp_path):
+    """With one activation scale per row, TRACE's trainer rounds every completion token as its rollout
+    did, so the gap stays at fp32 order on every step, not only the first (each rollout records with
+    the run's act_scale)."""
+    cfg = tiny_config(
+        tmp_path, recipe="trace", act_scale="row", steps=4, warmstart_steps=20, eval_every=100
+    )
+    train.run(cfg)
+    records = read_metrics(os.path.join(tmp_path, cfg.run_name), rl_steps_only=True)
+    gaps = [r["mismatch/abs_diff_mean"] for r in records]
+    print("mean |dlogp| per step", gaps)
+    assert len(gaps) == 4
+    assert max(gaps) < 1e-5
+
+
+def test_moeresq_with_mipu_scores_the_trainer_with_the_masks_that_sampled_the_batch(
+    tmp_path, monkeypatch
+):
+    """The trainer forwards of a step (the update, then MIPU's trainer proxy after the sync) take the
+    RAC masks of the rollout that sampled the batch, though the sync recalibrates the rollout's own."""
+    seen = []
+    original = train.trainer_logprobs
+
+    def spy(cfg, trainer, seq, share=None, *args, **kwargs):
+        seen.append({path: [m.clone() for m in masks] for path, masks in share.masks.items()})
+        return original(cfg, trainer, seq, share, *args, **kwargs)
+
+    monkeypatch.setattr(train, "trainer_logprobs", spy)
+    cfg = tiny_config(
+        tmp_path,
+        recipe="moeresq",
+        mipu=True,
+        lr=0.05,
+        steps=2,
+        warmstart_steps=20,
+        eval_every=100,
+    )
+    s = train.setup(cfg)
+    changed = False
+    for step in range(cfg.steps):
+        before = rac.rac_masks(s.rollout_model)
+        seen.clear()
+        train.rl_step(s, step, runs.HeldInterrupt(step), [])
+        after = rac.rac_masks(s.rollout_model)
+        changed = changed or any(
+            not torch.equal(a, b) for path in before for a, b in zip(before[path], after[path])
         )
-    assert all(
-        m.rollout_codes is None for m in trace_trainer.modules() if isinstance(m, qat.QATLinear)
-    )
+        assert len(seen) >= 2  # the update's forward and the proxy's
+        for masks in seen:
+            for path, layer_masks in masks.items():
+                for mask, sampled in zip(layer_masks, before[path]):
+                    assert torch.equal(mask, sampled), path
+    assert changed  # the recalibration did move the rollout's selection: the test can tell

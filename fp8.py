@@ -8,20 +8,23 @@ its 8-value grid, needs one per 16 elements). Row-wise scaling:
     codes = e4m3(row / scale)          round to nearest even, |codes| <= 448
     row  ~= codes * scale
 
-A linear layer y = x @ W.T quantizes its weight per output channel (a row of W (N, K), once per weight
-sync) and its activation per token (a row of x (M, K), every call), so both scales factor out of the
-dot product: y[m, n] = x_scale[m] * w_scale[n] * sum_k x_codes[m, k] * w_codes[n, k]: the GEMM runs
-on the codes (FP8 tensor cores, sm_89+) and scales its fp32 tile once. The references define the
-numbers: dequantize, multiply in fp32, round to BF16 (the experts' also apply SwiGLU and the router
-weights in fp32 first, as their GEMMs' epilogues do).
+A linear layer y = x @ W.T quantizes its weight per output channel (a row of W (N, K), once per
+weight sync) and its activation per token (a row of x (M, K), every call), so both scales factor out
+of the dot product: y[m, n] = x_scale[m] * w_scale[n] * sum_k x_codes[m, k] * w_codes[n, k]: the
+GEMM runs on the codes (FP8 tensor cores, sm_89+) and scales its fp32 tile once. The references
+define the numbers: dequantize, multiply in fp32, round to BF16 (the experts' also apply SwiGLU and
+the router weights in fp32 first, as their GEMMs' epilogues do). FP8Linear and FP8Experts replace
+moe.py's layers in the rollout model through rac.py's conversion (mode "fp8"), like its NVFP4 ones.
 
 Where it runs (`use_kernels`, the one place a path is chosen): gpu_kernels/w8a8.py's Triton kernels
-on CUDA GPUs with FP8 tensor cores when Triton imports (one quantizer launch, or none: at decode sizes
-the dense GEMM quantizes x itself; the experts as two grouped GEMMs, no host sync), the references
-elsewhere. The kernels equal the references up to fp32 accumulation order (the quantizer bit for bit).
+on CUDA GPUs with FP8 tensor cores when Triton imports (one quantizer launch, or none: at decode
+sizes the dense GEMM quantizes x itself; the experts as two grouped GEMMs, no host sync), the
+references elsewhere. The kernels equal the references up to fp32 accumulation order (the
+quantizer bit for bit).
 
-Shape letters: M rows (tokens, or assignments R), K reduction dim, N output features, E experts, D model
-dim, I expert hidden dim. Left out: per-tensor or block-wise scales, E5M2, q/k/v stacking."""
+Shape letters: M rows (tokens, or assignments R), K reduction dim, N output features, E experts,
+D model dim, I expert hidden dim. Left out: per-tensor or block-wise scales, E5M2, q/k/v stacking.
+"""
 
 import functools
 
@@ -43,13 +46,15 @@ KERNEL_CAPABILITY = (8, 9)  # FP8 tensor cores: sm_89 (Ada) and later
 def quantize_rowwise(x):
     """x (..., K) -> (codes (..., K) float8_e4m3fn, scale (..., 1) fp32) with x ~ codes * scale."""
     amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
-    # a tensor divisor: CUDA turns division by a Python scalar into a reciprocal multiply (not the CPU's bits)
+    # a tensor divisor: CUDA turns division by a Python scalar into a reciprocal multiply (not the
+    # CPU's bits)
     scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
 def quantize_weight(w):
-    """The FP8 weight rule, per output channel: w (..., N, K) -> (codes (..., N, K), scale (..., N) fp32)."""
+    """The FP8 weight rule, per output channel: w (..., N, K) -> (codes (..., N, K), scale (..., N)
+    fp32)."""
     codes, scale = quantize_rowwise(w)
     return codes, scale.squeeze(-1)
 
@@ -71,8 +76,9 @@ def grouped_linear_reference(
     row_weights=None,
     out_dtype=torch.bfloat16,
 ):
-    """Twin of the experts' GEMM: rows grouped by expert (counts (E,)) times their weight (E, N, K) in fp32 (a
-    loop, one host sync); swiglu: silu(gate) * up; each row times row_weights (R,); rounded once to out_dtype."""
+    """Twin of the experts' GEMM: rows grouped by expert (counts (E,)) times their weight (E, N, K)
+    in fp32 (a loop, one host sync); swiglu: silu(gate) * up; each row times row_weights (R,);
+    rounded once to out_dtype."""
     x = x_codes.float() * x_scale  # (R, K)
     w = w_codes.float() * w_scale.float()[..., None]  # (E, N, K)
     y = torch.cat([x_e @ w_e.T for x_e, w_e in zip(x.split(counts.tolist()), w)])  # (R, N)
@@ -85,8 +91,9 @@ def grouped_linear_reference(
 
 
 def use_kernels(x):
-    """Do the FP8 layers run gpu_kernels/w8a8.py on x? Yes on CUDA GPUs with FP8 tensor cores (sm_89+)
-    when Triton imports; the references elsewhere (the kernel tests run the kernels on the CPU themselves)."""
+    """Do the FP8 layers run gpu_kernels/w8a8.py on x? Yes on CUDA GPUs with FP8 tensor cores
+    (sm_89+) when Triton imports; the references elsewhere (the kernel tests run the kernels on the
+    CPU themselves)."""
     return w8a8 is not None and x.is_cuda and _capability(x.device) >= KERNEL_CAPABILITY
 
 
@@ -103,9 +110,9 @@ def linear(x, w_codes, w_scale):
 def grouped_linear(
     x, counts, w_codes, w_scale, row_ids=None, swiglu=False, row_weights=None, row_weight_ids=None
 ):
-    """x (T, K), quantized per row; rows x[row_ids] (or x's own) grouped by expert, counts (E,) rows each,
-    times weight (E, N, K) -> (R, N or N/2) BF16. swiglu and row_weights (read at row_weight_ids if given)
-    as in grouped_linear_reference."""
+    """x (T, K), quantized per row; rows x[row_ids] (or x's own) grouped by expert, counts (E,) rows
+    each, times weight (E, N, K) -> (R, N or N/2) BF16. swiglu and row_weights (read at
+    row_weight_ids if given) as in grouped_linear_reference."""
     if use_kernels(x):
         return w8a8.grouped_linear(
             *w8a8.quantize_rows(x),
@@ -120,22 +127,20 @@ def grouped_linear(
     x_codes, x_scale = quantize_rowwise(x)
     if row_ids is not None:  # quantizing rows, then gathering them, is gathering, then quantizing
         x_codes, x_scale = x_codes[row_ids], x_scale[row_ids]
-    row_weights = row_weights[row_weight_ids] if row_weight_ids is not None else row_weights
+    if row_weight_ids is not None:
+        row_weights = row_weights[row_weight_ids]
     return grouped_linear_reference(x_codes, x_scale, counts, w_codes, w_scale, swiglu, row_weights)
 
 
 def check_layer_input(x, in_features, device, name):
-    """A rollout layer's input: a float tensor with the layer's in_features, on the weights' device (one
-    line naming the layer otherwise); rac.py's NVFP4 layers check theirs with it too."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in (
-        torch.bfloat16,
-        torch.float16,
-        torch.float32,
-    ):
+    """A rollout layer's input: a float tensor with the layer's in_features, on the weights' device
+    (one line naming the layer otherwise); rac.py's NVFP4 layers check theirs with it too."""
+    if not isinstance(x, torch.Tensor):
         raise ValueError(
-            f"{name}: expected a bfloat16/float16/float32 tensor, got "
-            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}"
+            f"{name}: expected a bfloat16/float16/float32 tensor, got {type(x).__name__}"
         )
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{name}: expected a bfloat16/float16/float32 tensor, got {x.dtype}")
     if x.shape[-1] != in_features:
         raise ValueError(f"{name}: expected last dim {in_features}, got shape {tuple(x.shape)}")
     if x.device != device:
@@ -147,7 +152,8 @@ class FP8Linear(nn.Module):
 
     def __init__(self, in_features, out_features, bias=False, device=None):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features = in_features
+        self.out_features = out_features
         self.register_buffer(
             "weight_fp8",
             torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device),
@@ -155,11 +161,10 @@ class FP8Linear(nn.Module):
         self.register_buffer(
             "weight_scale", torch.ones(out_features, dtype=torch.float32, device=device)
         )
-        self.bias = (
-            nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
-            if bias
-            else None
-        )
+        self.bias = None
+        if bias:
+            zeros = torch.zeros(out_features, device=device)
+            self.bias = nn.Parameter(zeros, requires_grad=False)
 
     @classmethod
     def from_float(cls, linear_layer):
@@ -194,11 +199,14 @@ class FP8Linear(nn.Module):
 
 
 class FP8Experts(nn.Module):
-    """W8A8 moe.Experts: two grouped FP8 GEMMs, SwiGLU in the first, the router weights in the second."""
+    """W8A8 moe.Experts: two grouped FP8 GEMMs, SwiGLU in the first, the router weights in the
+    second."""
 
     def __init__(self, n_experts, dim, expert_dim, device=None):
         super().__init__()
-        self.n_experts, self.dim, self.expert_dim = n_experts, dim, expert_dim
+        self.n_experts = n_experts
+        self.dim = dim
+        self.expert_dim = expert_dim
         E, D, I = n_experts, dim, expert_dim
         for name, (N, K) in (("gate_up", (2 * I, D)), ("down", (D, I))):
             self.register_buffer(
@@ -228,27 +236,31 @@ class FP8Experts(nn.Module):
             getattr(self, f"{name}_scale").copy_(scale)
 
     def forward(self, x, expert_ids, expert_weights):
-        """x (T, D), expert_ids (T, A), expert_weights (T, A) -> (T, D) in x.dtype, as moe.Experts."""
+        """x (T, D), expert_ids (T, A), expert_weights (T, A) -> (T, D) in x.dtype, as
+        moe.Experts."""
         check_layer_input(x, self.dim, self.gate_up_fp8.device, "FP8Experts")
         routing = moe.route_tokens(expert_ids, self.n_experts)
         y_sorted = self.sorted_rows(x, routing, expert_weights.reshape(-1))
         return moe.sum_expert_rows(y_sorted, routing, expert_ids.shape[1]).to(x.dtype)
 
     def sorted_rows(self, x, routing, expert_weights):
-        """x (T, D), routing, expert_weights (T * A,) -> (R, D) BF16: each sorted row times its router weight."""
+        """x (T, D), routing, expert_weights (T * A,) -> (R, D) BF16: each sorted row times its
+        router weight."""
+        # (R, I): gate_up's rows gathered from x, SwiGLU applied
         hidden = grouped_linear(
             x,
             routing.counts,
             self.gate_up_fp8,
-            self.gate_up_scale,  # (R, I)
+            self.gate_up_scale,
             row_ids=routing.token_ids,
             swiglu=True,
         )
+        # (R, D): each row times its router weight, read in the assignments' order
         return grouped_linear(
             hidden,
             routing.counts,
             self.down_fp8,
-            self.down_scale,  # (R, D)
+            self.down_scale,
             row_weights=expert_weights,
             row_weight_ids=routing.order,
         )

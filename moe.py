@@ -6,28 +6,40 @@ One decoder layer, pre-norm with residuals:
     x = x + MoEBlock(RMSNorm(x))          top-k router over E SwiGLU experts
 
 Formulas (the numerics follow Hugging Face's Qwen3MoeForCausalLM, so logits match in fp32):
-    RMSNorm(x)   = w * (x / sqrt(mean(x^2) + eps))          computed in fp32, cast back before * w
-    RoPE         = x * cos + rotate_half(x) * sin           rotate_half([a, b]) = [-b, a] (halves, not pairs)
-                   angle[pos, j] = pos * theta^(-2j / hd), the hd/2 angles repeated twice
-    Attention    q = RoPE(RMSNorm_q(W_q x)), k = RoPE(RMSNorm_k(W_k x)), v = W_v x  (norms over hd, then RoPE)
-                 y = W_o softmax(q k^T / sqrt(hd) + mask) v   (each of the Hkv heads serves H/Hkv query heads)
-    Router       p = softmax(W_gate x) in fp32, (w, ids) = top-A of p, w <- w / sum(w) if norm_topk_prob
+
+    RMSNorm(x)   = w * (x / sqrt(mean(x^2) + eps))     in fp32, cast back before * w
+    RoPE         = x * cos + rotate_half(x) * sin      rotate_half([a, b]) = [-b, a]
+                   (halves, not pairs); angle[pos, j] = pos * theta^(-2j / hd), the hd/2
+                   angles repeated twice
+    Attention    q = RoPE(RMSNorm_q(W_q x)), k = RoPE(RMSNorm_k(W_k x)), v = W_v x
+                   (the norms run over hd, before RoPE)
+                 y = W_o softmax(q k^T / sqrt(hd) + mask) v
+                   (each of the Hkv key/value heads serves H/Hkv query heads)
+    Router       p = softmax(W_gate x) in fp32, (w, ids) = top-A of p,
+                   w <- w / sum(w) if norm_topk_prob
     Expert e     f_e(x) = W_down_e (silu(W_gate_e x) * (W_up_e x))
     MoE          y = sum_a w_a f_{ids_a}(x)
 
-Experts run sparsely: the T*A (token, expert) assignments are sorted by expert once (`route_tokens`), each
-expert multiplies its contiguous slice of rows, and the rows go back to token order, summed with their
-router weights. The GEMMs are one `torch._grouped_mm` on CUDA in BF16, else a loop over the active experts
-(the slow twin). Fast paths (gpu_kernels/), each chosen in one `use_*_kernel` function: RMSNorm, q/k norm
-with RoPE, a decode step's routing sort, the sum of each token's expert rows, the router's softmax + top-k.
+Experts run sparsely: the T*A (token, expert) assignments are sorted by expert once
+(`route_tokens`), each expert multiplies its contiguous slice of rows, and the rows go back to token
+order, summed with their router weights. The GEMMs are one `torch._grouped_mm` on CUDA in BF16, else
+a loop over the active experts (the slow twin). Fast paths (gpu_kernels/), each chosen in one
+`use_*_kernel` function: RMSNorm, q/k norm with RoPE, a decode step's routing sort, the sum of each
+token's expert rows, the router's softmax + top-k (each equal to its twin bit for bit or to fp32
+rounding).
 
-Routes can be forced (R3): the trainer replays the rollout's experts, weighted by its own router (still trained).
+Routes can be forced (R3, "rollout routing replay"): the trainer replays the experts the rollout
+chose, while the mixing weights still come from its own router, so the router keeps receiving
+gradients. The KV cache belongs to the sampler (rollout.py, read after grpo.py); each Attention
+layer only calls `k, v = kv_cache.update(layer_idx, k, v)`.
 
-Left out on purpose: quantization (qat.py and rac.py swap these layers in place), dropout, attention bias,
-sliding windows, RoPE scaling, dense-MLP layers (`mlp_only_layers`), the load-balancing loss.
+Left out on purpose: quantization (the quantized layers of rac.py and qat.py, read after train.py,
+replace these layers in place), dropout, attention bias, sliding windows, RoPE scaling, dense-MLP
+layers (`mlp_only_layers`), the load-balancing loss.
 
-Shape letters: B batch, T tokens (queries), S keys (cached + new), D model dim, H query heads, Hkv key/value
-heads, hd head dim, E experts, A active experts per token, I expert hidden dim, V vocab, L layers, N = T*A
+Shape letters: B batch, T tokens (queries), S keys (cached + new), D model dim, H query heads, Hkv
+key/value heads, hd head dim, E experts, A active experts per token, I expert hidden dim, V vocab,
+L layers, N = T*A assignments.
 """
 
 import glob
@@ -43,17 +55,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+# triton ships with CUDA builds of torch on Linux; without it the plain twins run
 try:
     from gpu_kernels import norm as norm_kernels, routing as routing_kernels
-except (
-    ImportError
-):  # triton ships with CUDA builds of torch on Linux; without it the plain twins run
+except ImportError:
     norm_kernels = routing_kernels = None
 
 
-def check(
-    ok: bool, message: str
-):  # bad input fails early, in one line naming the field and the problem
+def check(ok: bool, message: str):
+    """Bad input fails early with one line that names the field and the problem."""
     if not ok:
         raise ValueError(message)
 
@@ -62,7 +72,7 @@ def needs_grad(*tensors: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-# ----------------------------------------------------------------------------------------------- config
+# ------------------------------------------------------------------------------------------- config
 @dataclass
 class MoEConfig:
     vocab_size: int = 64  # V; the tiny preset's char tokenizer sets it (override per task)
@@ -90,7 +100,8 @@ class MoEConfig:
         check(
             self.n_heads % self.n_kv_heads == 0,
             f"MoEConfig: n_heads={self.n_heads} is not divisible by "
-            f"n_kv_heads={self.n_kv_heads}; each key/value head must serve the same number of query heads",
+            f"n_kv_heads={self.n_kv_heads}; each key/value head must serve the same number "
+            f"of query heads",
         )
         check(
             self.n_active <= self.n_experts,
@@ -108,7 +119,8 @@ class MoEConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "MoEConfig":
-        """A named preset with some fields replaced, e.g. from_preset("tiny", vocab_size=len(tokenizer))."""
+        """A named preset with some fields replaced, e.g.
+        from_preset("tiny", vocab_size=len(tokenizer))."""
         check(name in PRESETS, f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides)
 
@@ -116,8 +128,8 @@ class MoEConfig:
 PRESETS = {
     # CPU: RL on the synthetic task finishes in minutes on two cores. ~0.2M parameters with V=64.
     "tiny": MoEConfig(),
-    # The default GPU experiment: ~107M parameters, ~19M active per token (+ embeddings). Every width is a
-    # multiple of 64, so NVFP4's 16-element blocks and GEMM tiles divide it evenly.
+    # The default GPU experiment: ~107M parameters, ~19M active per token (+ embeddings). Every
+    # width is a multiple of 64, so NVFP4's 16-element blocks and GEMM tiles divide it evenly.
     "small": MoEConfig(
         dim=512,
         n_layers=8,
@@ -129,7 +141,7 @@ PRESETS = {
         expert_dim=256,
         max_seq_len=1024,
     ),
-    # The real shapes of Qwen/Qwen3-30B-A3B (30.5B parameters, 3.3B active), for benchmarks and load_hf.
+    # The real shapes of Qwen/Qwen3-30B-A3B (30.5B parameters, 3.3B active): benchmarks, load_hf.
     "qwen3-30b-a3b": MoEConfig(
         vocab_size=151936,
         dim=2048,
@@ -147,8 +159,10 @@ PRESETS = {
 }
 
 
-# ----------------------------------------------------------------------------------------------- fast paths
-# Where each kernel (gpu_kernels/norm.py, routing.py) runs, else its twin; a benchmark may set one to False.
+# --------------------------------------------------------------------------------------- fast paths
+# Where each fused kernel (gpu_kernels/norm.py, gpu_kernels/routing.py) runs: on the CUDA tensors it
+# applies to, the plain twin everywhere else. A benchmark may set one to `lambda *args: False` to
+# time its twin.
 def use_norm_kernel(x: Tensor, weight: Tensor) -> bool:
     return (
         norm_kernels is not None
@@ -169,9 +183,8 @@ def use_norm_rope_kernel(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor) ->
     )
 
 
-def use_routing_kernel(
-    expert_ids: Tensor, n_experts: int
-) -> bool:  # a decode step's, not a prefill's
+def use_routing_kernel(expert_ids: Tensor, n_experts: int) -> bool:
+    # sized for a decode step's assignments, not a prefill's
     return (
         routing_kernels is not None
         and expert_ids.is_cuda
@@ -196,10 +209,11 @@ def use_router_kernel(logits: Tensor) -> bool:
     )
 
 
-# ----------------------------------------------------------------------------------------------- layers
+# ------------------------------------------------------------------------------------------- layers
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm as Hugging Face computes it: statistics in fp32 even for BF16 activations, the cast back
-    to x's dtype before the scale (so the two round identically), the product in the promoted dtype."""
+    """RMSNorm as Hugging Face computes it: statistics in fp32 even for BF16 activations, the cast
+    back to x's dtype before the scale (so the two round identically), the product in the promoted
+    dtype."""
     x_float = x.float()
     x_normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x_normed.to(x.dtype)
@@ -222,9 +236,10 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(
     positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """cos and sin of the rotary angles for each position: positions (B, T) -> two (B, 1, T, hd) tensors."""
-    # Recomputed each forward (hd/2 numbers) rather than stored as a buffer: a buffer would be rounded to
-    # BF16 by model.to(torch.bfloat16), and BF16 frequencies are wrong after a few hundred positions.
+    """cos and sin of the rotary angles: positions (B, T) -> two (B, 1, T, hd) tensors, one each."""
+    # Recomputed each forward (hd/2 numbers) rather than stored as a buffer: a buffer would be
+    # rounded to BF16 by model.to(torch.bfloat16), and BF16 frequencies are wrong after a few
+    # hundred positions.
     even_dims = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
     inv_freq = 1.0 / theta ** (even_dims / head_dim)  # (hd/2,)
     angles = positions[..., None].float() * inv_freq  # (B, T, hd/2)
@@ -233,7 +248,7 @@ def rope_cos_sin(
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x (B, H, T, hd): dimension j pairs with j + hd/2 (Hugging Face's rotate_half convention)."""
+    """Rotate x (B, H, T, hd): dimension j pairs with j + hd/2 (HF's rotate_half convention)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -246,16 +261,17 @@ def norm_rope(x: Tensor, norm: "RMSNorm", cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def call_layer(layer: nn.Module, hand_offs: dict | None, name: str, *inputs):
-    """layer(*inputs), or layer(*inputs, hand_offs[name]) when the caller hands this layer something for
-    this call: a replaced layer's per-call argument, passed down visibly rather than set on the layer."""
+    """layer(*inputs), or layer(*inputs, hand_offs[name]) when the caller hands this layer something
+    for this call: a replaced layer's per-call argument, passed down visibly rather than set on the
+    layer from outside."""
     if hand_offs is None or name not in hand_offs:
         return layer(*inputs)
     return layer(*inputs, hand_offs[name])
 
 
 def hand_offs_below(hand_offs: dict | None, prefix: str) -> dict | None:
-    """The entries of `hand_offs` under module path `prefix` ("layers.3."), keyed by the rest of their
-    path; None when there are none (the common case: no layer takes anything)."""
+    """The entries of `hand_offs` under module path `prefix` ("layers.3."), keyed by the rest of
+    their path; None when there are none (the common case: no layer takes anything)."""
     if not hand_offs:
         return None
     below = {}
@@ -266,21 +282,19 @@ def hand_offs_below(hand_offs: dict | None, prefix: str) -> dict | None:
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention with Qwen3's per-head RMSNorm on q and k (before RoPE). The projections
-    are called as `self.q_proj(x)` (through call_layer), so quantized modules with that call can
-    replace them; one the caller hands something for this call is called `self.q_proj(x, hand_off)`.
-    q, k and v read one input in project_qkv, which a quantized twin may override as a whole."""
+    """Causal GQA self-attention with Qwen3's per-head RMSNorm on q and k (before RoPE). The
+    projections are called as `self.q_proj(x)` (through call_layer), so quantized modules with that
+    call can replace them; a layer the caller hands something for this call is called
+    `self.q_proj(x, hand_off)`. q, k and v read one input in project_qkv, which a quantized twin may
+    override as a whole."""
 
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx = (
-            layer_idx  # the key rollout.py's KV cache files this layer's keys and values under
-        )
-        self.n_heads, self.n_kv_heads, self.head_dim = (
-            config.n_heads,
-            config.n_kv_heads,
-            config.head_dim,
-        )
+        # the key rollout.py's KV cache files this layer's keys and values under
+        self.layer_idx = layer_idx
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
         self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
@@ -315,79 +329,87 @@ class Attention(nn.Module):
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, S, hd)
         group = H // Hkv  # query heads per key/value head
         if attn_mask is None:
-            # Training: expand the shared key/value heads so SDPA's fused causal kernels apply (a small copy)
-            k, v = (
-                k.repeat_interleave(group, dim=1),
-                v.repeat_interleave(group, dim=1),
-            )  # (B, H, S, hd)
+            # Training: expand the shared key/value heads so that SDPA's fused causal kernels
+            # apply (a small copy).
+            k = k.repeat_interleave(group, dim=1)  # (B, H, S, hd)
+            v = v.repeat_interleave(group, dim=1)  # (B, H, S, hd)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
         else:
-            # With a mask (the sampler's cache): fold each key/value head's `group` query heads into the
-            # query axis, so the cache is read in place (reshape: some SDPA results are non-contiguous).
+            # With a mask (the sampler's cache): fold each key/value head's `group` query heads into
+            # the query axis, so the cache is read in place (reshape: some SDPA results are
+            # non-contiguous).
+            S = k.shape[2]
             q = q.reshape(B, Hkv, group * T, hd)  # (B, Hkv, group*T, hd)
-            mask = attn_mask.expand(B, 1, T, k.shape[2]).repeat(
-                1, 1, group, 1
-            )  # (B, 1, group*T, S)
+            mask = attn_mask.expand(B, 1, T, S).repeat(1, 1, group, 1)  # (B, 1, group*T, S)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, H*hd)
         return call_layer(self.o_proj, hand_offs, "o_proj", y)  # (B, T, D)
 
 
-# ----------------------------------------------------------------------------------------------- experts
+# ------------------------------------------------------------------------------------------ experts
 class Routing(NamedTuple):
-    """The T*A (token, expert) assignments grouped by expert; assignment n = t*A + a: token t's a-th."""
+    """The T*A (token, expert) assignments grouped by expert. Assignment n = t*A + a is token t's
+    a-th choice."""
 
-    order: Tensor  # (N,) int64: assignments sorted by expert (stable: token order within an expert)
-    token_ids: Tensor  # (N,) int64: the token of each sorted row, for gathering the inputs
-    inverse_order: (
-        Tensor  # (N,) int64: where assignment n sits in the sorted rows, for putting outputs back
-    )
-    counts: Tensor  # (E,) int64: rows per expert
-    offsets: (
-        Tensor  # (E,) int32: end of each expert's slice (cumulative counts); _grouped_mm's `offs`
-    )
+    # (N,) int64: assignments sorted by expert (stable: token order within an expert)
+    order: Tensor
+    # (N,) int64: the token of each sorted row, for gathering the inputs
+    token_ids: Tensor
+    # (N,) int64: where assignment n sits in the sorted rows, for putting outputs back
+    inverse_order: Tensor
+    # (E,) int64: rows per expert
+    counts: Tensor
+    # (E,) int32: end of each expert's slice (cumulative counts); _grouped_mm's `offs`
+    offsets: Tensor
 
 
 def route_tokens(expert_ids: Tensor, n_experts: int) -> Routing:
-    """Sort the assignments expert_ids (T, A) by expert, once per layer (the quantized experts share it)."""
+    """Sort the assignments expert_ids (T, A) by expert, once per layer (the quantized experts
+    share it)."""
     if use_routing_kernel(expert_ids, n_experts):
         return Routing(*routing_kernels.route_tokens(expert_ids, n_experts))
     return route_tokens_reference(expert_ids, n_experts)
 
 
 def route_tokens_reference(expert_ids: Tensor, n_experts: int) -> Routing:
-    """route_tokens in torch ops: a stable sort on the narrowest key, searchsorted for the counts."""
+    """route_tokens in torch ops: a stable sort on the narrowest key, searchsorted for counts."""
     flat_ids = expert_ids.reshape(-1)  # (N,)
-    # the narrowest key: a radix sort costs a pass per key byte (int64: 27 us a layer at 512 rows, H200)
+    # The narrowest key that holds an expert id: a radix sort costs a pass per key byte (int64 keys
+    # took 27 us a layer at 512 assignments on an H200, most of the routing). The order is the same.
     key_dtype = torch.uint8 if n_experts <= 256 else torch.int32
     sorted_ids, order = torch.sort(flat_ids.to(key_dtype), stable=True)
-    inverse_order = torch.empty_like(order).scatter_(
-        0, order, torch.arange(order.numel(), device=order.device)
-    )
+    positions = torch.arange(order.numel(), device=order.device)
+    inverse_order = torch.empty_like(order).scatter_(0, order, positions)
+    # searchsorted on the sorted ids keeps every size static: no host sync, nothing torch.compile
+    # must guess.
     experts = torch.arange(n_experts, device=flat_ids.device, dtype=key_dtype)
     ends = torch.searchsorted(sorted_ids, experts, right=True)  # (E,)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    return Routing(
-        order, order // expert_ids.shape[-1], inverse_order, counts, ends.to(torch.int32)
-    )
+    token_ids = order // expert_ids.shape[-1]
+    return Routing(order, token_ids, inverse_order, counts, ends.to(torch.int32))
 
 
 def combine_expert_outputs(y_sorted: Tensor, routing: Routing, expert_weights: Tensor) -> Tensor:
-    """y_sorted (N, D) rows in expert order -> (T, D): y[t] = sum_a expert_weights[t, a] * row of (t, a)."""
+    """y_sorted (N, D) rows in expert order -> (T, D): y[t] = sum_a expert_weights[t, a] * row
+    of (t, a)."""
     T, A = expert_weights.shape
     y = y_sorted[routing.inverse_order].view(T, A, -1)  # (T, A, D)
-    # a gather and a batched (1, A) @ (A, D) product, not index_add_: no atomics, one rounding (HF's dtype)
+    # A gather and a batched (1, A) @ (A, D) product instead of index_add_: deterministic on the
+    # GPU (no atomics) and one rounding per token. The weights are cast to the activation dtype
+    # first, as in HF.
     return torch.bmm(expert_weights.to(y.dtype).unsqueeze(1), y).squeeze(1)  # (T, D)
 
 
 def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
-    """y_sorted (N, D) rows in expert order, already weighted (the quantized experts apply the router weights
-    in their GEMMs) -> (T, D): each token's A rows added in fp32 in the order a = 0..A-1, rounded once."""
+    """y_sorted (N, D) rows in expert order, already weighted -> (T, D): each token's A rows
+    added in fp32 in the order a = 0..A-1, rounded once to y_sorted's dtype. (The quantized
+    expert layers apply the router weights in their GEMMs; combine_expert_outputs is the form
+    that applies them.)"""
     n = routing.inverse_order.numel()
     check(
         y_sorted.dim() == 2 and y_sorted.shape[0] == n and n_active >= 1 and n % n_active == 0,
-        f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, the routing's "
-        f"assignments, a multiple of n_active={n_active}",
+        f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, "
+        f"the routing's assignments, a multiple of n_active={n_active}",
     )
     if use_sum_rows_kernel(y_sorted):
         return routing_kernels.sum_expert_rows(y_sorted, routing.inverse_order, n_active)
@@ -396,24 +418,26 @@ def sum_expert_rows(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor
 
 def sum_expert_rows_reference(y_sorted: Tensor, routing: Routing, n_active: int) -> Tensor:
     y = y_sorted[routing.inverse_order].view(-1, n_active, y_sorted.shape[-1]).float()  # (T, A, D)
-    return sum(y.unbind(1)[1:], y[:, 0]).to(
-        y_sorted.dtype
-    )  # a = 0, 1, ... in turn, not y.sum(1)'s order
+    # a = 0, 1, ... in turn, not y.sum(1)'s order
+    return sum(y.unbind(1)[1:], y[:, 0]).to(y_sorted.dtype)
 
 
 def expert_swiglu_loop(
     x_sorted: Tensor, counts: Tensor, gate_up_proj: Tensor, down_proj: Tensor
 ) -> Tensor:
-    """Slow twin: x_sorted (N, D) grouped by expert -> (N, D), one pair of matmuls per active expert."""
-    outputs, start = [], 0
-    # unbind once: indexing w[e] per expert would make autograd write a full-size zero gradient per expert
-    gate_up_weights, down_weights = gate_up_proj.unbind(0), down_proj.unbind(0)
+    """Slow twin: x_sorted (N, D) grouped by expert -> (N, D), one pair of matmuls per active
+    expert."""
+    outputs = []
+    start = 0
+    # Unbind once: indexing w[e] per expert would make autograd write a full-size zero gradient
+    # per expert.
+    gate_up_weights = gate_up_proj.unbind(0)
+    down_weights = down_proj.unbind(0)
     for e, n in enumerate(counts.tolist()):  # one host sync per layer
         if n == 0:
             continue
-        gate, up = F.linear(x_sorted[start : start + n], gate_up_weights[e]).chunk(
-            2, dim=-1
-        )  # (n, I) each
+        gate_up = F.linear(x_sorted[start : start + n], gate_up_weights[e])  # (n, 2I)
+        gate, up = gate_up.chunk(2, dim=-1)  # (n, I) each
         outputs.append(F.linear(F.silu(gate) * up, down_weights[e]))  # (n, D)
         start += n
     return torch.cat(outputs) if outputs else x_sorted.new_zeros(x_sorted.shape)
@@ -422,9 +446,11 @@ def expert_swiglu_loop(
 def expert_swiglu_grouped(
     x_sorted: Tensor, offsets: Tensor, gate_up_proj: Tensor, down_proj: Tensor
 ) -> Tensor:
-    """Fast path: the same computation as expert_swiglu_loop, as two grouped GEMMs without a host sync."""
-    # torch._grouped_mm(a, b, offs) multiplies rows offs[e-1]:offs[e] of a by b[e]; b is (E, K, N), so the
-    # stored (E, out, in) weights are passed transposed, which is also the column-major layout it wants.
+    """Fast path: the same computation as expert_swiglu_loop, as two grouped GEMMs without a
+    host sync."""
+    # torch._grouped_mm(a, b, offs) multiplies rows offs[e-1]:offs[e] of a by b[e]; b is
+    # (E, K, N), so the stored (E, out, in) weights are passed transposed, which is also the
+    # column-major layout it wants.
     gate_up = torch._grouped_mm(x_sorted, gate_up_proj.transpose(-2, -1), offs=offsets)  # (N, 2I)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)  # (N, D)
@@ -433,19 +459,20 @@ def expert_swiglu_grouped(
 def expert_operands(
     x_sorted: Tensor, gate_up_proj: Tensor, down_proj: Tensor
 ) -> tuple[Tensor, ...]:
-    """Under torch.autocast, the expert GEMMs run in the autocast dtype, as F.linear would (FP32 master
-    weights, BF16 compute); the casts are differentiable, so gradients still reach the FP32 weights."""
+    """Under torch.autocast, the expert GEMMs run in the autocast dtype, as F.linear would (FP32
+    master weights, BF16 compute); the casts are differentiable, so gradients still reach the
+    FP32 weights."""
     device = x_sorted.device.type
     if not torch.is_autocast_enabled(device):
         return x_sorted, gate_up_proj, down_proj
-    return tuple(
-        t.to(torch.get_autocast_dtype(device)) for t in (x_sorted, gate_up_proj, down_proj)
-    )
+    dtype = torch.get_autocast_dtype(device)
+    return x_sorted.to(dtype), gate_up_proj.to(dtype), down_proj.to(dtype)
 
 
 def use_grouped_mm(x: Tensor, expert_dim: int) -> bool:
-    """The one place the expert GEMM path is chosen: torch._grouped_mm takes BF16 on CUDA (SM80+) with
-    16-byte aligned rows (D and I divisible by 8, as in every preset); else the loop, said once on CUDA."""
+    """The one place the expert GEMM path is chosen: torch._grouped_mm takes BF16 on CUDA
+    (SM80+) with 16-byte aligned rows (D and I divisible by 8, as in every preset); else the
+    loop, said once on CUDA."""
     ok = (
         x.dtype == torch.bfloat16
         and hasattr(torch, "_grouped_mm")
@@ -460,9 +487,10 @@ def use_grouped_mm(x: Tensor, expert_dim: int) -> bool:
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts in Hugging Face's fused layout: gate_up_proj (E, 2I, D), rows [0:I] gate and
-    [I:2I] up; down_proj (E, D, I). forward is route, gather, expert GEMMs, combine; a quantized
-    replacement keeps route_tokens and combine_expert_outputs and swaps only the GEMMs in the middle."""
+    """E SwiGLU experts in Hugging Face's fused layout: gate_up_proj (E, 2I, D), rows [0:I] gate
+    and [I:2I] up; down_proj (E, D, I). forward is route, gather, expert GEMMs, combine; a
+    quantized replacement keeps route_tokens and combine_expert_outputs and swaps only the GEMMs
+    in the middle."""
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -475,9 +503,8 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, expert_ids: Tensor, expert_weights: Tensor) -> Tensor:
         """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) fp32 -> (T, D) in x.dtype."""
         routing = route_tokens(expert_ids, self.n_experts)
-        x_sorted, gate_up, down = expert_operands(
-            x[routing.token_ids], self.gate_up_proj, self.down_proj
-        )
+        x_sorted = x[routing.token_ids]  # (N, D)
+        x_sorted, gate_up, down = expert_operands(x_sorted, self.gate_up_proj, self.down_proj)
         if use_grouped_mm(x_sorted, down.shape[-1]):
             y_sorted = expert_swiglu_grouped(x_sorted, routing.offsets, gate_up, down)  # (N, D)
         else:
@@ -488,21 +515,24 @@ class Experts(nn.Module):
 def router_top_k_reference(
     logits: Tensor, n_active: int, norm_topk_prob: bool, routes: Tensor | None = None
 ):
-    """The router: logits (T, E) -> (weights (T, A) fp32, ids (T, A) int64): ids its A most probable experts
-    in descending order, weights theirs or those of `routes` (T, A) (R3), renormalized if norm_topk_prob.
-    The softmax runs in fp32, as in HF: in BF16 close probabilities tie and top-k would pick arbitrarily."""
+    """The router: logits (T, E) -> (weights (T, A) fp32, ids (T, A) int64): ids its A most probable
+    experts in descending order, weights theirs or those of `routes` (T, A) (R3), renormalized if
+    norm_topk_prob. The softmax runs in fp32, as in HF: in BF16 close probabilities tie and top-k
+    would pick arbitrarily."""
     ids = torch.softmax(logits.float(), dim=-1).topk(n_active, dim=-1).indices  # (T, A)
     return router_weights(logits, ids if routes is None else routes, norm_topk_prob), ids
 
 
 def router_weights(logits: Tensor, ids: Tensor, norm_topk_prob: bool) -> Tensor:
-    """fp32 router probabilities of experts ids (T, A), renormalized if norm_topk_prob (kernel's backward too)."""
+    """The fp32 router probabilities of experts ids (T, A), renormalized if norm_topk_prob (the
+    reference's weights, and the fused router's backward)."""
     weights = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
     return weights / weights.sum(dim=-1, keepdim=True) if norm_topk_prob else weights
 
 
 def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool, routes: Tensor | None = None):
-    """The router, trainer and rollout alike (the same weights from the same logits on both sides)."""
+    """The router, trainer and rollout alike (the same weights from the same logits on both
+    sides)."""
     if not use_router_kernel(logits):
         return router_top_k_reference(logits, n_active, norm_topk_prob, routes)
     if needs_grad(logits):
@@ -513,31 +543,34 @@ def router_top_k(logits: Tensor, n_active: int, norm_topk_prob: bool, routes: Te
 
 
 class MoEBlock(nn.Module):
-    """Router plus experts. forward(x, forced_routes) -> (y, routes): routes (..., A) int64 are the router's
-    own top-k, also when forced_routes chose the experts that ran (what the replay overrode)."""
+    """Router plus experts. forward(x, forced_routes) -> (y, routes): routes (..., A) int64 are the
+    router's own top-k, also when forced_routes chose the experts that ran (what the replay
+    overrode)."""
 
     def __init__(self, config: MoEConfig):
         super().__init__()
-        self.n_active, self.norm_topk_prob = config.n_active, config.norm_topk_prob
+        self.n_active = config.n_active
+        self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(config.dim, config.n_experts, bias=False)  # the router (HF's name)
         self.experts = Experts(config)
 
     def forward(
         self, x: Tensor, forced_routes: Tensor | None = None, hand_offs: dict | None = None
     ) -> tuple[Tensor, Tensor]:
-        lead_shape, D = x.shape[:-1], x.shape[-1]
+        lead_shape = x.shape[:-1]
+        D = x.shape[-1]
         x = x.reshape(-1, D)  # (T, D)
-        routes = (
-            None if forced_routes is None else forced_routes.reshape(-1, self.n_active)
-        )  # (T, A)
+        # (T, A): the experts to run where they are forced (R3), else None
+        routes = None if forced_routes is None else forced_routes.reshape(-1, self.n_active)
         logits = call_layer(self.gate, hand_offs, "gate", x)  # (T, E)
-        weights, own = router_top_k(logits, self.n_active, self.norm_topk_prob, routes)  # (T, A) each
+        # (T, A) each: the mixing weights (of the forced experts, if any) and the router's own top-k
+        weights, own = router_top_k(logits, self.n_active, self.norm_topk_prob, routes)
         chosen = own if routes is None else routes
         y = call_layer(self.experts, hand_offs, "experts", x, chosen, weights)
         return y.view(*lead_shape, D), own.view(*lead_shape, self.n_active)
 
 
-# ----------------------------------------------------------------------------------------------- model
+# -------------------------------------------------------------------------------------------- model
 class Block(nn.Module):
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
@@ -570,22 +603,25 @@ class MoETransformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02):
-        """Hugging Face's Qwen3-MoE init, to train from scratch: N(0, std) every matrix, ones the norms."""
+        """Hugging Face's Qwen3-MoE init, to train from scratch: N(0, std) every matrix, ones the
+        norms."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std)
             elif isinstance(module, Experts):
-                module.gate_up_proj.normal_(0.0, std), module.down_proj.normal_(0.0, std)
+                module.gate_up_proj.normal_(0.0, std)
+                module.down_proj.normal_(0.0, std)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
     def num_params(self, active: bool = False) -> int:
-        """Parameter count (a tied head counted once); active=True counts A of the E experts per layer."""
-        c = self.config
-        inactive = (
-            c.n_layers * (c.n_experts - c.n_active) * 3 * c.dim * c.expert_dim if active else 0
-        )
-        return sum(p.numel() for p in self.parameters()) - inactive
+        """Parameter count (a tied head counted once); active=True counts A of the E experts per
+        layer."""
+        total = sum(p.numel() for p in self.parameters())
+        if active:
+            c = self.config
+            total -= c.n_layers * (c.n_experts - c.n_active) * 3 * c.dim * c.expert_dim
+        return total
 
     def forward(
         self,
@@ -597,36 +633,39 @@ class MoETransformer(nn.Module):
         return_routes: bool = False,
         hand_offs: dict | None = None,
     ):
-        """tokens (B, T) int64 -> logits (B, T, V) in the model's dtype (upcast before a log-softmax).
+        """tokens (B, T) int64 -> logits (B, T, V) in the model's dtype (upcast before a
+        log-softmax).
+
         positions (B, T): RoPE positions, default 0..T-1.
-        attn_mask: bool, broadcastable to (B, 1, T, S), True = may attend. It replaces the causal default,
-            so it must be causal itself; let padding attend to itself (a row allowed no key is undefined).
+        attn_mask: bool, broadcastable to (B, 1, T, S), True = may attend. It replaces the causal
+            default, so it must be causal itself; let padding attend to itself (a row allowed no key
+            is undefined).
         kv_cache: any object with update(layer_idx, k, v) -> (k, v); needs attn_mask and positions.
         forced_routes (L, B, T, A) int64: replay these experts instead of each router's top-k.
         return_routes: also return each router's own top-k, (L, B, T, A) int64, replayed or not.
-        hand_offs: {module path: object}, what a replaced layer takes for this call besides its input
-            (the symmetric trainer's share of the rollout, a rollout recorder); the layer at a path named
-            here is called layer(x, hand_offs[path]), every other layer(x). Paths are named_modules'.
+        hand_offs: {module path: object}, what a replaced layer takes for this call besides its
+            input (a symmetric trainer's share of the rollout, a rollout's recorder, both met
+            later); the layer at a path named here is called layer(x, hand_offs[path]), every other
+            layer(x). Paths are named_modules'.
         """
         c = self.config
         check(
             tokens.dim() == 2 and tokens.dtype in (torch.int64, torch.int32),
-            f"tokens must be an integer "
-            f"tensor of shape (B, T), got {tuple(tokens.shape)} {tokens.dtype}",
+            f"tokens must be an integer tensor of shape (B, T), "
+            f"got {tuple(tokens.shape)} {tokens.dtype}",
         )
         B, T = tokens.shape
         check(T <= c.max_seq_len, f"{T} tokens exceed max_seq_len={c.max_seq_len}")
         check(
             kv_cache is None or (attn_mask is not None and positions is not None),
-            "with a kv_cache, pass "
-            "attn_mask (B, 1, T, S) and positions (B, T): the model cannot know which cached keys each "
-            "query may see, nor where the new tokens sit",
+            "with a kv_cache, pass attn_mask (B, 1, T, S) and positions (B, T): the model cannot "
+            "know which cached keys each query may see, nor where the new tokens sit",
         )
         if attn_mask is not None:
             check(
                 attn_mask.dtype == torch.bool and attn_mask.dim() == 4,
-                f"attn_mask must be bool, "
-                f"broadcastable to (B, 1, T, S), got {tuple(attn_mask.shape)} {attn_mask.dtype}",
+                f"attn_mask must be bool, broadcastable to (B, 1, T, S), "
+                f"got {tuple(attn_mask.shape)} {attn_mask.dtype}",
             )
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
@@ -650,12 +689,11 @@ class MoETransformer(nn.Module):
 
         x = self.embed(tokens)  # (B, T, D)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)  # (B, 1, T, hd) each
+        forced_per_layer = [None] * c.n_layers if forced_routes is None else forced_routes
         routes = []
         for i, layer in enumerate(self.layers):
-            forced = None
-            if forced_routes is not None:
-                forced = forced_routes[i]
             layer_hand_offs = hand_offs_below(hand_offs, f"layers.{i}.")
+            forced = forced_per_layer[i]
             x, layer_routes = layer(x, cos, sin, attn_mask, kv_cache, forced, layer_hand_offs)
             routes.append(layer_routes)  # (B, T, A)
         logits = call_layer(self.lm_head, hand_offs, "lm_head", self.norm(x))  # (B, T, V)
@@ -663,9 +701,10 @@ class MoETransformer(nn.Module):
 
 
 def swappable_layers(model: nn.Module, include_router: bool = False, include_lm_head: bool = False):
-    """[(parent, attribute, module)] for every layer qat.py and rac.py replace in place: each Attention's
-    nn.Linear projections and every Experts block, optionally the routers (MoEBlock.gate) and the LM head.
-    Chosen by isinstance, never by name; listed up front so callers can setattr while walking it."""
+    """[(parent, attribute, module)] for every layer the quantized recipes replace in place (rac.py,
+    qat.py: read after train.py): each Attention's nn.Linear projections and every Experts block,
+    optionally the routers (MoEBlock.gate) and the LM head. Chosen by isinstance, never by name;
+    listed up front so callers can setattr while walking it."""
     layers = []
     for parent in model.modules():
         linears = (
@@ -679,8 +718,9 @@ def swappable_layers(model: nn.Module, include_router: bool = False, include_lm_
     return layers
 
 
-# ----------------------------------------------------------------------------------------------- loading
-_HF_RENAMES = [  # (checkpoint name pattern, this module's name); experts are handled separately
+# ------------------------------------------------------------------------------------------ loading
+# (checkpoint name pattern, this module's name); per-expert weights are handled separately
+_HF_RENAMES = [
     (r"model\.embed_tokens\.weight", "embed.weight"),
     (r"model\.norm\.weight", "norm.weight"),
     (r"lm_head\.weight", "lm_head.weight"),
@@ -691,21 +731,24 @@ _HF_RENAMES = [  # (checkpoint name pattern, this module's name); experts are ha
         r"layers.\1.attn.\2.weight",
     ),
     (r"model\.layers\.(\d+)\.mlp\.gate\.weight", r"layers.\1.mlp.gate.weight"),
+    # experts already fused, (E, 2I, D) and (E, D, I), as transformers keeps them
     (r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", r"layers.\1.mlp.experts.\2"),
-]  # fused
+]
 _HF_PER_EXPERT = re.compile(
     r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"
 )
 
 
 def config_from_hf(hf_config) -> MoEConfig:
-    """MoEConfig from a transformers Qwen3MoeConfig; anything this module does not implement is an error."""
+    """MoEConfig from a transformers Qwen3MoeConfig; anything this module does not implement is an
+    error."""
     check(
         hf_config.model_type == "qwen3_moe",
-        f"load_hf reads Qwen3-MoE checkpoints (model_type "
-        f"'qwen3_moe'), got model_type {hf_config.model_type!r}",
+        f"load_hf reads Qwen3-MoE checkpoints (model_type 'qwen3_moe'), "
+        f"got model_type {hf_config.model_type!r}",
     )
-    # transformers 5 keeps RoPE settings in rope_parameters; 4.x had rope_theta and rope_scaling (None)
+    # transformers 5 keeps RoPE settings in rope_parameters; 4.x had rope_theta and rope_scaling
+    # (None)
     rope = (
         getattr(hf_config, "rope_parameters", None)
         or getattr(hf_config, "rope_scaling", None)
@@ -727,14 +770,15 @@ def config_from_hf(hf_config) -> MoEConfig:
         not problems,
         f"this Qwen3-MoE checkpoint uses features moe.py does not implement: {', '.join(problems)}",
     )
+    # a config without head_dim means dim / n_heads
+    default_head_dim = hf_config.hidden_size // hf_config.num_attention_heads
     return MoEConfig(
         vocab_size=hf_config.vocab_size,
         dim=hf_config.hidden_size,
         n_layers=hf_config.num_hidden_layers,
         n_heads=hf_config.num_attention_heads,
         n_kv_heads=hf_config.num_key_value_heads,
-        head_dim=getattr(hf_config, "head_dim", None)
-        or hf_config.hidden_size // hf_config.num_attention_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or default_head_dim,
         n_experts=hf_config.num_experts,
         n_active=hf_config.num_experts_per_tok,
         expert_dim=hf_config.moe_intermediate_size,
@@ -747,8 +791,8 @@ def config_from_hf(hf_config) -> MoEConfig:
 
 
 def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tensor], list[str]]:
-    """A checkpoint directory's tensors under this module's names (experts fused per layer), and the names
-    that map to nothing here."""
+    """Every tensor of a checkpoint directory under this module's names (per-expert weights fused
+    per layer), and the checkpoint names that map to nothing here."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
@@ -760,14 +804,16 @@ def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tens
                 {os.path.join(directory, name) for name in json.load(f)["weight_map"].values()}
             )
 
-    tensors, per_expert, unexpected = {}, {}, []
+    tensors = {}
+    per_expert = {}  # (layer, expert, projection) -> one expert's matrix
+    unexpected = []
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if match := _HF_PER_EXPERT.fullmatch(name):  # key (layer, expert, projection)
-                    per_expert[(int(match[1]), int(match[2]), match[3])] = f.get_tensor(name).to(
-                        dtype
-                    )
+                match = _HF_PER_EXPERT.fullmatch(name)
+                if match:
+                    key = (int(match[1]), int(match[2]), match[3])
+                    per_expert[key] = f.get_tensor(name).to(dtype)
                     continue
                 for pattern, ours in _HF_RENAMES:
                     if re.fullmatch(pattern, name):
@@ -776,8 +822,9 @@ def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tens
                 else:
                     unexpected.append(name)
 
-    # Hub checkpoints (and save_pretrained) store one gate/up/down matrix per expert; stack them into the
-    # fused (E, 2I, D) and (E, D, I) tensors. A missing expert leaves the fused name missing.
+    # Hub checkpoints (and save_pretrained) store one gate/up/down matrix per expert; stack them
+    # into the fused (E, 2I, D) and (E, D, I) tensors. A missing expert leaves the fused name
+    # missing.
     for layer in sorted({layer for layer, _, _ in per_expert}):
         n_experts = 1 + max(e for other_layer, e, _ in per_expert if other_layer == layer)
         parts = [
@@ -788,17 +835,17 @@ def _read_hf_tensors(directory: str, dtype: torch.dtype) -> tuple[dict[str, Tens
             unexpected.append(f"model.layers.{layer}.mlp.experts.*: incomplete per-expert tensors")
             continue
         gate, up, down = (torch.stack(part) for part in parts)
-        tensors[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat(
-            (gate, up), dim=1
-        )  # (E, 2I, D)
+        gate_up = torch.cat((gate, up), dim=1)  # (E, 2I, D)
+        tensors[f"layers.{layer}.mlp.experts.gate_up_proj"] = gate_up
         tensors[f"layers.{layer}.mlp.experts.down_proj"] = down  # (E, D, I)
     return tensors, unexpected
 
 
 def load_hf(path_or_repo_id: str, dtype: torch.dtype = torch.float32):
-    """A Hugging Face Qwen3-MoE checkpoint (a local directory or a hub repository) -> (MoETransformer,
-    tokenizer or None). Experts load from per-expert matrices (the hub's and save_pretrained's layout) or
-    from transformers' fused tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`)."""
+    """A Hugging Face Qwen3-MoE checkpoint (a local directory or a hub repository) ->
+    (MoETransformer, tokenizer or None). Experts load from per-expert matrices (the hub's and
+    save_pretrained's layout) or from transformers' fused tensors (`mlp.experts.gate_up_proj`,
+    `mlp.experts.down_proj`)."""
     from transformers import AutoConfig, AutoTokenizer
 
     directory = path_or_repo_id

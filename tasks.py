@@ -1,11 +1,11 @@
 """Tasks with verifiable rewards: a built-in synthetic arithmetic task with its own character
 tokenizer, and GSM8K-style math loaded through `datasets`.
 
-A task hands out problems, scores completions with an exact verifier (reward in [0, 1], never raising,
-never evaluating model output as code) and writes demonstrations for the warm-start. The interface:
+A task hands out problems, scores completions with an exact verifier (reward in [0, 1], never
+raising, never evaluating model output as code) and writes demonstrations for the warm-start:
 
     task.name                                   "arith" | "gsm8k"
-    task.tokenizer                              CharTokenizer, or None (the model's own: HFTokenizer)
+    task.tokenizer                              CharTokenizer, or None (the model's: HFTokenizer)
     task.sample(n, split, rng) -> [Problem]     split "train" | "test", disjoint populations
     task.demonstration(problem, rng) -> str     completion text for supervised warm-start
     task.reward(problem, completion) -> float   exact verifier, 0.0 or 1.0
@@ -20,31 +20,31 @@ The synthetic task: multi-digit addition with a column scratchpad
 
 One step per column, least significant first: digit of a, digit of b, carry in, and the two-digit
 column sum whose tens digit is the next carry. The answer after ">" is the units digits of the steps
-read back in reverse, plus the last carry. The reward is 1 when the text after the last ">" is exactly
-the sum's digits (surrounding whitespace and leading zeros tolerated), else 0: outcome reward only, the
-scratchpad is not graded. Operands are uniform in [0, 10**difficulty), so a prompt has at most
-2*difficulty + 2 characters and a completion at most 10*difficulty + 1 (31 at difficulty 3, 41 at 4).
+read back in reverse, plus the last carry. Reward 1 when the text after the last ">" is exactly the
+sum's digits (surrounding whitespace and leading zeros tolerated), else 0: outcome reward only, the
+scratchpad is not graded. Operands are uniform in [0, 10**difficulty): a prompt has at most
+2*difficulty + 2 characters, a completion at most 10*difficulty + 1 (31 at difficulty 3, 41 at 4).
 
-Why not Countdown: each character here is a function of a few earlier ones, so the tiny preset learns it
-on a CPU (on Countdown its pass@1 stays near 0: all-zero groups, no RL signal); difficulty is one smooth
-knob, completions are short, and the verifier is a string comparison with one correct answer.
+Why not Countdown: each character here is a function of a few earlier ones, so the tiny preset
+learns it on a CPU (on Countdown its pass@1 stays near 0: all-zero groups, no RL signal); difficulty
+is one smooth knob, completions are short, and the verifier compares strings, one correct answer.
 
-Imperfect demonstrations. With probability `demo_error_rate` a demonstration has one human-like mistake
-(a dropped carry, or a slipped units digit of one column sum), every later step consistent with it; a
-column sum changed from s to s' moves the answer by (s' - s) * 10**column != 0, so it is always wrong.
-A model fitted to them has a sampled pass@1 of about 1 - demo_error_rate, which RL on the verifier pushes
-back towards 1 (greedy decoding hides most of these mistakes: evaluate by sampling, as RL does).
+Imperfect demonstrations. With probability `demo_error_rate` a demonstration has one human-like
+mistake (a dropped carry, or a slipped units digit of one column sum), every later step consistent
+with it; a column sum changed from s to s' moves the answer by (s' - s) * 10**column != 0, so it is
+always wrong. Fitted to them, a model's sampled pass@1 is about 1 - demo_error_rate; RL on the
+verifier pushes it back towards 1 (greedy decoding hides most mistakes: evaluate by sampling).
 
 Held-out split: a problem is "test" when blake2b of its unordered operand pair falls in the lowest
 TEST_FRACTION of the hash range: a property of the problem alone (not of the seed), so every run and
 recipe is evaluated on the same held-out population, disjoint from "train" by construction.
 
-GSM8K: grade-school math word problems with numeric answers (reference solutions end in "#### 72").
-Loaded from the Hugging Face hub (default "openai/gsm8k", config "main", its train/test splits) or from
-a local .jsonl/.json/.parquet file with fields question/answer (split by the same hash rule on the
-question unless a separate test file is given). The answer of a completion is the number after the last
-"####" if there is one, else the last number inside the last \\boxed{...}, else the last number in
-the text; commas are dropped and it is compared numerically (|x - y| <= 1e-6) with exact decimals.
+GSM8K: grade-school math word problems with numeric answers (reference solutions end in "#### 72"),
+from the Hugging Face hub (default "openai/gsm8k", config "main", its train/test splits) or a local
+.jsonl/.json/.parquet file with fields question/answer (split by the same hash rule on the question
+unless a separate test file is given). A completion's answer is the number after the last "####" if
+there is one, else the last number inside the last \\boxed{...}, else the last number in the text;
+commas are dropped and it is compared numerically (|x - y| <= 1e-6) with exact decimals.
 
 Left out on purpose: partial or format rewards, chat templates, Countdown and other synthetic tasks.
 """
@@ -68,7 +68,7 @@ TEST_FRACTION = 0.1  # share of each task's problem population held out for eval
 
 
 def _in_test_split(key: str) -> bool:
-    """Stable (process- and platform-independent, unlike hash()) membership of the held-out split."""
+    """Membership of the held-out split, stable across processes and platforms (unlike hash())."""
     digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") < TEST_FRACTION * 2**64
 
@@ -80,10 +80,11 @@ def _in_test_split(key: str) -> bool:
 class CharTokenizer:
     """One token per character of a fixed alphabet, after three special tokens.
 
-    ids: 0 PAD, 1 BOS, 2 EOS, then the alphabet in order. `encode` maps text to ids with no specials
-    (a sequence is [bos_id] + encode(prompt) + encode(completion) + [eos_id]); it raises ValueError on
-    a character outside the alphabet (the tasks only encode their own text). `decode` never raises on
-    integer ids: it stops at the first EOS, skips PAD and BOS, and renders unknown ids as UNKNOWN."""
+    ids: 0 PAD, 1 BOS, 2 EOS, then the alphabet in order. `encode` maps text to ids with no
+    specials (a sequence is [bos_id] + encode(prompt) + encode(completion) + [eos_id]); it raises
+    ValueError on a character outside the alphabet (the tasks only encode their own text). `decode`
+    never raises on integer ids: it stops at the first EOS, skips PAD and BOS, and renders unknown
+    ids as UNKNOWN."""
 
     PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
     UNKNOWN = "\ufffd"  # the Unicode replacement character: never part of an alphabet
@@ -123,7 +124,8 @@ class CharTokenizer:
 
 
 class ArithmeticTask:
-    """Addition of two numbers in [0, 10**difficulty) with a column scratchpad (see the module docstring)."""
+    """Addition of two numbers in [0, 10**difficulty) with a column scratchpad (see the
+    module docstring)."""
 
     name = "arith"
 
@@ -158,7 +160,8 @@ class ArithmeticTask:
         return problems
 
     def demonstration(self, problem: Problem, rng: random.Random | None = None) -> str:
-        """Scratchpad completion for supervised warm-start; wrong with probability demo_error_rate."""
+        """Scratchpad completion for the supervised warm-start; wrong with probability
+        demo_error_rate."""
         rng = rng or self.rng
         a_text, b_text = problem.prompt.rstrip("=").split("+")
         columns = self.difficulty
@@ -194,12 +197,12 @@ class ArithmeticTask:
         return ";".join(steps) + ">" + answer
 
     def reward(self, problem: Problem, completion: str) -> float:
-        """1.0 iff the digits after the last '>' equal the sum (whitespace, leading zeros tolerated)."""
+        """1.0 iff the digits after the last '>' equal the sum (whitespace, leading zeros aside)."""
         if not isinstance(completion, str):
             return 0.0
         _, separator, claimed = completion.rpartition(">")
         claimed = claimed.strip()
-        # No int(): CPython refuses to parse more than 4300 digits, and model output can be that long.
+        # No int(): CPython refuses to parse over 4300 digits, and model output can be that long.
         if not separator or not claimed or not (claimed.isascii() and claimed.isdigit()):
             return 0.0
         return 1.0 if (claimed.lstrip("0") or "0") == problem.answer else 0.0
@@ -213,14 +216,11 @@ GSM8K_INSTRUCTION = (
     'Finish with the final answer on its own line as "#### <number>".'
 )
 
-_NUMBER = re.compile(
-    r"-?[0-9][0-9,]*(?:\.[0-9]+)?"
-)  # ASCII digits only: \d would accept any script
+# ASCII digits only: \d would accept any script
+_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
 
-
-_MAX_NUMBER_CHARS = (
-    100  # longer digit runs are not answers (and would overflow Decimal's exponent range)
-)
+# longer digit runs are not answers (and would overflow Decimal's exponent range)
+_MAX_NUMBER_CHARS = 100
 
 
 def _to_decimal(number_text: str) -> Decimal | None:
@@ -265,7 +265,7 @@ def extract_answer(text: str) -> Decimal | None:
 
 
 class GSM8KTask:
-    """Grade-school math from the hub or a local file (see the module docstring). Loads on creation."""
+    """Grade-school math from the hub or a local file (module docstring); loads on creation."""
 
     name = "gsm8k"
     tokenizer = None  # a real model brings its own tokenizer
@@ -295,13 +295,15 @@ class GSM8KTask:
         """n problems of the split, without replacement when the split has at least n, else with."""
         if split not in self.problems:
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        pool, rng = self.problems[split], rng or self.rng
+        pool = self.problems[split]
+        rng = rng or self.rng
         if not pool:
             raise ValueError(f"the {split} split is empty")
         return rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
 
     def demonstration(self, problem: Problem, rng: random.Random | None = None) -> str:
-        """The dataset's own solution (calculator annotations removed), ending in "#### <answer>"."""
+        """The dataset's own solution (calculator annotations removed), ending in
+        "#### <answer>"."""
         return problem.solution
 
     def reward(self, problem: Problem, completion: str) -> float:
@@ -312,30 +314,29 @@ class GSM8KTask:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer with CharTokenizer's interface (EOS pads when there is no pad token)."""
+    """A Hugging Face tokenizer with CharTokenizer's interface (EOS pads when there is no pad
+    token)."""
 
     def __init__(self, tokenizer):
         if tokenizer.eos_token_id is None:
             raise ValueError(
                 "the checkpoint's tokenizer has no EOS token, so completions could never end"
             )
-        self.tokenizer, self.eos_id, self.vocab_size = (
-            tokenizer,
-            tokenizer.eos_token_id,
-            len(tokenizer),
-        )
-        self.pad_id = (
-            tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-        )
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.vocab_size = len(tokenizer)
+        self.pad_id = tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = tokenizer.eos_token_id
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids) -> str:
         ids = list(ids)
-        return self.tokenizer.decode(
-            ids[: ids.index(self.eos_id)] if self.eos_id in ids else ids, skip_special_tokens=True
-        )
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]  # up to the first EOS, as CharTokenizer decodes
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -393,7 +394,7 @@ TASKS = {"arith": ArithmeticTask, "gsm8k": GSM8KTask}
 
 
 def make_task(name: str, **kwargs):
-    """The task called `name` ("arith" or "gsm8k"), built with its constructor's keyword arguments."""
+    """The task `name` ("arith" or "gsm8k"), built with its constructor's keyword arguments."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; available: {sorted(TASKS)}")
     return TASKS[name](**kwargs)

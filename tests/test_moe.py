@@ -1,5 +1,5 @@
-"""moe.py: logits match Hugging Face's Qwen3-MoE, sparse experts match a dense all-expert computation,
-route replay, the KV-cache contract, and clear errors."""
+"""moe.py: logits match Hugging Face's Qwen3-MoE, sparse experts match a dense all-expert
+computation, route replay, the KV-cache contract, and clear errors."""
 
 import itertools
 import json
@@ -19,7 +19,7 @@ from moe import Experts, MoEBlock, MoEConfig, MoETransformer, load_hf, route_tok
 VOCAB = 48
 
 
-# ----------------------------------------------------------------------------------------------- helpers
+# ------------------------------------------------------------------------------------------ helpers
 def tiny_config(**overrides):
     return MoEConfig.from_preset("tiny", **{"vocab_size": VOCAB, "max_seq_len": 64, **overrides})
 
@@ -73,15 +73,11 @@ def rewrite_expert_layout(src, dst, fused):
                 torch.stack([tensors.pop(f"{prefix}.{e}.{p}.weight") for e in range(n_experts)])
                 for p in ("gate_proj", "up_proj", "down_proj")
             )
-            tensors[f"{prefix}.gate_up_proj"], tensors[f"{prefix}.down_proj"] = (
-                torch.cat((gate, up), 1),
-                down,
-            )
+            tensors[f"{prefix}.gate_up_proj"] = torch.cat((gate, up), 1)
+            tensors[f"{prefix}.down_proj"] = down
         if not fused:
-            gate_up, down = (
-                tensors.pop(f"{prefix}.gate_up_proj"),
-                tensors.pop(f"{prefix}.down_proj"),
-            )
+            gate_up = tensors.pop(f"{prefix}.gate_up_proj")
+            down = tensors.pop(f"{prefix}.down_proj")
             gate, up = gate_up.chunk(2, dim=1)
             for e in range(gate_up.shape[0]):
                 tensors[f"{prefix}.{e}.gate_proj.weight"] = gate[e].contiguous()
@@ -97,9 +93,8 @@ def dense_moe_reference(experts, x, expert_ids, expert_weights):
     """Every expert on every token, masked by the routing: y = sum_e w[t, e] f_e(x[t])."""
     T, D = x.shape
     tokens = torch.arange(T)[:, None].expand_as(expert_ids)  # (T, A)
-    dense_weights = torch.zeros(T, experts.n_experts).index_put_(
-        (tokens, expert_ids), expert_weights, accumulate=True
-    )  # (T, E)
+    dense_weights = torch.zeros(T, experts.n_experts)  # (T, E)
+    dense_weights.index_put_((tokens, expert_ids), expert_weights, accumulate=True)
     y = torch.zeros(T, D)
     for e in range(experts.n_experts):
         gate, up = (x @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
@@ -108,20 +103,23 @@ def dense_moe_reference(experts, x, expert_ids, expert_weights):
 
 
 class ConcatKVCache:
-    """The smallest object satisfying the cache contract: keeps every key/value, returns all of them."""
+    """The smallest object satisfying the cache contract: keeps every key/value, returns all of
+    them."""
 
     def __init__(self, n_layers):
-        self.keys, self.values = [None] * n_layers, [None] * n_layers
+        self.keys = [None] * n_layers
+        self.values = [None] * n_layers
 
     def update(self, layer_idx, k, v):
         if self.keys[layer_idx] is not None:
             k = torch.cat((self.keys[layer_idx], k), dim=2)
             v = torch.cat((self.values[layer_idx], v), dim=2)
-        self.keys[layer_idx], self.values[layer_idx] = k, v
+        self.keys[layer_idx] = k
+        self.values[layer_idx] = v
         return k, v
 
 
-# ----------------------------------------------------------------------------------------------- Hugging Face
+# ------------------------------------------------------------------------------------- Hugging Face
 @pytest.mark.parametrize(
     "norm_topk_prob,n_kv_heads,tie",
     [
@@ -180,14 +178,15 @@ def test_load_hf_lists_missing_and_unexpected_tensors(tmp_path):
     assert "layers.0.mlp.experts.down_proj" in message
 
 
-# ----------------------------------------------------------------------------------------------- experts
+# ------------------------------------------------------------------------------------------ experts
 def test_sparse_experts_match_dense_all_expert_computation():
     torch.manual_seed(0)
     experts = Experts(tiny_config())
     torch.nn.init.normal_(experts.gate_up_proj, std=0.3)
     torch.nn.init.normal_(experts.down_proj, std=0.3)
     x = torch.randn(40, 64)
-    # Experts 0 and 5 get no tokens (empty groups), and some tokens repeat an expert (forced routes may).
+    # Experts 0 and 5 get no tokens (empty groups); some tokens repeat an expert, as forced
+    # routes may.
     expert_ids = torch.tensor([1, 2, 3, 4, 6, 7])[torch.randint(6, (40, 2))]
     expert_weights = torch.rand(40, 2)
     max_diff, _ = report_diff(
@@ -221,31 +220,21 @@ def test_route_tokens_groups_assignments_by_expert():
     routing = route_tokens(expert_ids, n_experts=5)
     flat = expert_ids.reshape(-1)
     assert flat[routing.order].tolist() == [0, 0, 0, 1, 2, 3, 3, 3]
-    assert routing.token_ids.tolist() == [
-        0,
-        1,
-        3,
-        2,
-        1,
-        0,
-        2,
-        3,
-    ]  # stable: token order within an expert
+    # stable: token order within an expert
+    assert routing.token_ids.tolist() == [0, 1, 3, 2, 1, 0, 2, 3]
     assert routing.counts.tolist() == [3, 1, 1, 3, 0]
     assert routing.offsets.tolist() == [3, 4, 5, 8, 8] and routing.offsets.dtype == torch.int32
     assert torch.equal(routing.order[routing.inverse_order], torch.arange(8))
 
 
-@pytest.mark.parametrize(
-    "n_experts", [256, 300]
-)  # the widest uint8 sort key, and the int32 one beyond it
+# the widest uint8 sort key, and the int32 one beyond it
+@pytest.mark.parametrize("n_experts", [256, 300])
 def test_route_tokens_matches_a_stable_sort_oracle_for_every_key_width(n_experts):
     generator = torch.Generator().manual_seed(0)
     expert_ids = torch.randint(n_experts, (97, 8), generator=generator)
-    expert_ids[0, 0], expert_ids[1, 0] = (
-        n_experts - 1,
-        255,
-    )  # the largest ids sort last, 255 stays 255
+    # the largest ids sort last, 255 stays 255
+    expert_ids[0, 0] = n_experts - 1
+    expert_ids[1, 0] = 255
     routing = route_tokens(expert_ids, n_experts)
     flat = expert_ids.reshape(-1).tolist()
     order = sorted(range(len(flat)), key=lambda n: (flat[n], n))
@@ -257,19 +246,18 @@ def test_route_tokens_matches_a_stable_sort_oracle_for_every_key_width(n_experts
 
 
 @pytest.mark.cuda
-def test_router_on_cuda_takes_the_fused_kernel_with_or_without_grad_and_chooses_torch_topks_experts():
+def test_cuda_router_takes_the_fused_kernel_with_or_without_grad_and_chooses_torch_topks_experts():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    # BF16 logits tie often (8 mantissa bits): the sets must still be torch.topk's, weights fp32-close
+    # BF16 logits tie often (8 mantissa bits): the sets must still be torch.topk's, weights
+    # fp32-close
     logits = (2 * torch.randn(4096, 128, device="cuda")).bfloat16()
     with torch.no_grad():
         weights, ids = moe.router_top_k(logits, 8, True)
     twin_weights, twin_ids = moe.router_top_k_reference(logits, 8, True)
     assert torch.equal(ids.sort(-1).values, twin_ids.sort(-1).values)
-    by_id, twin_by_id = (
-        weights.gather(-1, ids.argsort(-1)),
-        twin_weights.gather(-1, twin_ids.argsort(-1)),
-    )
+    by_id = weights.gather(-1, ids.argsort(-1))
+    twin_by_id = twin_weights.gather(-1, twin_ids.argsort(-1))
     torch.testing.assert_close(by_id, twin_by_id, rtol=1e-6, atol=0)
     trained = moe.router_top_k(logits.float().requires_grad_(), 8, True)[0]
     assert type(trained.grad_fn).__name__ == "RouterTopKBackward"  # training takes it too
@@ -317,9 +305,8 @@ def test_grouped_mm_fast_path_matches_loop_twin_in_bf16_on_cpu():
     E, D, I, N = 4, 64, 32, 48
     gate_up = torch.randn(E, 2 * I, D, dtype=torch.bfloat16, requires_grad=True)
     down = torch.randn(E, D, I, dtype=torch.bfloat16, requires_grad=True)
-    routing = route_tokens(
-        torch.tensor([0, 0, 2, 3])[torch.randint(4, (N, 1))], E
-    )  # expert 1 empty
+    expert_ids = torch.tensor([0, 0, 2, 3])[torch.randint(4, (N, 1))]  # expert 1 empty
+    routing = route_tokens(expert_ids, E)
     x = torch.randn(N, D, dtype=torch.bfloat16)[routing.token_ids]
     fast = moe.expert_swiglu_grouped(x, routing.offsets, gate_up, down)
     fast_grads = torch.autograd.grad(fast.float().square().sum(), (gate_up, down))
@@ -375,9 +362,8 @@ def test_norm_layers_route_fp16_to_their_torch_twins():
     x = torch.randn(2, 1, 4, 16).half()
     cos, sin = moe.rope_cos_sin(torch.zeros(2, 1, dtype=torch.long), 16, 1e6, torch.float16)
     norm = moe.RMSNorm(16, 1e-6).half()
-    device = (
-        "cuda" if torch.cuda.is_available() else "cpu"
-    )  # on a GPU: the kernels' dtype check routes them
+    # on a GPU: the kernels' dtype check routes them
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     x, cos, sin, norm = x.to(device), cos.to(device), sin.to(device), norm.to(device)
     with torch.no_grad():
         assert torch.equal(norm(x), moe.rms_norm_reference(x, norm.weight, 1e-6))
@@ -424,7 +410,7 @@ def test_attention_takes_the_fused_norm_rope_on_cuda_without_grad_and_matches_th
     assert len(calls) == 2 and torch.equal(fused, plain)
 
 
-# ---------------------------------------------------------------------------------------------- routes, cache
+# ------------------------------------------------------------------------------------ routes, cache
 def test_replaying_recorded_routes_reproduces_logits_exactly():
     model = random_model()
     tokens = torch.randint(48, (3, 16))
@@ -437,10 +423,10 @@ def test_replaying_recorded_routes_reproduces_logits_exactly():
 def test_forced_routes_choose_the_experts_and_the_router_still_gets_gradients():
     model = random_model()
     tokens = torch.randint(48, (2, 12))
-    forced = torch.rand(2, 2, 12, 8).argsort(dim=-1)[
-        ..., :2
-    ]  # (L, B, T, A) distinct random experts
-    gate_logits = []  # each router's output on the input it really got (after forced layers upstream)
+    # (L, B, T, A) distinct random experts
+    forced = torch.rand(2, 2, 12, 8).argsort(dim=-1)[..., :2]
+    # each router's output on the input it really got (after forced layers upstream)
+    gate_logits = []
     hooks = [
         layer.mlp.gate.register_forward_hook(lambda m, i, o: gate_logits.append(o.detach()))
         for layer in model.layers
@@ -452,9 +438,8 @@ def test_forced_routes_choose_the_experts_and_the_router_still_gets_gradients():
         own = g.float().softmax(-1).topk(2, dim=-1).indices.view(2, 12, 2)
         assert torch.equal(layer_routes.sort(-1).values, own.sort(-1).values)
     assert not torch.equal(routes.sort(-1).values, forced.sort(-1).values)
-    assert not torch.allclose(
-        logits, model(tokens)
-    )  # other experts than the router's top-k really ran
+    # other experts than the router's top-k really ran
+    assert not torch.allclose(logits, model(tokens))
     F.cross_entropy(logits.flatten(0, 1), torch.randint(48, (24,))).backward()
     for layer in model.layers:
         grad = layer.mlp.gate.weight.grad
@@ -484,7 +469,7 @@ def test_prefill_then_decode_with_kv_cache_matches_full_forward():
     assert max(diffs) < 1e-5
 
 
-# ----------------------------------------------------------------------------------------------- config
+# ------------------------------------------------------------------------------------------- config
 def test_qwen3_30b_a3b_preset_has_the_published_parameter_counts():
     with torch.device("meta"):
         model = MoETransformer(MoEConfig.from_preset("qwen3-30b-a3b"))
@@ -509,7 +494,7 @@ def test_swappable_layers_lists_attention_linears_and_experts_and_optionally_rou
     assert any(parent is model and name == "lm_head" for parent, name, _ in everything)
 
 
-# ----------------------------------------------------------------------------------------------- bad input
+# ---------------------------------------------------------------------------------------- bad input
 def _saved_config(directory, config):
     config.save_pretrained(directory)
     return str(directory)

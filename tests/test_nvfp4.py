@@ -18,9 +18,8 @@ GRID = nvfp4.E2M1_VALUES
 def _oracle_e4m3(v):
     """Nearest E4M3 value to v >= 0 (float64) by enumerating the grid, ties to the even mantissa,
     clamped to 448."""
-    fields = [
-        (e, m) for e in range(16) for m in range(8) if not (e == 15 and m == 7)
-    ]  # 0x7F is NaN
+    # every (exponent, mantissa) but 0x7F, which is NaN
+    fields = [(e, m) for e in range(16) for m in range(8) if not (e == 15 and m == 7)]
     grid = torch.tensor(
         [(1 + m / 8) * 2.0 ** (e - 7) if e else m / 8 * 2.0**-6 for e, m in fields],
         dtype=torch.float64,
@@ -51,12 +50,12 @@ def _oracle_global_scale(x):
 
 
 def _oracle_dequantize(x, global_scale):
-    """float64 oracle of dequantize(quantize(x, global_scale)) in fp32, for finite blocks of x (..., K):
-    block scales by enumerating E4M3, elements rounded to the E2M1 value nearest x / unit (a true
-    division, ties to even). Returns (value, alternative). The format compares |x| with fp32 products
-    m * unit instead of dividing; where such a product is inexact and |x| lies between it and the
-    exact m * unit, the neighbour across m is just as right, and `alternative` holds it (elsewhere it
-    equals `value`)."""
+    """float64 oracle of dequantize(quantize(x, global_scale)) in fp32, for finite blocks of x
+    (..., K): block scales by enumerating E4M3, elements rounded to the E2M1 value nearest x / unit
+    (a true division, ties to even). Returns (value, alternative). The format compares |x| with fp32
+    products m * unit instead of dividing; where such a product is inexact and |x| lies between it
+    and the exact m * unit, the neighbour across m is just as right, and `alternative` holds it
+    (elsewhere it equals `value`)."""
     global_scale = torch.as_tensor(global_scale, dtype=torch.float32).double()
     blocks = x.double().reshape(-1, 16)
     amax = blocks.abs().amax(dim=-1)
@@ -80,7 +79,8 @@ def _oracle_dequantize(x, global_scale):
 
 
 def _assert_equals_oracle(got, x, global_scale):
-    """got (any dtype) holds, bit for bit and with the signs of zeros, the oracle's values in its dtype."""
+    """got (any dtype) holds, bit for bit and with the signs of zeros, the oracle's values in its
+    dtype."""
     value, alternative = (bits(v.to(got.dtype)) for v in _oracle_dequantize(x, global_scale))
     ok = (bits(got) == value) | (bits(got) == alternative)
     assert ok.all(), f"{int((~ok).sum())} of {ok.numel()} elements differ from the oracle"
@@ -135,10 +135,12 @@ def _every_bf16_pattern():
     - "small" (|v| <= 6): 15 to a block beside an anchor 6.0 (padded with +0). With the global scale
       2^-8 the anchor makes block_scale 256 and the block's divisor exactly 1, so each v is rounded
       on the bare E2M1 grid;
-    - "large" (finite, |v| > 6) and "non-finite" (+-Inf, NaN): 16 to a block in bit-pattern order."""
+    - "large" (finite, |v| > 6) and "non-finite" (+-Inf, NaN): 16 to a block in bit-pattern
+      order."""
     patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     finite = patterns.isfinite()
-    small, large = patterns[finite & (patterns.abs() <= 6)], patterns[finite & (patterns.abs() > 6)]
+    small = patterns[finite & (patterns.abs() <= 6)]
+    large = patterns[finite & (patterns.abs() > 6)]
     small = torch.cat([small, small.new_zeros(-small.numel() % 15)]).view(-1, 15)
     anchor = torch.full((small.shape[0], 1), 6.0, dtype=torch.bfloat16)
     large = torch.cat([large, large[: -large.numel() % 16]]).view(-1, 16)
@@ -262,9 +264,8 @@ def test_subnormal_inputs_are_quantized_not_flushed():
     assert (x.float().abs() < tiny).all()
     out = nvfp4.dequantize_reference(nvfp4.quantize_reference(x), torch.float32)
     assert out.abs().sum() > 0
-    rel = (
-        out.double() - x.double()
-    ).norm() / x.double().norm()  # float64: squares underflow in fp32
+    # float64: squares underflow in fp32
+    rel = (out.double() - x.double()).norm() / x.double().norm()
     assert rel < 0.2
 
 
@@ -285,10 +286,11 @@ def test_nan_and_inf_propagate_as_nan():
 # ------------------------------------------------------------------ error bound
 def test_dequantization_error_is_within_the_format_bound():
     """Per element, |x - dq(q(x))| <= block_scale * global_scale: half the widest grid gap (4 -> 6)
-    is 1 unit of the block's divisor, and saturation of a block maximum that the E4M3 rounding pushed
-    past 6 costs at most 6 / 16 units (E4M3 has 3 mantissa bits: relative rounding <= 2^-4). With
-    block_scale * global_scale <= (block_amax / 6) * (1 + 2^-4), the bound is about 18% of the block
-    amax. For normal data the relative RMS error is measured at about 9.4%; we also require < 11%."""
+    is 1 unit of the block's divisor, and saturation of a block maximum that the E4M3 rounding
+    pushed past 6 costs at most 6 / 16 units (E4M3 has 3 mantissa bits: relative rounding <= 2^-4).
+    With block_scale * global_scale <= (block_amax / 6) * (1 + 2^-4), the bound is about 18% of the
+    block amax. For normal data the relative RMS error is measured at about 9.4%; we also require
+    < 11%."""
     torch.manual_seed(0)
     x = torch.randn(256, 1024)
     q = nvfp4.quantize_reference(x)
@@ -355,8 +357,8 @@ def test_a_given_global_scale_is_the_one_the_blocks_are_scaled_by(api_device):
 
 @pytest.mark.parametrize("shape", [(24, 64), (3, 16, 32)], ids=["linear", "experts"])
 def test_weight_rule_gives_trainer_and_rollout_the_oracle_values(api_device, shape):
-    """One global scale per (N, K) matrix: the three experts differ 100-fold in size, so a tensor-wide
-    scale would round the small ones differently."""
+    """One global scale per (N, K) matrix: the three experts differ 100-fold in size, so a
+    tensor-wide scale would round the small ones differently."""
     torch.manual_seed(0)
     w = torch.randn(shape)
     if len(shape) == 3:
@@ -373,7 +375,7 @@ def test_weight_rule_gives_trainer_and_rollout_the_oracle_values(api_device, sha
         _assert_equals_oracle(trainer_weight[e], matrix, scale)
 
 
-# ------------------------------------------------------------------ per-matrix global scales (experts)
+# --------------------------------------------------------------- per-matrix global scales (experts)
 def test_per_matrix_global_scale_equals_quantizing_each_matrix_alone():
     torch.manual_seed(3)
     w = torch.randn(5, 8, 32) * torch.tensor([0.01, 1.0, 30.0, 0.5, 2.0]).view(5, 1, 1)

@@ -1,7 +1,7 @@
 """rollout.py: the KV-cached sampler against cache-free decoding and the trainer's own forward.
 
-CPU, fp32, the tiny preset with a small vocabulary. The CUDA tests (graph replay against eager decoding,
-with rac.py's quantized layers when rac.py is importable) are skipped without a GPU.
+CPU, fp32, the tiny preset with a small vocabulary. The CUDA tests (graph replay against eager
+decoding, with rac.py's quantized layers when rac.py is importable) are skipped without a GPU.
 """
 
 import math
@@ -18,8 +18,9 @@ PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], 
 
 
 def peaked_model(seed=0, **kwargs):
-    """conftest's tiny model with this file's vocabulary, in eval mode, with a wider init (N(0, 0.2)) than
-    the default, so the random model has peaked, seed-dependent next-token distributions."""
+    """conftest's tiny model with this file's vocabulary, in eval mode, with a wider init
+    (N(0, 0.2)) than the default, so the random model has peaked, seed-dependent next-token
+    distributions."""
     return tiny_model(seed, std=0.2, vocab_size=VOCAB, **kwargs).eval()
 
 
@@ -45,9 +46,8 @@ def trainer_logprobs(model, seq, temperature):
     logits = model(seq.tokens).float()
     if temperature > 0:
         logits = logits / temperature
-    logprobs = (
-        torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, seq.tokens[:, 1:, None]).squeeze(-1)
-    )
+    all_logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
+    logprobs = all_logprobs.gather(-1, seq.tokens[:, 1:, None]).squeeze(-1)
     return torch.where(seq.loss_mask[:, 1:], logprobs, 0.0)  # aligned with [:, 1:]
 
 
@@ -56,7 +56,7 @@ def completion_list(out, row):
     return out.completion_ids[row, :n].tolist()
 
 
-# ----------------------------------------------------------------------------------------------- correctness
+# -------------------------------------------------------------------------------------- correctness
 def test_greedy_with_cache_equals_greedy_without_cache(model):
     out = rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=12, temperature=0.0)
     for p, prompt in enumerate(PROMPTS):
@@ -74,8 +74,8 @@ def test_padded_batch_rows_equal_each_prompt_alone(model):
             torch.testing.assert_close(
                 batch.logprobs[p * 3 + g], alone.logprobs[0], atol=1e-5, rtol=0
             )
-    # Sampled rows: the noise follows the row id, so tokens are compared in the batch-invariance test
-    # below; here each sampled row's log-probs must be those of its prompt alone.
+    # Sampled rows: the noise follows the row id, so tokens are compared in the batch-invariance
+    # test below; here each sampled row's log-probs must be those of its prompt alone.
     sampled = rollout.generate(
         model, PROMPTS, num_samples=2, max_new_tokens=10, temperature=1.0, seed=3
     )
@@ -134,9 +134,8 @@ def test_eos_masks_and_recorded_routes(model):
     assert 0 < len(ended) < N, "the test needs rows that end early and rows that do not"
     for row in range(N):
         n = int(lengths[row])
-        assert (
-            out.completion_mask[row, :n].all() and not out.completion_mask[row, n:].any()
-        )  # a prefix
+        # the mask is a prefix
+        assert out.completion_mask[row, :n].all() and not out.completion_mask[row, n:].any()
         completion = out.completion_ids[row, :n].tolist()
         if row in ended:  # EOS is the last completion token, masked 1, with its log-prob
             assert completion.index(eos) == n - 1 and out.logprobs[row, n - 1] < 0
@@ -145,20 +144,18 @@ def test_eos_masks_and_recorded_routes(model):
         assert (out.completion_ids[row, n:] == 0).all() and (out.logprobs[row, n:] == 0).all()
     assert T == int(lengths.max())
 
-    # routes: the experts a plain forward over the full sequence chooses, for prompt and completion tokens
+    # routes: the experts a plain forward over the full sequence chooses, for prompt and completion
+    # tokens
     seq = out.sequences()
     _, routes = model(seq.tokens, return_routes=True)  # (L, N, W, A)
     valid = seq.valid_mask
     assert seq.routes.shape == routes.shape
     assert torch.equal(seq.routes[:, valid], routes[:, valid])
     L, A = model.config.n_layers, model.config.n_active
-    assert out.routes.shape == (L, N, T, A) and out.prompt_routes.shape == (
-        L,
-        N,
-        out.prompt_ids.shape[1],
-        A,
-    )
-    # replaying them (R3) reproduces the forward on every valid token (padding columns route differently)
+    assert out.routes.shape == (L, N, T, A)
+    assert out.prompt_routes.shape == (L, N, out.prompt_ids.shape[1], A)
+    # replaying them (R3) reproduces the forward on every valid token (padding columns route
+    # differently)
     replayed = model(seq.tokens, forced_routes=seq.routes)
     torch.testing.assert_close(replayed[valid], model(seq.tokens)[valid], atol=1e-5, rtol=0)
 
@@ -194,7 +191,7 @@ def test_prompt_layout_and_sequences(model):
         assert seq.valid_mask[row].sum() == n and seq.loss_mask[row, len(prompt) : n].all()
 
 
-# ----------------------------------------------------------------------------------------------- sampling
+# ----------------------------------------------------------------------------------------- sampling
 def test_same_seed_same_tokens_different_seed_different(model):
     kwargs = dict(num_samples=4, max_new_tokens=12, temperature=1.0, top_p=0.95)
     a = rollout.generate(model, PROMPTS, seed=11, **kwargs)
@@ -243,12 +240,26 @@ def test_sampling_frequencies_follow_the_truncated_tempered_distribution():
 
 
 def _mix32_python(x):
-    """The noise hash in plain Python integers (arbitrary precision, explicit mod 2^32): the oracle."""
+    """The noise hash in plain Python integers (arbitrary precision, explicit mod 2^32): the
+    oracle."""
     x ^= x >> 16
     x = (x * 0x7FEB352D) % 2**32
     x ^= x >> 15
     x = (x * 0x1B873593) % 2**32
     return x ^ (x >> 16)
+
+
+def _python_noise(seed, row, position, vocab):
+    """E_v for v in 0..vocab-1 of one row id at one completion position, from the Python-integer
+    hash: the oracle of rollout.sampling_noise."""
+    key = _mix32_python((seed ^ (seed >> 32)) % 2**32)
+    row_key = _mix32_python((key + row * 0x27D4EB2F + position * 0x165667B1) % 2**32)
+    noise = []
+    for v in range(vocab):
+        x = _mix32_python((row_key + v * 0x61C88647) % 2**32)
+        uniform = ((x >> 9) + 0.5) / 2**23
+        noise.append(-math.log(uniform))
+    return noise
 
 
 def test_sampling_noise_matches_a_python_integer_oracle():
@@ -259,11 +270,22 @@ def test_sampling_noise_matches_a_python_integer_oracle():
         torch.tensor([key]), torch.tensor(rows), torch.tensor([position]), vocab
     )
     for i, row in enumerate(rows):
-        row_key = _mix32_python((key + row * 0x27D4EB2F + position * 0x165667B1) % 2**32)
+        expected = _python_noise(seed, row, position, vocab)
         for v in range(vocab):
-            x = _mix32_python((row_key + v * 0x61C88647) % 2**32)
-            uniform = ((x >> 9) + 0.5) / 2**23
-            assert noise[i, v].item() == pytest.approx(-math.log(uniform), rel=1e-6)
+            assert noise[i, v].item() == pytest.approx(expected[v], rel=1e-6)
+
+
+def sampled_without_cache(model, prompt, row_id, seed, max_new_tokens, temperature):
+    """The slow twin of a sampled row: a full forward over the growing sequence for every token,
+    the exponential race argmax(p / E) in float64 with the Python-integer noise of (seed, row id,
+    completion position). No EOS, no truncation."""
+    tokens = list(prompt)
+    for position in range(max_new_tokens):
+        logits = model(torch.tensor([tokens]))[0, -1].double()
+        probs = torch.softmax(logits / temperature, dim=-1)
+        noise = torch.tensor(_python_noise(seed, row_id, position, VOCAB), dtype=torch.float64)
+        tokens.append(int((probs / noise).argmax()))
+    return tokens[len(prompt) :]
 
 
 @pytest.mark.cuda
@@ -272,9 +294,12 @@ def test_sampler_takes_the_fused_kernels_on_cuda_only_without_truncation(monkeyp
         pytest.skip("needs CUDA")
     calls = []
     original = rollout.sampling_kernels.sample_tokens
-    monkeypatch.setattr(
-        rollout.sampling_kernels, "sample_tokens", lambda *a: calls.append(1) or original(*a)
-    )
+
+    def counted_sample_tokens(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(rollout.sampling_kernels, "sample_tokens", counted_sample_tokens)
     logits = torch.randn(64, 32768, device="cuda", dtype=torch.bfloat16)
     args = (
         torch.tensor([rollout.seed_key(5)], device="cuda"),
@@ -309,63 +334,64 @@ def test_noise_is_exponential_and_independent_across_rows_positions_and_seeds():
     assert (e > 0).all() and torch.isfinite(e).all()
     for other in (draw(0, 1), draw(1, 0), draw(2**32, 0)):  # position, seed, seed >> 32
         assert abs(torch.corrcoef(torch.stack([e.flatten(), other.flatten()]))[0, 1].item()) < 0.01
-    rows = torch.corrcoef(torch.stack([e[:-1].flatten(), e[1:].flatten()]))[
-        0, 1
-    ].item()  # neighbouring rows
+    # neighbouring rows
+    rows = torch.corrcoef(torch.stack([e[:-1].flatten(), e[1:].flatten()]))[0, 1].item()
     assert abs(rows) < 0.01
 
 
 def test_sampled_rows_do_not_depend_on_the_rest_of_the_batch(model):
-    """A row's samples are a function of (seed, row id): sampling a slice of the rows with row_offset gives
-    exactly the batch's tokens for them, which is what lets each torchrun rank sample its own groups."""
-    kwargs = dict(num_samples=2, max_new_tokens=10, temperature=1.0, seed=3)
+    """A row's samples are a function of its prompt, the seed and its row id alone: every row of a
+    batch, and of a slice of it sampled with row_offset, holds the tokens a cache-free sampler draws
+    for that row id on its own, which is what lets each torchrun rank sample its own groups."""
+    seed = 3
+    kwargs = dict(num_samples=2, max_new_tokens=10, temperature=1.0, seed=seed)
     batch = rollout.generate(model, PROMPTS, **kwargs)
     for p, prompt in enumerate(PROMPTS):
         alone = rollout.generate(model, [prompt], row_offset=2 * p, **kwargs)
         for g in range(2):
-            assert completion_list(alone, g) == completion_list(batch, 2 * p + g)
-            torch.testing.assert_close(
-                alone.logprobs[g], batch.logprobs[2 * p + g], atol=1e-5, rtol=0
-            )
-    shifted = rollout.generate(
-        model, PROMPTS[:1], row_offset=2, **kwargs
-    )  # another row id: new noise
-    assert completion_list(shifted, 0) != completion_list(batch, 0) or completion_list(
-        shifted, 1
-    ) != completion_list(batch, 1)
+            row = 2 * p + g
+            expected = sampled_without_cache(model, prompt, row, seed, 10, 1.0)
+            assert completion_list(batch, row) == expected, f"row {row} in the batch"
+            assert completion_list(alone, g) == expected, f"row {row} alone"
+            torch.testing.assert_close(alone.logprobs[g], batch.logprobs[row], atol=1e-5, rtol=0)
+    # prompt 0 under row ids 2 and 3 draws those ids' noise, not that of its rows in the batch
+    shifted = rollout.generate(model, PROMPTS[:1], row_offset=2, **kwargs)
+    for g in range(2):
+        expected = sampled_without_cache(model, PROMPTS[0], 2 + g, seed, 10, 1.0)
+        assert completion_list(shifted, g) == expected, f"row id {2 + g}"
 
 
 def _alone_and_in_a_batch(model, n_others=63, **kwargs):
-    """Row 0's rollout alone and in a batch with n_others random prompts (the same row id and seed)."""
+    """Row 0's rollout alone and in a batch with n_others random prompts (the same row id and
+    seed)."""
     generator = torch.Generator().manual_seed(11)
     others = [
         torch.randint(1, VOCAB, (int(n),), generator=generator).tolist()
         for n in torch.randint(2, 16, (n_others,), generator=generator)
     ]
     kwargs = dict(num_samples=1, max_new_tokens=16, temperature=1.0, seed=5, **kwargs)
-    return rollout.generate(model, PROMPTS[:1], **kwargs), rollout.generate(
-        model, PROMPTS[:1] + others, **kwargs
-    )
+    alone = rollout.generate(model, PROMPTS[:1], **kwargs)
+    in_a_batch = rollout.generate(model, PROMPTS[:1] + others, **kwargs)
+    return alone, in_a_batch
 
 
 @pytest.mark.parametrize("mode", ["nvfp4", "w16a4"])
 def test_row_scales_make_a_quantized_rows_rollout_independent_of_its_batch(mode):
-    """Per tensor, a token's NVFP4 rounding depends on the largest value anywhere in its decode batch; per
-    row, on its own row only: the row's tokens are the same alone and among 63 other rows, and its log-probs
-    differ by the fp32 order of the model's GEMMs only (as a BF16 rollout's do; those are not batch-invariant
-    on the CPU either)."""
+    """Per tensor, a token's NVFP4 rounding depends on the largest value anywhere in its decode
+    batch; per row, on its own row only: the row's tokens are the same alone and among 63 other
+    rows, and its log-probs differ by the fp32 order of the model's GEMMs only (as a BF16 rollout's
+    do; those are not batch-invariant on the CPU either)."""
     import rac
 
     for act_scale in ("row", "tensor"):
         model = rac.convert_for_rollout(peaked_model(), mode, act_scale=act_scale)
         alone, batch = _alone_and_in_a_batch(model)
         same_tokens = completion_list(alone, 0) == completion_list(batch, 0)
-        gap = (
-            (alone.logprobs[0] - batch.logprobs[0]).abs().max().item() if same_tokens else math.inf
-        )
-        print(
-            f"{mode} {act_scale}: tokens {'equal' if same_tokens else 'differ'}, max |dlogp| {gap:.2e}"
-        )
+        gap = math.inf
+        if same_tokens:
+            gap = (alone.logprobs[0] - batch.logprobs[0]).abs().max().item()
+        verdict = "equal" if same_tokens else "differ"
+        print(f"{mode} {act_scale}: tokens {verdict}, max |dlogp| {gap:.2e}")
         assert (same_tokens and gap < 1e-5) == (act_scale == "row"), act_scale
 
 
@@ -380,25 +406,25 @@ def test_cuda_row_scales_make_a_rows_rollout_independent_of_its_batch():
         )
         alone, batch = _alone_and_in_a_batch(model)
         assert alone.used_cuda_graph and batch.used_cuda_graph
-        same = completion_list(alone, 0) == completion_list(batch, 0)
-        gaps[act_scale] = (
-            (alone.logprobs[0] - batch.logprobs[0]).abs().max().item() if same else math.inf
-        )
+        gaps[act_scale] = math.inf
+        if completion_list(alone, 0) == completion_list(batch, 0):
+            gaps[act_scale] = (alone.logprobs[0] - batch.logprobs[0]).abs().max().item()
     print("H200 row 0 alone vs among 63 others, max |dlogp|:", gaps)
-    assert (
-        gaps["row"] == 0.0 and gaps["tensor"] > 0.0
-    )  # row: bit-identical (the GPU GEMMs' order is M-free)
+    # row: bit-identical (the GPU GEMMs' order is M-free)
+    assert gaps["row"] == 0.0 and gaps["tensor"] > 0.0
 
 
-# -------------------------------------------------------------------------------------------- arguments, pool
+# ---------------------------------------------------------------------------------- arguments, pool
 def _generate(**kwargs):
-    """rollout.generate on valid defaults with kwargs replacing some of them, as a call given the model."""
+    """rollout.generate on valid defaults with kwargs replacing some of them, as a call given the
+    model."""
     arguments = dict(prompts=[[1, 2, 3, 4, 5]], num_samples=2, max_new_tokens=4)
     arguments.update(kwargs)
     return lambda model: rollout.generate(model, **arguments)
 
 
-BAD_CALLS = [  # (id, call given the model, exception, what the message names, the problem it states)
+# (id, call given the model, exception, what the message names, the problem it states)
+BAD_CALLS = [
     (
         "negative temperature",
         _generate(temperature=-0.5),
@@ -581,7 +607,8 @@ def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(
 
 
 def test_integer_prompts_of_any_integer_kind_give_the_same_tokens(model):
-    """Lists, tuples, int64/int32 tensors and 0-d integer ids are the same prompt: no float path sneaks in."""
+    """Lists, tuples, int64/int32 tensors and 0-d integer ids are the same prompt: no float path
+    sneaks in."""
     as_list = rollout.generate(model, [[1, 2, 3]], 2, 4, eos_id=5, pad_id=0, seed=3)
     for prompts, eos_id, pad_id in (
         ([(1, 2, 3)], 5, 0),
@@ -594,22 +621,14 @@ def test_integer_prompts_of_any_integer_kind_give_the_same_tokens(model):
 
 def test_decode_state_is_reused_and_dropped_when_weights_are_replaced():
     model = peaked_model(seed=1)
+    sampling = dict(temperature=1.0, top_k=0, top_p=1.0, eos_id=None, pad_id=0)
     rollout.generate(model, PROMPTS, num_samples=2, max_new_tokens=5)
-    state = rollout.get_decode_state(
-        model,
-        8,
-        16,
-        5,
-        dict(temperature=1.0, top_k=0, top_p=1.0, eos_id=None, pad_id=0),
-        cuda_graph=False,
-    )
-    rollout.generate(
-        model, [[3, 4, 5]], num_samples=8, max_new_tokens=5, seed=9
-    )  # same shapes: same buffers
+    state = rollout.get_decode_state(model, 8, 16, 5, sampling, cuda_graph=False)
+    # same shapes: same buffers
+    rollout.generate(model, [[3, 4, 5]], num_samples=8, max_new_tokens=5, seed=9)
     assert rollout.last_decode_state(model) is state
-    rollout.generate(
-        model, [[3, 4, 5]], num_samples=3, max_new_tokens=5
-    )  # another shape: its own state
+    # another shape: its own state
+    rollout.generate(model, [[3, 4, 5]], num_samples=3, max_new_tokens=5)
     assert rollout.last_decode_state(model).tokens.shape[0] == 3
     rollout.generate(model, [[3, 4, 5]], num_samples=8, max_new_tokens=5)
     assert rollout.last_decode_state(model) is state  # the latest call's, again
@@ -617,25 +636,16 @@ def test_decode_state_is_reused_and_dropped_when_weights_are_replaced():
     model.lm_head.weight = nn.Parameter(torch.randn_like(model.lm_head.weight))
     out = rollout.generate(model, PROMPTS, num_samples=1, max_new_tokens=5, temperature=0.0)
     assert rollout.last_decode_state(model) is not state
-    assert (
-        rollout.get_decode_state(
-            model,
-            8,
-            16,
-            5,
-            dict(temperature=1.0, top_k=0, top_p=1.0, eos_id=None, pad_id=0),
-            cuda_graph=False,
-        )
-        is not state
-    )
+    assert rollout.get_decode_state(model, 8, 16, 5, sampling, cuda_graph=False) is not state
     assert completion_list(out, 0) == greedy_without_cache(model, PROMPTS[0], 5)
     rollout.free_decode_states(model)
     assert rollout.last_decode_state(model) is None
 
 
 def test_rollout_through_rac_fp8_layers_matches_their_forward():
-    # FP8 scales activations per token, so a decode step computes each token as the full forward does: the
-    # cached sampler with quantized layers must reproduce that forward's log-probs and routes
+    # FP8 scales activations per token, so a decode step computes each token as the full
+    # forward does: the cached sampler with quantized layers must reproduce that forward's
+    # log-probs and routes
     import rac
 
     model = rac.convert_for_rollout(peaked_model(), "fp8")
@@ -649,7 +659,7 @@ def test_rollout_through_rac_fp8_layers_matches_their_forward():
     assert torch.equal(seq.routes[:, seq.valid_mask], routes[:, seq.valid_mask])
 
 
-# ----------------------------------------------------------------------------------------------- CUDA
+# --------------------------------------------------------------------------------------------- CUDA
 def _graph_and_eager(model, **kwargs):
     graph = rollout.generate(model, PROMPTS * 4, cuda_graph=True, **kwargs)
     eager = rollout.generate(model, PROMPTS * 4, cuda_graph=False, **kwargs)
@@ -710,16 +720,17 @@ def test_cuda_graph_captures_rac_rollout_layers(mode, rac_ratio):
     assert torch.equal(graph.logprobs, eager.logprobs)
 
 
-# ----------------------------------------------------------------------------------------------- score
+# -------------------------------------------------------------------------------------------- score
 def score_without_batching(model, tokens, temperature):
-    """The slow twin of rollout.score: every row alone, every position from a forward over its own prefix."""
+    """The slow twin of rollout.score: every row alone, every position from a forward over its own
+    prefix."""
     expected = torch.zeros(tokens.shape)
     for row in range(tokens.shape[0]):
         for j in range(1, tokens.shape[1]):
             logits = model(tokens[row : row + 1, :j])[0, -1].float()
-            logprobs = torch.log_softmax(
-                logits / temperature if temperature > 0 else logits, dim=-1
-            )
+            if temperature > 0:
+                logits = logits / temperature
+            logprobs = torch.log_softmax(logits, dim=-1)
             expected[row, j] = logprobs[tokens[row, j]]
     return expected
 
@@ -733,16 +744,14 @@ def test_score_equals_per_prefix_forwards_and_the_sampler_recorded_logprobs(
     )
     seq = out.sequences()
     scored = rollout.score(model, seq.tokens, temperature)
-    assert (
-        scored.shape == seq.tokens.shape
-        and scored.dtype == torch.float32
-        and (scored[:, 0] == 0).all()
-    )
+    assert scored.shape == seq.tokens.shape and scored.dtype == torch.float32
+    assert (scored[:, 0] == 0).all()
     mask = seq.loss_mask
     slow = score_without_batching(model, seq.tokens, temperature)
     report_diff(scored[mask], slow[mask], "score vs per-prefix forwards")
     torch.testing.assert_close(scored[mask], slow[mask], atol=2e-5, rtol=0)
-    # fp32 and no quantized layers: one prefill re-scores what decoding recorded, up to summation order
+    # fp32 and no quantized layers: one prefill re-scores what decoding recorded, up to the order
+    # of summation
     torch.testing.assert_close(scored[mask], seq.logprobs[mask], atol=2e-5, rtol=0)
     # rows in chunks of the logits budget: the same values
     monkeypatch.setattr(rollout, "PREFILL_LOGITS_BUDGET", seq.tokens.shape[1] * VOCAB * 3)

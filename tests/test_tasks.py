@@ -137,7 +137,7 @@ def test_train_and_test_problems_are_disjoint_and_seed_independent():
     train = {operand_pair(p) for p in task.sample(5000, "train", rng)}
     test = {operand_pair(p) for p in task.sample(1000, "test", rng)}
     assert train and test and not train & test
-    # The split is a property of the problem: about TEST_FRACTION of the population, whatever the seed.
+    # The split is a property of the problem: about TEST_FRACTION of the population, for any seed.
     population = [(a, b) for a in range(100) for b in range(100)]
     share = sum(_in_test_split(f"{min(a, b)}+{max(a, b)}") for a, b in population) / len(population)
     assert share == pytest.approx(TEST_FRACTION, abs=0.02)
@@ -145,9 +145,8 @@ def test_train_and_test_problems_are_disjoint_and_seed_independent():
     assert all(
         operand_pair(p) not in train for p in other_seed.sample(500, "test", random.Random(5))
     )
-    assert (
-        len(ArithmeticTask(difficulty=1).sample(20, "test", rng)) == 20
-    )  # 1 digit: a tiny held-out set
+    # 1 digit: a tiny held-out set
+    assert len(ArithmeticTask(difficulty=1).sample(20, "test", rng)) == 20
 
 
 def test_sampling_is_reproducible_from_the_rng():
@@ -166,8 +165,12 @@ def test_sampling_is_reproducible_from_the_rng():
 
 GSM8K_ROWS = [
     {
-        "question": "Mia buys 3 packs of 12 pencils and gives away 9. How many pencils does she have left?",
-        "answer": "She buys 3*12=<<3*12=36>>36 pencils.\nShe has 36-9=<<36-9=27>>27 left.\n#### 27",
+        "question": (
+            "Mia buys 3 packs of 12 pencils and gives away 9. How many pencils does she have left?"
+        ),
+        "answer": (
+            "She buys 3*12=<<3*12=36>>36 pencils.\nShe has 36-9=<<36-9=27>>27 left.\n#### 27"
+        ),
     },
     {
         "question": "A farm sells 1,250 eggs a day for 5 days. How many eggs is that?",
@@ -175,14 +178,19 @@ GSM8K_ROWS = [
     },
     {
         "question": "A shirt costs $20 and is 15% off. What is the sale price in dollars?",
-        "answer": "The discount is 20*0.15=<<20*0.15=3>>3 dollars.\nThe price is 20-3=<<20-3=17>>17.\n#### 17",
+        "answer": (
+            "The discount is 20*0.15=<<20*0.15=3>>3 dollars.\n"
+            "The price is 20-3=<<20-3=17>>17.\n#### 17"
+        ),
     },
     {
         "question": "The temperature was 4 degrees and fell by 10 degrees. What is it now?",
         "answer": "It is 4-10=<<4-10=-6>>-6 degrees.\n#### -6",
     },
     {
-        "question": "Tom splits 7 liters of juice equally into 2 bottles. How many liters per bottle?",
+        "question": (
+            "Tom splits 7 liters of juice equally into 2 bottles. How many liters per bottle?"
+        ),
         "answer": "Each bottle gets 7/2=<<7/2=3.5>>3.5 liters.\n#### 3.5",
     },
 ] + [
@@ -331,7 +339,8 @@ def _gsm8k_file(directory, rows):
     return str(path)
 
 
-BAD_CALLS = [  # (id, call given a scratch directory, exception, what the message names, the problem)
+# (id, call given a scratch directory, exception, what the message names, the problem)
+BAD_CALLS = [
     (
         "character",
         lambda tmp: CharTokenizer("0123456789+").encode("1+x"),
@@ -405,10 +414,12 @@ def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(
 
 
 class _FakeHFTokenizer:
-    """The few attributes and methods of a Hugging Face tokenizer that HFTokenizer uses: one id per char."""
+    """The few attributes and methods of a Hugging Face tokenizer that HFTokenizer uses: one id per
+    char."""
 
     def __init__(self, eos_token_id, pad_token_id):
-        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
 
     def __len__(self):
         return 128

@@ -46,6 +46,7 @@ import json
 import math
 import os
 import statistics
+import textwrap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIGURES = os.path.join(os.path.dirname(HERE), "figures")
@@ -82,11 +83,11 @@ INTERVALS = "Intervals: 95% Student-t intervals of the mean paired per-seed diff
 KNOWN_PROVENANCE = {
     "cpu_replication_600steps": (
         ("f233fbb", "8d36956"),
-        "commit f233fbb for most runs of seeds 0 and 1, 8d36956 for the rest, fp8's included (its "
-        "seeds 0, 1 and 4 rerun bit for bit at 8d36956, not at f233fbb); a 2-core x86 CPU (torch "
-        "2.13 CPU build) for seeds 0, 1 and 5-7, every seed of fp8, moeresq and trace, and bf16 "
-        "seed 4; the H200 machine's 16 CPU cores (torch 2.11.0+cu130, --device cpu) for the other "
-        "runs of seeds 2-4; fp32",
+        "commit f233fbb for most runs of seeds 0 and 1, 8d36956 for the rest, fp8's included "
+        "(its 8 seeds rerun bit for bit at 8d36956; seed 0 does not at f233fbb); a 2-core x86 CPU "
+        "(torch 2.13 CPU build) for seeds 0, 1 and 5-7, every seed of fp8, moeresq and trace, and "
+        "bf16 seed 4; the H200 machine's 16 CPU cores (torch 2.11.0+cu130, --device cpu) for the "
+        "other runs of seeds 2-4; fp32",
     ),
     "cpu_replication_600steps/outliers_": (
         ("fcdb18b",),
@@ -107,7 +108,7 @@ KNOWN_PROVENANCE = {
 REPLICATION_MIX = (
     "on the CPU the two commits compute the same metrics bit for bit for the recipes checked "
     "(quads+row, w16a4 and trace, 3-4 steps, the folder's README); fp8's CPU path differs between "
-    "them, and its runs are 8d36956's. The two machines differ in the last bits: nvfp4 seed 2, "
+    "them, and all its runs are 8d36956's. The two machines differ in the last bits: nvfp4 seed 2, "
     "run on the H200 machine, reruns on the 2-core CPU with the same rewards and losses for 3 "
     "steps and log-prob metrics within 1e-6 relative, so at seeds 2-4 some pairs span machines."
 )
@@ -331,11 +332,12 @@ def provenance(paths):
     lines = [f"recorded in config.json, {n} start(s): {start}" for start, n in recorded.items()]
     for (key, kind), n in known.items():
         if key is None:
-            lines.append(f"{n} {kind} with no provenance, recorded or known")
+            lines.append(f"{n} {kind} with no provenance recorded, and none known")
         else:
+            noun = kind if n > 1 else kind[:-1]
             lines.append(
-                f"{n} {kind} of {key.split('/')[0]}, not recorded (from results/LOG.md and the "
-                f"folder's README): {KNOWN_PROVENANCE[key][1]}"
+                f"{n} {noun} of {key.split('/')[0]}, not recorded; known from results/LOG.md, the "
+                f"folder's README and checks: {KNOWN_PROVENANCE[key][1]}"
             )
     return list(dict.fromkeys(commits)), lines
 
@@ -352,7 +354,12 @@ def caption(title, paths, mixes=None):
     text = "Provenance: " + "; ".join(lines) + "."
     if len(commits) > 1:
         text += f" Mixes commits {', '.join(commits)}: {mixes}"
-    return text
+    return paragraph(text)
+
+
+def paragraph(text):
+    """Text wrapped to the 100 columns of RESULTS.md's lines."""
+    return textwrap.fill(text, width=100, break_on_hyphens=False, break_long_words=False)
 
 
 # ----------------------------------------------------------------------------- tables
@@ -733,7 +740,7 @@ def gpu_study(base=GPU_STUDY):
     lines = [conditions(paths)]
     unfinished = sorted(f"{r}_s{s}" for r, s in folders if s not in runs.get(r, {}))
     if unfinished:
-        lines.append(f"Left out, not at step 600: {', '.join(unfinished)}.")
+        lines.append(paragraph(f"Left out, not at step 600: {', '.join(unfinished)}."))
     rows = []
     for recipe, v in values.items():
         late = column(values, recipe, 0)
@@ -776,7 +783,7 @@ def gpu_study(base=GPU_STUDY):
     pair_header = ["pair", "late reward", "seeds above 0", "final pass@1", "mean abs dlogp"]
     lines.append(table(pair_header, pair_rows))
     if "nvfp4" in values and "bf16" in values:
-        lines += ["", failure_verdict(paired(values, "nvfp4", "bf16", 0))]
+        lines += ["", paragraph(failure_verdict(paired(values, "nvfp4", "bf16", 0)))]
     return "\n".join(lines), paths
 
 
@@ -810,7 +817,7 @@ def conditions(paths, keys=GPU_CONDITIONS):
             parts.append(f"{key} {next(iter(values))}")
         else:
             parts.append(f"{key} " + " / ".join(f"{v} ({n} runs)" for v, n in values.items()))
-    return "Conditions (config.json): " + ", ".join(parts) + "."
+    return paragraph("Conditions (config.json): " + ", ".join(parts) + ".")
 
 
 # ----------------------------------------------------------------------------- the figures
@@ -1058,8 +1065,12 @@ def main():
             None,
         ),
     ]
+    previous = None
     for title, text, paths, mixes in sections:
         head = caption(title, paths, mixes) + "\n\n" if paths else ""
+        if paths and (paths, mixes) == previous:
+            head = "Provenance: the runs of the table above.\n\n"
+        previous = (paths, mixes)
         print(f"## {title}\n\n{head}{text}\n")
     os.makedirs(FIGURES, exist_ok=True)
     plot(runs, values, os.path.join(FIGURES, "cpu_replication_600steps.png"))

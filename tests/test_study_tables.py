@@ -108,6 +108,8 @@ def test_a_table_refuses_runs_of_two_commits_unless_its_caption_says_why(tmp_pat
     message = str(stop.value.code)
     assert "1111111" in message and "2222222" in message and "\n" not in message
     text = study.caption("a table", paths, mixes="the two commits compute the same numbers.")
+    assert max(len(line) for line in text.splitlines()) <= 100
+    text = " ".join(text.split())
     assert "Mixes commits 1111111, 2222222: the two commits compute the same numbers." in text
     assert "NVIDIA H200" in text and "torch 2.11.0+cu130" in text
     same = [paths[0], write_run(tmp_path / "bf16_s2", 0.7, 0.7, 0.0, commit="1" * 40)]
@@ -146,9 +148,10 @@ def test_the_gpu_study_tables_on_a_synthetic_folder(tmp_path):
             )
     write_run(base / "quads_s3", 0.8, 0.8, 1e-3, steps=300)  # stopped early: left out
     text, paths = study.gpu_study(str(base))
+    prose = " ".join(text.split())
     assert len(paths) == 9
-    assert "difficulty 15" in text and "lr 2e-05" in text
-    assert "Left out, not at step 600: quads_s3." in text
+    assert "difficulty 15" in prose and "lr 2e-05" in prose
+    assert "Left out, not at step 600: quads_s3." in prose
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
     nvfp4 = [cell.strip() for cell in rows["nvfp4"].split("|")[1:-1]]
     assert nvfp4[1:7] == ["0 1 2", "1 (seed 1)", "0.383", "0.500", "0.300", "0.400"]
@@ -162,7 +165,7 @@ def test_the_gpu_study_tables_on_a_synthetic_folder(tmp_path):
     assert pair[1:3] == [cell, "0/3"]
     assert "quads minus nvfp4" in rows
     # -0.417 on average, but 3 seeds this spread leave the interval across 0
-    assert f"not met ({cell}, 3 seeds)" in text
+    assert f"not met ({cell}, 3 seeds)" in prose
 
 
 def test_the_failure_verdict_needs_the_interval_to_exclude_zero():

@@ -71,7 +71,7 @@ ORDER = [
 COMMAND = (
     "python train.py --recipe R [--act-scale row] --steps 600 --lr 3e-4 --eval-prompts 512 --seed S"
 )
-COLLAPSE_BELOW = 0.1
+COLLAPSE_BELOW = 0.1  # a late reward below it is a collapsed run (fixed before counts were read)
 INTERVALS = "Intervals: 95% Student-t intervals of the mean paired per-seed difference (n - 1 df)."
 
 # What is known of the runs made before train.py recorded its provenance (their config.json holds
@@ -326,9 +326,10 @@ def provenance(paths):
             )
             recorded[start] = recorded.get(start, 0) + 1
         if not entries:
-            key = (known_key(path), "runs" if os.path.isdir(path) else "reports")
-            known[key] = known.get(key, 0) + 1
-            commits += KNOWN_PROVENANCE[key[0]][0] if key[0] else ["unknown commit"]
+            key = known_key(path)
+            kind = "runs" if os.path.isdir(path) else "reports"
+            known[key, kind] = known.get((key, kind), 0) + 1
+            commits += KNOWN_PROVENANCE[key][0] if key else ["unknown commit"]
     lines = [f"recorded in config.json, {n} start(s): {start}" for start, n in recorded.items()]
     for (key, kind), n in known.items():
         if key is None:
@@ -408,14 +409,14 @@ def paired(values, recipe, reference, index):
     return [values[recipe][s][index] - values[reference][s][index] for s in seeds]
 
 
-def difference_cell(diffs, digits=3):
+def difference_cell(diffs, fmt="+.3f"):
     """The mean paired difference and its 95% t-interval (n >= 2), or '-' without pairs."""
     if not diffs:
         return "-"
     if len(diffs) < 2:
-        return f"{diffs[0]:+.{digits}f} (one seed)"
+        return f"{diffs[0]:{fmt}} (one seed)"
     low, high = t_interval(diffs)
-    return f"{statistics.mean(diffs):+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
+    return f"{statistics.mean(diffs):{fmt}} [{low:{fmt}}, {high:{fmt}}]"
 
 
 def collapse_cell(late_rewards):
@@ -732,7 +733,7 @@ def gpu_study(base=GPU_STUDY):
     if not os.path.isdir(base):
         return f"not run: {name} does not exist yet.", []
     folders = run_folders(base)
-    runs = finished_runs(base)
+    runs = {r: v for r, v in finished_runs(base).items() if r in GPU_RECIPES}
     if not runs:
         return f"not run: {name} holds no run that reached step 600 ({len(folders)} started).", []
     values = run_values(runs, GPU_METRICS, GPU_RECIPES)
@@ -775,7 +776,7 @@ def gpu_study(base=GPU_STUDY):
             difference_cell(paired(values, recipe, reference, 0)),
             seeds_above_zero(paired(values, recipe, reference, 0)),
             difference_cell(paired(values, recipe, reference, 1)),
-            difference_cell(paired(values, recipe, reference, 2), 4),
+            difference_cell(paired(values, recipe, reference, 2), "+.2e"),
         ]
         for recipe, reference in pairs
         if recipe in values and reference in values

@@ -164,6 +164,7 @@ def test_the_gpu_study_tables_on_a_synthetic_folder(tmp_path):
     pair = [c.strip() for c in rows["nvfp4 minus bf16"].split("|")[1:-1]]
     assert pair[1:3] == [cell, "0/3"]
     assert "quads minus nvfp4" in rows
+    assert pair[4].startswith(f"{3e-3 - 1e-5:+.2e} [")  # nvfp4 - bf16 mean |delta logp|
     # -0.417 on average, but 3 seeds this spread leave the interval across 0
     assert f"not met ({cell}, 3 seeds)" in prose
 

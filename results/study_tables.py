@@ -1,32 +1,59 @@
 """Rebuild the tables and the figures of RESULTS.md from the study folders beside this script.
 
-    python results/study_tables.py          # from the repository root; CPU, a few seconds
+    python results/study_tables.py          # from the repository root; CPU, about ten seconds
 
-Each study folder holds what the runs wrote and a README.md with the command, the commits and the machines:
+The study folders, each with a README.md that gives the command, the commits and the machines:
 
-    cpu_replication_600steps   12 recipes x 5-8 seeds, tiny preset, lr 3e-4, 600 steps: one folder per run
-                               (config.json, metrics.jsonl gzipped); two outlier reports
-    h200_audit                 the log-prob audit (tools.audit) and the outlier report of one small-preset
-                               checkpoint on the H200, as the tool wrote them
-    cpu_width_sweep            bf16, nvfp4 and quads on the tiny preset widened to 128 and 256 (the
-                               replication's command with --preset-overrides), one folder per run
+    cpu_replication_600steps  12 recipes x 8 seeds, tiny preset, lr 3e-4, 600 steps: one folder
+                              per run (config.json, metrics.jsonl gzipped); two outlier reports
+    cpu_width_sweep           bf16, nvfp4 and quads on the tiny preset widened to 128 and 256, and
+                              short probes of other shapes, one folder per run
+    h200_audit                the log-prob audit and the outlier report of one small-preset
+                              checkpoint on the H200, as tools.audit wrote them
+    gpu_small_600steps        bf16, nvfp4 and quads on the small preset on a GPU, seeds 0-2, 600
+                              steps: its tables print once the folder exists, "not run" before
 
-This script reads only those files (it imports nothing from the project, so it runs on any checkout),
-prints every table of RESULTS.md as markdown and draws figures/cpu_replication_600steps.png and
-figures/cpu_width_sweep.png.
+Statistics. A seed fixes the warm-start, the prompts and the sampling noise, so two recipes are
+compared by their per-seed differences d_1..d_n on the seeds both ran. A table gives the mean
+difference with its 95% Student-t interval
+
+    mean(d) +- t(0.975, n - 1) * s(d) / sqrt(n),        s(d) the sample standard deviation (n - 1),
+
+and the number of seeds on which d > 0; per recipe, the median beside the mean. With 3 to 8 seeds a
+percentile bootstrap is too narrow (it has no heavier tails for small n; 4 seeds allow only 35
+distinct resamples), so none is used. The t quantile is computed here, in closed form for whole
+degrees of freedom, so scipy is not needed.
+
+Collapse. A run has collapsed when its late reward (the mean train reward of steps 301-600) is below
+COLLAPSE_BELOW = 0.1, fixed before the counts were read. The tables count collapsed seeds per
+recipe: the paper's phenomenon is a collapse, and one collapsed seed moves an 8-seed mean as much as
+a recipe.
+
+Provenance. train.py writes into each run's config.json a "provenance" list, one entry per start or
+resume (commit, uncommitted changes, Python, torch, Triton, device). Every table prints the
+provenance of its runs: the recorded entries, or for runs made before they were recorded what the
+results log and the study's README establish (KNOWN_PROVENANCE). A table whose runs span several
+commits must say in its caption why it may mix them; without that the script stops with one line.
+
+Left out: BCa and other bootstrap intervals, corrections for the number of comparisons (each
+interval stands alone), and the uncertainty of a ratio's denominator (a share of naive NVFP4's loss
+divides by the mean loss, taken as exact). It imports nothing from the project, so it runs on any
+checkout.
 """
 
 import gzip
 import json
 import math
 import os
-import random
 import statistics
+import textwrap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIGURES = os.path.join(os.path.dirname(HERE), "figures")
 REPLICATION = os.path.join(HERE, "cpu_replication_600steps")
 WIDTH_SWEEP = os.path.join(HERE, "cpu_width_sweep")
+H200_AUDIT = os.path.join(HERE, "h200_audit")
+GPU_STUDY = os.path.join(HERE, "gpu_small_600steps")
 ORDER = [
     "bf16",
     "fp8",
@@ -44,14 +71,130 @@ ORDER = [
 COMMAND = (
     "python train.py --recipe R [--act-scale row] --steps 600 --lr 3e-4 --eval-prompts 512 --seed S"
 )
+COLLAPSE_BELOW = 0.1  # a late reward below it is a collapsed run (fixed before counts were read)
+INTERVALS = "Intervals: 95% Student-t intervals of the mean paired per-seed difference (n - 1 df)."
+
+# What is known of the runs made before train.py recorded its provenance (their config.json holds
+# none): from results/LOG.md, each study folder's README.md, the commits that added the files, and
+# reruns of a few runs' first 3 steps on a 2-core CPU with torch 2.13 (python train.py --recipe R
+# --steps 3 --lr 3e-4 --eval-prompts 512 --seed S, in a tree of the commit named; every metric but
+# the timings compared with the stored run's). Keyed by a path under results/; the longest key that
+# starts a file's path applies. Values: (the commits, what is known).
+KNOWN_PROVENANCE = {
+    "cpu_replication_600steps": (
+        ("f233fbb", "8d36956"),
+        "commit f233fbb for most runs of seeds 0 and 1, 8d36956 for the rest, fp8's included "
+        "(its 8 seeds rerun bit for bit at 8d36956; seed 0 does not at f233fbb); a 2-core x86 CPU "
+        "(torch 2.13 CPU build) for seeds 0, 1 and 5-7, every seed of fp8, moeresq and trace, and "
+        "bf16 seed 4; the H200 machine's 16 CPU cores (torch 2.11.0+cu130, --device cpu) for the "
+        "other runs of seeds 2-4; fp32",
+    ),
+    "cpu_replication_600steps/outliers_": (
+        ("fcdb18b",),
+        "tools.audit --outliers at fcdb18b or 22963c1 (which changed only a GPU kernel and tests), "
+        "on the 2-core CPU, on the final checkpoints of bf16 and nvfp4 seed 0",
+    ),
+    "cpu_width_sweep": (
+        ("0c80b9c",),
+        "commit 0c80b9c; a 2-core x86 CPU, torch 2.13.0 CPU build, fp32",
+    ),
+    "h200_audit": (
+        ("fcdb18b",),
+        "commit fcdb18b; one NVIDIA H200, torch 2.11.0+cu130, Triton 3.6.0",
+    ),
+}
+
+# Why a table may mix the commits it mixes: a table whose runs span several commits names one.
+REPLICATION_MIX = (
+    "on the CPU the two commits compute the same metrics bit for bit for the recipes checked "
+    "(quads+row, w16a4 and trace, 3-4 steps, the folder's README); fp8's CPU path differs between "
+    "them, and all its runs are 8d36956's. The two machines differ in the last bits: nvfp4 seed 2, "
+    "run on the H200 machine, reruns on the 2-core CPU with the same rewards and losses for 3 "
+    "steps and log-prob metrics within 1e-6 relative, so at seeds 2-4 some pairs span machines."
+)
+WIDTHS_MIX = (
+    "width 64 is the replication's runs (f233fbb and 8d36956, the same on the CPU where checked); "
+    "widths 128 and 256 ran at 0c80b9c, whose CPU path for these recipes differs from 8d36956's "
+    "only in how train.py builds the model (--preset-overrides), and which reruns nvfp4 seed 0 of "
+    "the replication bit for bit for 3 steps."
+)
+SMALL_PRESET_MIX = "the small preset's rows come from the audit's checkpoint at fcdb18b."
+
+
+# ----------------------------------------------------------------------------- statistics
+def t_within(t, df):
+    """P(|T| <= t) for Student's t with df degrees of freedom (a whole number >= 1), in closed form
+    (Abramowitz and Stegun 26.7.3-4). With theta = atan(t / sqrt(df)) and c = cos(theta)^2:
+
+        df odd:   (2 / pi) * (theta + sin(theta) cos(theta) * sum_{k < (df - 1) / 2} a_k c^k),
+                  a_0 = 1, a_k = a_{k-1} * 2k / (2k + 1)
+        df even:  sin(theta) * sum_{k < df / 2} b_k c^k,
+                  b_0 = 1, b_k = b_{k-1} * (2k - 1) / (2k)
+    """
+    theta = math.atan(t / math.sqrt(df))
+    c = math.cos(theta) ** 2
+    odd = df % 2 == 1
+    terms = (df - 1) // 2 if odd else df // 2
+    term = 1.0
+    total = 0.0
+    for k in range(terms):
+        if k > 0:
+            term *= 2 * k / (2 * k + 1) if odd else (2 * k - 1) / (2 * k)
+        total += term * c**k
+    if odd:
+        return 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * total)
+    return math.sin(theta) * total
+
+
+def t_quantile(probability, df):
+    """The t with P(T <= t) = probability (above 0.5): the root of
+    t_within(t, df) = 2 probability - 1, by bisection (t_within rises with t)."""
+    if not 0.5 < probability < 1 or df < 1 or df != int(df):
+        raise ValueError(
+            f"t_quantile: probability={probability}, df={df}; allowed: 0.5 < probability < 1, "
+            "df a whole number >= 1"
+        )
+    target = 2 * probability - 1
+    low = 0.0
+    high = 1.0
+    while t_within(high, df) < target:
+        high *= 2
+    for _ in range(200):
+        middle = (low + high) / 2
+        if t_within(middle, df) < target:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def t_interval(values, level=0.95):
+    """The Student-t interval of the mean of `values`:
+    mean +- t((1 + level) / 2, n - 1) * s / sqrt(n)."""
+    if len(values) < 2:
+        raise ValueError(f"t_interval: {len(values)} values; an interval needs at least 2")
+    half = t_quantile((1 + level) / 2, len(values) - 1) * statistics.stdev(values)
+    half /= math.sqrt(len(values))
+    center = statistics.mean(values)
+    return center - half, center + half
+
+
+def collapsed_seeds(late_rewards):
+    """The seeds whose late reward is below COLLAPSE_BELOW, of {seed: late reward}."""
+    return sorted(seed for seed, reward in late_rewards.items() if reward < COLLAPSE_BELOW)
 
 
 # ----------------------------------------------------------------------------- reading runs
 def records_of(run_dir):
-    """The run's metrics.jsonl as train.py wrote it, or gzipped (metrics.jsonl.gz: the studies' runs, kept small)."""
+    """The run's metrics.jsonl as train.py wrote it, or gzipped (metrics.jsonl.gz: the studies')."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    with open(path) if os.path.isfile(path) else gzip.open(path + ".gz", "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    if os.path.isfile(path):
+        with open(path) as f:
+            lines = f.readlines()
+    else:
+        with gzip.open(path + ".gz", "rt") as f:
+            lines = f.readlines()
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def steps_of(records):
@@ -69,37 +212,62 @@ def mean(records, key, lo=0, hi=10**9):
     return sum(values) / len(values) if values else float("nan")
 
 
-def replication_runs(base=REPLICATION, suffix=""):
-    """{recipe: {seed: records}} of the runs named recipe<suffix>_s<seed> that finished their 600 steps."""
-    runs = {}
+def run_folders(base, suffix=""):
+    """{(recipe, seed): folder} of the runs in `base` named recipe<suffix>_s<seed>."""
+    folders = {}
     for name in sorted(os.listdir(base)):
         head, _, seed = name.rpartition("_s")
         path = os.path.join(base, name)
         if seed.isdigit() and head.endswith(suffix) and os.path.isdir(path):
-            records = records_of(path)
-            if records[-1]["step"] == 600:
-                runs.setdefault(head[: len(head) - len(suffix)], {})[int(seed)] = records
+            folders[head[: len(head) - len(suffix)], int(seed)] = path
+    return folders
+
+
+def finished_runs(base=REPLICATION, suffix="", steps=600):
+    """{recipe: {seed: records}} of the runs recipe<suffix>_s<seed> that reached step `steps`."""
+    runs = {}
+    for (recipe, seed), path in run_folders(base, suffix).items():
+        records = records_of(path)
+        if records and records[-1]["step"] == steps:
+            runs.setdefault(recipe, {})[seed] = records
     return runs
 
 
+def paths_of(base, runs, suffix=""):
+    """The folders of `runs` ({recipe: {seed: records}}), for their provenance."""
+    return [os.path.join(base, f"{r}{suffix}_s{s}") for r in runs for s in runs[r]]
+
+
+WIDTH_RECIPES = ("bf16", "nvfp4", "quads")
+
+
 def width_runs(widths=(128, 256)):
-    """{width: {recipe: {seed: records}}}: the replication's bf16, nvfp4 and quads at width 64, the sweep's
-    runs recipe_d<width>_s<seed> at the others."""
-    out = {64: {r: v for r, v in replication_runs().items() if r in WIDTH_RECIPES}}
+    """{width: {recipe: {seed: records}}}: the replication's bf16, nvfp4 and quads at width 64, the
+    sweep's runs recipe_d<width>_s<seed> at the others."""
+    out = {64: {r: v for r, v in finished_runs().items() if r in WIDTH_RECIPES}}
     for width in widths:
-        out[width] = {
-            r: v
-            for r, v in replication_runs(WIDTH_SWEEP, f"_d{width}").items()
-            if r in WIDTH_RECIPES
-        }
+        runs = finished_runs(WIDTH_SWEEP, f"_d{width}")
+        out[width] = {r: v for r, v in runs.items() if r in WIDTH_RECIPES}
     return out
 
 
+def width_paths(sweep):
+    """The folders of the sweep's runs, width 64's in the replication's folder."""
+    paths = []
+    for width, runs in sweep.items():
+        if width == 64:
+            paths += paths_of(REPLICATION, runs)
+        else:
+            paths += paths_of(WIDTH_SWEEP, runs, f"_d{width}")
+    return paths
+
+
 def probe_runs(base=WIDTH_SWEEP):
-    """The probes: short runs of other shapes (folders probe_*), with their width, depth and recipe."""
+    """The probes: short runs of other shapes (folders probe_*), with width, depth and recipe."""
     probes = []
     for name in sorted(n for n in os.listdir(base) if n.startswith("probe_")):
-        with open(os.path.join(base, name, "config.json")) as f:
+        path = os.path.join(base, name)
+        with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
         fields = dict(item.split("=") for item in config["preset_overrides"].split(","))
         probes.append(
@@ -107,13 +275,95 @@ def probe_runs(base=WIDTH_SWEEP):
                 "dim": fields.get("dim", "64"),
                 "n_layers": fields.get("n_layers", "2"),
                 "recipe": config["recipe"],
-                "records": records_of(os.path.join(base, name)),
+                "records": records_of(path),
+                "path": path,
             }
         )
     return probes
 
 
-# ----------------------------------------------------------------------------- statistics and tables
+# ----------------------------------------------------------------------------- provenance
+def recorded_provenance(path):
+    """The provenance entries a run folder's config.json holds ([] for a file or an older run)."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return []
+    with open(config) as f:
+        return json.load(f).get("provenance", [])
+
+
+def commit_label(entry):
+    """A recorded start's commit, short, marked when tracked files had uncommitted changes."""
+    if entry.get("commit") is None:
+        return "unknown commit"
+    label = entry["commit"][:7]
+    if entry.get("dirty"):
+        label += " (uncommitted changes)"
+    return label
+
+
+def known_key(path):
+    """The KNOWN_PROVENANCE key that applies to a path under results/ (None if none does)."""
+    relative = os.path.relpath(path, HERE).replace(os.sep, "/")
+    keys = [key for key in KNOWN_PROVENANCE if relative.startswith(key)]
+    return max(keys, key=len) if keys else None
+
+
+def provenance(paths):
+    """(commits, lines) of the runs and reports at `paths`: every commit they ran on, and one line
+    per kind of provenance, recorded or known, with how many runs, reports or starts it covers."""
+    commits = []
+    recorded = {}
+    known = {}
+    for path in paths:
+        entries = recorded_provenance(path)
+        for entry in entries:
+            label = commit_label(entry)
+            commits.append(label)
+            start = (
+                f"commit {label}, {entry.get('device')}, torch {entry.get('torch')}, "
+                f"Triton {entry.get('triton')}, Python {entry.get('python')}"
+            )
+            recorded[start] = recorded.get(start, 0) + 1
+        if not entries:
+            key = known_key(path)
+            kind = "runs" if os.path.isdir(path) else "reports"
+            known[key, kind] = known.get((key, kind), 0) + 1
+            commits += KNOWN_PROVENANCE[key][0] if key else ["unknown commit"]
+    lines = [f"recorded in config.json, {n} start(s): {start}" for start, n in recorded.items()]
+    for (key, kind), n in known.items():
+        if key is None:
+            lines.append(f"{n} {kind} with no provenance recorded, and none known")
+        else:
+            noun = kind if n > 1 else kind[:-1]
+            lines.append(
+                f"{n} {noun} of {key.split('/')[0]}, not recorded; known from results/LOG.md, the "
+                f"folder's README and checks: {KNOWN_PROVENANCE[key][1]}"
+            )
+    return list(dict.fromkeys(commits)), lines
+
+
+def caption(title, paths, mixes=None):
+    """The lines under a table's title: its provenance, and why it may mix commits when it does.
+    Stops the script with one line if the runs span several commits and `mixes` gives no reason."""
+    commits, lines = provenance(paths)
+    if len(commits) > 1 and not mixes:
+        raise SystemExit(
+            f"study_tables: table '{title}' mixes commits {', '.join(commits)}; "
+            "give it a caption that says why it may, or split it"
+        )
+    text = "Provenance: " + "; ".join(lines) + "."
+    if len(commits) > 1:
+        text += f" Mixes commits {', '.join(commits)}: {mixes}"
+    return paragraph(text)
+
+
+def paragraph(text):
+    """Text wrapped to the 100 columns of RESULTS.md's lines."""
+    return textwrap.fill(text, width=100, break_on_hyphens=False, break_long_words=False)
+
+
+# ----------------------------------------------------------------------------- tables
 def table(header, rows, align=None):
     align = align or ["---"] + ["---:"] * (len(header) - 1)
     return "\n".join(
@@ -122,15 +372,12 @@ def table(header, rows, align=None):
     )
 
 
-def bootstrap_interval(values, draws=10000, seed=0):
-    """95% percentile-bootstrap interval of the mean of `values` (e.g. per-seed paired differences)."""
-    rng, n = random.Random(seed), len(values)
-    means = sorted(sum(rng.choice(values) for _ in range(n)) / n for _ in range(draws))
-    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
+def late_reward(records):
+    return mean(steps_of(records), "reward", 300)
 
 
 METRICS = [  # (column, format, value of one run's records)
-    ("late reward (301-600)", ".3f", lambda r: mean(steps_of(r), "reward", 300)),
+    ("late reward (301-600)", ".3f", late_reward),
     ("final pass@1, rollout", ".3f", lambda r: evals_of(r)[-1]["pass@1"]),
     ("final pass@1, BF16 trainer", ".3f", lambda r: evals_of(r)[-1]["pass@1_bf16_trainer"]),
     ("mean abs dlogp", ".2e", lambda r: mean(steps_of(r), "mismatch/abs_diff_mean")),
@@ -147,11 +394,11 @@ METRICS = [  # (column, format, value of one run's records)
 ]
 
 
-def run_values(runs, metrics=METRICS):
-    """{recipe: {seed: [metric values]}} in ORDER."""
+def run_values(runs, metrics=METRICS, order=ORDER):
+    """{recipe: {seed: [metric values]}} in `order`."""
     return {
-        r: {s: [f(records) for _, _, f in metrics] for s, records in runs[r].items()}
-        for r in ORDER
+        r: {s: [f(records) for _, _, f in metrics] for s, records in sorted(runs[r].items())}
+        for r in order
         if r in runs
     }
 
@@ -162,13 +409,27 @@ def paired(values, recipe, reference, index):
     return [values[recipe][s][index] - values[reference][s][index] for s in seeds]
 
 
-def difference_cell(diffs):
+def difference_cell(diffs, fmt="+.3f"):
+    """The mean paired difference and its 95% t-interval (n >= 2), or '-' without pairs."""
     if not diffs:
         return "-"
-    interval = (
-        "[{:+.3f}, {:+.3f}]".format(*bootstrap_interval(diffs)) if len(diffs) >= 3 else "(n < 3)"
-    )
-    return f"{statistics.mean(diffs):+.3f} {interval}"
+    if len(diffs) < 2:
+        return f"{diffs[0]:{fmt}} (one seed)"
+    low, high = t_interval(diffs)
+    return f"{statistics.mean(diffs):{fmt}} [{low:{fmt}}, {high:{fmt}}]"
+
+
+def collapse_cell(late_rewards):
+    """How many seeds collapsed, and which: '0', '1 (seed 4)', '2 (seeds 4, 5)'."""
+    seeds = collapsed_seeds(late_rewards)
+    if not seeds:
+        return "0"
+    names = ", ".join(str(s) for s in seeds)
+    return f"{len(seeds)} (seed{'s' if len(seeds) > 1 else ''} {names})"
+
+
+def column(values, recipe, index):
+    return [x[index] for x in values[recipe].values()]
 
 
 def seed_mean_rows(values, metrics=METRICS):
@@ -176,7 +437,7 @@ def seed_mean_rows(values, metrics=METRICS):
     return [
         [r, str(len(v))]
         + [
-            f"{statistics.mean(x[i] for x in v.values()):{fmt}}"
+            f"{statistics.mean(column(values, r, i)):{fmt}}"
             for i, (_, fmt, _) in enumerate(metrics)
         ]
         for r, v in values.items()
@@ -188,31 +449,97 @@ def per_recipe_table(values):
 
 
 def headline_table(values):
-    """Late reward and final pass@1: the mean over seeds, and the paired per-seed differences against bf16
-    and against nvfp4 with 95% bootstrap intervals."""
+    """Per recipe: collapsed seeds; late reward and final pass@1 as mean and median over seeds, and
+    the mean paired per-seed difference against bf16 and against nvfp4 with its 95% t-interval."""
     rows = []
     for recipe, v in values.items():
-        row = [recipe, str(len(v))]
+        row = [recipe, str(len(v)), collapse_cell({s: x[0] for s, x in v.items()})]
         for index in (0, 1):
-            row.append(f"{statistics.mean(x[index] for x in v.values()):.3f}")
-            row += [
-                difference_cell(paired(values, recipe, ref, index)) if recipe != ref else "-"
-                for ref in ("bf16", "nvfp4")
-            ]
+            row.append(f"{statistics.mean(column(values, recipe, index)):.3f}")
+            row.append(f"{statistics.median(column(values, recipe, index)):.3f}")
+            for reference in ("bf16", "nvfp4"):
+                if recipe == reference:
+                    row.append("-")
+                else:
+                    row.append(difference_cell(paired(values, recipe, reference, index)))
         rows.append(row)
-    return table(
-        [
-            "recipe",
-            "seeds",
-            "late reward",
-            "minus bf16",
-            "minus nvfp4",
-            "final pass@1",
-            "minus bf16",
-            "minus nvfp4",
-        ],
-        rows,
-    )
+    header = [
+        "recipe",
+        "seeds",
+        f"collapsed (late reward < {COLLAPSE_BELOW})",
+        "late reward, mean",
+        "median",
+        "minus bf16",
+        "minus nvfp4",
+        "final pass@1, mean",
+        "median",
+        "minus bf16",
+        "minus nvfp4",
+    ]
+    return table(header, rows)
+
+
+# The comparisons RESULTS.md words: (recipe, reference) paired per seed.
+CLAIMS = [
+    ("nvfp4", "bf16"),
+    ("w4a16", "bf16"),
+    ("w16a4", "bf16"),
+    ("w16a4", "w4a16"),
+    ("fp8", "bf16"),
+    ("quads", "bf16"),
+    ("quads", "nvfp4"),
+    ("qat", "nvfp4"),
+    ("rac", "nvfp4"),
+    ("moeresq", "nvfp4"),
+    ("trace", "nvfp4"),
+    ("nvfp4+row", "nvfp4"),
+    ("quads+row", "quads"),
+    ("quads", "fp8"),
+    ("quads", "w4a16"),
+    ("moeresq", "quads"),
+    ("trace", "quads"),
+]
+
+
+def seeds_above_zero(diffs):
+    return f"{sum(d > 0 for d in diffs)}/{len(diffs)}"
+
+
+def claims_table(values, pairs=CLAIMS):
+    """Per pair, paired per seed: late reward's mean difference, 95% t-interval, median difference
+    and the seeds on which it is positive; the same difference as a share of naive NVFP4's mean loss
+    (bf16 - nvfp4, late reward, the same seeds); final pass@1's mean difference and its positive
+    seeds."""
+    rows = []
+    for recipe, reference in pairs:
+        if recipe not in values or reference not in values:
+            continue
+        late = paired(values, recipe, reference, 0)
+        final = paired(values, recipe, reference, 1)
+        loss = statistics.mean(paired(values, "bf16", "nvfp4", 0))
+        low, high = t_interval(late)
+        share = f"{statistics.mean(late) / loss:+.0%} [{low / loss:+.0%}, {high / loss:+.0%}]"
+        rows.append(
+            [
+                f"{recipe} minus {reference}",
+                difference_cell(late),
+                f"{statistics.median(late):+.3f}",
+                seeds_above_zero(late),
+                share,
+                difference_cell(final),
+                seeds_above_zero(final),
+            ]
+        )
+    header = [
+        "pair",
+        "late reward",
+        "median",
+        "seeds above 0",
+        "as a share of bf16 minus nvfp4",
+        "final pass@1",
+        "seeds above 0",
+    ]
+    return table(header, rows)
 
 
 def row_scale_table(values):
@@ -226,23 +553,27 @@ def row_scale_table(values):
     return table(["pair", "late reward", "final pass@1", "mean abs dlogp"], rows)
 
 
-WIDTH_RECIPES = ("bf16", "nvfp4", "quads")
-
-
 def width_table(sweep):
-    """Per width: the warm-started policy's pass@1; the paired per-seed differences nvfp4 - bf16 of the
-    reward of steps 1-100 (while even the widest BF16 policy has room to learn) and of late reward (the
-    failure criterion); late reward per recipe; QUADS's recovery (quads - nvfp4); final pass@1 nvfp4 - bf16."""
+    """Per width: the warm-started policy's pass@1; the paired per-seed differences nvfp4 - bf16 of
+    the reward of steps 1-100 (while even the widest BF16 policy has room to learn) and of late
+    reward (the failure criterion); late reward per recipe (mean and median); collapsed seeds;
+    QUADS's recovery (quads - nvfp4); final pass@1 nvfp4 - bf16."""
     early = ("reward 1-100", ".3f", lambda records: mean(steps_of(records), "reward", 0, 100))
     rows = []
     for width, runs in sweep.items():
         values = run_values(runs, METRICS + [early])
         start = [evals_of(rec)[0]["pass@1"] for rec in runs.get("bf16", {}).values()]
         seeds = "/".join(str(len(runs.get(r, {}))) for r in WIDTH_RECIPES)
-        late = [
-            f"{statistics.mean(x[0] for x in values[r].values()):.3f}" if r in values else "-"
-            for r in WIDTH_RECIPES
-        ]
+        late = []
+        collapsed = []
+        for recipe in WIDTH_RECIPES:
+            if recipe not in values:
+                late.append("-")
+                collapsed.append("-")
+                continue
+            rewards = column(values, recipe, 0)
+            late.append(f"{statistics.mean(rewards):.3f} ({statistics.median(rewards):.3f})")
+            collapsed.append(str(len(collapsed_seeds(dict(enumerate(rewards))))))
         diffs = [
             difference_cell(paired(values, a, b, i)) if a in values and b in values else "-"
             for a, b, i in (
@@ -256,23 +587,23 @@ def width_table(sweep):
             [str(width), seeds, f"{statistics.mean(start):.3f}" if start else "-"]
             + diffs[:1]
             + late
+            + ["/".join(collapsed)]
             + diffs[1:]
         )
-    return table(
-        [
-            "width",
-            "seeds (bf16/nvfp4/quads)",
-            "pass@1 at step 0",
-            "reward 1-100, nvfp4 minus bf16",
-            "late reward bf16",
-            "nvfp4",
-            "quads",
-            "late reward, nvfp4 minus bf16",
-            "quads minus nvfp4",
-            "final pass@1, nvfp4 minus bf16",
-        ],
-        rows,
-    )
+    header = [
+        "width",
+        "seeds (bf16/nvfp4/quads)",
+        "pass@1 at step 0",
+        "reward 1-100, nvfp4 minus bf16",
+        "late reward bf16, mean (median)",
+        "nvfp4",
+        "quads",
+        "collapsed",
+        "late reward, nvfp4 minus bf16",
+        "quads minus nvfp4",
+        "final pass@1, nvfp4 minus bf16",
+    ]
+    return table(header, rows)
 
 
 GAP_METRICS = [
@@ -290,8 +621,9 @@ GAP_METRICS = [
 
 
 def width_gap_table(sweep):
-    """Per width and recipe, seed means: the train/rollout gap over the first 100 steps and all 600, its
-    per-step max and growth, routing disagreement, and the trainer's perplexity of the sampled tokens."""
+    """Per width and recipe, seed means: the train/rollout gap over the first 100 steps and all 600,
+    its per-step max and growth, routing disagreement, and the trainer's perplexity of the sampled
+    tokens."""
     rows = [
         [str(width)] + row
         for width, runs in sweep.items()
@@ -310,12 +642,12 @@ def nll(records):
 
 
 def uncertainty_table(sweep, probes, steps=10):
-    """The gap at the start of RL (steps 1-10) against how uncertain the policy is there (the trainer's
-    mean negative log-prob a sampled token): a token's |delta logp| is about (1 - p) times the error of its
-    logit margins, so gap / NLL estimates the logit error itself. Rows: the sweep (seed means), the probes
-    (one run each), the small preset on the H200 (its 10-step quads run; nvfp4 from the audit's A-C MAE at
-    that run's checkpoint, over the run's NLL)."""
-    rows = []
+    """The gap at the start of RL (steps 1-10) against how uncertain the policy is there (the
+    trainer's mean negative log-prob a sampled token): a token's |delta logp| is about (1 - p) times
+    the error of its logit margins, so gap / NLL estimates the logit error itself. Per run the ratio
+    of its gap to its NLL; per row their mean, with a 95% t-interval over the seeds where there are
+    several. Rows: the sweep, the probes (one run each), the small preset on the H200 (its 10-step
+    quads run; nvfp4 from the audit's A-C MAE at that run's checkpoint, over the run's NLL)."""
     entries = [
         (f"{w}", "2", r, list(runs[r].values()))
         for w, runs in sweep.items()
@@ -323,25 +655,31 @@ def uncertainty_table(sweep, probes, steps=10):
         if r in runs
     ]
     entries += [(p["dim"], p["n_layers"], p["recipe"], [p["records"]]) for p in probes]
+    rows = []
     for width, layers, recipe, runs in sorted(entries, key=lambda e: (int(e[0]), int(e[1]), e[2])):
-        gap = statistics.mean(mean(steps_of(r), "mismatch/abs_diff_mean", 0, steps) for r in runs)
-        uncertainty = statistics.mean(mean(nll(steps_of(r)), "nll", 0, steps) for r in runs)
+        gaps = [mean(steps_of(r), "mismatch/abs_diff_mean", 0, steps) for r in runs]
+        uncertainties = [mean(nll(steps_of(r)), "nll", 0, steps) for r in runs]
+        ratios = [gap / u for gap, u in zip(gaps, uncertainties)]
+        if len(ratios) > 1:
+            low, high = t_interval(ratios)
+            interval = f"[{low:.3f}, {high:.3f}]"
+        else:
+            interval = "(one run)"
         rows.append(
             [
                 width,
                 layers,
                 recipe,
                 str(len(runs)),
-                f"{uncertainty:.3f}",
-                f"{gap:.2e}",
-                f"{gap / uncertainty:.3f}",
+                f"{statistics.mean(uncertainties):.3f}",
+                f"{statistics.mean(gaps):.2e}",
+                f"{statistics.mean(ratios):.3f}",
+                interval,
             ]
         )
-    small = steps_of(records_of(os.path.join(HERE, "h200_audit")))
+    small = steps_of(records_of(H200_AUDIT))
     uncertainty = mean(nll(small), "nll", 0, steps)
-    audit_nvfp4 = [
-        float(x) for x in audit_rows(os.path.join(HERE, "h200_audit", "audit.md"))["nvfp4"][2]
-    ]
+    audit_nvfp4 = [float(x) for x in audit_rows(os.path.join(H200_AUDIT, "audit.md"))["nvfp4"][2]]
     for recipe, gap in (
         ("nvfp4 (audit)", statistics.mean(audit_nvfp4)),
         ("quads", mean(small, "mismatch/abs_diff_mean", 0, steps)),
@@ -355,27 +693,140 @@ def uncertainty_table(sweep, probes, steps=10):
                 f"{uncertainty:.3f}",
                 f"{gap:.2e}",
                 f"{gap / uncertainty:.3f}",
+                "(one run)",
             ]
         )
-    return table(
+    header = [
+        "width",
+        "layers",
+        "recipe",
+        "runs",
+        "trainer NLL a token",
+        "mean abs dlogp",
+        "gap per nat of NLL",
+        "95% t-interval",
+    ]
+    return table(header, rows, ["---", "---:", "---"] + ["---:"] * 5)
+
+
+# ----------------------------------------------------------------------------- the GPU study
+GPU_RECIPES = ("bf16", "nvfp4", "quads")
+GPU_METRICS = [METRICS[0], METRICS[1], METRICS[3]]
+GPU_CONDITIONS = (
+    "preset",
+    "difficulty",
+    "steps",
+    "prompts_per_step",
+    "group_size",
+    "lr",
+    "warmstart_steps",
+    "eval_prompts",
+)
+
+
+def gpu_study(base=GPU_STUDY):
+    """The GPU regime: per recipe its collapsed seeds, late reward and final pass@1 (mean and
+    median) and mean |delta logp|; then nvfp4 - bf16 and quads - nvfp4 paired per seed, with 95%
+    t-intervals, and the failure criterion's verdict. Returns (text, run folders), or
+    ("not run: ...", []) until the folder exists and holds a finished run."""
+    name = os.path.relpath(base, os.path.dirname(HERE))
+    if not os.path.isdir(base):
+        return f"not run: {name} does not exist yet.", []
+    folders = run_folders(base)
+    runs = {r: v for r, v in finished_runs(base).items() if r in GPU_RECIPES}
+    if not runs:
+        return f"not run: {name} holds no run that reached step 600 ({len(folders)} started).", []
+    values = run_values(runs, GPU_METRICS, GPU_RECIPES)
+    paths = paths_of(base, runs)
+    lines = [conditions(paths)]
+    unfinished = sorted(f"{r}_s{s}" for r, s in folders if s not in runs.get(r, {}))
+    if unfinished:
+        lines.append(paragraph(f"Left out, not at step 600: {', '.join(unfinished)}."))
+    rows = []
+    for recipe, v in values.items():
+        late = column(values, recipe, 0)
+        final = column(values, recipe, 1)
+        rows.append(
+            [
+                recipe,
+                " ".join(str(s) for s in v),
+                collapse_cell(dict(zip(v, late))),
+                f"{statistics.mean(late):.3f}",
+                f"{statistics.median(late):.3f}",
+                f"{statistics.mean(final):.3f}",
+                f"{statistics.median(final):.3f}",
+                f"{statistics.mean(column(values, recipe, 2)):.2e}",
+            ]
+        )
+    header = [
+        "recipe",
+        "seeds",
+        f"collapsed (late reward < {COLLAPSE_BELOW})",
+        "late reward, mean",
+        "median",
+        "final pass@1, mean",
+        "median",
+        "mean abs dlogp",
+    ]
+    lines += ["", table(header, rows), ""]
+    pairs = [("nvfp4", "bf16"), ("quads", "nvfp4")]
+    pair_rows = [
         [
-            "width",
-            "layers",
-            "recipe",
-            "runs",
-            "trainer NLL a token",
-            "mean abs dlogp",
-            "gap per nat of NLL",
-        ],
-        rows,
-        ["---", "---:", "---"] + ["---:"] * 4,
+            f"{recipe} minus {reference}",
+            difference_cell(paired(values, recipe, reference, 0)),
+            seeds_above_zero(paired(values, recipe, reference, 0)),
+            difference_cell(paired(values, recipe, reference, 1)),
+            difference_cell(paired(values, recipe, reference, 2), "+.2e"),
+        ]
+        for recipe, reference in pairs
+        if recipe in values and reference in values
+    ]
+    pair_header = ["pair", "late reward", "seeds above 0", "final pass@1", "mean abs dlogp"]
+    lines.append(table(pair_header, pair_rows))
+    if "nvfp4" in values and "bf16" in values:
+        lines += ["", paragraph(failure_verdict(paired(values, "nvfp4", "bf16", 0)))]
+    return "\n".join(lines), paths
+
+
+def failure_verdict(diffs):
+    """The failure criterion, fixed before the runs: naive NVFP4 fails if its late reward is at
+    least 0.10 below BF16's, with the 95% t-interval of the paired per-seed difference excluding
+    zero."""
+    if len(diffs) < 2:
+        return f"Failure criterion: not decidable on {len(diffs)} paired seed(s)."
+    low, high = t_interval(diffs)
+    fails = statistics.mean(diffs) <= -0.10 and high < 0
+    verdict = "met: naive NVFP4 fails" if fails else "not met"
+    return (
+        "Failure criterion (late reward at least 0.10 below bf16's, interval excluding 0): "
+        f"{verdict} ({statistics.mean(diffs):+.3f} [{low:+.3f}, {high:+.3f}], {len(diffs)} seeds)."
     )
 
 
-# ----------------------------------------------------------------------------- the figure
+def conditions(paths, keys=GPU_CONDITIONS):
+    """The runs' settings as their config.json recorded them, each value with its number of runs."""
+    seen = {key: {} for key in keys}
+    for path in paths:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        for key in keys:
+            value = str(config.get(key))
+            seen[key][value] = seen[key].get(value, 0) + 1
+    parts = []
+    for key, values in seen.items():
+        if len(values) == 1:
+            parts.append(f"{key} {next(iter(values))}")
+        else:
+            parts.append(f"{key} " + " / ".join(f"{v} ({n} runs)" for v, n in values.items()))
+    return paragraph("Conditions (config.json): " + ", ".join(parts) + ".")
+
+
+# ----------------------------------------------------------------------------- the figures
 def smooth(values, window):
-    """Trailing mean over the last `window` values (fewer at the start): per-step RL metrics are noisy."""
-    out, total = [], 0.0
+    """Trailing mean over the last `window` values (fewer at the start): per-step RL metrics are
+    noisy."""
+    out = []
+    total = 0.0
     for i, v in enumerate(values):
         total += v - (values[i - window] if i >= window else 0.0)
         out.append(total / min(i + 1, window))
@@ -385,8 +836,9 @@ def smooth(values, window):
 def plot(
     runs, values, path, recipes=("bf16", "w4a16", "quads", "trace", "w16a4", "nvfp4"), window=25
 ):
-    """Train reward and mean |delta logp| over steps (seed means, trailing 25-step means), and each
-    recipe's late reward with the 95% bootstrap interval of its seed mean."""
+    """Train reward and mean |delta logp| over steps (seed means, trailing 25-step means); each
+    recipe's late reward per seed (collapsed seeds in red), and its seed mean with the 95%
+    t-interval."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -407,20 +859,22 @@ def plot(
         ax.set_xlabel("RL step", fontsize=9)
     axes[0].legend(fontsize=8)
     names = list(values)
-    late = [[x[0] for x in values[r].values()] for r in names]
-    centers = [statistics.mean(v) for v in late]
-    low, high = zip(*(bootstrap_interval(v) for v in late))
-    axes[2].errorbar(
-        range(len(names)),
-        centers,
-        yerr=[[c - lo for c, lo in zip(centers, low)], [hi - c for c, hi in zip(centers, high)]],
-        fmt="o",
-    )
+    for x, recipe in enumerate(names):
+        late = column(values, recipe, 0)
+        colors = ["C3" if r < COLLAPSE_BELOW else "0.6" for r in late]
+        axes[2].scatter([x + 0.18] * len(late), late, s=10, c=colors, zorder=2)
+        low, high = t_interval(late)
+        center = statistics.mean(late)
+        axes[2].errorbar([x], [center], yerr=[[center - low], [high - center]], fmt="o", color="C0")
+    axes[2].axhline(COLLAPSE_BELOW, ls=":", color="C3", lw=1)
     axes[2].set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
-    axes[2].set_title("late reward (steps 301-600), seed mean, 95% bootstrap", fontsize=10)
+    axes[2].set_title(
+        f"late reward 301-600 per seed (red: < {COLLAPSE_BELOW}); mean, 95% t-interval",
+        fontsize=9,
+    )
     fig.suptitle(
-        f"CPU, tiny preset, {n_runs} runs, seeds {min(seeds)}-{max(seeds)} (per recipe in the legend "
-        f"and RESULTS.md), commits f233fbb and 8d36956: {COMMAND}",
+        f"CPU, tiny preset, {n_runs} runs, seeds {min(seeds)}-{max(seeds)} (per recipe in the "
+        f"legend and RESULTS.md), commits f233fbb and 8d36956: {COMMAND}",
         fontsize=9,
     )
     fig.tight_layout()
@@ -463,9 +917,10 @@ def plot_widths(sweep, path, window=25):
     for ax in axes:
         ax.set_xlabel("RL step", fontsize=9)
     fig.suptitle(
-        "CPU, tiny preset at width 64 (the replication's runs) and widened (commit 0c80b9c); seeds per "
-        "recipe in the legends\npython train.py --recipe R --steps 600 --lr 3e-4 --eval-prompts 512 --seed S"
-        " [--preset-overrides dim=W,head_dim=W/4,expert_dim=W]",
+        "CPU, tiny preset at width 64 (the replication's runs, commits f233fbb and 8d36956) and "
+        "widened (commit 0c80b9c); seeds per recipe in the legends\npython train.py --recipe R "
+        "--steps 600 --lr 3e-4 --eval-prompts 512 --seed S [--preset-overrides "
+        "dim=W,head_dim=W/4,expert_dim=W]",
         fontsize=9,
     )
     fig.tight_layout()
@@ -475,8 +930,8 @@ def plot_widths(sweep, path, window=25):
 
 # ----------------------------------------------------------------------------- RESULTS.md
 def audit_rows(path):
-    """{recipe: [[A-B MAE, B-C MAE, A-C MAE, A-C p99] per batch]} from the audit.md tools.audit wrote, as
-    printed there."""
+    """{recipe: [[A-B MAE, B-C MAE, A-C MAE, A-C p99] per batch]} from the audit.md tools.audit
+    wrote, as printed there."""
     rows = {}
     with open(path) as f:
         for line in f:
@@ -489,8 +944,8 @@ def audit_rows(path):
 
 
 def audit_summary(path):
-    """The audit's mean absolute errors (A-B, B-C, A-C) and A-C p99, one row per recipe, its batches side
-    by side."""
+    """The audit's mean absolute errors (A-B, B-C, A-C) and A-C p99, one row per recipe, its batches
+    side by side."""
     return table(
         ["recipe", "A-B MAE", "B-C MAE", "A-C MAE", "A-C p99"],
         [
@@ -501,8 +956,9 @@ def audit_summary(path):
 
 
 def outlier_summary(reports):
-    """{model: outliers.md} -> per model and kind of input (over its layers): the range of max/RMS, of the
-    largest over the median block amax, of the blocks below 2^-6, and of the relative error per tensor / row."""
+    """{model: outliers.md} -> per model and kind of input (over its layers): the range of max/RMS,
+    of the largest over the median block amax, of the blocks below 2^-6, and of the relative error
+    per tensor / row."""
     rows = []
     for model, path in reports.items():
         kinds = {}
@@ -537,49 +993,90 @@ def outlier_summary(reports):
 
 
 def main():
-    runs = replication_runs()
+    runs = finished_runs()
     values = run_values(runs)
-    sections = [
+    replication = paths_of(REPLICATION, runs)
+    sweep = width_runs()
+    probes = probe_runs()
+    outlier_reports = {
+        "small, H200 (quads, step 10)": os.path.join(H200_AUDIT, "outliers.md"),
+        "tiny, CPU (bf16 seed 0, step 600)": os.path.join(REPLICATION, "outliers_bf16_s0.md"),
+        "tiny, CPU (nvfp4 seed 0, step 600)": os.path.join(REPLICATION, "outliers_nvfp4_s0.md"),
+    }
+    gpu_text, gpu_paths = gpu_study()
+    sections = [  # (title, table, the runs and reports it reads, why it may mix commits)
         (
-            "The replication: late reward and final pass@1 with paired 95% intervals",
-            headline_table(values),
+            "The replication: collapses, late reward and final pass@1, paired per seed",
+            INTERVALS + "\n\n" + headline_table(values),
+            replication,
+            REPLICATION_MIX,
         ),
-        ("The replication: every metric, seed means", per_recipe_table(values)),
-        ("Per-row against per-tensor activation scales, paired per seed", row_scale_table(values)),
         (
-            "H200: the log-prob audit of a small-preset checkpoint, two batches (batch 1 / batch 2)",
-            audit_summary(os.path.join(HERE, "h200_audit", "audit.md")),
+            "The replication: the comparisons the text makes, paired per seed",
+            INTERVALS + "\n\n" + claims_table(values),
+            replication,
+            REPLICATION_MIX,
+        ),
+        (
+            "The replication: every metric, seed means",
+            per_recipe_table(values),
+            replication,
+            REPLICATION_MIX,
+        ),
+        (
+            "Per-row against per-tensor activation scales, paired per seed",
+            INTERVALS + "\n\n" + row_scale_table(values),
+            replication,
+            REPLICATION_MIX,
+        ),
+        (
+            "H200: the log-prob audit of a small-preset checkpoint, batch 1 / batch 2",
+            audit_summary(os.path.join(H200_AUDIT, "audit.md")),
+            [H200_AUDIT],
+            None,
         ),
         (
             "The inputs NVFP4 quantizes: outliers per kind of input, range over layers",
-            outlier_summary(
-                {
-                    "small, H200 (quads, step 10)": os.path.join(HERE, "h200_audit", "outliers.md"),
-                    "tiny, CPU (bf16 seed 0, step 600)": os.path.join(
-                        REPLICATION, "outliers_bf16_s0.md"
-                    ),
-                    "tiny, CPU (nvfp4 seed 0, step 600)": os.path.join(
-                        REPLICATION, "outliers_nvfp4_s0.md"
-                    ),
-                }
-            ),
+            outlier_summary(outlier_reports),
+            list(outlier_reports.values()),
+            None,
         ),
         (
             "Width: the replication's three recipes on the tiny preset at widths 64, 128 and 256",
-            width_table(width_runs()),
+            INTERVALS + "\n\n" + width_table(sweep),
+            width_paths(sweep),
+            WIDTHS_MIX,
         ),
-        ("Width: the train/rollout gap, seed means", width_gap_table(width_runs())),
+        (
+            "Width: the train/rollout gap, seed means",
+            width_gap_table(sweep),
+            width_paths(sweep),
+            WIDTHS_MIX,
+        ),
         (
             "The gap at the start of RL against the policy's uncertainty, steps 1-10",
-            uncertainty_table(width_runs(), probe_runs()),
+            uncertainty_table(sweep, probes),
+            width_paths(sweep) + [p["path"] for p in probes] + [H200_AUDIT],
+            WIDTHS_MIX[:-1] + "; " + SMALL_PRESET_MIX,
+        ),
+        (
+            "GPU, small preset, 600 steps: bf16, nvfp4 and quads, paired per seed",
+            gpu_text if not gpu_paths else INTERVALS + "\n" + gpu_text,
+            gpu_paths,
+            None,
         ),
     ]
-    for title, text in sections:
-        print(f"## {title}\n\n{text}\n")
+    previous = None
+    for title, text, paths, mixes in sections:
+        head = caption(title, paths, mixes) + "\n\n" if paths else ""
+        if paths and (paths, mixes) == previous:
+            head = "Provenance: the runs of the table above.\n\n"
+        previous = (paths, mixes)
+        print(f"## {title}\n\n{head}{text}\n")
     os.makedirs(FIGURES, exist_ok=True)
     plot(runs, values, os.path.join(FIGURES, "cpu_replication_600steps.png"))
-    sweep = {width: runs for width, runs in width_runs().items() if runs}
-    plot_widths(sweep, os.path.join(FIGURES, "cpu_width_sweep.png"))
+    drawn = {width: runs for width, runs in sweep.items() if runs}
+    plot_widths(drawn, os.path.join(FIGURES, "cpu_width_sweep.png"))
     print(f"figures written to {FIGURES}: cpu_replication_600steps.png, cpu_width_sweep.png")
 
 

@@ -6,7 +6,8 @@
     python -m tools.export --random-layers 2 --out DIR --shape dim=256,n_experts=16,vocab_size=4096
 
 A run exports its checkpoint's trainer weights (the FP32 master weights; a QAT trainer keeps
-moe.py's names), in the hub's layout, which transformers, vLLM and lm-eval read:
+moe.py's names) in the layout of the hub's Qwen3-MoE checkpoints, which transformers loads with the
+project's logits (tested) and vLLM and lm-eval read (not tried here):
 
     config.json          the hub's Qwen3-MoE keys (a --model run: its source's file, dtype updated)
     model.safetensors    or model-0000i-of-0000N.safetensors and model.safetensors.index.json,

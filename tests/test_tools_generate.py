@@ -4,6 +4,7 @@ Hugging Face directory works as a run does; bad flags are one line."""
 
 import copy
 import dataclasses
+import json
 import os
 
 import pytest
@@ -33,6 +34,8 @@ def arith_run(tmp_path_factory):
     torch.save(
         {**ckpt, "config": dataclasses.asdict(cfg)}, os.path.join(directory, "checkpoint.pt")
     )
+    with open(os.path.join(directory, "config.json"), "w") as f:  # as every run has
+        json.dump(dataclasses.asdict(cfg), f)
     return str(directory), model
 
 

@@ -45,7 +45,8 @@ GSM8K_NEW_TOKENS = 256  # a --model run without --max-new-tokens: as train.py's 
 def load_policy(path: str):
     """-> (model (FP32, CPU), tokenizer with CharTokenizer's interface, the run's temperature, its
     completion length, a label). A run's tokenizer is its task's or its source checkpoint's."""
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+    run = os.path.isfile(path) or os.path.isfile(os.path.join(path, "checkpoint.pt"))
+    if not run and os.path.isfile(os.path.join(path, "config.json")):  # a run has one too
         try:
             model, hf_tokenizer = moe.load_hf(path)
         except (OSError, ValueError) as error:

@@ -36,8 +36,8 @@ Q = 2 * (3072 + 6144)  # 18432, what the rollout quantizes
 LINEAR = 2 * (3072 + 128) + 48 * 32  # 7936: projections, routers, LM head
 EXPERTS = 2 * 6144  # 12288
 # Saved bytes a token and layer (the module docstring's a): 16*32 + 2*8*(4+2) + (8*8*4 + 4*4) +
-# (2*4 + 8*2) + 2*(4*32 + 8*16 + 26) = 512 + 96 + 272 + 24 + 564; f = 6*32
-PER_LAYER, PER_FORWARD = 1468, 192
+# (2*4 + 8*2) + 2*(4*32 + 8*16 + 18) = 512 + 96 + 272 + 24 + 548; f = 6*32
+PER_LAYER, PER_FORWARD = 1452, 192
 
 
 def test_parameter_counts_match_the_hand_count_and_the_model():
@@ -166,7 +166,7 @@ def test_activation_count_matches_what_autograd_saves_on_the_cpu(overrides):
 def test_fitting_flags_names_the_fewest_flags_that_fit():
     layout = dataclasses.replace(LAYOUT, prompts=8, group_size=8, completion_tokens=500)
     plan = memory.plan(CONFIG, layout)
-    assert memory.fitting_flags(CONFIG, layout, plan.total() / memory.FIT_FRACTION) is None
+    assert memory.fitting_flags(CONFIG, layout, plan.total() / memory.FIT_FRACTION + 1) is None
     free = (plan.held() + 0.25 * plan.training_pass()) / memory.FIT_FRACTION
     line = memory.fitting_flags(CONFIG, layout, free)
     assert "\n" not in line and f"needs {memory.gb(plan.total())} a GPU (activations" in line

@@ -48,7 +48,7 @@ kernels save their inputs and recompute the rest), counted op by op:
        + 2 hd (H + Hkv)       BF16 q and k entering their norms
        + 8 hd H + 4 H         SDPA: q, k and v expanded to H heads, the output, the log-sum-exp
        + 2 E + 8 A            the router's logits and chosen ids
-       + A (4 D + 8 I + 26)   per routed copy: the gathered input and the output rows (BF16),
+       + A (4 D + 8 I + 18)   per routed copy: the gathered input and the output rows (BF16),
                               gate/up (4I), silu(gate) and the product (2I each), two int64
                               indices and the BF16 routing weight
     f =  6 D                  the final norm's FP32 input, the LM head's BF16 input
@@ -191,7 +191,7 @@ def activation_bytes_per_token(config: moe.MoEConfig, fused: bool = True) -> tup
     D, H, Hkv, hd = config.dim, config.n_heads, config.n_kv_heads, config.head_dim
     E, A, I = config.n_experts, config.n_active, config.expert_dim
     attention = 8 * hd * H + 4 * H  # SDPA's q, k, v, output and log-sum-exp
-    experts = A * (4 * D + 8 * I + 26)
+    experts = A * (4 * D + 8 * I + 18)
     if fused:  # the kernels save their inputs only
         norms = 4 * D + 4 * D + 2 * hd * (H + Hkv)
         router = 2 * E + 8 * A

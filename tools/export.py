@@ -325,7 +325,10 @@ def export_run(
     policy = read_run(path)
     run_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     out = out or os.path.join(run_dir, f"export_step{policy.step}")
-    check_out(out, overwrite, [run_dir] + ([policy.source] if policy.source else []))
+    keep = [run_dir]  # and the model a --model run started from
+    if policy.source is not None:
+        keep.append(policy.source)
+    check_out(out, overwrite, keep)
     torch_dtype = DTYPES[dtype]
     config = policy.model.config
 

@@ -313,8 +313,12 @@ def candidate_layouts(layout: Layout):
     """(flags, layout) for every combination of the flags that shrink a plan, the layout's own
     first: --fsdp (with several ranks), --grad-checkpoint, --micro-batch halved down to 1, and fewer
     --prompts-per-step (halved, at least one a rank)."""
-    fsdp = [layout.fsdp] + ([True] if layout.world_size > 1 and not layout.fsdp else [])
-    checkpoint = [layout.grad_checkpoint] + ([True] if not layout.grad_checkpoint else [])
+    fsdp = [layout.fsdp]
+    if layout.world_size > 1 and not layout.fsdp:
+        fsdp.append(True)
+    checkpoint = [layout.grad_checkpoint]
+    if not layout.grad_checkpoint:
+        checkpoint.append(True)
     micro, rows = [layout.micro_batch], layout.forward_rows()
     while rows > 1:
         rows = rows // 2

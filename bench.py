@@ -157,7 +157,7 @@ def bench_gemm(args):
     import moe
     import nvfp4
     import rac
-    from gpu_kernels import w4a4_dense, w4a4_experts
+    from gpu_kernels import gemm_common, w4a4_dense, w4a4_experts
 
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -305,10 +305,10 @@ def bench_gemm(args):
                 t["quantizer alone"] = graph_us(
                     [lambda: rac.quantize_activation_triton(x, mask)] * 20
                 )
-                bucket = w4a4_dense._m_bucket(M, w4a4_dense.DENSE_CONFIGS)
+                bucket = gemm_common.m_bucket(M, w4a4_dense.DENSE_CONFIGS)
                 t["configs"] = {
                     label: graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs])
-                    for label in forced(w4a4_dense._dense_kernel, bucket)
+                    for label in forced(w4a4_dense.dense_kernel, bucket)
                 }
             rows.append((name, N, K, M, t, bytes_["w4a4"] / copy_bw * 1e6))
         return rows
@@ -418,18 +418,18 @@ def bench_gemm(args):
                 ]
             ),
         }
-        if (
-            rac.backend(x.device) == "gluon" and T < rac.GLUON_EXPERTS_BELOW
-        ):  # the layer's kernel here
-            kernel, table = (
-                rac.w4a4_experts_gluon._grouped_gluon_kernel,
-                rac.w4a4_experts_gluon.GLUON_CONFIGS,
-            )
+        # the kernel the layer runs here
+        if rac.backend(x.device) == "gluon" and T < rac.GLUON_EXPERTS_BELOW:
+            from gpu_kernels import w4a4_experts_gluon
+
+            kernel = w4a4_experts_gluon.grouped_gluon_kernel
+            table = w4a4_experts_gluon.GLUON_CONFIGS
         else:
-            kernel, table = w4a4_experts._grouped_kernel, w4a4_experts.GROUPED_CONFIGS
+            kernel = w4a4_experts.grouped_kernel
+            table = w4a4_experts.GROUPED_CONFIGS
         configs = "; ".join(
             f"{label}: {graph_us([lambda: layer._forward_triton(x, routing, expert_weights)]):.1f}"
-            for label in forced(kernel, w4a4_dense._m_bucket(-(-T * A // E), table))
+            for label in forced(kernel, gemm_common.m_bucket(-(-T * A // E), table))
         )
         floor = {
             k: hit * n * (0.5 + 1 / 16) / copy_bw * 1e6
@@ -494,20 +494,20 @@ def _print_autotuned():
     from gpu_kernels import w4a4_dense, w4a4_experts, w8a8
 
     try:
-        from gpu_kernels.w4a4_experts_gluon import _grouped_gluon_kernel
+        from gpu_kernels.w4a4_experts_gluon import grouped_gluon_kernel
 
-        gluon = (_grouped_gluon_kernel,)
+        gluon = (grouped_gluon_kernel,)
     except ImportError:  # Triton without Gluon
         gluon = ()
     print(
         "\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages; Gluon: BLOCK_T/N/K, warps):"
     )
     for kernel in (
-        w4a4_dense._dense_kernel,
-        w4a4_experts._grouped_kernel,
+        w4a4_dense.dense_kernel,
+        w4a4_experts.grouped_kernel,
         *gluon,
-        w8a8._dense_kernel,
-        w8a8._grouped_kernel,
+        w8a8.dense_kernel,
+        w8a8.grouped_kernel,
     ):
         for key, config in kernel.cache.items():
             print(f"  {kernel.fn.fn.__name__} {key[:5]} -> {_config_label(config, ', ')}")

@@ -55,3 +55,9 @@ def unchunk_experts(w):
     else copies."""
     E, N, _ = w.shape
     return (*(t.transpose(2, 3).reshape(E, N, -1) for t in (w.data, w.block_scale)), w.global_scale)
+
+
+def expert_shape(w_data):
+    """Codes in the experts' layout (E, N/16, K/chunk, 16, chunk/2) -> (E, N, K, chunk)."""
+    E, blocks, chunks, rows, half = w_data.shape
+    return E, blocks * rows, chunks * half * 2, half * 2

@@ -14,7 +14,7 @@ BF16 ops make in RoPE, y = x * cos + rotate_half(x) * sin (each product, their s
 composition on the GPU. The element rotate_half brings to position j is loaded a second time (from L1)
 rather than shuffled. One launch where the norm and RoPE took six (mul, neg, cat, mul, add).
 
-Roundings are made by integer arithmetic (_round_to), for BF16 and FP32 only: the interpreter's own
+Roundings are made by integer arithmetic (rounding.round_to), for BF16 and FP32 only: the interpreter's own
 cast truncates, and the compiler cannot fuse a rounding it does not see. FP16 is refused.
 
 Shape letters: B batch, T tokens, h heads, hd head dim, D row width.
@@ -24,21 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_kernels.rounding import ROUNDED_DTYPES, round_to
+
 MAX_DIM = 16384  # a whole row sits in one program's registers
-ROUNDED_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes whose roundings _round_to makes
-
-
-@triton.jit
-def _round_to(x, dtype: tl.constexpr):
-    """fp32 -> the nearest BF16 (ties to even), kept in fp32; fp32 unchanged. By integer arithmetic:
-    the interpreter's own cast truncates, and the compiler cannot fuse a rounding it does not see
-    (FP16 is left out for that reason: NVPTX contracted a cast-rounded product and sum into one
-    fp16 FMA, so the fused RoPE was no longer torch's, seen on the H200)."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
-    return x
 
 
 @triton.jit
@@ -50,7 +38,7 @@ def _inv_rms(x, D, eps):
 @triton.jit
 def _scaled(x, inv_rms, weight, x_dtype: tl.constexpr, y_dtype: tl.constexpr):
     """weight * x_normed with the twin's two casts: x_normed back to x's dtype first, then the product."""
-    return _round_to(weight * _round_to(x * inv_rms, x_dtype), y_dtype)
+    return round_to(weight * round_to(x * inv_rms, x_dtype), y_dtype)
 
 
 @triton.jit
@@ -141,7 +129,7 @@ def _norm_rope_kernel(
     angle = b * stride_cos_b + t * stride_cos_t + cols
     cos = tl.load(cos_ptr + angle, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + angle, mask=mask, other=0.0).to(tl.float32)
-    y = _round_to(_round_to(normed * cos, dtype) + _round_to(normed_rot * sin, dtype), dtype)
+    y = round_to(round_to(normed * cos, dtype) + round_to(normed_rot * sin, dtype), dtype)
     tl.store(
         y_ptr + ((b * H + head) * T + t) * HD + cols, y.to(dtype), mask=mask
     )  # y (B, H, T, hd)

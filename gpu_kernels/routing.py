@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_kernels.norm import ROUNDED_DTYPES, _round_to
+from gpu_kernels.rounding import ROUNDED_DTYPES, round_to
 
 CHUNK = 64  # assignments per program of the counting sort
 MAX_ASSIGNMENTS = 64 * CHUNK  # the second pass reads every chunk's counts at once
@@ -137,7 +137,7 @@ def _sum_rows_kernel(y_ptr, inverse_ptr, out_ptr, D, A: tl.constexpr, BLOCK: tl.
     for a in tl.static_range(1, A):
         row = tl.load(inverse_ptr + token * A + a)
         total += tl.load(y_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    total = _round_to(total, out_ptr.dtype.element_ty)
+    total = round_to(total, out_ptr.dtype.element_ty)
     tl.store(out_ptr + token * D + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -14,7 +14,8 @@ the end).
 One tl.dot_scaled per loop body: with two (x and its residual, or gate and up) Triton 3.6's automatic warp
 specialization fails to compile for sm_100. So the residual is a second pass over K (the weight tiles read
 again, mostly from L2), and SwiGLU's gate and up rows are one stacked tile, as in the Hopper kernel. The
-grouped kernel finds its expert and rows as gpu_kernels/w4a4_experts.py's does, from the same helpers.
+grouped kernel finds its expert and rows as gpu_kernels/w4a4_experts.py's does, from the same helpers
+(gemm_common.py).
 """
 
 import torch
@@ -22,23 +23,21 @@ import triton
 import triton.language as tl
 
 from gpu_kernels import w4a4_dense, w4a4_experts
-from gpu_kernels.w4a4_dense import (
-    EXPERT_ROWS,
-    _split_columns,
-    _store_split,
-    _store_tile,
+from gpu_kernels.expert_layout import expert_shape
+from gpu_kernels.gemm_common import (
     as_int16,
     column_splits,
-    split_output,
-)
-from gpu_kernels.w4a4_experts import (
-    _expert_tile,
-    _expert_weight_rows,
-    _swiglu,
-    _tile_rows,
-    expert_shape,
+    expert_tile,
+    expert_weight_rows,
     grouped_output,
+    split_columns,
+    split_output,
+    store_split,
+    store_tile,
+    swiglu_tile,
+    tile_rows,
 )
+from gpu_kernels.w4a4_common import EXPERT_ROWS, x_scale_is_per_row
 from gpu_kernels.w4a4_quantize import quantize_activation
 
 
@@ -92,7 +91,7 @@ def _native_k_loop(
 
 
 @triton.jit
-def _dense_native_kernel(
+def dense_native_kernel(
     x_ptr,
     x_scale_ptr,
     r_ptr,
@@ -160,19 +159,19 @@ def _dense_native_kernel(
             K,
             BLOCK_K,
         )
-    which, col_base, col_stride = _split_columns(cols, M, N, N1, N2)
+    which, col_base, col_stride = split_columns(cols, M, N, N1, N2)
     if ROW_SCALE:  # each row's own x scale
         x_global = tl.load(x_global_ptr + rows, mask=row_mask, other=0.0)[:, None]
     else:
         x_global = tl.load(x_global_ptr)
     scale = x_global * tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[None, :]
-    _store_split(
+    store_split(
         y_ptr, rows, row_mask, col_base, col_stride, col_mask, tl.trans(acc * scale), OUT_BF16
     )
 
 
 @triton.jit
-def _grouped_native_kernel(
+def grouped_native_kernel(
     x_ptr,
     x_scale_ptr,
     r_ptr,
@@ -214,17 +213,17 @@ def _grouped_native_kernel(
 ):
     """The grouped kernel on FP4 tensor cores (SWIGLU: the gate and up rows as one stacked tile)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert, row0, end_row = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
+    expert, row0, end_row = expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
     if expert >= E:
         return
-    sorted_rows, row_mask, x_rows, weight_rows = _tile_rows(
+    sorted_rows, row_mask, x_rows, weight_rows = tile_rows(
         row_ids_ptr, weight_ids_ptr, row0, end_row, GATHER, WEIGHT_IDS, BLOCK_M
     )
     n_out = N // 2 if SWIGLU else N
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_out
     W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
-    w_rows, w_mask = _expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
+    w_rows, w_mask = expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
     block, row = w_rows // EXPERT_ROWS, w_rows % EXPERT_ROWS  # ExpertWeights' layout
     w_base = w_ptr + expert.to(tl.int64) * stride_we + block * stride_wb + row * stride_wr
     ws_base = w_scale_ptr + expert.to(tl.int64) * stride_se + block * stride_sb + row * stride_sr
@@ -268,13 +267,13 @@ def _grouped_native_kernel(
     else:
         out = acc * (tl.load(x_global_ptr) * tl.load(w_global_ptr + expert))
     if SWIGLU:
-        out = _swiglu(out, BLOCK_N, BLOCK_M, False)  # (BLOCK_M, BLOCK_N)
+        out = swiglu_tile(out, BLOCK_N, BLOCK_M, False)  # (BLOCK_M, BLOCK_N)
     if ROW_WEIGHTS:
         router_weight = tl.load(row_weights_ptr + weight_rows, mask=row_mask, other=0.0).to(
             tl.float32
         )
         out = out * router_weight[:, None]
-    _store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, tl.trans(out), OUT_BF16)
+    store_tile(y_ptr, sorted_rows, row_mask, cols, col_mask, stride_y, tl.trans(out), OUT_BF16)
 
 
 # ------------------------------------------------------------------ launch
@@ -294,13 +293,13 @@ def dense_matmul(
     (r_data None: no residual), x's global scale () or (M,) fp32 (per row), the weight's codes (N, K/2), scales
     (N, K/16) and global scales (1 to 3,) -> (M, N) out_dtype, or one (M, n) per stacked weight (splits)."""
     M = x_data.shape[0]
-    row_scale = w4a4_dense.x_scale_is_per_row(x_global_scale, M, "dense_matmul")
+    row_scale = x_scale_is_per_row(x_global_scale, M, "dense_matmul")
     N, K = w_data.shape[0], w_data.shape[1] * 2
     y = torch.empty(M * N, dtype=out_dtype, device=x_data.device)
     has_residual = r_data is not None
     r_data, r_block_scale = (r_data, r_block_scale) if has_residual else (x_data, x_block_scale)
     block_m, block_n, block_k = 128, 128, 128
-    _dense_native_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+    dense_native_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
         x_data,
         x_block_scale,
         r_data,
@@ -348,7 +347,7 @@ def grouped_matmul(
     """gpu_kernels.w4a4_experts.grouped_matmul on codes (x's and its residual's, as dense_matmul takes them;
     x_global_scale one, or one per row of x)."""
     E, N, K, chunk = expert_shape(w_data)
-    row_scale = w4a4_dense.x_scale_is_per_row(x_global_scale, x_data.shape[0], "grouped_matmul")
+    row_scale = x_scale_is_per_row(x_global_scale, x_data.shape[0], "grouped_matmul")
     n_rows = row_ids.numel() if row_ids is not None else x_data.shape[0]
     y, flags, (row_ids, row_weights, row_weight_ids) = grouped_output(
         n_rows, N, counts, out_dtype, row_ids, row_weights, row_weight_ids, swiglu
@@ -363,9 +362,7 @@ def grouped_matmul(
         t.stride(2) if chunk == block_k else block_k // per
         for t, per in ((w_data, 2), (w_block_scale, 16))
     ]
-    _grouped_native_kernel[
-        (triton.cdiv(rows, block_m) + min(E, rows), triton.cdiv(n_out, block_n))
-    ](
+    grouped_native_kernel[(triton.cdiv(rows, block_m) + min(E, rows), triton.cdiv(n_out, block_n))](
         x_data,
         x_block_scale,
         r_data,

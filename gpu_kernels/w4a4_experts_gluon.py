@@ -31,15 +31,9 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from gpu_kernels.w4a4_dense import (
-    EXPERT_ROWS,
-    _E2M1_PAIRS_PTX,
-    _EPILOGUE,
-    _bench_in_graph,
-    _m_bucket,
-    x_scale_is_per_row,
-)
-from gpu_kernels.w4a4_experts import expert_shape, grouped_output
+from gpu_kernels.expert_layout import expert_shape
+from gpu_kernels.gemm_common import bench_in_graph, grouped_output, m_bucket
+from gpu_kernels.w4a4_common import EPILOGUE, EXPERT_ROWS, E2M1_PAIRS_PTX, x_scale_is_per_row
 
 
 @gluon.constexpr_function
@@ -53,7 +47,7 @@ def _gluon_mma_layout(num_warps):
 @gluon.jit
 def _gluon_e2m1_pairs(packed):
     return gl.inline_asm_elementwise(
-        _E2M1_PAIRS_PTX,
+        E2M1_PAIRS_PTX,
         "=r,=r,=r,=r,r",
         [packed],
         dtype=(gl.float16, gl.float16),
@@ -71,7 +65,7 @@ def _gluon_add(a, b):
 def _gluon_expert_tile(
     counts_ptr, E, pid_m, BLOCK_T: gl.constexpr, E_POW2: gl.constexpr, NUM_WARPS: gl.constexpr
 ):
-    """_expert_tile in Gluon: program pid_m's (expert, first sorted row, end row of the expert)."""
+    """expert_tile in Gluon: program pid_m's (expert, first sorted row, end row of the expert)."""
     experts = gl.arange(0, E_POW2, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
     counts = gl.load(counts_ptr + experts, mask=experts < E, other=0).to(gl.int64)
     packed = (((counts + BLOCK_T - 1) // BLOCK_T) << 32) + counts
@@ -91,10 +85,10 @@ def _gluon_gate_up(t, W_ROWS: gl.constexpr, BLOCK_T: gl.constexpr):
     return gl.reshape(gate, (W_ROWS // 2, BLOCK_T)), gl.reshape(up, (W_ROWS // 2, BLOCK_T))
 
 
-def _gluon_prune(configs, named_args, **kwargs):
+def gluon_prune(configs, named_args, **kwargs):
     """The call's M bucket; BLOCK_K at most one chunk of the weight's layout and a divisor of it: 64 or
     128 (an operand of k_width 8 needs 32 K elements an MMA, 64 of the even and odd halves). A divisor,
-    where _grouped_prune only caps the step: this kernel has no K masks, so no step may run past K."""
+    where grouped_prune only caps the step: this kernel has no K masks, so no step may run past K."""
     chunk = kwargs["CHUNK"]
 
     def step(c):
@@ -185,7 +179,7 @@ def _gluon_expert_store(
     ):  # the x scale of the activation row each column reads: (2^12 g_x) g_w, the one-scale order
         x_rows = gl.load(row_ids_ptr + t_y, mask=t_y < end_row, other=0) if GATHER else t_y
         x_global = gl.load(x_global_ptr + x_rows, mask=t_y < end_row, other=0.0)
-        out = acc * (_EPILOGUE * x_global * scale)[None, :]
+        out = acc * (EPILOGUE * x_global * scale)[None, :]
     r_y = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, mma))
     col_y = pid_n * BLOCK_N + ((r_y // 16) * 8 + r_y % 8 if SWIGLU else r_y)
     y_ptrs = y_ptr + t_y.to(gl.int64)[None, :] * stride_y + col_y[:, None]
@@ -225,7 +219,7 @@ def _gluon_expert_rows(
     """tile = (expert, row0, end_row, pid_n): sorted rows row0 .. min(row0 + BLOCK_T + EXTRA, end_row) of
     `expert` times its weight rows of output tile pid_n, into y: BLOCK_T rows, and EXTRA more (0, or a
     quarter of the autotuned tile) in a second accumulator on the same decoded weight. args:
-    _grouped_gluon_kernel's pointers, sizes and strides."""
+    grouped_gluon_kernel's pointers, sizes and strides."""
     (
         x_ptr,
         x_global_ptr,
@@ -308,7 +302,7 @@ def _gluon_expert_rows(
     if ROW_SCALE:  # g_w here, each row's g_x in the store
         scale = gl.load(w_global_ptr + expert)
     else:
-        scale = _EPILOGUE * gl.load(x_global_ptr) * gl.load(w_global_ptr + expert)
+        scale = EPILOGUE * gl.load(x_global_ptr) * gl.load(w_global_ptr + expert)
     _gluon_expert_store(
         acc,
         scale,
@@ -366,12 +360,12 @@ def _gluon_expert_rows(
         for t, n, k, w in rows
     ],
     key=["M_BUCKET", "N", "K"],
-    prune_configs_by={"early_config_prune": _gluon_prune},
-    do_bench=_bench_in_graph,
+    prune_configs_by={"early_config_prune": gluon_prune},
+    do_bench=bench_in_graph,
 )
 @gluon.jit
-def _grouped_gluon_kernel(
-    # pointers, as _grouped_kernel's (x_global: one scale, or one per operand row with ROW_SCALE); the
+def grouped_gluon_kernel(
+    # pointers, as grouped_kernel's (x_global: one scale, or one per operand row with ROW_SCALE); the
     # weight in ExpertWeights' layout
     x_ptr,
     x_global_ptr,
@@ -530,7 +524,7 @@ def grouped_matmul(
             n_out, meta["BLOCK_N"]
         )
 
-    _grouped_gluon_kernel[grid](
+    grouped_gluon_kernel[grid](
         operand,
         x_global_scale,
         row_ids,
@@ -544,7 +538,7 @@ def grouped_matmul(
         N,
         K,
         E,
-        _m_bucket(triton.cdiv(n_rows, E), GLUON_CONFIGS),
+        m_bucket(triton.cdiv(n_rows, E), GLUON_CONFIGS),
         operand.stride(0),
         operand.stride(1),
         *w_data.stride()[:3],

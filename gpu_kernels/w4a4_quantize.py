@@ -27,25 +27,22 @@ of two >= amax / 2688 (per tensor or per row; at least 2^-126). Dividing by a po
 and a bf16 value's 8 significant bits fit fp16's 11: the operand is exact wherever |x| >= 2^-11 g (below, about
 2e-7 of amax, fp16's subnormals drop bits). The GEMMs multiply by g as for a W4A4 operand: y = x @ DQ(W).T.
 
-The format helpers below restate nvfp4.py's (a kernel file imports no project module); the tests hold
-both to the same references bit for bit.
+The format's arithmetic is nvfp4_blocks.py's, shared with the NVFP4 quantizer: it restates nvfp4.py's (a
+kernel file imports no project module), and the tests hold both to the same references bit for bit. The
+operand's layout (OPERAND_SHIFT, empty_planes) is w4a4_common.py's, shared with the GEMMs that read it.
 """
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-# the format's arithmetic, shared with the NVFP4 quantizer (whose definition is nvfp4.py)
-from gpu_kernels.nvfp4_quantize import _e2m1_value, _load_pairs, _quantize_pairs
+from gpu_kernels import INTERPRET
+from gpu_kernels.nvfp4_blocks import e2m1_value, load_pairs, quantize_pairs
+from gpu_kernels.w4a4_common import OPERAND_SHIFT, empty_planes
 
 BLOCK_SIZE = 16  # NVFP4 block: 16 elements along K, one E4M3 scale
 GLOBAL_SCALE_DIVISOR = 6.0 * 448.0  # 2688: global_scale = amax / (E2M1 max * E4M3 max)
-OPERAND_SHIFT = 2.0**-6  # the Hopper kernels' fp16 operands hold value * block_scale * 2^-6
 AMAX_IN_LAUNCH = 4096  # inputs up to this size (M * K): the quantizer reduces the amax itself
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 _DIVISOR = tl.constexpr(GLOBAL_SCALE_DIVISOR)
 _SHIFT = tl.constexpr(OPERAND_SHIFT)
 _FP32_MANTISSA = tl.constexpr(0x7FFFFF)  # the 23 mantissa bits of an fp32 bit pattern
@@ -124,9 +121,9 @@ def _quantize_blocks(
 ):
     """The (BLOCKS, 8) even and odd tiles of flat blocks `blocks` -> codes and E4M3 bytes of x and of its
     RAC residual, and the operand values (DQ(x_q) + DQ(r_q)) / global_scale as fp32 even and odd tiles."""
-    code_even, code_odd, block_scale, scale_byte = _quantize_pairs(even, odd, global_scale)
-    value_even = _e2m1_value(code_even) * block_scale[:, None]
-    value_odd = _e2m1_value(code_odd) * block_scale[:, None]
+    code_even, code_odd, block_scale, scale_byte = quantize_pairs(even, odd, global_scale)
+    value_even = e2m1_value(code_even) * block_scale[:, None]
+    value_odd = e2m1_value(code_odd) * block_scale[:, None]
     r_even, r_odd, r_byte = code_even, code_odd, scale_byte  # (placeholders without a residual)
     if HAS_RESIDUAL:
         keep = (tl.load(rac_mask_ptr + blocks % blocks_per_row, mask=in_range, other=0) != 0)[
@@ -134,9 +131,9 @@ def _quantize_blocks(
         ]
         res_even = tl.where(keep, even - _mul_rn(value_even, global_scale, GPU), 0.0)  # x - DQ(x_q)
         res_odd = tl.where(keep, odd - _mul_rn(value_odd, global_scale, GPU), 0.0)
-        r_even, r_odd, r_scale, r_byte = _quantize_pairs(res_even, res_odd, global_scale)
-        value_even += _e2m1_value(r_even) * r_scale[:, None]  # exact in fp32
-        value_odd += _e2m1_value(r_odd) * r_scale[:, None]
+        r_even, r_odd, r_scale, r_byte = quantize_pairs(res_even, res_odd, global_scale)
+        value_even += e2m1_value(r_even) * r_scale[:, None]  # exact in fp32
+        value_odd += e2m1_value(r_odd) * r_scale[:, None]
     return code_even, code_odd, scale_byte, r_even, r_odd, r_byte, value_even, value_odd
 
 
@@ -152,7 +149,7 @@ def _store_codes(data_ptr, scale_ptr, blocks, in_range, code_even, code_odd, sca
 
 
 @triton.jit
-def _quantize_activation_kernel(
+def quantize_activation_kernel(
     # pointers: input (elements, and its pair view), selection, scales, outputs
     x_ptr,
     x_words_ptr,
@@ -188,7 +185,7 @@ def _quantize_activation_kernel(
     if ROW_SCALE:  # the row's amax from the very tiles it quantizes: one read of x
         blocks = pid.to(tl.int64) * blocks_per_row + tl.arange(0, BLOCKS)
         in_range = tl.arange(0, BLOCKS) < blocks_per_row
-        even, odd = _load_pairs(x_words_ptr, blocks, tl.arange(0, 8), in_range[:, None], X_BF16)
+        even, odd = load_pairs(x_words_ptr, blocks, tl.arange(0, 8), in_range[:, None], X_BF16)
         amax = _tiles_abs_max(even, odd)
         global_scale = _scale_from_amax(amax) if QUANTIZE else _power_of_two_scale(amax)
         tl.store(global_scale_ptr + pid, global_scale)
@@ -203,7 +200,7 @@ def _quantize_activation_kernel(
         tl.store(global_scale_ptr, global_scale, mask=pid == 0)
         blocks = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
         in_range = blocks < n_blocks
-        even, odd = _load_pairs(x_words_ptr, blocks, tl.arange(0, 8), in_range[:, None], X_BF16)
+        even, odd = load_pairs(x_words_ptr, blocks, tl.arange(0, 8), in_range[:, None], X_BF16)
     if QUANTIZE:
         code_even, code_odd, scale_byte, r_even, r_odd, r_byte, value_even, value_odd = (
             _quantize_blocks(
@@ -248,30 +245,22 @@ def _partial_amax_kernel(x_ptr, partial_ptr, numel, SLICE: tl.constexpr, CHUNK: 
 
 
 # ------------------------------------------------------------------------------ launches
-def empty_planes(rows, half_k, device):
-    """An fp16 operand buffer (2, rows, K/2), the planes a multiple of 64 elements apart (16-byte aligned)."""
-    plane = triton.cdiv(rows * half_k, 64) * 64
-    return torch.empty((2, plane), dtype=torch.float16, device=device)[:, : rows * half_k].view(
-        2, rows, half_k
-    )
+AMAX_CHUNK = AMAX_IN_LAUNCH  # elements per load in the amax loops: small inputs in one load
+AMAX_SLICES = 256  # at most this many partial maxima: every quantizer program reads all of them
 
 
-_AMAX_CHUNK = AMAX_IN_LAUNCH  # elements per load in the amax loops: small inputs in one load
-_AMAX_SLICES = 256  # at most this many partial maxima: every quantizer program reads all of them
-
-
-def _partial_chunk(numel):
+def partial_chunk(numel):
     """Elements per load of the partial-max launch. A program's loads over its slice wait one for another
     (plain loads are not pipelined), so inputs that would take more than two chunks a slice take chunks 4x
     wider: on the H200 the quantizer of 4096 x 4096 takes 47 instead of 57 us; decode-sized inputs are faster
     with the narrow chunk."""
-    return _AMAX_CHUNK * (4 if numel > 2 * _AMAX_SLICES * _AMAX_CHUNK else 1)
+    return AMAX_CHUNK * (4 if numel > 2 * AMAX_SLICES * AMAX_CHUNK else 1)
 
 
-def _partial_amax(x):
-    """max |x| over each of at most _AMAX_SLICES slices of the flattened x, one launch -> (slices,) fp32."""
-    chunk = _partial_chunk(x.numel())
-    slice_ = chunk * triton.cdiv(triton.cdiv(x.numel(), chunk), _AMAX_SLICES)
+def partial_amax(x):
+    """max |x| over each of at most AMAX_SLICES slices of the flattened x, one launch -> (slices,) fp32."""
+    chunk = partial_chunk(x.numel())
+    slice_ = chunk * triton.cdiv(triton.cdiv(x.numel(), chunk), AMAX_SLICES)
     partials = torch.empty(triton.cdiv(x.numel(), slice_), dtype=torch.float32, device=x.device)
     _partial_amax_kernel[(partials.numel(),)](x, partials, x.numel(), SLICE=slice_, CHUNK=chunk)
     return partials
@@ -318,14 +307,14 @@ def quantize_activation(
         )  # 4 warps up to 128 blocks (K 2048), then wider
     else:
         amax_here = x.numel() <= AMAX_IN_LAUNCH
-        partials = dummy if amax_here else _partial_amax(x)
+        partials = dummy if amax_here else partial_amax(x)
         blocks = 32 if n_blocks <= 16384 else 128  # small inputs: more programs, shorter chains
         grid, warps = (triton.cdiv(n_blocks, blocks),), 4
 
     def ptr(t, view=None):
         return dummy if t is None else (t.view(view) if view is not None else t)
 
-    _quantize_activation_kernel[grid](
+    quantize_activation_kernel[grid](
         x,
         x.view(torch.int32) if x.dtype == torch.bfloat16 else x,
         ptr(rac_mask, torch.uint8),
@@ -347,7 +336,7 @@ def quantize_activation(
         WRITE_CODES=codes,
         WRITE_OPERAND=operand,
         BLOCKS=blocks,
-        CHUNK=_AMAX_CHUNK,
+        CHUNK=AMAX_CHUNK,
         GPU=not INTERPRET,
         PARTIALS=triton.next_power_of_2(partials.numel()),
         ROW_SCALE=row_scale,

@@ -25,8 +25,8 @@ The kernels:
     fixed order (deterministic). FUSED: the GEMM takes x itself and quantizes each tile in registers (a program
     first reduces its rows' amax over all of K): no quantizer launch, but every N tile's program redoes the
     division; FUSE_MAX_ROWS says up to how many rows the layers take it.
-  - the experts' grouped GEMM, one launch over (expert, row tile, N tile) with gpu_kernels/w4a4_experts.py's
-    building blocks: a program finds its expert from the per-expert counts on the device (no host sync), the
+  - the experts' grouped GEMM, one launch over (expert, row tile, N tile) with gpu_kernels/gemm_common.py's
+    grouped scheduling (as gpu_kernels/w4a4_experts.py's): a program finds its expert from the per-expert counts on the device (no host sync), the
     gate/up GEMM gathers token rows and applies SwiGLU in its epilogue, the down GEMM scales each row by its
     router weight.
 Tile sizes are autotuned per bucket of rows (CUDA-graph timing), as for the W4A4 kernels.
@@ -36,22 +36,20 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_kernels.w4a4_dense import (
-    _HEURISTICS,
-    _bench_in_graph,
-    _m_bucket,
-    _prune,
-    _store_tile,
+from gpu_kernels import INTERPRET
+from gpu_kernels.gemm_common import (
+    EVEN_K_HEURISTICS,
     as_int16,
-)
-from gpu_kernels.w4a4_experts import (
-    _expert_tile,
-    _expert_weight_rows,
-    _grouped_store,
-    _tile_rows,
+    bench_in_graph,
+    expert_tile,
+    expert_weight_rows,
     grouped_output,
+    grouped_store,
+    m_bucket,
+    prune_to_bucket,
+    store_tile,
+    tile_rows,
 )
-from gpu_kernels.w4a4_quantize import INTERPRET
 
 E4M3_MAX = 448.0
 PROMOTE_K = (
@@ -126,7 +124,7 @@ def _rows_amax(x_ptr, rows, row_mask, stride_x, K, ROWS: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
-def _quantize_kernel(
+def quantize_kernel(
     # pointers: the input, its codes and its row scales
     x_ptr,
     codes_ptr,
@@ -276,7 +274,7 @@ def _configs(table):
     configs = []
     for bucket, entries in table.items():
         if INTERPRET:
-            entries = INTERPRETER_CONFIGS[_m_bucket(bucket, INTERPRETER_CONFIGS)][:1]
+            entries = INTERPRETER_CONFIGS[m_bucket(bucket, INTERPRETER_CONFIGS)][:1]
         for bm, bn, bk, warps, stages, *split_k in entries:
             kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "BUCKET": bucket}
             if table is DENSE_CONFIGS:
@@ -290,12 +288,12 @@ def _configs(table):
 @triton.autotune(
     configs=_configs(DENSE_CONFIGS),
     key=["M_BUCKET", "N", "K", "FUSED"],
-    prune_configs_by={"early_config_prune": _prune},
-    do_bench=_bench_in_graph,
+    prune_configs_by={"early_config_prune": prune_to_bucket},
+    do_bench=bench_in_graph,
 )
-@triton.heuristics(_HEURISTICS)
+@triton.heuristics(EVEN_K_HEURISTICS)
 @triton.jit(do_not_specialize=["M"])
-def _dense_kernel(
+def dense_kernel(
     # pointers: x's codes and row scales, or (FUSED) x itself; the weight's codes and row scales; y; split-K:
     # partial tiles and per-tile arrival counters
     x_ptr,
@@ -363,7 +361,7 @@ def _dense_kernel(
     )
     scale = tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)[:, None] * x_scale[None, :]
     if SPLIT_K == 1:
-        _store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, acc * scale, OUT_BF16)
+        store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, acc * scale, OUT_BF16)
     else:
         # each split stores its partial tile; the last to arrive (an acq_rel counter per tile) adds the SPLIT_K
         # partials in a fixed order (deterministic), resets the counter and stores y
@@ -379,7 +377,7 @@ def _dense_kernel(
             for split in range(SPLIT_K):
                 total += tl.load(part_ptr + split * tile, cache_modifier=".cg")
             tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next call
-            _store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, total * scale, OUT_BF16)
+            store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, total * scale, OUT_BF16)
 
 
 # ------------------------------------------------------------------ the experts' grouped GEMM
@@ -387,12 +385,12 @@ def _dense_kernel(
 @triton.autotune(
     configs=_configs(GROUPED_CONFIGS),
     key=["M_BUCKET", "N", "K"],
-    prune_configs_by={"early_config_prune": _prune},
-    do_bench=_bench_in_graph,
+    prune_configs_by={"early_config_prune": prune_to_bucket},
+    do_bench=bench_in_graph,
 )
-@triton.heuristics(_HEURISTICS)
+@triton.heuristics(EVEN_K_HEURISTICS)
 @triton.jit
-def _grouped_kernel(
+def grouped_kernel(
     # pointers: x's codes and row scales; the sorted rows' x rows (row_ids), router weights and where each sorted
     # row's weight is (weight_ids, routing.order); the experts' codes and row scales; rows per expert; y
     x_ptr,
@@ -430,16 +428,16 @@ def _grouped_kernel(
     EVEN_K: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert, row0, end_row = _expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
+    expert, row0, end_row = expert_tile(counts_ptr, E, pid_m, BLOCK_M, E_POW2)
     if expert >= E:  # the grid is an upper bound on the tile count: surplus programs exit
         return
-    sorted_rows, row_mask, x_rows, weight_rows = _tile_rows(
+    sorted_rows, row_mask, x_rows, weight_rows = tile_rows(
         row_ids_ptr, weight_ids_ptr, row0, end_row, GATHER, WEIGHT_IDS, BLOCK_M
     )
     x_rows = x_rows.to(tl.int64)
     n_out = N // 2 if SWIGLU else N
     W_ROWS: tl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
-    w_rows, w_mask = _expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
+    w_rows, w_mask = expert_weight_rows(pid_n, n_out, BLOCK_N, SWIGLU)
     expert = expert.to(tl.int64)
     x_scale = tl.load(x_scale_ptr + x_rows, mask=row_mask, other=1.0)
     acc = _mainloop(
@@ -463,7 +461,7 @@ def _grouped_kernel(
         EVEN_K,
     )
     w_scale = tl.load(w_scale_ptr + expert * stride_se + w_rows, mask=w_mask, other=0.0)
-    _grouped_store(
+    grouped_store(
         acc,
         w_scale[:, None] * x_scale[None, :],
         y_ptr,
@@ -557,13 +555,13 @@ def quantize_rows(x):
         rows > 1 and triton.cdiv(M, rows) < 264
     ):  # ... but two programs an SM at least, for short latency
         rows //= 2
-    _quantize_kernel[(triton.cdiv(M, rows),)](
+    quantize_kernel[(triton.cdiv(M, rows),)](
         x, codes, scale, M, K, x.stride(0), K, ROWS=rows, BLOCK_K=block_k, GPU=not INTERPRET
     )
     return codes, scale
 
 
-_SPLIT_COUNTERS = {}
+SPLIT_COUNTERS = {}
 
 
 def _split_k_buffers(M, N, bucket, device):
@@ -573,7 +571,7 @@ def _split_k_buffers(M, N, bucket, device):
     configs = INTERPRETER_CONFIGS if INTERPRET else DENSE_CONFIGS
     splits = [
         (bm, bn, split)
-        for bm, bn, _, _, _, split in configs[_m_bucket(bucket, configs)]
+        for bm, bn, _, _, _, split in configs[m_bucket(bucket, configs)]
         if split > 1
     ]
     if not splits:
@@ -585,9 +583,9 @@ def _split_k_buffers(M, N, bucket, device):
         split * triton.cdiv(M, bm) * bm * triton.cdiv(N, bn) * bn for bm, bn, split in splits
     )
     tiles = max(triton.cdiv(M, bm) * triton.cdiv(N, bn) for bm, bn, _ in splits)
-    counters = _SPLIT_COUNTERS.get(device)
+    counters = SPLIT_COUNTERS.get(device)
     if counters is None or counters.numel() < tiles:
-        counters = _SPLIT_COUNTERS[device] = torch.zeros(
+        counters = SPLIT_COUNTERS[device] = torch.zeros(
             max(tiles, 4096), dtype=torch.int32, device=device
         )
     return torch.empty(size, dtype=torch.float32, device=device), counters
@@ -599,13 +597,13 @@ def _dense(x, x_scale, w_codes, w_scale, out_dtype, fused):
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0:
         return y
-    bucket = _m_bucket(M, DENSE_CONFIGS)
+    bucket = m_bucket(M, DENSE_CONFIGS)
     workspace, counters = _split_k_buffers(M, N, bucket, x.device)
 
     def grid(meta):
         return triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"]
 
-    _dense_kernel[grid](
+    dense_kernel[grid](
         x,
         x_scale,
         w_codes,
@@ -705,7 +703,7 @@ def grouped_linear(
             n_out, meta["BLOCK_N"]
         )
 
-    _grouped_kernel[grid](
+    grouped_kernel[grid](
         x_codes,
         x_scale,
         row_ids,
@@ -718,7 +716,7 @@ def grouped_linear(
         N,
         K,
         E,
-        _m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS),
+        m_bucket(triton.cdiv(n_rows, E), GROUPED_CONFIGS),
         x_codes.stride(0),
         N * K,
         K,

@@ -23,13 +23,13 @@ kernels = {}
 for row_scale in (False, True):
     common = dict(OUT_BF16=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, ROW_SCALE=row_scale)
     kernels.update({name + "_row" * row_scale: kernel for name, kernel in {
-        "dense": (w4a4_blackwell._dense_native_kernel,
+        "dense": (w4a4_blackwell.dense_native_kernel,
                   [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, p8, "*fp8e4nv", pf, "*i16"] + [i] * 9,
                   dict(HAS_RESIDUAL=True, **common)),
-        "grouped": (w4a4_blackwell._grouped_native_kernel, grouped_types,
+        "grouped": (w4a4_blackwell.grouped_native_kernel, grouped_types,
                     dict(GATHER=True, ROW_WEIGHTS=False, WEIGHT_IDS=False, SWIGLU=True, HAS_RESIDUAL=True,
                          E_POW2=128, **common)),
-        "grouped_down": (w4a4_blackwell._grouped_native_kernel, grouped_types,
+        "grouped_down": (w4a4_blackwell.grouped_native_kernel, grouped_types,
                          dict(GATHER=False, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=False, HAS_RESIDUAL=True,
                               E_POW2=128, **common)),
     }.items()})

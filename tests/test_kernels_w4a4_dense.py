@@ -13,7 +13,7 @@ import nvfp4
 import rac
 
 pytest.importorskip("triton")  # the kernels need it; a wrong name below must fail, not skip
-from gpu_kernels import w4a4_dense  # noqa: E402
+from gpu_kernels import gemm_common, w4a4_common, w4a4_dense  # noqa: E402
 
 
 def _dense_case(rows, cols, out_features, device, seed):
@@ -92,7 +92,7 @@ def test_split_k_counters_are_reset_so_repeated_calls_agree(kernel_device):
         3, 256, 72, kernel_device, 3
     )  # the interpreter's decode bucket splits K in two
     first = rac.nvfp4_linear_triton(x, w_q, out_dtype=torch.float32)
-    counters = w4a4_dense._SPLIT_COUNTERS[w_q.device]
+    counters = w4a4_dense.SPLIT_COUNTERS[w_q.device]
     assert (counters == 0).all()
     assert torch.equal(rac.nvfp4_linear_triton(x, w_q, out_dtype=torch.float32), first)
 
@@ -385,13 +385,13 @@ def test_a_weight_copied_in_just_before_the_layer_is_the_one_it_reads():
 def test_configuration_table_reaches_triton_with_its_operand_order_and_register_cap(monkeypatch):
     # the table's optional 7th and 8th fields (X_FIRST, maxnreg) must reach the autotuner's configurations: a
     # dropped cap compiles another kernel than the one measured; the dense kernel's have no X_FIRST
-    monkeypatch.setattr(w4a4_dense, "INTERPRET", False)
+    monkeypatch.setattr(w4a4_common, "INTERPRET", False)
     table = {
         **w4a4_dense.DENSE_CONFIGS,
         16: [(16, 64, 256, 4, 2, 1, True, 128)],
     }  # and a register cap
     entries = [(bucket, entry) for bucket, rows in table.items() for entry in rows]
-    configs = w4a4_dense._configs(table)
+    configs = w4a4_common.autotune_configs(table)
     assert len(configs) == len(entries)
     for config, (bucket, entry) in zip(configs, entries):
         kw = config.kwargs
@@ -407,7 +407,7 @@ def test_configuration_table_reaches_triton_with_its_operand_order_and_register_
         assert kw["X_FIRST"] == (len(entry) > 6 and entry[6])
         assert config.maxnreg == (entry[7] if len(entry) > 7 else None)
     assert not any(
-        "X_FIRST" in config.kwargs for config in w4a4_dense._configs(table, x_first=False)
+        "X_FIRST" in config.kwargs for config in w4a4_common.autotune_configs(table, x_first=False)
     )
 
 
@@ -467,7 +467,7 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
     )
     calls = {
         "dense prefill": (
-            w4a4_dense._dense_kernel,
+            w4a4_dense.dense_kernel,
             4096,
             lambda c: c.kwargs["SPLIT_K"] == 1,
             lambda: _dense(x, w_q),
@@ -479,8 +479,8 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
         x_small = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16)
         act = rac.quantize_activation_triton(x_small, mask)
         calls[f"dense decode M={rows}"] = (
-            w4a4_dense._dense_kernel,
-            w4a4_dense._m_bucket(rows, w4a4_dense.DENSE_CONFIGS),
+            w4a4_dense.dense_kernel,
+            gemm_common.m_bucket(rows, w4a4_dense.DENSE_CONFIGS),
             lambda c: False,
             lambda act=act: _dense(act, w_q),
             rac.nvfp4_linear_reference(x_small, w_q, mask),
@@ -490,8 +490,8 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
         act = rac.quantize_activation_triton(x_rows, mask, act_scale="row")
         x_q, residual = nvfp4.quantize_activation(x_rows, mask, "row")
         calls[f"dense decode row scales M={rows}"] = (
-            w4a4_dense._dense_kernel,
-            w4a4_dense._m_bucket(rows, w4a4_dense.DENSE_CONFIGS),
+            w4a4_dense.dense_kernel,
+            gemm_common.m_bucket(rows, w4a4_dense.DENSE_CONFIGS),
             lambda c: False,
             lambda act=act: _dense(act, w_q),
             rac.matmul_reference(x_q, w_q, residual, torch.float32),

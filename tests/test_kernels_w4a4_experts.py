@@ -16,7 +16,7 @@ import nvfp4
 import rac
 
 pytest.importorskip("triton")  # the kernels need it; a wrong name below must fail, not skip
-from gpu_kernels import w4a4_experts  # noqa: E402
+from gpu_kernels import gemm_common, w4a4_common, w4a4_experts  # noqa: E402
 
 
 def routing_with_empty_experts(n_experts, tokens, active, device, seed=0):
@@ -449,15 +449,13 @@ def test_triton_grouped_autotuner_steps_k_within_one_chunk_of_the_layout(monkeyp
     # the Triton grouped kernel reads ExpertWeights directly: where K spans several 128-element chunks, its
     # GPU configurations' 256-element steps become 128 (a step may not cross a chunk); K of one chunk
     # (here 192) keeps every step; each bucket keeps its own configurations
-    from gpu_kernels import w4a4_dense
-
-    monkeypatch.setattr(w4a4_dense, "INTERPRET", False)  # the GPU table, not the interpreter's
-    configs = w4a4_experts._configs(w4a4_experts.GROUPED_CONFIGS)
+    monkeypatch.setattr(w4a4_common, "INTERPRET", False)  # the GPU table, not the interpreter's
+    configs = w4a4_common.autotune_configs(w4a4_experts.GROUPED_CONFIGS)
     assert any(c.kwargs["BLOCK_K"] == 256 for c in configs)
     assert any(c.maxnreg for c in configs)  # the table's register cap reaches Triton
     for bucket, entries in w4a4_experts.GROUPED_CONFIGS.items():
         for K, chunk in ((2048, 128), (192, 192)):
-            kept = w4a4_experts._grouped_prune(configs, {"M_BUCKET": bucket, "K": K}, CHUNK=chunk)
+            kept = w4a4_experts.grouped_prune(configs, {"M_BUCKET": bucket, "K": K}, CHUNK=chunk)
             assert [
                 (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept
             ] == [(m, n, w, st) for m, n, _, w, st, *_ in entries]
@@ -490,10 +488,10 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
     x_row = rac.quantize_activation_triton(x_rows, act_scale="row")
     x_row_q, _ = nvfp4.quantize_activation(x_rows, None, "row")
     row_weights = torch.rand(T * A, device="cuda")
-    bucket = w4a4_experts._m_bucket(triton.cdiv(T * A, E), w4a4_experts.GROUPED_CONFIGS)
+    bucket = gemm_common.m_bucket(triton.cdiv(T * A, E), w4a4_experts.GROUPED_CONFIGS)
     calls = {
         "gate/up": (
-            w4a4_experts._grouped_kernel,
+            w4a4_experts.grouped_kernel,
             bucket,
             lambda c: False,
             lambda: grouped(x, gate_up_w, routing.counts, row_ids=routing.token_ids, swiglu=True),
@@ -507,7 +505,7 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
             ),
         ),
         "down": (
-            w4a4_experts._grouped_kernel,
+            w4a4_experts.grouped_kernel,
             bucket,
             lambda c: False,
             lambda: grouped(h, down_w, routing.counts, row_weights=row_weights),
@@ -516,7 +514,7 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
             ),
         ),
         "gate/up, row scales": (
-            w4a4_experts._grouped_kernel,
+            w4a4_experts.grouped_kernel,
             bucket,
             lambda c: False,
             lambda: grouped(

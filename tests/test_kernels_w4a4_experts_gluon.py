@@ -20,7 +20,7 @@ import rac
 
 pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
 pytest.importorskip("triton")  # the kernels need it; a wrong name below must fail, not skip
-from gpu_kernels import w4a4_experts_gluon  # noqa: E402
+from gpu_kernels import gemm_common, w4a4_experts_gluon  # noqa: E402
 
 
 def _gluon_here():
@@ -43,10 +43,10 @@ def grouped(act, w, counts, **kwargs):
 def test_gluon_autotuner_keeps_the_bucket_and_steps_k_within_one_chunk_of_the_layout():
     # a K step may not cross a chunk of ExpertWeights' layout: K = 192 is one chunk (not a multiple of 128),
     # which 128-element steps do not divide, so they become 64; at K = 2048 (chunks of 128) they stay
-    configs = w4a4_experts_gluon._grouped_gluon_kernel.configs
+    configs = w4a4_experts_gluon.grouped_gluon_kernel.configs
     for chunk, expected in ((128, {128, 64}), (192, {64})):
         for bucket, entries in w4a4_experts_gluon.GLUON_CONFIGS.items():
-            kept = w4a4_experts_gluon._gluon_prune(configs, {"M_BUCKET": bucket}, CHUNK=chunk)
+            kept = w4a4_experts_gluon.gluon_prune(configs, {"M_BUCKET": bucket}, CHUNK=chunk)
             shapes = [(c.kwargs["BLOCK_T"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept]
             assert shapes == [(t, n, w) for t, n, _, w in entries]
             assert all(c.kwargs["BUCKET"] == bucket for c in kept)
@@ -61,7 +61,7 @@ _COMPILE_GLUON_FOR_SM90 = (
 import itertools
 from triton.experimental.gluon._runtime import GluonASTSource
 from gpu_kernels import w4a4_experts_gluon
-kernel = jit(w4a4_experts_gluon._grouped_gluon_kernel)
+kernel = jit(w4a4_experts_gluon.grouped_gluon_kernel)
 types = ["*fp16", "*fp32", "*i64", "*fp32", "*i64", "*u8", "*u8", "*fp32", "*i64", "*bf16"] + [i] * 13
 for (swiglu, tile, n, k), row_scale in itertools.product(
         ((1, 8, 64, 128), (1, 32, 64, 64), (0, 8, 128, 128), (0, 64, 64, 64)), (0, 1)):
@@ -152,9 +152,9 @@ def test_gluon_kernel_matches_the_reference_on_short_tiles_in_every_config():
             h.x_q, down_q, routing.counts, row_weights=row_weights, out_dtype=torch.float32
         ),
     )
-    bucket = w4a4_experts_gluon._m_bucket(-(-tokens * A // E), w4a4_experts_gluon.GLUON_CONFIGS)
+    bucket = gemm_common.m_bucket(-(-tokens * A // E), w4a4_experts_gluon.GLUON_CONFIGS)
     failures = []
-    for config in forced_configs(w4a4_experts_gluon._grouped_gluon_kernel, bucket):
+    for config in forced_configs(w4a4_experts_gluon.grouped_gluon_kernel, bucket):
         outputs = (
             grouped(x, gate_up_w, routing.counts, row_ids=routing.token_ids, swiglu=True),
             grouped(h, down_w, routing.counts, row_weights=row_weights),
@@ -179,7 +179,7 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
     gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, device="cuda") * 0.05)
     down_q = nvfp4.quantize_weight(torch.randn(E, D, I, device="cuda") * 0.05)
     gate_up_w, down_w = rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q)
-    kernel, calls = w4a4_experts_gluon._grouped_gluon_kernel, {}
+    kernel, calls = w4a4_experts_gluon.grouped_gluon_kernel, {}
     for tokens in (32, 64, 128, 512, 26112):
         routing = moe.route_tokens(torch.rand(tokens, E, device="cuda").topk(A, dim=-1).indices, E)
         x = rac.quantize_activation_triton(
@@ -189,9 +189,7 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
             torch.randn(tokens * A, I, device="cuda", dtype=torch.bfloat16), codes=True
         )
         row_weights = torch.rand(tokens * A, device="cuda")
-        bucket = w4a4_experts_gluon._m_bucket(
-            triton.cdiv(tokens * A, E), w4a4_experts_gluon.GLUON_CONFIGS
-        )
+        bucket = gemm_common.m_bucket(triton.cdiv(tokens * A, E), w4a4_experts_gluon.GLUON_CONFIGS)
         calls[f"gate/up T={tokens}"] = (
             kernel,
             bucket,
@@ -268,13 +266,13 @@ def test_gluon_kernel_with_row_scales_and_the_w4a16_operand_matches_the_referenc
     x = rows_of_many_magnitudes(tokens, D, 0).cuda()
     mask = torch.arange(D // 16, device="cuda") % 2 == 0
     router_weights = torch.rand(tokens * A, device="cuda")
-    bucket = w4a4_experts_gluon._m_bucket(-(-tokens * A // E), w4a4_experts_gluon.GLUON_CONFIGS)
+    bucket = gemm_common.m_bucket(-(-tokens * A // E), w4a4_experts_gluon.GLUON_CONFIGS)
     tensor_act = rac.quantize_activation_triton(
         torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16), mask
     )
     per_row = tensor_act._replace(global_scale=tensor_act.global_scale.expand(tokens).contiguous())
     failures = []
-    for config in forced_configs(w4a4_experts_gluon._grouped_gluon_kernel, bucket):
+    for config in forced_configs(w4a4_experts_gluon.grouped_gluon_kernel, bucket):
         try:
             _, hidden, y = _gluon_layer(gate_up_w, down_w, mask)(x, expert_ids, router_weights)
             x_q, residual = nvfp4.quantize_activation(x, mask, "row")

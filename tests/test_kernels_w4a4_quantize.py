@@ -83,10 +83,10 @@ def test_partial_max_finds_the_largest_value_in_every_chunk_of_a_slice(
     kernel_device, monkeypatch, rows
 ):
     # two slices, so that each program of the partial-max launch loops over several chunks
-    monkeypatch.setattr(w4a4_quantize, "_AMAX_SLICES", 2)
+    monkeypatch.setattr(w4a4_quantize, "AMAX_SLICES", 2)
     numel = rows * 4096
-    chunk = w4a4_quantize._partial_chunk(numel)
-    assert chunk == (4 if rows == 16 else 1) * w4a4_quantize._AMAX_CHUNK
+    chunk = w4a4_quantize.partial_chunk(numel)
+    assert chunk == (4 if rows == 16 else 1) * w4a4_quantize.AMAX_CHUNK
     torch.manual_seed(rows)
     base = torch.rand(numel) * 0.5
     # the first and last element, and the first and last of every chunk
@@ -96,7 +96,7 @@ def test_partial_max_finds_the_largest_value_in_every_chunk_of_a_slice(
     for place in places:
         x = base.clone()
         x[place] = -3.0 if place % 2 else 3.0
-        partials = w4a4_quantize._partial_amax(x.view(rows, 4096).to(kernel_device, torch.bfloat16))
+        partials = w4a4_quantize.partial_amax(x.view(rows, 4096).to(kernel_device, torch.bfloat16))
         assert partials.numel() == 2 and partials.max().item() == 3.0, place
     # and the quantizer takes its global scale from them
     x = base.view(rows, 4096).to(kernel_device, torch.bfloat16)
@@ -270,7 +270,7 @@ i = "i32"
 _COMPILE_FOR_SM90 = (
     COMPILE_PREAMBLE
     + r"""
-kernel = jit(w4a4_quantize._quantize_activation_kernel)
+kernel = jit(w4a4_quantize.quantize_activation_kernel)
 types = ["*bf16", "*i32", "*u8", "*fp32", "*fp32", "*u8", "*u8", "*u8", "*u8", "*fp16"] + [i] * 5
 for gpu in (True, False):
     for row_scale in (False, True):

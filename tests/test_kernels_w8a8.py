@@ -15,7 +15,7 @@ import fp8
 import moe
 
 pytest.importorskip("triton")  # the kernels need it; a wrong name below must fail, not skip
-from gpu_kernels import w8a8  # noqa: E402
+from gpu_kernels import gemm_common, w8a8  # noqa: E402
 
 BF16_ULP = 2.0**-7  # a BF16 value's unit in the last place is at most this much of its magnitude
 # Hopper's FP8 MMA sums PROMOTE_K products in fewer bits than fp32 before they join the fp32 accumulator (about 14
@@ -133,7 +133,7 @@ def test_split_k_counters_are_reset_so_repeated_calls_agree(kernel_device):
         3, 256, 72, kernel_device, 3
     )  # the interpreter's decode bucket: 2 splits
     first = w8a8.linear(x, w_codes, w_scale, fused=False, out_dtype=torch.float32)
-    assert (w8a8._SPLIT_COUNTERS[x.device] == 0).all()
+    assert (w8a8.SPLIT_COUNTERS[x.device] == 0).all()
     assert torch.equal(
         w8a8.linear(x, w_codes, w_scale, fused=False, out_dtype=torch.float32), first
     )
@@ -290,16 +290,16 @@ def counts(name, variant, kernel, types, c, warps=4, stages=3):
     mma = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3", ptx))
     cvt = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
     print(name, variant, mma, cvt, len(re.findall(r"\bdiv\.rn\.f32\b", ptx)))
-counts("quantizer", True, jit(w8a8._quantize_kernel), ["*bf16", p8, "*fp32"] + [i] * 4,
+counts("quantizer", True, jit(w8a8.quantize_kernel), ["*bf16", p8, "*fp32"] + [i] * 4,
        dict(ROWS=1, BLOCK_K=2048, GPU=True))
 for fused in (False, True):
     c = dict(FUSED=fused, OUT_BF16=True, GPU=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, BUCKET=16,
              EVEN_K=True)
-    counts("dense", fused, jit(w8a8._dense_kernel),
+    counts("dense", fused, jit(w8a8.dense_kernel),
            ["*bf16" if fused else p8, "*fp32", p8, "*fp32", "*i16", "*fp32", "*i32"] + [i] * 7, c)
 c = dict(GATHER=True, ROW_WEIGHTS=False, WEIGHT_IDS=False, SWIGLU=True, OUT_BF16=True, GPU=True, E_POW2=128,
          BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BUCKET=4, EVEN_K=True)
-counts("grouped", True, jit(w8a8._grouped_kernel),
+counts("grouped", True, jit(w8a8.grouped_kernel),
        [p8, "*fp32", "*i64", "*fp32", "*i64", p8, "*fp32", "*i64", "*i16"] + [i] * 9, c)
 """
 )
@@ -398,8 +398,8 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
         reference = dequantized_product(*fp8.quantize_rowwise(x), w_codes, w_scale)
         for fused in (False, True):
             calls[f"dense M={rows} fused={fused}"] = (
-                w8a8._dense_kernel,
-                w8a8._m_bucket(rows, w8a8.DENSE_CONFIGS),
+                w8a8.dense_kernel,
+                gemm_common.m_bucket(rows, w8a8.DENSE_CONFIGS),
                 lambda c: False,
                 lambda x=x, fused=fused: w8a8.linear(
                     x, w_codes, w_scale, fused=fused, out_dtype=torch.float32
@@ -422,8 +422,8 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
             out_dtype=torch.float32,
         )
         calls[f"grouped tokens={tokens}"] = (
-            w8a8._grouped_kernel,
-            w8a8._m_bucket(-(-tokens * A // E), w8a8.GROUPED_CONFIGS),
+            w8a8.grouped_kernel,
+            gemm_common.m_bucket(-(-tokens * A // E), w8a8.GROUPED_CONFIGS),
             lambda c: False,
             lambda x_codes=x_codes, x_scale=x_scale, routing=routing: w8a8.grouped_linear(
                 x_codes,

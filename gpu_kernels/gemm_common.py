@@ -47,7 +47,8 @@ EVEN_K_HEURISTICS = {"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0}
 
 def bench_in_graph(kernel_call, quantiles):
     """Autotuning times candidates as CUDA-graph replays: decode kernels run for a few microseconds,
-    where eager timing is mostly launch overhead and picked poor configurations (seen on the H200)."""
+    where eager timing is mostly launch overhead and picked poor configurations
+    (seen on the H200)."""
     return triton.testing.do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
 
 
@@ -72,8 +73,8 @@ def store_tile(y_ptr, rows, row_mask, cols, col_mask, stride_y, value, OUT_BF16:
 @triton.jit
 def split_columns(cols, M, N, N1, N2):
     """Up to three weights stacked along N, split at columns N1 and N2 (N1 = N2 = N: one weight).
-    Their outputs lie one after another in y, each (M, its N) row-major. -> per column (cols,): which
-    weight (its global scale's index), y's offset of its row 0, and the row stride."""
+    Their outputs lie one after another in y, each (M, its N) row-major. -> per column (cols,):
+    which weight (its global scale's index), y's offset of its row 0, and the row stride."""
     which = (cols >= N1).to(tl.int32) + (cols >= N2).to(tl.int32)
     start = tl.where(which == 0, 0, tl.where(which == 1, N1, N2)).to(tl.int64)
     end = tl.where(which == 0, N1, tl.where(which == 1, N2, N)).to(tl.int64)
@@ -95,18 +96,18 @@ def as_int16(y):
 
 
 def split_output(y, M, N, splits):
-    """A dense kernel's flat output -> (M, N), or one contiguous (M, n) tensor per stacked weight."""
+    """A dense kernel's flat output -> (M, N), or one contiguous (M, n) tensor per stacked
+    weight."""
     if splits is None:
         return y.view(M, N)
     return tuple(part.view(M, n) for part, n in zip(y.split([M * n for n in splits]), splits))
 
 
 def column_splits(N, splits):
-    """(N1, N2) for the kernels' per-column weight global scale: N rows stacking len(splits) weights."""
-    ends = list(itertools.accumulate(splits or ()))[:-1] + [
-        N,
-        N,
-    ]  # where weights 2 and 3 begin, else N
+    """(N1, N2) for the kernels' per-column weight global scale: N rows stacking len(splits)
+    weights."""
+    # where weights 2 and 3 begin, else N
+    ends = list(itertools.accumulate(splits or ()))[:-1] + [N, N]
     return ends[0], ends[1]
 
 
@@ -141,8 +142,8 @@ def tile_rows(
     WEIGHT_IDS: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """A row tile -> (its sorted rows, their mask, the activation rows they read (GATHER: row_ids), where
-    their router weights are (WEIGHT_IDS: weight_ids, routing.order))."""
+    """A row tile -> (its sorted rows, their mask, the activation rows they read (GATHER: row_ids),
+    where their router weights are (WEIGHT_IDS: weight_ids, routing.order))."""
     sorted_rows = row0 + tl.arange(0, BLOCK_M)
     row_mask = sorted_rows < end_row
     x_rows = tl.load(row_ids_ptr + sorted_rows, mask=row_mask, other=0) if GATHER else sorted_rows
@@ -192,22 +193,21 @@ def grouped_store(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """The epilogue of N tile `tile` on its (W_ROWS, BLOCK_M) product: scales, SwiGLU, router weights."""
+    """The epilogue of N tile `tile` on its (W_ROWS, BLOCK_M) product: scales, SwiGLU, router
+    weights."""
     out = acc * scale  # (W_ROWS, BLOCK_M)
     if SWIGLU:
         out = swiglu_tile(out, BLOCK_N, BLOCK_M, True)  # (BLOCK_N, BLOCK_M)
     if ROW_WEIGHTS:
-        router_weight = tl.load(row_weights_ptr + weight_rows, mask=row_mask, other=0.0).to(
-            tl.float32
-        )
-        out = out * router_weight[None, :]
+        router_weight = tl.load(row_weights_ptr + weight_rows, mask=row_mask, other=0.0)
+        out = out * router_weight.to(tl.float32)[None, :]
     cols = (tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     store_tile(y_ptr, sorted_rows, row_mask, cols, cols < n_out, stride_y, out, OUT_BF16)
 
 
 def grouped_output(n_rows, N, counts, out_dtype, row_ids, row_weights, row_weight_ids, swiglu):
-    """What every grouped launch prepares: y (n_rows, N or N/2), the kernel's flags, and the three optional
-    row tensors (counts stands in for an absent one: a pointer the kernel never reads)."""
+    """What every grouped launch prepares: y (n_rows, N or N/2), the kernel's flags, and the three
+    optional row tensors (counts stands in for an absent one: a pointer the kernel never reads)."""
     y = torch.empty((n_rows, N // 2 if swiglu else N), dtype=out_dtype, device=counts.device)
     flags = dict(
         GATHER=row_ids is not None,
@@ -216,8 +216,5 @@ def grouped_output(n_rows, N, counts, out_dtype, row_ids, row_weights, row_weigh
         SWIGLU=swiglu,
         E_POW2=max(2, triton.next_power_of_2(counts.numel())),
     )
-    return (
-        y,
-        flags,
-        [t if t is not None else counts for t in (row_ids, row_weights, row_weight_ids)],
-    )
+    row_tensors = [t if t is not None else counts for t in (row_ids, row_weights, row_weight_ids)]
+    return y, flags, row_tensors

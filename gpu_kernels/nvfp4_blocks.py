@@ -1,18 +1,19 @@
 """The NVFP4 format's arithmetic on a tile of blocks, as Triton jit functions: what both quantizer
 kernels (nvfp4_quantize.py, w4a4_quantize.py) compute on the way, bit for bit nvfp4.py's definition.
 
-A tile is BLOCKS 16-element blocks held as two (BLOCKS, 8) fp32 tiles, the even elements (2j) and the
-odd ones (2j+1). A bf16 pair is one 32-bit word (element 2j in the low half, little-endian), so
-load_pairs reads the input with wide int32 loads and splits it by shifts, exactly; and the packed byte
-of a pair is code(even) | code(odd) << 4: no reshapes or shuffles inside a kernel.
+A tile is BLOCKS 16-element blocks held as two (BLOCKS, 8) fp32 tiles, the even elements (2j) and
+the odd ones (2j+1). A bf16 pair is one 32-bit word (element 2j in the low half, little-endian), so
+load_pairs reads the input with wide int32 loads and splits it by shifts, exactly; and the packed
+byte of a pair is code(even) | code(odd) << 4: no reshapes or shuffles inside a kernel.
 
 Per block, quantize_pairs takes
 
-    block_scale = e4m3(amax(|x_b|) / 6 / global_scale)      saturating at 448
-    code        = sign | (number of E2M1 midpoints |x| passes, in units of block_scale * global_scale)
+    block_scale = e4m3(amax(|x_b|) / 6 / global_scale)    saturating at 448
+    unit        = block_scale * global_scale
+    code        = sign | (number of E2M1 midpoints |x| / unit passes)
 
-The E4M3 rounding is integer arithmetic on the fp32 bit pattern (_e4m3_round), so the GPU and the CPU
-interpreter, whose float8 casts differ, both match torch's cast. Why counting midpoints equals
+The E4M3 rounding is integer arithmetic on the fp32 bit pattern (_e4m3_round), so the GPU and the
+CPU interpreter, whose float8 casts differ, both match torch's cast. Why counting midpoints equals
 round-to-nearest-even of x / unit: see nvfp4.py's docstring. e2m1_value and e4m3_value decode codes
 and scale bytes back to fp32, by bit arithmetic as well.
 """
@@ -20,7 +21,8 @@ and scale bytes back to fp32, by bit arithmetic as well.
 import triton
 import triton.language as tl
 
-# the format's constants, as constexprs the kernels can read (nvfp4.py's E2M1_MAX, E4M3_MAX, E2M1_SIGN)
+# the format's constants, as constexprs the kernels can read (nvfp4.py's E2M1_MAX, E4M3_MAX,
+# E2M1_SIGN)
 _E2M1_MAX = tl.constexpr(6.0)
 _E4M3_MAX = tl.constexpr(448.0)
 _E2M1_SIGN = tl.constexpr(8)
@@ -40,8 +42,8 @@ _FP32_HALF = tl.constexpr(0x3F000000)  # the bit pattern of 0.5, E2M1 code 1
 @triton.jit
 def _e2m1_code_blocks(x, unit):
     """Codes (int32 0..15) of x (BLOCKS, n) in blocks whose divisor is unit (BLOCKS, 1); equals
-    nvfp4._encode_blocks. The magnitude counts the E2M1_MIDPOINTS times the unit that |x| passes (>= at
-    the ties that round up, > at the others); the sign bit is x's own. Comparing with seven
+    nvfp4._encode_blocks. The magnitude counts the E2M1_MIDPOINTS times the unit that |x| passes (>=
+    at the ties that round up, > at the others); the sign bit is x's own. Comparing with seven
     products per block replaces a division and a rounding per element: a third of the arithmetic,
     which is what bounds this kernel. A NaN unit (zero or NaN blocks) gives magnitude 0."""
     mag = tl.abs(x)

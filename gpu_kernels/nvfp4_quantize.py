@@ -1,11 +1,12 @@
-"""NVFP4 quantize, dequantize and fake-quantize as Triton kernels: bit for bit nvfp4.quantize_reference
-and nvfp4.dequantize_reference (fake_quantize: the two composed, in x's dtype).
+"""NVFP4 quantize, dequantize and fake-quantize as Triton kernels: bit for bit
+nvfp4.quantize_reference and nvfp4.dequantize_reference (fake_quantize: the two composed, in x's
+dtype).
 
 One program quantizes BLOCKS consecutive 16-element blocks of the flattened (M*G, 16) input: a
 contiguous, coalesced tile. Per block: amax -> E4M3 scale (rounded by integer arithmetic on the fp32
-bit pattern, so the GPU and the CPU interpreter, whose float8 casts differ, both match torch's cast);
-per element: count the E2M1 midpoints passed (the code), take the sign bit, pack neighbours into one
-byte. With FAKE=True the same program writes code_value * scale instead, in x's dtype.
+bit pattern, so the GPU and the CPU interpreter, whose float8 casts differ, both match torch's
+cast); per element: count the E2M1 midpoints passed (the code), take the sign bit, pack neighbours
+into one byte. With FAKE=True the same program writes code_value * scale instead, in x's dtype.
 
 The programs work on element *pairs*: a (BLOCKS, 8) tile of even elements (2j) and one of odd
 elements (2j+1). A bf16 pair is one 32-bit word (element 2j in the low half, little-endian), so the
@@ -135,7 +136,8 @@ def pair_view(t):
 
 
 def contiguous_pairs(x):
-    """x contiguous, and 4-byte aligned when bf16 (int32 pair loads; an odd-offset view is copied)."""
+    """x contiguous, and 4-byte aligned when bf16 (int32 pair loads; an odd-offset view is
+    copied)."""
     x = x.contiguous()
     if x.dtype == torch.bfloat16 and x.data_ptr() % 4:
         x = x.clone()
@@ -156,8 +158,9 @@ def _check(x, global_scale, name):
 
 
 def quantize(x, global_scale):
-    """x (..., K) float32/bfloat16/float16 and its float32 decode scale (a scalar, or one per matrix of
-    a stack: shape x.shape[:-2]) -> (codes (..., K/2) uint8, block scales (..., K/16) float8_e4m3fn)."""
+    """x (..., K) float32/bfloat16/float16 and its float32 decode scale (a scalar, or one per matrix
+    of a stack: shape x.shape[:-2]) -> (codes (..., K/2) uint8, block scales (..., K/16)
+    float8_e4m3fn)."""
     _check(x, global_scale, "nvfp4_quantize.quantize")
     global_scale = global_scale.contiguous()
     x = contiguous_pairs(x)
@@ -184,8 +187,8 @@ def quantize(x, global_scale):
 
 
 def fake_quantize(x, global_scale):
-    """dequantize(quantize(x, global_scale), x.dtype) in one pass (no gradient here: nvfp4.fake_quantize
-    adds the straight-through one)."""
+    """dequantize(quantize(x, global_scale), x.dtype) in one pass (no gradient here:
+    nvfp4.fake_quantize adds the straight-through one)."""
     _check(x, global_scale, "nvfp4_quantize.fake_quantize")
     global_scale = global_scale.contiguous()
     x = contiguous_pairs(x)

@@ -1,15 +1,17 @@
 """What the W4A4 GEMMs for Hopper (and sm_89) share: the fp16 operand they multiply, the NVFP4
 weight decoded to that operand in registers, and the main loop over K (w4a4_dense.py's dense kernel,
 w4a4_experts.py's grouped one; the Gluon kernel takes the decode's PTX). With them the autotuning
-tables' configurations and the check of an operand's global scale, which the Blackwell kernels use too.
+tables' configurations and the check of an operand's global scale, which the Blackwell kernels use
+too.
 
 Hopper has no FP4 tensor cores and `tl.dot_scaled` does not compile for sm_90, so the weight is
 decoded in registers. An E2M1 code c put in an E4M3 byte as (c & 7) << 2 | (c & 8) << 4 *is* c's
 value times 2^-6, and the hardware E4M3 -> fp16 conversion times the block scale s gives
 
-    W_tile = value * s * 2^-6        exact in fp16 (<= 6 significant bits)
-    X_tile = (DQ(x_q) + DQ(r_q)) / g_x * 2^-6          the quantizer's operand (W4A16: x / g_x * 2^-6)
-    y      = (W_tile @ X_tile.T) * 2^12 * g_x * g_w    fp32 accumulation; scales in the epilogue
+    W_tile = value * s * 2^-6                        exact in fp16 (<= 6 significant bits)
+    X_tile = (DQ(x_q) + DQ(r_q)) / g_x * 2^-6        the quantizer's operand
+                                                     (W4A16: x / g_x * 2^-6)
+    y      = (W_tile @ X_tile.T) * 2^12 * g_x * g_w  fp32 accumulation; scales in the epilogue
 
 A weight byte holds elements 2i and 2i+1, so K is consumed as an even and an odd half: two products
 per K step, no shuffles. The operand (written by w4a4_quantize.py, or the prefill's decoded weight)
@@ -27,8 +29,8 @@ OPERAND_SHIFT = 2.0**-6  # the Hopper kernels' fp16 operands hold value * block_
 EPILOGUE = tl.constexpr(OPERAND_SHIFT**-2)  # 2^12: undoes the two operands' 2^-6
 EXPERT_ROWS = tl.constexpr(EXPERT_ROW_BLOCK)
 
-# Packed E2M1 codes -> fp16 x 2^-6 (even and odd nibbles), 4 bytes an invocation: shared by the Triton and
-# the Gluon kernels (_e2m1_pairs_to_fp16 says how it works).
+# Packed E2M1 codes -> fp16 x 2^-6 (even and odd nibbles), 4 bytes an invocation: shared by the
+# Triton and the Gluon kernels (_e2m1_pairs_to_fp16 says how it works).
 E2M1_PAIRS_PTX = tl.constexpr("""
 {
 .reg .b32 lo, hi, t;
@@ -53,16 +55,16 @@ cvt.rn.f16x2.e4m3x2 $3, h1;
 
 
 def empty_planes(rows, half_k, device):
-    """An fp16 operand buffer (2, rows, K/2), the planes a multiple of 64 elements apart (16-byte aligned)."""
+    """An fp16 operand buffer (2, rows, K/2), the planes a multiple of 64 elements apart
+    (16-byte aligned)."""
     plane = triton.cdiv(rows * half_k, 64) * 64
-    return torch.empty((2, plane), dtype=torch.float16, device=device)[:, : rows * half_k].view(
-        2, rows, half_k
-    )
+    planes = torch.empty((2, plane), dtype=torch.float16, device=device)
+    return planes[:, : rows * half_k].view(2, rows, half_k)
 
 
 def x_scale_is_per_row(x_global_scale, rows, name):
-    """Is an operand's global scale one per row ((rows,) fp32), not one for all (() or (1,))? One row's
-    one scale is both: the kernels then read the same value either way."""
+    """Is an operand's global scale one per row ((rows,) fp32), not one for all (() or (1,))? One
+    row's one scale is both: the kernels then read the same value either way."""
     if x_global_scale.numel() not in (1, rows):
         raise ValueError(
             f"{name}: x_global_scale must be one scale or one per operand row ({rows},), got shape "
@@ -86,7 +88,8 @@ def _e2m1_pairs_to_fp16(packed, GPU: tl.constexpr):
     """Packed bytes -> (even, odd) fp16 tensors of the same shape: the low and the high nibble's
     E2M1 value times 2^-6, via the code's E4M3 byte ((c & 7) << 2 | (c & 8) << 4). On the GPU the
     bit arithmetic runs on 32-bit words (4 codes per instruction) and cvt.rn.f16x2.e4m3x2 converts
-    two bytes per instruction; elementwise, so however Triton groups 4 bytes the result is the same."""
+    two bytes per instruction; elementwise, so however Triton groups 4 bytes the result is the
+    same."""
     if GPU:
         even, odd = tl.inline_asm_elementwise(
             asm=E2M1_PAIRS_PTX,
@@ -97,16 +100,10 @@ def _e2m1_pairs_to_fp16(packed, GPU: tl.constexpr):
             pack=4,
         )
     else:
-        even = (
-            (((packed & 7) << 2) | ((packed & 8) << 4))
-            .to(tl.float8e4nv, bitcast=True)
-            .to(tl.float16)
-        )
-        odd = (
-            (((packed >> 2) & 0x1C) | (packed & 0x80))
-            .to(tl.float8e4nv, bitcast=True)
-            .to(tl.float16)
-        )
+        even_byte = ((packed & 7) << 2) | ((packed & 8) << 4)
+        odd_byte = ((packed >> 2) & 0x1C) | (packed & 0x80)
+        even = even_byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        odd = odd_byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     return even, odd
 
 
@@ -225,8 +222,8 @@ def _operand_tile(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    """Columns k0..k0+BLOCK_K of fp16 operand planes (2, rows, K/2) as (rows, BLOCK_K/2) even and odd
-    tiles."""
+    """Columns k0..k0+BLOCK_K of fp16 operand planes (2, rows, K/2) as (rows, BLOCK_K/2) even and
+    odd tiles."""
     cols = (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
     ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_row + cols
     mask = row_mask[:, None] & (cols < K // 2)
@@ -262,12 +259,13 @@ def mainloop(
     stride_wc=0,
     stride_sc=0,
 ):
-    """acc (BLOCK_N, BLOCK_M) = W[cols] @ X[x_rows].T over columns k_begin..k_end, in fp32, without the
-    global scales and 2^12. X: fp16 operand planes; W: NVFP4 codes, or fp16 operand planes (W_FP16).
-    X_FIRST: X is the MMA's left operand (M side) and the weight its right one, whose staged codes
-    Triton decodes straight into mma.sync's operand registers; fewer instructions per weight element
-    than the weight on the left, whose wgmma register layout makes Triton read the codes two bytes at
-    a time (seen in the SASS). CHUNK: W in ExpertWeights' layout (weight_tile)."""
+    """acc (BLOCK_N, BLOCK_M) = W[cols] @ X[x_rows].T over columns k_begin..k_end, in fp32, without
+    the global scales and 2^12. X: fp16 operand planes; W: NVFP4 codes, or fp16 operand planes
+    (W_FP16). X_FIRST: X is the MMA's left operand (M side) and the weight its right one, whose
+    staged codes Triton decodes straight into mma.sync's operand registers; fewer instructions per
+    weight element than the weight on the left, whose wgmma register layout makes Triton read the
+    codes two bytes at a time (seen in the SASS). CHUNK: W in ExpertWeights' layout
+    (weight_tile)."""
     row_mask = (row0 + tl.arange(0, BLOCK_M)) < M
     if X_FIRST:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -311,11 +309,11 @@ def mainloop(
 
 
 # ------------------------------------------------------------------ autotuning
-# A table row: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K[, X_FIRST[, maxnreg]]), per M bucket;
-# maxnreg caps the registers a thread (more programs an SM, at the price of spills). Under the
-# interpreter one small configuration per bucket, splitting K in the decode buckets so tests run the
-# split epilogue, and X_FIRST in two buckets so tests run both operand orders of the experts' kernel.
-# Its buckets are those of w4a4_dense.DENSE_CONFIGS and w4a4_experts.GROUPED_CONFIGS.
+# A table row: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K[, X_FIRST[, maxnreg]]), per M
+# bucket; maxnreg caps the registers a thread (more programs an SM, at the price of spills). Under
+# the interpreter one small configuration per bucket, splitting K in the decode buckets so tests run
+# the split epilogue, and X_FIRST in two buckets so tests run both operand orders of the experts'
+# kernel. Its buckets are those of w4a4_dense.DENSE_CONFIGS and w4a4_experts.GROUPED_CONFIGS.
 INTERPRETER_CONFIGS = {
     bucket: [(16, 32, 64, 4, 1, 2 if bucket <= 64 else 1, bucket in (16, 256))]
     for bucket in (16, 64, 256, 4096)
@@ -323,7 +321,8 @@ INTERPRETER_CONFIGS = {
 
 
 def autotune_configs(table, x_first=True):
-    """The autotuner's configurations of a table; x_first False: without the X_FIRST key (the dense kernel)."""
+    """The autotuner's configurations of a table; x_first False: without the X_FIRST key
+    (the dense kernel)."""
     configs = []
     for bucket, entries in (INTERPRETER_CONFIGS if INTERPRET else table).items():
         if bucket not in table:

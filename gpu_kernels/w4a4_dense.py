@@ -1,23 +1,29 @@
-"""The W4A4 dense GEMM for Hopper (and sm_89): y = x @ W.T with NVFP4 weights and the quantizer's fp16
-activation operand (gpu_kernels/w4a4_quantize.py). It equals rac.matmul_reference up to fp32 accumulation order
-(and, with a RAC residual, the fp16 rounding of x + r the operand makes); the prefill weight pass equals
-the definition of that fp16 operand (value * block scale * 2^-6) bit for bit.
+"""The W4A4 dense GEMM for Hopper (and sm_89): y = x @ W.T with NVFP4 weights and the quantizer's
+fp16 activation operand (gpu_kernels/w4a4_quantize.py). It equals rac.matmul_reference up to fp32
+accumulation order (and, with a RAC residual, the fp16 rounding of x + r the operand makes); the
+prefill weight pass equals the definition of that fp16 operand (value * block scale * 2^-6) bit for
+bit.
 
-The weight is decoded in registers (Hopper has no FP4 tensor cores) and multiplied with the operand by
-w4a4_common.py's main loop, whose docstring derives the decode:
+The weight is decoded in registers (Hopper has no FP4 tensor cores) and multiplied with the operand
+by w4a4_common.py's main loop, whose docstring derives the decode:
 
-    y = (W_tile @ X_tile.T) * 2^12 * g_x * g_w    W_tile = value * s * 2^-6 (fp16, exact), X_tile the operand
+    y = (W_tile @ X_tile.T) * 2^12 * g_x * g_w     fp32 accumulation
+    W_tile = value * s * 2^-6                      the weight tile, exact in fp16
+    X_tile = the operand's tile
 
 Variants, each chosen per call or by the autotuner:
-  - y.T = W @ x.T: the weight rows on the MMA's wide side (the experts' kernel may also take y = x @ W.T).
-  - Split-K (decode): each of SPLIT_K programs stores a partial tile, the last to arrive (an atomic counter
-    per tile) sums them in a fixed order: deterministic. Gives the weight stream enough programs.
-  - Prefill (M >= PREFILL_ROWS): one pass decodes the weight to fp16 planes first, then both operands
-    stream through shared memory; decoding in registers would repeat M / BLOCK_M times.
+  - y.T = W @ x.T: the weight rows on the MMA's wide side (the experts' kernel may also take
+    y = x @ W.T).
+  - Split-K (decode): each of SPLIT_K programs stores a partial tile, the last to arrive (an atomic
+    counter per tile) sums them in a fixed order: deterministic. Gives the weight stream enough
+    programs.
+  - Prefill (M >= PREFILL_ROWS): one pass decodes the weight to fp16 planes first, then both
+    operands stream through shared memory; decoding in registers would repeat M / BLOCK_M times.
   - Stacked weights: up to three weights (q/k/v_proj) along N, each with its own global scale on its
     columns and its output stored as its own (M, N_i) tensor.
-  - Per-row x scales (the quantizer's row_scale): g_x one per operand row, read in the epilogue, where
-    (2^12 g_x) g_w is formed in the order of the one-scale product: equal scales give equal bits.
+  - Per-row x scales (the quantizer's row_scale): g_x one per operand row, read in the epilogue,
+    where (2^12 g_x) g_w is formed in the order of the one-scale product: equal scales give equal
+    bits.
 The experts' kernel (w4a4_experts.py) shares the main loop and the autotuning configurations.
 """
 
@@ -65,7 +71,8 @@ def _weight_operand_kernel(
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Prefill: NVFP4 (N, K) -> fp16 planes (2, N, K/2), once per call. Exact: each value fits fp16."""
+    """Prefill: NVFP4 (N, K) -> fp16 planes (2, N, K/2), once per call. Exact: each value fits
+    fp16."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     k0 = tl.program_id(1) * BLOCK_K
     row_mask = rows < N
@@ -91,11 +98,11 @@ def _weight_operand_kernel(
 
 
 # ------------------------------------------------------------------ autotuning
-# Rows as w4a4_common.autotune_configs reads them: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K)
-# per M bucket. Decode buckets stream the weight: small BLOCK_M, wide BLOCK_K (long contiguous byte
-# runs per row), and enough (N tile, K split) programs to keep every SM's loads in flight. The weight
-# is the MMA's left operand only (no X_FIRST): X_FIRST gained nothing here on the H200, 0.96-1.01x
-# at 256 rows.
+# Rows as w4a4_common.autotune_configs reads them: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages,
+# SPLIT_K) per M bucket. Decode buckets stream the weight: small BLOCK_M, wide BLOCK_K (long
+# contiguous byte runs per row), and enough (N tile, K split) programs to keep every SM's loads in
+# flight. The weight is the MMA's left operand only (no X_FIRST): X_FIRST gained nothing here on the
+# H200, 0.96-1.01x at 256 rows.
 DENSE_CONFIGS = {
     16: [
         (16, 64, 256, 4, 3, 4),
@@ -122,8 +129,8 @@ DENSE_CONFIGS = {
 
 # ------------------------------------------------------------------ the dense GEMM
 # Reference: rac.matmul_reference (on the quantizer's operand).
-# ROW_SCALE is left out of the autotuning key: both modes run the configuration tuned first (they differ
-# in the epilogue's loads alone), so that equal scales give equal bits.
+# ROW_SCALE is left out of the autotuning key: both modes run the configuration tuned first (they
+# differ in the epilogue's loads alone), so that equal scales give equal bits.
 @triton.autotune(
     configs=autotune_configs(DENSE_CONFIGS, x_first=False),
     key=["M_BUCKET", "N", "K", "W_FP16"],
@@ -133,8 +140,8 @@ DENSE_CONFIGS = {
 @triton.heuristics(EVEN_K_HEURISTICS)
 @triton.jit(do_not_specialize=["M"])
 def dense_kernel(
-    # pointers: the operand planes and their global scale (one, or one per row: ROW_SCALE); split-K: partial
-    # tiles and per-tile arrival counters
+    # pointers: the operand planes and their global scale (one, or one per row: ROW_SCALE); split-K:
+    # partial tiles and per-tile arrival counters
     x_ptr,
     x_global_ptr,
     w_ptr,
@@ -143,8 +150,8 @@ def dense_kernel(
     y_ptr,
     workspace_ptr,
     counter_ptr,
-    # sizes (M_BUCKET: the autotuning key; *_plane: elements in one operand plane; the columns from N1
-    # on take the second weight global scale, from N2 on the third: stacked q/k/v weights)
+    # sizes (M_BUCKET: the autotuning key; *_plane: elements in one operand plane; the columns from
+    # N1 on take the second weight global scale, from N2 on the third: stacked q/k/v weights)
     M,
     N,
     K,
@@ -207,12 +214,10 @@ def dense_kernel(
     )
     which, col_base, col_stride = split_columns(cols, M, N, N1, N2)
     w_global = tl.load(w_global_ptr + which, mask=col_mask, other=0.0)[:, None]
-    if (
-        ROW_SCALE
-    ):  # each row's own x scale, multiplied in the order of the one scale's: (2^12 g_x) g_w
-        scale = (
-            EPILOGUE * tl.load(x_global_ptr + rows, mask=rows < M, other=0.0)[None, :] * w_global
-        )
+    if ROW_SCALE:
+        # each row's own x scale, multiplied in the order of the one scale's: (2^12 g_x) g_w
+        x_global = tl.load(x_global_ptr + rows, mask=rows < M, other=0.0)[None, :]
+        scale = EPILOGUE * x_global * w_global
     else:
         scale = EPILOGUE * tl.load(x_global_ptr) * w_global
     if SPLIT_K == 1:
@@ -266,7 +271,8 @@ def _split_k_buffers(M, N, bucket, device):
 
 
 def weight_operand(w_data, w_block_scale):
-    """The prefill pass: NVFP4 codes (N, K/2) and E4M3 scales (N, K/16) -> fp16 planes (2, N, K/2)."""
+    """The prefill pass: NVFP4 codes (N, K/2) and E4M3 scales (N, K/16) -> fp16 planes
+    (2, N, K/2)."""
     N, K = w_data.shape[0], w_data.shape[1] * 2
     w_scale = w_block_scale.view(torch.uint8)
     out = empty_planes(N, K // 2, w_data.device)
@@ -297,11 +303,11 @@ def dense_matmul(
     splits=None,
     prefill=None,
 ):
-    """y = x @ W.T: operand (2, M, K/2) fp16 and x_global_scale () or (M,) fp32 (per row) from the quantizer
-    (a W4A16 operand too); the weight's codes (N, K/2) uint8, block scales (N, K/16) E4M3 and global scales
-    (1 to 3,) fp32 -> (M, N) out_dtype, or with splits (the row counts of up to three stacked weights, one
-    global scale each) one contiguous (M, n) tensor per weight. prefill: decode the weight to fp16 once first
-    (None: from PREFILL_ROWS rows on)."""
+    """y = x @ W.T: operand (2, M, K/2) fp16 and x_global_scale () or (M,) fp32 (per row) from the
+    quantizer (a W4A16 operand too); the weight's codes (N, K/2) uint8, block scales (N, K/16) E4M3
+    and global scales (1 to 3,) fp32 -> (M, N) out_dtype, or with splits (the row counts of up to
+    three stacked weights, one global scale each) one contiguous (M, n) tensor per weight. prefill:
+    decode the weight to fp16 once first (None: from PREFILL_ROWS rows on)."""
     M = operand.shape[1]
     row_scale = x_scale_is_per_row(x_global_scale, M, "dense_matmul")
     N, K = w_data.shape[0], w_data.shape[1] * 2

@@ -1,5 +1,5 @@
-"""gpu_kernels/expert_layout.py: the experts' blocked weight layout against a hand-computed position of
-every code and scale, and back."""
+"""gpu_kernels/expert_layout.py: the experts' blocked weight layout against a hand-computed position
+of every code and scale, and back."""
 
 import itertools
 
@@ -34,6 +34,7 @@ def test_expert_weights_store_each_row_block_and_k_chunk_as_one_run():
         block_scale.view(torch.uint8), w_q.block_scale.view(torch.uint8)
     )
     assert global_scale is w_q.global_scale
-    # K not a multiple of 128: one chunk, the row-major codes in blocks of 16 rows, and unchunking is a view
+    # K not a multiple of 128: one chunk, the row-major codes in blocks of 16 rows, and unchunking
+    # is a view
     w = expert_layout.chunk_experts(nvfp4.quantize_weight(torch.randn(E, N, 96)))
     assert w.chunk == 96 and expert_layout.unchunk_experts(w)[0].data_ptr() == w.data.data_ptr()

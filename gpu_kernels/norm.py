@@ -135,9 +135,8 @@ def _norm_rope_kernel(
     cos = tl.load(cos_ptr + angle, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + angle, mask=mask, other=0.0).to(tl.float32)
     y = round_to(round_to(normed * cos, dtype) + round_to(normed_rot * sin, dtype), dtype)
-    tl.store(
-        y_ptr + ((b * H + head) * T + t) * HD + cols, y.to(dtype), mask=mask
-    )  # y (B, H, T, hd)
+    # y (B, H, T, hd)
+    tl.store(y_ptr + ((b * H + head) * T + t) * HD + cols, y.to(dtype), mask=mask)
 
 
 def norm_rope(x, weight, eps, cos, sin):

@@ -107,9 +107,8 @@ def e4m3_value(byte):
 def load_pairs(x_ptr, rows, pairs, mask, X_BF16: tl.constexpr):
     """(BLOCKS, 8) fp32 tiles of the even and the odd elements of blocks `rows`."""
     if X_BF16:
-        words = tl.load(
-            x_ptr + rows[:, None] * 8 + pairs[None, :], mask=mask, other=0
-        )  # int32 view
+        # the int32 view: a word holds a pair
+        words = tl.load(x_ptr + rows[:, None] * 8 + pairs[None, :], mask=mask, other=0)
         even = (words << 16).to(tl.float32, bitcast=True)
         odd = (words & -65536).to(tl.float32, bitcast=True)  # the high half, in place
     else:

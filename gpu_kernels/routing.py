@@ -66,11 +66,12 @@ def _route_place_kernel(
     chunk = tl.program_id(0)
     experts = tl.arange(0, E_BLOCK)
     chunks = tl.arange(0, CHUNKS)
+    # (CHUNKS, E)
     per_chunk = tl.load(
         chunk_counts_ptr + chunks[:, None] * E_BLOCK + experts[None, :],
         mask=(chunks < n_chunks)[:, None],
         other=0,
-    )  # (CHUNKS, E)
+    )
     counts = tl.sum(per_chunk, axis=0)  # (E,)
     earlier = tl.sum(tl.where((chunks < chunk)[:, None], per_chunk, 0), axis=0)
     ends = tl.cumsum(counts, axis=0)  # (E,) offsets

@@ -101,9 +101,8 @@ def _sample_slice_kernel(
         score = z  # argmax z; log-probs of the untempered z
     else:
         z = z * inv_temperature  # z / tau to one fp32 rounding
-        uniform = _uniform_kernel(
-            seed_key_ptr, rows_ptr, position_ptr, row, tokens
-        )  # as _noise_kernel
+        # as _noise_kernel
+        uniform = _uniform_kernel(seed_key_ptr, rows_ptr, position_ptr, row, tokens)
         score = tl.where(mask, z - tl.log(-tl.log(uniform)), float("-inf"))  # z - log E
     z_max = tl.max(z, axis=0)
     best_score, best = tl.max(

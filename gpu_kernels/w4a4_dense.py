@@ -312,9 +312,8 @@ def dense_matmul(
     row_scale = x_scale_is_per_row(x_global_scale, M, "dense_matmul")
     N, K = w_data.shape[0], w_data.shape[1] * 2
     device = w_data.device
-    y = torch.empty(
-        M * N, dtype=out_dtype, device=device
-    )  # splits: each weight's (M, n) after another
+    # with splits: each weight's (M, n) after another
+    y = torch.empty(M * N, dtype=out_dtype, device=device)
     w_data, w_scale = w_data.contiguous(), w_block_scale.contiguous().view(torch.uint8)
     w_fp16 = M >= PREFILL_ROWS if prefill is None else prefill
     w_ptr, stride_w, w_plane = w_data, w_data.stride(0), 0

@@ -71,11 +71,8 @@ def test_fused_norms_refuse_the_dtypes_whose_roundings_they_do_not_make(kernel_d
 def test_fused_norm_rope_is_the_norm_then_rope_bit_for_bit(kernel_device):
     dtype = torch.bfloat16
     generator = torch.Generator().manual_seed(2)
-    for B, T, heads, hd in (
-        (1, 1, 4, 16),
-        (2, 3, 5, 96),
-        (3, 2, 2, 128),
-    ):  # hd below and at a power of 2
+    # hd below and at a power of 2
+    for B, T, heads, hd in ((1, 1, 4, 16), (2, 3, 5, 96), (3, 2, 2, 128)):
         x = (3 * torch.randn(B, T, heads, hd, generator=generator)).to(dtype).to(kernel_device)
         weight = (0.5 + torch.rand(hd, generator=generator)).to(dtype).to(kernel_device)
         positions = torch.randint(0, 4096, (B, T), generator=generator).to(kernel_device)

@@ -171,9 +171,8 @@ def test_row_scale_grouped_kernel_matches_the_reference_per_row(kernel_device, t
         out_dtype=torch.float32,
     )
     assert_rows_close(hidden, reference, 2e-3, "row-scale gate/up")
-    h_q, _ = nvfp4.quantize_activation(
-        hidden.to(x.dtype), None, "row"
-    )  # the kernel's own hidden rows
+    # the kernel's own hidden rows
+    h_q, _ = nvfp4.quantize_activation(hidden.to(x.dtype), None, "row")
     reference = rac.grouped_matmul_reference(
         h_q,
         down_q,
@@ -228,9 +227,8 @@ def assert_batch_invariant(layer, x, expert_ids, router_weights, extra, picks):
             routing, hidden, y = layer(xs, ids, weights.reshape(-1))
             at = 0 if xs.shape[0] == 1 else 3
             for got, expected in zip((hidden, y), batch):
-                assert torch.equal(
-                    tokens_by_assignment(routing, got, xs.shape[0], A)[at], expected[t]
-                ), t
+                token_rows = tokens_by_assignment(routing, got, xs.shape[0], A)
+                assert torch.equal(token_rows[at], expected[t]), t
 
 
 @pytest.mark.parametrize("compensate", [False, True])

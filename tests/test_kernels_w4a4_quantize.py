@@ -125,9 +125,8 @@ def assert_row_quantization(got, x_q, rows):
     """A kernel's codes (NVFP4Tensor) equal the reference's bit for bit on `rows` (bool (M,))."""
     # (the reference's scale of a one-row activation is a scalar: nvfp4 resolves one scale so)
     assert same_bits(got.global_scale[rows], x_q.global_scale.reshape(-1)[rows])
-    assert same_bits(got.data[rows], x_q.data[rows]) and same_bits(
-        got.block_scale[rows], x_q.block_scale[rows]
-    )
+    assert same_bits(got.data[rows], x_q.data[rows])
+    assert same_bits(got.block_scale[rows], x_q.block_scale[rows])
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 16), (3, 48), (17, 80), (64, 768), (5, 4096)])
@@ -198,16 +197,14 @@ def test_w4a16_operand_is_x_over_a_power_of_two_exactly(
     # amax 336 = 2688 / 8), the next one up just above it (row 2), 2^-126 for a row of
     # fp32-subnormal-scale amax (row 3: bf16 keeps it)
     if not amax_in_launch:
-        monkeypatch.setattr(
-            w4a4_quantize, "AMAX_IN_LAUNCH", 0
-        )  # the tensor's amax from the partial-max launch
+        # the tensor's amax from the partial-max launch
+        monkeypatch.setattr(w4a4_quantize, "AMAX_IN_LAUNCH", 0)
     x = rows_of_many_magnitudes(9, 96, 9).float()
     x[1:3] = x[1:3].clamp(-300, 300)
     x[1, 5], x[2, 7] = -336.0, 338.0
     x[3] = torch.randn(96) * 2.0**-125
-    x[4, :4] = torch.tensor(
-        [1e-30, -1e-30, 0.0, -0.0]
-    )  # below fp16's range relative to the row: +-0
+    # below fp16's range relative to the row: +-0
+    x[4, :4] = torch.tensor([1e-30, -1e-30, 0.0, -0.0])
     x = x.to(kernel_device, torch.bfloat16)
     _, _, _, _, operand, scale = w4a4_quantize.quantize_activation(
         x, row_scale=row_scale, quantize=False

@@ -75,16 +75,12 @@ def test_quantizer_equals_the_rowwise_rule_bit_for_bit(kernel_device, K, dtype):
 
 def test_quantizer_reads_strided_views_and_propagates_nan_as_torch(kernel_device):
     x = torch.randn(5, 64, device=kernel_device, dtype=torch.bfloat16)
-    x[3, 5] = float(
-        "nan"
-    )  # torch: amax NaN, so scale 1.0 (NaN > 0 is false); codes NaN there, +-448 elsewhere
+    # torch: amax NaN, so scale 1.0 (NaN > 0 is false); codes NaN there, +-448 elsewhere
+    x[3, 5] = float("nan")
     wide = torch.zeros(5, 80, device=kernel_device, dtype=torch.bfloat16)
     wide[:, 8:72] = x * 1000
-    for source in (
-        x,
-        wide[:, 8:72],
-        x.t().contiguous().t(),
-    ):  # rows 80 elements apart; columns 5 apart (a copy)
+    # x itself; rows 80 elements apart; columns 5 apart (a copy)
+    for source in (x, wide[:, 8:72], x.t().contiguous().t()):
         codes, scale = w8a8.quantize_rows(source)
         expected_codes, expected_scale = fp8.quantize_rowwise(source)
         assert same_bits(scale, expected_scale) and same_bits(codes, expected_codes)
@@ -131,14 +127,12 @@ def test_dense_gemm_matches_the_reference_with_and_without_fused_quantization(
 
 
 def test_split_k_counters_are_reset_so_repeated_calls_agree(kernel_device):
-    x, w_codes, w_scale = _dense_case(
-        3, 256, 72, kernel_device, 3
-    )  # the interpreter's decode bucket: 2 splits
+    # the interpreter's decode bucket: 2 splits
+    x, w_codes, w_scale = _dense_case(3, 256, 72, kernel_device, 3)
     first = w8a8.linear(x, w_codes, w_scale, fused=False, out_dtype=torch.float32)
     assert (w8a8.SPLIT_COUNTERS[x.device] == 0).all()
-    assert torch.equal(
-        w8a8.linear(x, w_codes, w_scale, fused=False, out_dtype=torch.float32), first
-    )
+    again = w8a8.linear(x, w_codes, w_scale, fused=False, out_dtype=torch.float32)
+    assert torch.equal(again, first)
 
 
 # ------------------------------------------------------------------ the experts' grouped GEMM
@@ -340,9 +334,8 @@ def test_kernels_compile_for_sm90_to_fp8_tensor_core_instructions():
 def test_dense_gemm_matches_the_reference_on_gpu_shapes(M, N, K):
     x, w_codes, w_scale = _dense_case(M, K, N, "cuda", 0)
     x_codes, x_scale = fp8.quantize_rowwise(x)
-    assert same_bits(w8a8.quantize_rows(x)[0], x_codes) and same_bits(
-        w8a8.quantize_rows(x)[1], x_scale
-    )
+    codes, scale = w8a8.quantize_rows(x)
+    assert same_bits(codes, x_codes) and same_bits(scale, x_scale)
     reference = fp8.linear_reference(x_codes, x_scale, w_codes, w_scale)
     unrounded = dequantized_product(x_codes, x_scale, w_codes, w_scale)
     for fused in (False, True):

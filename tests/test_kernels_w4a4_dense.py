@@ -2,8 +2,8 @@
 weights) against rac.nvfp4_linear_reference / rac.matmul_reference and the prefill pass against the
 fp16 operand's definition (CPU under TRITON_INTERPRET=1, GPU natively); per-row x scales against the
 reference on row-quantized activations, bit for bit the one-scale results where the scales are
-equal, and a row's output independent of its batch; the W4A16 operand against x @ DQ(W).T; its
-autotuning table; every GPU configuration forced in turn."""
+equal, and a row's output independent of its batch; the W4A16 operand against x @ DQ(W).T; every
+GPU configuration forced in turn. (Its autotuning table's fields: test_kernels_w4a4_common.py.)"""
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ import nvfp4
 import rac
 
 pytest.importorskip("triton")  # the kernels need it; a wrong name below must fail, not skip
-from gpu_kernels import gemm_common, w4a4_common, w4a4_dense  # noqa: E402
+from gpu_kernels import gemm_common, w4a4_dense  # noqa: E402
 
 
 def _dense_case(rows, cols, out_features, device, seed):
@@ -382,36 +382,6 @@ def test_a_weight_copied_in_just_before_the_layer_is_the_one_it_reads():
         assert torch.equal(
             rac.nvfp4_linear_triton(x, live, out_dtype=torch.float32), expected[i % 2]
         ), i
-
-
-def test_configuration_table_reaches_triton_with_its_operand_order_and_register_cap(monkeypatch):
-    # the table's optional 7th and 8th fields (X_FIRST, maxnreg) must reach the autotuner's
-    # configurations: a dropped cap compiles another kernel than the one measured; the dense
-    # kernel's have no X_FIRST
-    monkeypatch.setattr(w4a4_common, "INTERPRET", False)
-    table = {
-        **w4a4_dense.DENSE_CONFIGS,
-        16: [(16, 64, 256, 4, 2, 1, True, 128)],
-    }  # and a register cap
-    entries = [(bucket, entry) for bucket, rows in table.items() for entry in rows]
-    configs = w4a4_common.autotune_configs(table)
-    assert len(configs) == len(entries)
-    for config, (bucket, entry) in zip(configs, entries):
-        kw = config.kwargs
-        assert (
-            kw["BLOCK_M"],
-            kw["BLOCK_N"],
-            kw["BLOCK_K"],
-            config.num_warps,
-            config.num_stages,
-            kw["SPLIT_K"],
-            kw["BUCKET"],
-        ) == (*entry[:6], bucket)
-        assert kw["X_FIRST"] == (len(entry) > 6 and entry[6])
-        assert config.maxnreg == (entry[7] if len(entry) > 7 else None)
-    assert not any(
-        "X_FIRST" in config.kwargs for config in w4a4_common.autotune_configs(table, x_first=False)
-    )
 
 
 def forced_configs(kernel, bucket, relabel=lambda config: True):

@@ -96,16 +96,14 @@ def as_int16(y):
 
 
 def split_output(y, M, N, splits):
-    """A dense kernel's flat output -> (M, N), or one contiguous (M, n) tensor per stacked
-    weight."""
+    """The flat output -> (M, N), or one contiguous (M, n) tensor per stacked weight."""
     if splits is None:
         return y.view(M, N)
     return tuple(part.view(M, n) for part, n in zip(y.split([M * n for n in splits]), splits))
 
 
 def column_splits(N, splits):
-    """(N1, N2) for the kernels' per-column weight global scale: N rows stacking len(splits)
-    weights."""
+    """(N1, N2) for the per-column weight global scale: N rows stacking len(splits) weights."""
     # where weights 2 and 3 begin, else N
     ends = list(itertools.accumulate(splits or ()))[:-1] + [N, N]
     return ends[0], ends[1]
@@ -193,8 +191,7 @@ def grouped_store(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """The epilogue of N tile `tile` on its (W_ROWS, BLOCK_M) product: scales, SwiGLU, router
-    weights."""
+    """Epilogue of N tile `tile`, its (W_ROWS, BLOCK_M) product: scales, SwiGLU, router weights."""
     out = acc * scale  # (W_ROWS, BLOCK_M)
     if SWIGLU:
         out = swiglu_tile(out, BLOCK_N, BLOCK_M, True)  # (BLOCK_N, BLOCK_M)

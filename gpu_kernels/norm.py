@@ -39,8 +39,7 @@ def _inv_rms(x, D, eps):
 
 @triton.jit
 def _scaled(x, inv_rms, weight, x_dtype: tl.constexpr, y_dtype: tl.constexpr):
-    """weight * x_normed with the twin's two casts: x_normed back to x's dtype first, then the
-    product."""
+    """weight * x_normed with the twin's casts: x_normed to x's dtype first, then the product."""
     return round_to(weight * round_to(x * inv_rms, x_dtype), y_dtype)
 
 
@@ -63,8 +62,7 @@ def _norm_warps(block: int) -> int:
 
 
 def rms_norm(x, weight, eps):
-    """The fused RMSNorm (forward only): x (..., D) -> (..., D) in the dtype weight * x would
-    have."""
+    """The fused RMSNorm (forward only): x (..., D) -> (..., D), in the dtype of weight * x."""
     if x.dtype not in ROUNDED_DTYPES or weight.dtype not in ROUNDED_DTYPES:
         raise ValueError(
             f"rms_norm: x and weight must be bfloat16 or float32, got {x.dtype} and {weight.dtype}"

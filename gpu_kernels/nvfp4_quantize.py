@@ -136,8 +136,7 @@ def pair_view(t):
 
 
 def contiguous_pairs(x):
-    """x contiguous, and 4-byte aligned when bf16 (int32 pair loads; an odd-offset view is
-    copied)."""
+    """x contiguous, and 4-byte aligned if bf16 (int32 pair loads; an odd-offset view is copied)."""
     x = x.contiguous()
     if x.dtype == torch.bfloat16 and x.data_ptr() % 4:
         x = x.clone()

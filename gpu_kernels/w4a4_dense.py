@@ -71,8 +71,7 @@ def _weight_operand_kernel(
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Prefill: NVFP4 (N, K) -> fp16 planes (2, N, K/2), once per call. Exact: each value fits
-    fp16."""
+    """Prefill: NVFP4 (N, K) -> fp16 planes (2, N, K/2), once a call; exact: values fit fp16."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     k0 = tl.program_id(1) * BLOCK_K
     row_mask = rows < N
@@ -271,8 +270,7 @@ def _split_k_buffers(M, N, bucket, device):
 
 
 def weight_operand(w_data, w_block_scale):
-    """The prefill pass: NVFP4 codes (N, K/2) and E4M3 scales (N, K/16) -> fp16 planes
-    (2, N, K/2)."""
+    """Prefill: NVFP4 codes (N, K/2) and E4M3 scales (N, K/16) -> fp16 planes (2, N, K/2)."""
     N, K = w_data.shape[0], w_data.shape[1] * 2
     w_scale = w_block_scale.view(torch.uint8)
     out = empty_planes(N, K // 2, w_data.device)

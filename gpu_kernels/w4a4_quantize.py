@@ -268,8 +268,7 @@ def partial_chunk(numel):
 
 
 def partial_amax(x):
-    """max |x| over each of at most AMAX_SLICES slices of the flattened x, one launch -> (slices,)
-    fp32."""
+    """max |x| of each of at most AMAX_SLICES slices of the flat x, one launch -> (slices,) fp32."""
     chunk = partial_chunk(x.numel())
     slice_ = chunk * triton.cdiv(triton.cdiv(x.numel(), chunk), AMAX_SLICES)
     partials = torch.empty(triton.cdiv(x.numel(), slice_), dtype=torch.float32, device=x.device)

@@ -34,6 +34,8 @@ from gpu_kernels.rounding import to_bf16_bits
 
 # ------------------------------------------------------------------ autotuning
 def m_bucket(m, table):
+    """The bucket of `table` that m rows (or rows an expert) fall in: the first that holds them,
+    and 4096 for more."""
     return next(b for b in table if m <= b or b == 4096)
 
 

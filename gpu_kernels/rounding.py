@@ -1,5 +1,4 @@
-"""BF16 rounding by integer arithmetic on fp32 bit patterns, for kernels that must round as torch
-does.
+"""BF16 rounding by integer arithmetic on fp32 bit patterns, for kernels that round as torch does.
 
 A cast will not do, for two reasons: the Triton interpreter's own fp32 -> bf16 cast truncates where
 torch's rounds to nearest even, and on the GPU the compiler may fuse a product and a sum across a

@@ -1,18 +1,18 @@
 """Measured speed of the project's kernels, layers and rollout against their baselines.
 
-    python bench.py quantize        # nvfp4 quantize kernel vs a device-to-device copy
-    python bench.py model           # moe.py forward+backward tokens/s (BF16, eager and compiled)
-    python bench.py gemm            # rac.py dense/grouped GEMMs vs FP8, BF16 and int4 W4A16
-    python bench.py qat             # qat.py training step time: bf16 vs qat, w4a4, moeresq, trace
-    python bench.py rollout         # rollout.py sampler vs HF generate; decode tokens/s per precision
-    python bench.py decode          # the second half of `rollout` alone: decode tokens/s per precision
-    python bench.py racsweep        # decode tokens/s of NVFP4 rollouts at RAC ratios 0 .. 1 (study's sweep)
-    python bench.py prefill         # one forward over 4 x 1,024 prompt tokens per precision (CUDA graph)
+    python bench.py quantize   # nvfp4 quantize kernel vs a device-to-device copy
+    python bench.py model      # moe.py forward+backward tokens/s (BF16, eager and compiled)
+    python bench.py gemm       # rac.py dense/grouped GEMMs vs FP8, BF16 and int4 W4A16
+    python bench.py qat        # qat.py training step time: bf16 vs qat, w4a4, moeresq, trace
+    python bench.py rollout    # rollout.py sampler vs HF generate; decode tokens/s per precision
+    python bench.py decode     # the second half of `rollout` alone: decode tokens/s per precision
+    python bench.py racsweep   # decode tokens/s of NVFP4 rollouts at RAC ratios 0 .. 1 (the sweep)
+    python bench.py prefill    # one forward over 4 x 1,024 prompt tokens per precision (CUDA graph)
 
-Each subcommand prints a markdown table with its conditions (GPU, shapes, median times) for RESULTS.md.
-Timings use CUDA events through `triton.testing.do_bench` (median), after warm-up; inputs are random,
-never zeros. Bandwidth figures count the bytes each op must read plus write, divided by the measured
-time, and are set beside a device-to-device copy measured in the same run.
+Each subcommand prints a markdown table with its conditions (GPU, shapes, median times) for
+RESULTS.md. Timings use CUDA events through `triton.testing.do_bench` (median), after warm-up;
+inputs are random, never zeros. Bandwidth figures count the bytes each op must read plus write,
+divided by the measured time, and are set beside a device-to-device copy measured in the same run.
 """
 
 import argparse
@@ -31,7 +31,8 @@ def gpu_header():
     except Exception:  # not a git checkout (e.g. a copied tree): say so rather than guess
         commit = "unknown"
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return f"device: {name} | torch {torch.__version__} | triton {triton.__version__} | commit {commit}"
+    versions = f"torch {torch.__version__} | triton {triton.__version__}"
+    return f"device: {name} | {versions} | commit {commit}"
 
 
 def bench_ms(fn, warmup=25, rep=100):
@@ -126,28 +127,29 @@ def bench_model(args):
 
 # ---------------------------------------------------------------------------- gemm (rac.py)
 def bench_gemm(args):
-    """rac.py's W4A4 kernels against FP8 row-wise, BF16 and torch's int4 weight-only GEMM on Qwen3-30B-A3B
-    shapes (D 2048, q 4096, k/v 512, 128 experts top-8, expert hidden 768; for the dense gate/up and down
-    shapes, the config's dense intermediate_size 6144), in one run:
+    """rac.py's W4A4 kernels against FP8 row-wise, BF16 and torch's int4 weight-only GEMM on
+    Qwen3-30B-A3B shapes (D 2048, q 4096, k/v 512, 128 experts top-8, expert hidden 768; for the
+    dense gate/up and down shapes, the config's dense intermediate_size 6144), in one run:
 
-    1. dense decode (M = 1, 16, 64, 256), the whole layer: W4A4 = rac.nvfp4_linear_triton (its activation
-       quantization included: one quantizer launch, then the tiled GEMM, gpu_kernels/w4a4_dense.py);
-       W4A4 RAC 0.5 = the same with half the blocks compensated; FP8 = fp8.linear (per-token
-       quantization and the W8A8 GEMM, gpu_kernels/w8a8.py); int4 = torch._weight_int4pack_mm (W4A16, group 128,
-       gpt-fast's kernel); BF16 F.linear. "% floor": the NVFP4 weight bytes over the measured copy
-       bandwidth, divided by the time. "q/k/v stacked": the rollout's attention input projections as
-       one GEMM (each weight its own global scale, as rac.SharedInput runs them), against one stacked
-       weight in the other formats.
+    1. dense decode (M = 1, 16, 64, 256), the whole layer: W4A4 = rac.nvfp4_linear_triton (its
+       activation quantization included: one quantizer launch, then the tiled GEMM,
+       gpu_kernels/w4a4_dense.py); W4A4 RAC 0.5 = the same with half the blocks compensated;
+       FP8 = fp8.linear (per-token quantization and the W8A8 GEMM, gpu_kernels/w8a8.py);
+       int4 = torch._weight_int4pack_mm (W4A16, group 128, gpt-fast's kernel); BF16 F.linear.
+       "% floor": the NVFP4 weight bytes over the measured copy bandwidth, divided by the time.
+       "q/k/v stacked": the rollout's attention input projections as one GEMM (each weight its own
+       global scale, as rac.SharedInput runs them), against one stacked weight in the other formats.
     2. the decode layer's stages (the GEMM alone on a given operand; the quantizer alone), and each
        autotuning configuration forced in turn.
-    3. expert layer decode (64, 128 and 256 tokens routed top-8 at random): quantize x, grouped gate/up
-       (SwiGLU in its epilogue), quantize h, grouped down with the router weights; FP8 = the same steps
-       in fp8.FP8Experts (gpu_kernels/w8a8.py); BF16 = torch._grouped_mm. Floor: bytes of the experts hit. Also each
-       grouped configuration forced in turn, and each GEMM alone.
+    3. expert layer decode (64, 128 and 256 tokens routed top-8 at random): quantize x, grouped
+       gate/up (SwiGLU in its epilogue), quantize h, grouped down with the router weights; FP8 = the
+       same steps in fp8.FP8Experts (gpu_kernels/w8a8.py); BF16 = torch._grouped_mm. Floor: bytes of
+       the experts hit. Also each grouped configuration forced in turn, and each GEMM alone.
     4. prefill (M = 4096), dense shapes.
-    Timing: each op is captured in a CUDA graph and the replays are timed (do_bench, median): GPU time
-    without Python launch gaps (a decode step runs as a graph). Each graph calls the op on enough copies
-    of its weights (>= 180 MB in all, 3x the L2) that they come from HBM, as in a 48-layer model.
+    Timing: each op is captured in a CUDA graph and the replays are timed (do_bench, median): GPU
+    time without Python launch gaps (a decode step runs as a graph). Each graph calls the op on
+    enough copies of its weights (>= 180 MB in all, 3x the L2) that they come from HBM, as in a
+    48-layer model.
     """
     import math
 
@@ -157,23 +159,23 @@ def bench_gemm(args):
     import moe
     import nvfp4
     import rac
-    from gpu_kernels import w4a4_dense, w4a4_experts
+    from gpu_kernels import gemm_common, w4a4_dense, w4a4_experts
 
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
     print(
-        f"\ncopy bandwidth (read + write, 1 GiB): {copy_bw / 1e12:.2f} TB/s; times: median us per call, "
-        "CUDA-graph replays, weights rotated through HBM\n"
+        f"\ncopy bandwidth (read + write, 1 GiB): {copy_bw / 1e12:.2f} TB/s; "
+        "times: median us per call, CUDA-graph replays, weights rotated through HBM\n"
     )
     bf16 = torch.bfloat16
     D, H_Q, H_KV, E, A, I = 2048, 4096, 512, 128, 8, 768
-    I_DENSE = (
-        6144  # the config's intermediate_size: a dense MLP's hidden width (gate/up as one weight)
-    )
+    # the config's intermediate_size: a dense MLP's hidden width (gate/up as one weight)
+    I_DENSE = 6144
     rotate_bytes = 180e6
 
     def graph_us(calls):
-        """GPU time per call of `calls` (one closure per weight copy), captured and replayed as one graph."""
+        """GPU time per call of `calls` (one closure per weight copy), captured and replayed as one
+        graph."""
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -187,9 +189,8 @@ def bench_gemm(args):
                 for call in calls:
                     call()
             return bench_ms(graph.replay) * 1e3 / len(calls)
-        except (
-            Exception
-        ) as error:  # one failing op must not take the other rows down: say so, print nan
+        except Exception as error:
+            # one failing op must not take the other rows down: say so, print nan
             print(f"  (failed: {type(error).__name__}: {str(error).splitlines()[0][:160]})")
             return float("nan")
 
@@ -213,8 +214,8 @@ def bench_gemm(args):
         return max(1, min(64, math.ceil(rotate_bytes / nbytes)))
 
     def int4_weight(w):
-        """torch's int4 weight-only format (group 128, asymmetric, as gpt-fast quantizes) for F.linear-shaped
-        w."""
+        """torch's int4 weight-only format (group 128, asymmetric, as gpt-fast quantizes) for
+        F.linear-shaped w."""
         N, K = w.shape
         groups = w.float().view(N, K // 128, 128)
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
@@ -222,10 +223,8 @@ def bench_gemm(args):
         q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).view(N, K)
         packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
         zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
-        scales_and_zeros = (
-            torch.stack((scale, zero), dim=-1).view(N, K // 128, 2).transpose(0, 1).contiguous()
-        )
-        return packed, scales_and_zeros.to(bf16)
+        scales_and_zeros = torch.stack((scale, zero), dim=-1).view(N, K // 128, 2)
+        return packed, scales_and_zeros.transpose(0, 1).contiguous().to(bf16)
 
     def stacked_weight(w, splits):
         """The rollout's q/k/v: each weight quantized with its own global scale, stacked along N."""
@@ -286,14 +285,11 @@ def bench_gemm(args):
 
             x = torch.randn(M, K, device="cuda", dtype=bf16)
             mask = torch.arange(K // 16, device="cuda") % 2 == 0
+            int4_calls = [lambda w=w: torch._weight_int4pack_mm(x, w[0], 128, w[1]) for w in w4s]
             t = {
                 "bf16": graph_us([lambda w=w: F.linear(x, w) for w in ws]),
                 "fp8": graph_us([lambda w=w: fp8.linear(x, *w) for w in w8s]),
-                "int4": graph_us(
-                    [lambda w=w: torch._weight_int4pack_mm(x, w[0], 128, w[1]) for w in w4s]
-                )
-                if w4s
-                else float("nan"),
+                "int4": graph_us(int4_calls) if w4s else float("nan"),
                 "w4a4": graph_us([lambda w=w: w4a4_layer(x, w) for w in wqs]),
                 "rac0.5": graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs]),
             }
@@ -305,10 +301,10 @@ def bench_gemm(args):
                 t["quantizer alone"] = graph_us(
                     [lambda: rac.quantize_activation_triton(x, mask)] * 20
                 )
-                bucket = w4a4_dense._m_bucket(M, w4a4_dense.DENSE_CONFIGS)
+                bucket = gemm_common.m_bucket(M, w4a4_dense.DENSE_CONFIGS)
                 t["configs"] = {
                     label: graph_us([lambda w=w: w4a4_layer(x, w, mask) for w in wqs])
-                    for label in forced(w4a4_dense._dense_kernel, bucket)
+                    for label in forced(w4a4_dense.dense_kernel, bucket)
                 }
             rows.append((name, N, K, M, t, bytes_["w4a4"] / copy_bw * 1e6))
         return rows
@@ -316,8 +312,8 @@ def bench_gemm(args):
     # ------------------------------------------------------------------ 1. dense decode
     print("### Dense projections, decode: the whole layer (activation quantization included)\n")
     print(
-        "| layer (N x K) | M | BF16 | FP8 | int4 W4A16 | W4A4 | W4A4 RAC 0.5 | RAC 0.5 vs BF16 | vs int4 | "
-        "vs FP8 | RAC cost | % floor |"
+        "| layer (N x K) | M | BF16 | FP8 | int4 W4A16 | W4A4 | W4A4 RAC 0.5 | RAC 0.5 vs BF16 "
+        "| vs int4 | vs FP8 | RAC cost | % floor |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     variant_rows = []
@@ -342,8 +338,8 @@ def bench_gemm(args):
     for name, N, K, M, t, floor in variant_rows:
         configs = "; ".join(f"{label}: {us:.1f}" for label, us in t["configs"].items())
         print(
-            f"| {name} | {M} | {t['rac0.5']:.1f} | {t['GEMM alone']:.1f} | {t['quantizer alone']:.1f} | "
-            f"{floor:.1f} | {configs} |"
+            f"| {name} | {M} | {t['rac0.5']:.1f} | {t['GEMM alone']:.1f} | "
+            f"{t['quantizer alone']:.1f} | {floor:.1f} | {configs} |"
         )
 
     # ------------------------------------------------------------------ 3. experts
@@ -357,7 +353,8 @@ def bench_gemm(args):
     )
     print(
         "| tokens | experts hit | BF16 | FP8 | W4A4 | W4A4 RAC 0.5 | vs BF16 | vs FP8 | % floor | "
-        "GEMMs alone: gate/up, down | floor: gate/up, down | grouped configurations forced (layer time) |"
+        "GEMMs alone: gate/up, down | floor: gate/up, down "
+        "| grouped configurations forced (layer time) |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |")
     for T in (64, 128, 256):
@@ -365,9 +362,8 @@ def bench_gemm(args):
         expert_ids = torch.rand(T, E, device="cuda").topk(A, dim=-1).indices
         weights = torch.softmax(torch.randn(T, A, device="cuda"), dim=-1)
         routing = moe.route_tokens(expert_ids, E)
-        expert_weights = weights.reshape(
-            -1
-        )  # (T * A,); the down GEMM reads them through routing.order
+        # (T * A,); the down GEMM reads them through routing.order
+        expert_weights = weights.reshape(-1)
         x_sorted = x[routing.token_ids]
         hit = int((routing.counts > 0).sum())
         layer = rac.NVFP4Experts(E, D, I, device="cuda")
@@ -418,18 +414,18 @@ def bench_gemm(args):
                 ]
             ),
         }
-        if (
-            rac.backend(x.device) == "gluon" and T < rac.GLUON_EXPERTS_BELOW
-        ):  # the layer's kernel here
-            kernel, table = (
-                rac.w4a4_experts_gluon._grouped_gluon_kernel,
-                rac.w4a4_experts_gluon.GLUON_CONFIGS,
-            )
+        # the kernel the layer runs here
+        if rac.backend(x.device) == "gluon" and T < rac.GLUON_EXPERTS_BELOW:
+            from gpu_kernels import w4a4_experts_gluon
+
+            kernel = w4a4_experts_gluon.grouped_gluon_kernel
+            table = w4a4_experts_gluon.GLUON_CONFIGS
         else:
-            kernel, table = w4a4_experts._grouped_kernel, w4a4_experts.GROUPED_CONFIGS
+            kernel = w4a4_experts.grouped_kernel
+            table = w4a4_experts.GROUPED_CONFIGS
         configs = "; ".join(
             f"{label}: {graph_us([lambda: layer._forward_triton(x, routing, expert_weights)]):.1f}"
-            for label in forced(kernel, w4a4_dense._m_bucket(-(-T * A // E), table))
+            for label in forced(kernel, gemm_common.m_bucket(-(-T * A // E), table))
         )
         floor = {
             k: hit * n * (0.5 + 1 / 16) / copy_bw * 1e6
@@ -437,8 +433,9 @@ def bench_gemm(args):
         }
         total = floor["gate_up"] + floor["down"]
         print(
-            f"| {T} | {hit} | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['w4a4']:.1f} | {t['rac']:.1f} | "
-            f"{t['bf16'] / t['rac']:.2f}x | {t['fp8'] / t['rac']:.2f}x | {100 * total / t['rac']:.0f}% | "
+            f"| {T} | {hit} | {t['bf16']:.1f} | {t['fp8']:.1f} | {t['w4a4']:.1f} | "
+            f"{t['rac']:.1f} | {t['bf16'] / t['rac']:.2f}x | {t['fp8'] / t['rac']:.2f}x | "
+            f"{100 * total / t['rac']:.0f}% | "
             f"{t['gate_up']:.1f}, {t['down']:.1f} | {floor['gate_up']:.1f}, {floor['down']:.1f} | "
             f"{configs} |"
         )
@@ -447,7 +444,8 @@ def bench_gemm(args):
     # ------------------------------------------------------------------ 4. prefill
     print(
         "\n### Dense projections, prefill (M = 4096; the W4A4 GEMM decodes the weight once, "
-        "to fp16 planes; one weight copy: at this size the GEMM, not the weight read, sets the time)\n"
+        "to fp16 planes; one weight copy: at this size the GEMM, not the weight read, "
+        "sets the time)\n"
     )
     print(
         "| layer (N x K) | BF16 | FP8 | W4A4 | W4A4 RAC 0.5 | W4A4 / BF16 time | W4A4 TFLOP/s | "
@@ -470,7 +468,8 @@ def bench_gemm(args):
 
 
 def _config_label(config, sep):
-    """A W4A4 kernel configuration in words: BLOCK_M/N/K, split-K, warps, stages, and the optional fields."""
+    """A W4A4 kernel configuration in words: BLOCK_M/N/K, split-K, warps, stages, and the optional
+    fields."""
     kw = config.kwargs
     if "BLOCK_T" in kw:  # the experts' Gluon kernel: rows of a tile, output columns, K step, warps
         return sep.join(
@@ -482,32 +481,32 @@ def _config_label(config, sep):
         f"{config.num_warps}w",
         f"{config.num_stages}s",
     ]
-    parts += ["x-first"] * bool(kw.get("X_FIRST")) + [f"maxnreg {config.maxnreg}"] * bool(
-        config.maxnreg
-    )
+    if kw.get("X_FIRST"):
+        parts.append("x-first")
+    if config.maxnreg:
+        parts.append(f"maxnreg {config.maxnreg}")
     return sep.join(parts)
 
 
 def _print_autotuned():
-    """The configurations the W4A4 and W8A8 kernels' autotuner chose in this process, per key (shape bucket, N, K,
-    ...)."""
+    """The configurations the W4A4 and W8A8 kernels' autotuner chose in this process, per key (shape
+    bucket, N, K, ...)."""
     from gpu_kernels import w4a4_dense, w4a4_experts, w8a8
 
     try:
-        from gpu_kernels.w4a4_experts_gluon import _grouped_gluon_kernel
+        from gpu_kernels.w4a4_experts_gluon import grouped_gluon_kernel
 
-        gluon = (_grouped_gluon_kernel,)
+        gluon = (grouped_gluon_kernel,)
     except ImportError:  # Triton without Gluon
         gluon = ()
-    print(
-        "\nautotuned configs (key -> BLOCK_M/N/K, split-K, warps, stages; Gluon: BLOCK_T/N/K, warps):"
-    )
+    fields = "BLOCK_M/N/K, split-K, warps, stages; Gluon: BLOCK_T/N/K, warps"
+    print(f"\nautotuned configs (key -> {fields}):")
     for kernel in (
-        w4a4_dense._dense_kernel,
-        w4a4_experts._grouped_kernel,
+        w4a4_dense.dense_kernel,
+        w4a4_experts.grouped_kernel,
         *gluon,
-        w8a8._dense_kernel,
-        w8a8._grouped_kernel,
+        w8a8.dense_kernel,
+        w8a8.grouped_kernel,
     ):
         for key, config in kernel.cache.items():
             print(f"  {kernel.fn.fn.__name__} {key[:5]} -> {_config_label(config, ', ')}")
@@ -515,13 +514,13 @@ def _print_autotuned():
 
 # ---------------------------------------------------------------------------- qat (qat.py)
 def bench_qat(args):
-    """Training step time (forward + backward + AdamW step) of moe.py's "small" preset, BF16 weights,
-    under each of qat.py's modes: bf16 (the reference), qat (fake-quantized weights, recomputed every
-    step), w4a4 (weights and activations fake-quantized), moeresq (w4a4 + residual compensation on half
-    the blocks of every layer input), trace (w4a4 + rollout-guided rounding, with recorded codes for every
-    token and every (token, expert) pair: its upper bound). Loss: cross-entropy on random tokens. One more
-    row times the weight fake quantization alone (every QAT weight once), the part of qat's step that is
-    not in bf16's.
+    """Training step time (forward + backward + AdamW step) of moe.py's "small" preset, BF16
+    weights, under each of qat.py's modes: bf16 (the reference), qat (fake-quantized weights,
+    recomputed every step), w4a4 (weights and activations fake-quantized), moeresq (w4a4 + residual
+    compensation on half the blocks of every layer input), trace (w4a4 + rollout-guided rounding,
+    with recorded codes for every token and every (token, expert) pair: its upper bound). Loss:
+    cross-entropy on random tokens. One more row times the weight fake quantization alone
+    (every QAT weight once), the part of qat's step that is not in bf16's.
     """
     import copy
 
@@ -548,9 +547,8 @@ def bench_qat(args):
             keys, q.data, q.block_scale, torch.full((n,), float(q.global_scale), device="cuda")
         )
 
-    def shared_state(
-        model, mode
-    ):  # what a rollout would hand the trainer: half the blocks, random codes
+    # what a rollout would hand the trainer: half the blocks, random codes
+    def shared_state(model, mode):
         layer_index = {id(b.mlp.experts): i for i, b in enumerate(model.layers)}
         masks, codes = {}, {}
         for path, layer in model.named_modules():
@@ -567,12 +565,10 @@ def bench_qat(args):
                     torch.arange(I // 16, device="cuda") < I // 32,
                 )
                 if mode == "trace":
-                    experts = routes[layer_index[id(layer)]].reshape(
-                        -1, config.n_active
-                    )  # (B * T, A)
-                    down_keys = (
-                        (positions[:, None] * layer.n_experts + experts).flatten().sort().values
-                    )
+                    # (B * T, A)
+                    experts = routes[layer_index[id(layer)]].reshape(-1, config.n_active)
+                    pair_keys = positions[:, None] * layer.n_experts + experts
+                    down_keys = pair_keys.flatten().sort().values
                     codes[path] = (random_codes(positions, D), random_codes(down_keys, I))
         return qat.SharedState(masks, codes if mode == "trace" else None)
 
@@ -593,12 +589,8 @@ def bench_qat(args):
         rows.append((mode, ms))
         if mode == "qat":
             layers = [m for m in model.modules() if isinstance(m, (qat.QATLinear, qat.QATExperts))]
-            rows.append(
-                (
-                    "qat: weight fake quantization alone",
-                    bench_ms(lambda: [qat.quantized_weights(m) for m in layers]),
-                )
-            )
+            weights_ms = bench_ms(lambda: [qat.quantized_weights(m) for m in layers])
+            rows.append(("qat: weight fake quantization alone", weights_ms))
         del model, optimizer
         torch.cuda.empty_cache()
 
@@ -611,26 +603,27 @@ def bench_qat(args):
     print("| mode | step (ms) | tokens/s | vs bf16 |")
     print("| --- | ---: | ---: | ---: |")
     for label, ms in rows:
-        print(
-            f"| {label} | {ms:.2f} | {batch * seq_len / (ms * 1e-3):,.0f} | {ms / rows[0][1]:.2f}x |"
-        )
+        tokens_per_s = batch * seq_len / (ms * 1e-3)
+        print(f"| {label} | {ms:.2f} | {tokens_per_s:,.0f} | {ms / rows[0][1]:.2f}x |")
 
 
 # ---------------------------------------------------------------------------- rollout (rollout.py)
 def bench_rollout(args):
-    """(a) rollout.generate against Hugging Face `generate` on one checkpoint; (b) decode tokens/s per
-    precision.
+    """(a) rollout.generate against Hugging Face `generate` on one checkpoint; (b) decode tokens/s
+    per precision.
 
     (a) A random "small"-preset Qwen3-MoE (vocab 32768) is built with transformers, saved with
-        save_pretrained, and loaded by both sides (moe.load_hf / from_pretrained), BF16. 16 prompts of 32..63
-        random tokens x 16 samples = 256 sequences x 128 new tokens, temperature 1, no top-k/top-p, no EOS
-        (every row makes all 128 tokens). HF samples with num_return_sequences=16 (each prompt prefilled 16
-        times, its default dynamic cache, its default attention and experts implementations). Time: whole
-        call, prefill included, median of 3 after one warm-up (ours captures its CUDA graph in the warm-up).
-    (b) Qwen3-30B-A3B layer shapes (D 2048, 32/4 heads of 128, 128 experts of 768, top-8), 4 layers, vocab
-        32768, random weights, converted by rac.convert_for_rollout. Decode rate = B * 128 / (t(144 new
-        tokens) - t(16 new tokens)): the difference cancels prefill and per-call costs. B prompts of 64
-        tokens, 1 sample each, temperature 1, no EOS; context 80..208 tokens.
+        save_pretrained, and loaded by both sides (moe.load_hf / from_pretrained), BF16. 16 prompts
+        of 32..63 random tokens x 16 samples = 256 sequences x 128 new tokens, temperature 1, no
+        top-k/top-p, no EOS (every row makes all 128 tokens). HF samples with
+        num_return_sequences=16 (each prompt prefilled 16 times, its default dynamic cache, its
+        default attention and experts implementations). Time: whole call, prefill included, median
+        of 3 after one warm-up (ours captures its CUDA graph in the warm-up).
+    (b) Qwen3-30B-A3B layer shapes (D 2048, 32/4 heads of 128, 128 experts of 768, top-8), 4 layers,
+        vocab 32768, random weights, converted by rac.convert_for_rollout. Decode
+        rate = B * 128 / (t(144 new tokens) - t(16 new tokens)): the difference cancels prefill and
+        per-call costs. B prompts of 64 tokens, 1 sample each, temperature 1, no EOS; context
+        80..208 tokens.
     """
     _bench_rollout_vs_hf()
     try:
@@ -661,11 +654,12 @@ def _time_generate(model, prompts, num_samples, max_new_tokens, repeats=3, stati
 
 
 def _graph_step_ms(model, max_new_tokens, rounds=5):
-    """ms per decode step of the model's most recently used pooled decode state (the generate call just
-    made): its CUDA graph replayed max_new_tokens - 1 times from the prompt's end (the cache's own
-    capacity), timed with CUDA events; the fastest of `rounds`. The generate calls' wall time also holds
-    the eager prefill, whose time on the H200 jumps between two levels about 25 ms apart at batch 256
-    from call to call: a rate taken as a difference of two calls moved by 10-20% with it."""
+    """ms per decode step of the model's most recently used pooled decode state (the generate call
+    just made): its CUDA graph replayed max_new_tokens - 1 times from the prompt's end (the cache's
+    own capacity), timed with CUDA events; the fastest of `rounds`. The generate calls' wall time
+    also holds the eager prefill, whose time on the H200 jumps between two levels about 25 ms apart
+    at batch 256 from call to call: a rate taken as a difference of two calls moved by 10-20% with
+    it."""
     import rollout
 
     state = rollout.last_decode_state(model)
@@ -755,8 +749,8 @@ def _bench_rollout_vs_hf(n_prompts=16, num_samples=16, max_new_tokens=128, vocab
     ours_seconds, ours = _time_generate(model, prompts, num_samples, max_new_tokens)
     assert ours.completion_ids.shape == (n_prompts * num_samples, max_new_tokens)
 
-    # Same checkpoint, same numbers: greedy continuations of the first prompts agree (BF16 rounding may
-    # flip a near-tie late in a row, so this is reported, not asserted).
+    # Same checkpoint, same numbers: greedy continuations of the first prompts agree (BF16 rounding
+    # may flip a near-tie late in a row, so this is reported, not asserted).
     check = 16
     greedy = rollout.generate(model, prompts[:4], 1, check, temperature=0.0)
     with torch.no_grad():
@@ -772,9 +766,9 @@ def _bench_rollout_vs_hf(n_prompts=16, num_samples=16, max_new_tokens=128, vocab
 
     tokens = n_prompts * num_samples * max_new_tokens
     print(
-        f"\n### rollout: {n_prompts} prompts x {num_samples} samples x {max_new_tokens} new tokens, BF16, "
-        f'"small" preset (D {c.dim}, {c.n_layers} layers, {c.n_experts} experts top-{c.n_active}, '
-        f"vocab {vocab_size}), prompts of 32..63 tokens, temperature 1, no EOS"
+        f"\n### rollout: {n_prompts} prompts x {num_samples} samples x {max_new_tokens} new "
+        f'tokens, BF16, "small" preset (D {c.dim}, {c.n_layers} layers, {c.n_experts} experts '
+        f"top-{c.n_active}, vocab {vocab_size}), prompts of 32..63 tokens, temperature 1, no EOS"
     )
     print(
         f"HF: transformers {transformers.__version__}, attention {hf.config._attn_implementation}, "
@@ -814,8 +808,9 @@ DECODE_CHECKS = [
 
 
 def bench_racsweep(args):
-    """Decode tokens/s of the NVFP4 rollout at each RAC ratio of the study's sweep (0, 0.125, 0.25, 0.5,
-    0.75, 1), on the layer shapes and method of `bench.py rollout` (b). Ratio 1 compensates every block."""
+    """Decode tokens/s of the NVFP4 rollout at each RAC ratio of the study's sweep (0, 0.125, 0.25,
+    0.5, 0.75, 1), on the layer shapes and method of `bench.py rollout` (b). Ratio 1 compensates
+    every block."""
     import rac
 
     ratios = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)
@@ -884,10 +879,10 @@ def _bench_decode_per_precision(
         torch.cuda.empty_cache()
 
     print(
-        f"\n### decode tokens/s per precision: Qwen3-30B-A3B layer shapes, {config.n_layers} layers, "
-        f"vocab {vocab_size}, random weights; prompts of {prompt_len} tokens, 1 sample each. "
-        f"ms / decode step: the captured step's graph replayed {long - 1} times after a generate call, "
-        f"fastest of 5 rounds; "
+        f"\n### decode tokens/s per precision: Qwen3-30B-A3B layer shapes, "
+        f"{config.n_layers} layers, vocab {vocab_size}, random weights; prompts of {prompt_len} "
+        f"tokens, 1 sample each. ms / decode step: the captured step's graph replayed {long - 1} "
+        f"times after a generate call, fastest of 5 rounds; "
         f"tokens/s = B / that (the ratios below use it); end to end: B * {long - short} / "
         f"(t({long} new) - t({short} new)), each t the fastest of 5 generate calls"
     )
@@ -921,9 +916,9 @@ def _bench_decode_per_precision(
 
 
 def bench_decode(args):
-    """Part (b) of `rollout` alone: decode tokens/s per precision on Qwen3-30B-A3B layer shapes, and the
-    W4A4 kernels' autotuned configurations (shared by every variant in the process: the first to meet a
-    key tunes it)."""
+    """Part (b) of `rollout` alone: decode tokens/s per precision on Qwen3-30B-A3B layer shapes, and
+    the W4A4 kernels' autotuned configurations (shared by every variant in the process: the first to
+    meet a key tunes it)."""
     import rac
 
     _bench_decode_per_precision(rac)
@@ -931,9 +926,10 @@ def bench_decode(args):
 
 
 def bench_prefill(args, batch=4, length=1024, rounds=5, replays=10):
-    """A prefill per precision: the forward of 4 Qwen3-30B-A3B layers on batch x length tokens, captured as a
-    CUDA graph (no launch or allocator noise), replayed `replays` times per round, rounds interleaved across
-    precisions (clock drift hits each alike); the median round and the spread."""
+    """A prefill per precision: the forward of 4 Qwen3-30B-A3B layers on batch x length tokens,
+    captured as a CUDA graph (no launch or allocator noise), replayed `replays` times per round,
+    rounds interleaved across precisions (clock drift hits each alike); the median round and the
+    spread."""
     import copy
     import statistics
     import moe
@@ -954,9 +950,8 @@ def bench_prefill(args, batch=4, length=1024, rounds=5, replays=10):
         with torch.no_grad():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(
-                stream
-            ):  # warm-up: autotuning, RAC's first-input selection, workspaces
+            # warm-up: autotuning, RAC's first-input selection, workspaces
+            with torch.cuda.stream(stream):
                 for _ in range(3):
                     model(tokens)
             torch.cuda.current_stream().wait_stream(stream)
@@ -976,9 +971,9 @@ def bench_prefill(args, batch=4, length=1024, rounds=5, replays=10):
             end.synchronize()
             times[name].append(start.elapsed_time(end) / replays)
     print(
-        f"\n### prefill: one forward of {config.n_layers} Qwen3-30B-A3B layers on {batch} x {length} tokens "
-        f"(vocab {config.vocab_size}, random weights), CUDA graph; ms per forward, median of {rounds} "
-        f"interleaved rounds of {replays} replays (min - max)"
+        f"\n### prefill: one forward of {config.n_layers} Qwen3-30B-A3B layers on "
+        f"{batch} x {length} tokens (vocab {config.vocab_size}, random weights), CUDA graph; "
+        f"ms per forward, median of {rounds} interleaved rounds of {replays} replays (min - max)"
     )
     print("| rollout layers | ms / prefill | rounds min - max | vs rac bf16 |")
     print("| --- | ---: | --- | ---: |")

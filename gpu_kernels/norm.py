@@ -2,20 +2,22 @@
 
 Twins (in moe.py): rms_norm_reference, and apply_rope(rms_norm(x).transpose(1, 2), cos, sin).
 
-RMSNorm: y = w * cast(x * rsqrt(mean(x^2) + eps)), statistics in fp32. One program per row holds the row
-in registers (D <= MAX_DIM): its sum of squares in fp32, in another order than torch's reduction (so
-equal to fp32 rounding, not bit for bit), then the twin's two casts (x_normed back to x's dtype, then
-the product in the promoted dtype). Eight small launches per call become one; a decode step calls
-RMSNorm four times a layer.
+RMSNorm: y = w * cast(x * rsqrt(mean(x^2) + eps)), statistics in fp32. One program per row holds the
+row in registers (D <= MAX_DIM): its sum of squares in fp32, in another order than torch's reduction
+(so equal to fp32 rounding, not bit for bit), then the twin's two casts (x_normed back to x's dtype,
+then the product in the promoted dtype). Eight small launches per call become one; a decode step
+calls RMSNorm four times a layer.
 
 Norm + RoPE: one program per (token, head) row takes the row's statistics and casts exactly as the
 RMSNorm kernel does (same load, _inv_rms and _scaled, same warps), then makes every rounding torch's
 BF16 ops make in RoPE, y = x * cos + rotate_half(x) * sin (each product, their sum): bit for bit the
-composition on the GPU. The element rotate_half brings to position j is loaded a second time (from L1)
-rather than shuffled. One launch where the norm and RoPE took six (mul, neg, cat, mul, add).
+composition on the GPU. The element rotate_half brings to position j is loaded a second time
+(from L1) rather than shuffled. One launch where the norm and RoPE took six (mul, neg, cat, mul,
+add).
 
-Roundings are made by integer arithmetic (_round_to), for BF16 and FP32 only: the interpreter's own
-cast truncates, and the compiler cannot fuse a rounding it does not see. FP16 is refused.
+Roundings are made by integer arithmetic (rounding.round_to), for BF16 and FP32 only: the
+interpreter's own cast truncates, and the compiler cannot fuse a rounding it does not see. FP16 is
+refused.
 
 Shape letters: B batch, T tokens, h heads, hd head dim, D row width.
 """
@@ -24,21 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_kernels.rounding import ROUNDED_DTYPES, round_to
+
 MAX_DIM = 16384  # a whole row sits in one program's registers
-ROUNDED_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes whose roundings _round_to makes
-
-
-@triton.jit
-def _round_to(x, dtype: tl.constexpr):
-    """fp32 -> the nearest BF16 (ties to even), kept in fp32; fp32 unchanged. By integer arithmetic:
-    the interpreter's own cast truncates, and the compiler cannot fuse a rounding it does not see
-    (FP16 is left out for that reason: NVPTX contracted a cast-rounded product and sum into one
-    fp16 FMA, so the fused RoPE was no longer torch's, seen on the H200)."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
-    return x
 
 
 @triton.jit
@@ -49,8 +39,8 @@ def _inv_rms(x, D, eps):
 
 @triton.jit
 def _scaled(x, inv_rms, weight, x_dtype: tl.constexpr, y_dtype: tl.constexpr):
-    """weight * x_normed with the twin's two casts: x_normed back to x's dtype first, then the product."""
-    return _round_to(weight * _round_to(x * inv_rms, x_dtype), y_dtype)
+    """weight * x_normed with the twin's casts: x_normed to x's dtype first, then the product."""
+    return round_to(weight * round_to(x * inv_rms, x_dtype), y_dtype)
 
 
 @triton.jit
@@ -65,13 +55,14 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
 
 
 def _norm_warps(block: int) -> int:
-    """Warps per row of the norm kernels: 1 for head-sized rows, 4 up to 2048 elements, 8 above. The sum
-    of squares' order follows from it, so _norm_rope_kernel must take the same as _rms_norm_kernel."""
+    """Warps per row of the norm kernels: 1 for head-sized rows, 4 up to 2048 elements, 8 above. The
+    sum of squares' order follows from it, so _norm_rope_kernel must take the same as
+    _rms_norm_kernel."""
     return 1 if block <= 256 else 4 if block <= 2048 else 8
 
 
 def rms_norm(x, weight, eps):
-    """The fused RMSNorm (forward only): x (..., D) -> (..., D) in the dtype weight * x would have."""
+    """The fused RMSNorm (forward only): x (..., D) -> (..., D), in the dtype of weight * x."""
     if x.dtype not in ROUNDED_DTYPES or weight.dtype not in ROUNDED_DTYPES:
         raise ValueError(
             f"rms_norm: x and weight must be bfloat16 or float32, got {x.dtype} and {weight.dtype}"
@@ -141,10 +132,9 @@ def _norm_rope_kernel(
     angle = b * stride_cos_b + t * stride_cos_t + cols
     cos = tl.load(cos_ptr + angle, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + angle, mask=mask, other=0.0).to(tl.float32)
-    y = _round_to(_round_to(normed * cos, dtype) + _round_to(normed_rot * sin, dtype), dtype)
-    tl.store(
-        y_ptr + ((b * H + head) * T + t) * HD + cols, y.to(dtype), mask=mask
-    )  # y (B, H, T, hd)
+    y = round_to(round_to(normed * cos, dtype) + round_to(normed_rot * sin, dtype), dtype)
+    # y (B, H, T, hd)
+    tl.store(y_ptr + ((b * H + head) * T + t) * HD + cols, y.to(dtype), mask=mask)
 
 
 def norm_rope(x, weight, eps, cos, sin):

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_kernels.norm import ROUNDED_DTYPES, _round_to
+from gpu_kernels.rounding import ROUNDED_DTYPES, round_to
 
 CHUNK = 64  # assignments per program of the counting sort
 MAX_ASSIGNMENTS = 64 * CHUNK  # the second pass reads every chunk's counts at once
@@ -66,11 +66,12 @@ def _route_place_kernel(
     chunk = tl.program_id(0)
     experts = tl.arange(0, E_BLOCK)
     chunks = tl.arange(0, CHUNKS)
+    # (CHUNKS, E)
     per_chunk = tl.load(
         chunk_counts_ptr + chunks[:, None] * E_BLOCK + experts[None, :],
         mask=(chunks < n_chunks)[:, None],
         other=0,
-    )  # (CHUNKS, E)
+    )
     counts = tl.sum(per_chunk, axis=0)  # (E,)
     earlier = tl.sum(tl.where((chunks < chunk)[:, None], per_chunk, 0), axis=0)
     ends = tl.cumsum(counts, axis=0)  # (E,) offsets
@@ -90,19 +91,18 @@ def _route_place_kernel(
 
 
 def route_tokens(expert_ids, n_experts):
-    """moe.route_tokens as two launches -> (order, token_ids, inverse_order, counts, offsets), the fields
-    of moe.Routing. Expert ids must lie in [0, n_experts), as a router's do."""
+    """moe.route_tokens as two launches -> (order, token_ids, inverse_order, counts, offsets), the
+    fields of moe.Routing. Expert ids must lie in [0, n_experts), as a router's do."""
     ids = expert_ids.reshape(-1)  # (N,)
     N, device = ids.numel(), ids.device
     n_chunks = max(1, triton.cdiv(N, CHUNK))
     e_block = triton.next_power_of_2(n_experts)
     chunk_counts = torch.empty(n_chunks, e_block, dtype=torch.int32, device=device)
-    order, token_ids, inverse_order = (
-        torch.empty(N, dtype=torch.int64, device=device) for _ in range(3)
-    )
-    new = (
-        torch.empty if N else torch.zeros
-    )  # the second pass writes every count and offset (no fill launch)
+    order = torch.empty(N, dtype=torch.int64, device=device)
+    token_ids = torch.empty(N, dtype=torch.int64, device=device)
+    inverse_order = torch.empty(N, dtype=torch.int64, device=device)
+    # the second pass writes every count and offset (no fill launch)
+    new = torch.empty if N else torch.zeros
     counts = new(n_experts, dtype=torch.int64, device=device)
     offsets = new(n_experts, dtype=torch.int32, device=device)
     if N:
@@ -126,7 +126,7 @@ def route_tokens(expert_ids, n_experts):
     return order, token_ids, inverse_order, counts, offsets
 
 
-# ----------------------------------------------------------------------------- the sum of expert rows
+# ----------------------------------------------------------------------------- sum of expert rows
 @triton.jit
 def _sum_rows_kernel(y_ptr, inverse_ptr, out_ptr, D, A: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
@@ -137,17 +137,17 @@ def _sum_rows_kernel(y_ptr, inverse_ptr, out_ptr, D, A: tl.constexpr, BLOCK: tl.
     for a in tl.static_range(1, A):
         row = tl.load(inverse_ptr + token * A + a)
         total += tl.load(y_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    total = _round_to(total, out_ptr.dtype.element_ty)
+    total = round_to(total, out_ptr.dtype.element_ty)
     tl.store(out_ptr + token * D + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def sum_expert_rows(y_sorted, inverse_order, n_active):
-    """y_sorted (N, D) rows in expert order, bfloat16 or float32, already weighted -> (T, D): each token's
-    A rows (found through the routing's inverse_order) added in fp32 in the order a = 0..A-1."""
+    """y_sorted (N, D) rows in expert order, bfloat16 or float32, already weighted -> (T, D): each
+    token's A rows (found through the routing's inverse_order) added in fp32 in the order
+    a = 0..A-1."""
     n = inverse_order.numel()
-    if (
-        y_sorted.dim() != 2 or y_sorted.shape[0] != n or n_active < 1 or n % n_active
-    ):  # out of bounds
+    # rows the kernel would read out of bounds
+    if y_sorted.dim() != 2 or y_sorted.shape[0] != n or n_active < 1 or n % n_active:
         raise ValueError(
             f"sum_expert_rows: y_sorted {tuple(y_sorted.shape)} must be (N, D) with N = {n}, "
             f"the routing's assignments, a multiple of n_active={n_active}"
@@ -183,9 +183,8 @@ def _router_top_k_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK)
-    z = tl.load(logits_ptr + row * E + experts, mask=experts < E, other=float("-inf")).to(
-        tl.float32
-    )
+    z = tl.load(logits_ptr + row * E + experts, mask=experts < E, other=float("-inf"))
+    z = z.to(tl.float32)
     e = tl.exp(z - tl.max(z, axis=0))
     p = e / tl.sum(e, axis=0)
     left = tl.where(experts < E, p, -1.0)  # probabilities not yet chosen (-1: taken or padding)
@@ -209,8 +208,8 @@ def _router_top_k_kernel(
 
 
 def router_top_k(logits, n_active, norm_topk_prob, routes=None):
-    """moe.router_top_k_reference as one launch (forward only): logits (T, E) -> (weights (T, A) fp32,
-    ids (T, A) int64), the weights those of `routes` (T, A) when given."""
+    """moe.router_top_k_reference as one launch (forward only): logits (T, E) -> (weights (T, A)
+    fp32, ids (T, A) int64), the weights those of `routes` (T, A) when given."""
     T, E = logits.shape
     logits = logits.contiguous()
     weights = torch.empty(T, n_active, dtype=torch.float32, device=logits.device)
@@ -233,10 +232,10 @@ def router_top_k(logits, n_active, norm_topk_prob, routes=None):
 
 
 class RouterTopK(torch.autograd.Function):
-    """Forward through the fused kernel; backward through `weights_of(logits, chosen, norm_topk_prob)`
-    recomputed, the twin's weights of the same experts (the caller passes moe's: the gradient of the
-    same function, the forward equal to fp32 rounding). apply(logits, n_active, norm_topk_prob, routes,
-    weights_of)."""
+    """Forward through the fused kernel; backward through `weights_of(logits, chosen,
+    norm_topk_prob)` recomputed, the twin's weights of the same experts (the caller passes moe's:
+    the gradient of the same function, the forward equal to fp32 rounding). apply(logits, n_active,
+    norm_topk_prob, routes, weights_of)."""
 
     @staticmethod
     def forward(ctx, logits, n_active, norm_topk_prob, routes, weights_of):

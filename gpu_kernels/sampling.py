@@ -1,21 +1,21 @@
 """The sampler's random numbers and its fused sampler as Triton kernels.
 
 Twins (in rollout.py): sampling_noise = rollout.sampling_noise_reference, the hash bit for bit; and
-sample_tokens = rollout.sample_tokens(logits, temperature, noise=sampling_noise(...)) without top-k or
-top-p, to fp32 rounding.
+sample_tokens = rollout.sample_tokens(logits, temperature, noise=sampling_noise(...)) without top-k
+or top-p, to fp32 rounding.
 
 The noise. E (N, V) ~ Exp(1) is a counter-based hash of (seed key, row id, position, token id): two
-rounds of a 32-bit xor-shift / multiply mixer, u = (top 23 bits + 1/2) * 2^-23, E = -log(u). The twin
-computes it in masked int64 arithmetic; here every product is uint32, which wraps mod 2^32 exactly as
-the twin's masks do. One program per (row, block of tokens), one pass.
+rounds of a 32-bit xor-shift / multiply mixer, u = (top 23 bits + 1/2) * 2^-23, E = -log(u). The
+twin computes it in masked int64 arithmetic; here every product is uint32, which wraps mod 2^32
+exactly as the twin's masks do. One program per (row, block of tokens), one pass.
 
-The fused sampler. The exponential race argmax_v p_v / E_v equals, in log space, argmax_v z_v / tau -
-log E_v (the normalizer is common to every v), so no (B, V) tensor is written: one pass over the logits
-per (row, vocabulary slice) keeps the slice's max, sum of exp and race winner (SAMPLE_FIELDS numbers);
-a second launch merges the slices per row in a fixed order (deterministic). The token equals the twin's
-except where two candidates' scores agree to fp32 rounding (exp, log, 1 / tau in another order); the
-log-prob, z_token / tau - logsumexp(z / tau), agrees to a few fp32 units. temperature 0 is greedy: the
-argmax of z and log-probs of the untempered z.
+The fused sampler. The exponential race argmax_v p_v / E_v equals, in log space, argmax_v
+z_v / tau - log E_v (the normalizer is common to every v), so no (B, V) tensor is written: one pass
+over the logits per (row, vocabulary slice) keeps the slice's max, sum of exp and race winner
+(SAMPLE_FIELDS numbers); a second launch merges the slices per row in a fixed order (deterministic).
+The token equals the twin's except where two candidates' scores agree to fp32 rounding (exp, log,
+1 / tau in another order); the log-prob, z_token / tau - logsumexp(z / tau), agrees to a few fp32
+units. temperature 0 is greedy: the argmax of z and log-probs of the untempered z.
 
 Shape letters: B (or N) rows, V vocab.
 """
@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-# the hash's constants (rollout.py's ROW_STRIDE, POSITION_STRIDE, TOKEN_STRIDE: odd "Weyl" increments)
+# the hash's constants (rollout.py's ROW_STRIDE, POSITION_STRIDE, TOKEN_STRIDE: odd "Weyl"
+# increments)
 _ROW_STRIDE = tl.constexpr(0x27D4EB2F)
 _POSITION_STRIDE = tl.constexpr(0x165667B1)
 _TOKEN_STRIDE = tl.constexpr(0x61C88647)
@@ -46,8 +47,8 @@ def _mix32_kernel(x):
 
 @triton.jit
 def _uniform_kernel(seed_key_ptr, rows_ptr, position_ptr, row, tokens):
-    """The twin's uniforms for one row's tokens: its arithmetic in uint32, whose products wrap mod 2^32
-    exactly as the twin's masked int64 ones."""
+    """The twin's uniforms for one row's tokens: its arithmetic in uint32, whose products wrap mod
+    2^32 exactly as the twin's masked int64 ones."""
     key = (
         tl.load(seed_key_ptr).to(tl.uint32)
         + tl.load(rows_ptr + row).to(tl.uint32) * _ROW_STRIDE
@@ -100,9 +101,8 @@ def _sample_slice_kernel(
         score = z  # argmax z; log-probs of the untempered z
     else:
         z = z * inv_temperature  # z / tau to one fp32 rounding
-        uniform = _uniform_kernel(
-            seed_key_ptr, rows_ptr, position_ptr, row, tokens
-        )  # as _noise_kernel
+        # as _noise_kernel
+        uniform = _uniform_kernel(seed_key_ptr, rows_ptr, position_ptr, row, tokens)
         score = tl.where(mask, z - tl.log(-tl.log(uniform)), float("-inf"))  # z - log E
     z_max = tl.max(z, axis=0)
     best_score, best = tl.max(
@@ -137,8 +137,9 @@ def _sample_merge_kernel(part_ptr, tokens_ptr, logprobs_ptr, n_parts, PARTS: tl.
 
 
 def sample_tokens(logits, temperature, seed_key, rows, position):
-    """logits (B, V) -> tokens (B,) int64, logprobs (B,) fp32 of log_softmax(logits / temperature), the
-    tokens drawn by the race against sampling_noise(seed_key, rows, position, V); two launches."""
+    """logits (B, V) -> tokens (B,) int64, logprobs (B,) fp32 of log_softmax(logits / temperature),
+    the tokens drawn by the race against sampling_noise(seed_key, rows, position, V); two
+    launches."""
     B, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()

@@ -2,28 +2,32 @@
 gpu_kernels/w4a4_experts.py's Triton kernel (equal outputs on the H200), and so equal to
 rac.grouped_matmul_reference up to fp32 accumulation order.
 
-Gluon is Triton's layout-explicit dialect: here it lets the weight codes be loaded straight into the MMA's
-operand registers and decoded there, which Triton's own layout choice does not (it stages the codes in
-shared memory, and from 8-bit codes picks operand layouts that cost 140 register moves a K step). GPU only:
-Gluon does not run under the interpreter, so the CPU tests compile it for sm_90 and the GPU tests check it
-against the reference.
-  - mma.sync m16n8k16 with the weight rows on the left (M) and the tile's token rows on the right (N, in
-    steps of 8): at 4 rows an expert (64 decode tokens) an 8-row tile pads half its MMA work, a 16-row
-    one three quarters.
-  - k_width 8: a thread holds 8 consecutive K elements of a row, one NVFP4 block, so its codes are one
-    8-byte load, its block scale one byte, and the decode feeds the MMA operand with no data movement.
-  - SwiGLU: the tile's weight rows alternate 8 gate rows and their 8 up rows, so that gate and up of one
-    output sit in the same thread's accumulator registers; the epilogue splits them in registers.
-  - The experts' blocked layout (expert_layout.ExpertWeights): a program's K steps read a few contiguous runs.
-  - Per-row x scales (ROW_SCALE): the epilogue reads each row's own, that of its gathered activation row
-    (row_ids) at gate/up, of its sorted row at down, and forms (2^12 g_x) g_w in the one-scale order. A W4A16
-    operand (x / g_x * 2^-6, w4a4_quantize's quantize=False) runs as any other.
-  - A tile holding at most half its rows runs as a tile of half the rows, one of 32 rows or more at most
-    three quarters full as that half plus a quarter (the loop and epilogue are compiled for each size): at
-    16 rows an expert most 32-row tiles skip 8 or 16 padding rows' MMAs and activation loads.
-No shared memory and no software pipeline: programs a multiprocessor (registers allow 3-4) hide the load
-latency. A cp.async pipeline of 3-6 stages, a one-step register prefetch, and wgmma in place of mma.sync
-(the activation tile in shared memory once per warpgroup) were all no faster.
+Gluon is Triton's layout-explicit dialect: here it lets the weight codes be loaded straight into the
+MMA's operand registers and decoded there, which Triton's own layout choice does not (it stages the
+codes in shared memory, and from 8-bit codes picks operand layouts that cost 140 register moves a K
+step). GPU only: Gluon does not run under the interpreter, so the CPU tests compile it for sm_90 and
+the GPU tests check it against the reference.
+  - mma.sync m16n8k16 with the weight rows on the left (M) and the tile's token rows on the right
+    (N, in steps of 8): at 4 rows an expert (64 decode tokens) an 8-row tile pads half its MMA work,
+    a 16-row one three quarters.
+  - k_width 8: a thread holds 8 consecutive K elements of a row, one NVFP4 block, so its codes are
+    one 8-byte load, its block scale one byte, and the decode feeds the MMA operand with no data
+    movement.
+  - SwiGLU: the tile's weight rows alternate 8 gate rows and their 8 up rows, so that gate and up of
+    one output sit in the same thread's accumulator registers; the epilogue splits them in
+    registers.
+  - The experts' blocked layout (expert_layout.ExpertWeights): a program's K steps read a few
+    contiguous runs.
+  - Per-row x scales (ROW_SCALE): the epilogue reads each row's own, that of its gathered activation
+    row (row_ids) at gate/up, of its sorted row at down, and forms (2^12 g_x) g_w in the one-scale
+    order. A W4A16 operand (x / g_x * 2^-6, w4a4_quantize's quantize=False) runs as any other.
+  - A tile holding at most half its rows runs as a tile of half the rows, one of 32 rows or more at
+    most three quarters full as that half plus a quarter (the loop and epilogue are compiled for
+    each size): at 16 rows an expert most 32-row tiles skip 8 or 16 padding rows' MMAs and
+    activation loads.
+No shared memory and no software pipeline: programs a multiprocessor (registers allow 3-4) hide the
+load latency. A cp.async pipeline of 3-6 stages, a one-step register prefetch, and wgmma in place of
+mma.sync (the activation tile in shared memory once per warpgroup) were all no faster.
 """
 
 import torch
@@ -31,20 +35,15 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from gpu_kernels.w4a4_dense import (
-    EXPERT_ROWS,
-    _E2M1_PAIRS_PTX,
-    _EPILOGUE,
-    _bench_in_graph,
-    _m_bucket,
-    x_scale_is_per_row,
-)
-from gpu_kernels.w4a4_experts import expert_shape, grouped_output
+from gpu_kernels.expert_layout import expert_shape
+from gpu_kernels.gemm_common import bench_in_graph, grouped_output, m_bucket
+from gpu_kernels.w4a4_common import EPILOGUE, EXPERT_ROWS, E2M1_PAIRS_PTX, x_scale_is_per_row
 
 
 @gluon.constexpr_function
 def _gluon_mma_layout(num_warps):
-    """mma.sync m16n8k16's accumulator layout, the warps stacked along the weight rows (the MMA's M)."""
+    """mma.sync m16n8k16's accumulator layout, the warps stacked along the weight rows
+    (the MMA's M)."""
     return gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8]
     )
@@ -53,7 +52,7 @@ def _gluon_mma_layout(num_warps):
 @gluon.jit
 def _gluon_e2m1_pairs(packed):
     return gl.inline_asm_elementwise(
-        _E2M1_PAIRS_PTX,
+        E2M1_PAIRS_PTX,
         "=r,=r,=r,=r,r",
         [packed],
         dtype=(gl.float16, gl.float16),
@@ -71,7 +70,7 @@ def _gluon_add(a, b):
 def _gluon_expert_tile(
     counts_ptr, E, pid_m, BLOCK_T: gl.constexpr, E_POW2: gl.constexpr, NUM_WARPS: gl.constexpr
 ):
-    """_expert_tile in Gluon: program pid_m's (expert, first sorted row, end row of the expert)."""
+    """expert_tile in Gluon: program pid_m's (expert, first sorted row, end row of the expert)."""
     experts = gl.arange(0, E_POW2, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
     counts = gl.load(counts_ptr + experts, mask=experts < E, other=0).to(gl.int64)
     packed = (((counts + BLOCK_T - 1) // BLOCK_T) << 32) + counts
@@ -86,15 +85,17 @@ def _gluon_expert_tile(
 
 @gluon.jit
 def _gluon_gate_up(t, W_ROWS: gl.constexpr, BLOCK_T: gl.constexpr):
-    """A (W_ROWS, T) tile whose rows alternate 8 gate and 8 up rows -> gate, up: (W_ROWS / 2, T) each."""
+    """A (W_ROWS, T) tile whose rows alternate 8 gate and 8 up rows -> gate, up: (W_ROWS / 2, T)
+    each."""
     gate, up = gl.split(gl.permute(gl.reshape(t, (W_ROWS // 16, 2, 8, BLOCK_T)), (0, 2, 3, 1)))
     return gl.reshape(gate, (W_ROWS // 2, BLOCK_T)), gl.reshape(up, (W_ROWS // 2, BLOCK_T))
 
 
-def _gluon_prune(configs, named_args, **kwargs):
-    """The call's M bucket; BLOCK_K at most one chunk of the weight's layout and a divisor of it: 64 or
-    128 (an operand of k_width 8 needs 32 K elements an MMA, 64 of the even and odd halves). A divisor,
-    where _grouped_prune only caps the step: this kernel has no K masks, so no step may run past K."""
+def gluon_prune(configs, named_args, **kwargs):
+    """The call's M bucket; BLOCK_K at most one chunk of the weight's layout and a divisor of it: 64
+    or 128 (an operand of k_width 8 needs 32 K elements an MMA, 64 of the even and odd halves). A
+    divisor, where grouped_prune only caps the step: this kernel has no K masks, so no step may run
+    past K."""
     chunk = kwargs["CHUNK"]
 
     def step(c):
@@ -107,11 +108,11 @@ def _gluon_prune(configs, named_args, **kwargs):
     ]
 
 
-# (BLOCK_T rows, BLOCK_N output columns, BLOCK_K, warps) per bucket of rows an expert (mean). Timed on the
-# H200 at 64 and 256 decode tokens (4 and 16 rows an expert): 8-row tiles at 4, 32-row tiles at 16 (one
-# decode of the weight where 16-row tiles decode it about 1.5 times). At 8 (128 tokens) 8-row tiles would
-# decode the weight of an expert with 9 to 16 rows twice: 16-row tiles, whose half serves those with 8 or
-# fewer, are candidates beside them. Larger buckets: prefill.
+# (BLOCK_T rows, BLOCK_N output columns, BLOCK_K, warps) per bucket of rows an expert (mean). Timed
+# on the H200 at 64 and 256 decode tokens (4 and 16 rows an expert): 8-row tiles at 4, 32-row tiles
+# at 16 (one decode of the weight where 16-row tiles decode it about 1.5 times). At 8 (128 tokens)
+# 8-row tiles would decode the weight of an expert with 9 to 16 rows twice: 16-row tiles, whose half
+# serves those with 8 or fewer, are candidates beside them. Larger buckets: prefill.
 GLUON_CONFIGS = {
     4: [(8, 64, 128, 4), (8, 128, 128, 4), (8, 128, 64, 4)],
     8: [(16, 128, 128, 4), (16, 64, 128, 4), (16, 128, 64, 4), (8, 128, 128, 4), (8, 128, 64, 4)],
@@ -173,19 +174,18 @@ def _gluon_expert_store(
     BLOCK_N: gl.constexpr,
     NUM_WARPS: gl.constexpr,
 ):
-    """The epilogue of rows t0 .. t0 + T: both global scales and 2^12 (scale; ROW_SCALE: g_w alone, each row's
-    g_x read here), SwiGLU, router weights."""
+    """The epilogue of rows t0 .. t0 + T: both global scales and 2^12 (scale; ROW_SCALE: g_w alone,
+    each row's g_x read here), SwiGLU, router weights."""
     W_ROWS: gl.constexpr = 2 * BLOCK_N if SWIGLU else BLOCK_N
     mma: gl.constexpr = _gluon_mma_layout(NUM_WARPS)
     if not ROW_SCALE:
         out = acc * scale  # (W_ROWS, T)
     t_y = t0 + gl.arange(0, T, layout=gl.SliceLayout(0, mma))
-    if (
-        ROW_SCALE
-    ):  # the x scale of the activation row each column reads: (2^12 g_x) g_w, the one-scale order
+    if ROW_SCALE:
+        # the x scale of the activation row each column reads: (2^12 g_x) g_w, the one-scale order
         x_rows = gl.load(row_ids_ptr + t_y, mask=t_y < end_row, other=0) if GATHER else t_y
         x_global = gl.load(x_global_ptr + x_rows, mask=t_y < end_row, other=0.0)
-        out = acc * (_EPILOGUE * x_global * scale)[None, :]
+        out = acc * (EPILOGUE * x_global * scale)[None, :]
     r_y = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, mma))
     col_y = pid_n * BLOCK_N + ((r_y // 16) * 8 + r_y % 8 if SWIGLU else r_y)
     y_ptrs = y_ptr + t_y.to(gl.int64)[None, :] * stride_y + col_y[:, None]
@@ -222,10 +222,10 @@ def _gluon_expert_rows(
     BLOCK_K: gl.constexpr,
     NUM_WARPS: gl.constexpr,
 ):
-    """tile = (expert, row0, end_row, pid_n): sorted rows row0 .. min(row0 + BLOCK_T + EXTRA, end_row) of
-    `expert` times its weight rows of output tile pid_n, into y: BLOCK_T rows, and EXTRA more (0, or a
-    quarter of the autotuned tile) in a second accumulator on the same decoded weight. args:
-    _grouped_gluon_kernel's pointers, sizes and strides."""
+    """tile = (expert, row0, end_row, pid_n): sorted rows row0 .. min(row0 + BLOCK_T + EXTRA,
+    end_row) of `expert` times its weight rows of output tile pid_n, into y: BLOCK_T rows, and EXTRA
+    more (0, or a quarter of the autotuned tile) in a second accumulator on the same decoded weight.
+    args: grouped_gluon_kernel's pointers, sizes and strides."""
     (
         x_ptr,
         x_global_ptr,
@@ -262,7 +262,8 @@ def _gluon_expert_rows(
         x2_base, x2_mask = _gluon_token_rows(
             x_ptr, row_ids_ptr, stride_x, row0 + BLOCK_T, end_row, GATHER, EXTRA, KC, NUM_WARPS
         )
-    # the left operand: W_ROWS weight rows (SwiGLU: 8 gate rows, their 8 up rows, the next 8 gate rows...)
+    # the left operand: W_ROWS weight rows (SwiGLU: 8 gate rows, their 8 up rows, the next 8 gate
+    # rows...)
     r = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, w_layout))
     if SWIGLU:
         col = pid_n * BLOCK_N + (r // 16) * 8 + r % 8
@@ -308,7 +309,7 @@ def _gluon_expert_rows(
     if ROW_SCALE:  # g_w here, each row's g_x in the store
         scale = gl.load(w_global_ptr + expert)
     else:
-        scale = _EPILOGUE * gl.load(x_global_ptr) * gl.load(w_global_ptr + expert)
+        scale = EPILOGUE * gl.load(x_global_ptr) * gl.load(w_global_ptr + expert)
     _gluon_expert_store(
         acc,
         scale,
@@ -366,13 +367,13 @@ def _gluon_expert_rows(
         for t, n, k, w in rows
     ],
     key=["M_BUCKET", "N", "K"],
-    prune_configs_by={"early_config_prune": _gluon_prune},
-    do_bench=_bench_in_graph,
+    prune_configs_by={"early_config_prune": gluon_prune},
+    do_bench=bench_in_graph,
 )
 @gluon.jit
-def _grouped_gluon_kernel(
-    # pointers, as _grouped_kernel's (x_global: one scale, or one per operand row with ROW_SCALE); the
-    # weight in ExpertWeights' layout
+def grouped_gluon_kernel(
+    # pointers, as grouped_kernel's (x_global: one scale, or one per operand row with ROW_SCALE);
+    # the weight in ExpertWeights' layout
     x_ptr,
     x_global_ptr,
     row_ids_ptr,
@@ -439,9 +440,10 @@ def _grouped_gluon_kernel(
         stride_y,
     )
     tile = (expert, row0, end_row, pid_n)
-    # a tile holding at most half its rows (most often an expert's last) runs as a tile of half the rows,
-    # one of at most three quarters as that half plus a quarter: the padding rows' MMAs and loads skipped
-    # (at 16 rows an expert about half of the 32-row tiles run as 16 rows, and most others as 16 + 8)
+    # a tile holding at most half its rows (most often an expert's last) runs as a tile of half the
+    # rows, one of at most three quarters as that half plus a quarter: the padding rows' MMAs and
+    # loads skipped (at 16 rows an expert about half of the 32-row tiles run as 16 rows, and most
+    # others as 16 + 8)
     rows = end_row - row0
     if BLOCK_T >= 16 and rows <= BLOCK_T // 2:
         _gluon_expert_rows(
@@ -507,9 +509,9 @@ def grouped_matmul(
     row_weight_ids=None,
     swiglu=False,
 ):
-    """gpu_kernels.w4a4_experts.grouped_matmul on the Gluon kernel (same arguments, x_global_scale one or one
-    per operand row; K a multiple of 64; a CUDA GPU of compute capability 8.9 to 9.x). y is stored in its own
-    dtype (bf16 rounds to nearest even)."""
+    """gpu_kernels.w4a4_experts.grouped_matmul on the Gluon kernel (same arguments, x_global_scale
+    one or one per operand row; K a multiple of 64; a CUDA GPU of compute capability 8.9 to 9.x). y
+    is stored in its own dtype (bf16 rounds to nearest even)."""
     E, N, K, chunk = expert_shape(w_data)
     if K % 64:  # the kernel has no K masks: a shorter last step would read past each row
         raise ValueError(
@@ -526,11 +528,10 @@ def grouped_matmul(
     n_out = y.shape[1]
 
     def grid(meta):  # an upper bound on sum_e cdiv(counts[e], BLOCK_T): no host sync
-        return triton.cdiv(n_rows, meta["BLOCK_T"]) + min(E, n_rows), triton.cdiv(
-            n_out, meta["BLOCK_N"]
-        )
+        row_tiles = triton.cdiv(n_rows, meta["BLOCK_T"]) + min(E, n_rows)
+        return row_tiles, triton.cdiv(n_out, meta["BLOCK_N"])
 
-    _grouped_gluon_kernel[grid](
+    grouped_gluon_kernel[grid](
         operand,
         x_global_scale,
         row_ids,
@@ -544,7 +545,7 @@ def grouped_matmul(
         N,
         K,
         E,
-        _m_bucket(triton.cdiv(n_rows, E), GLUON_CONFIGS),
+        m_bucket(triton.cdiv(n_rows, E), GLUON_CONFIGS),
         operand.stride(0),
         operand.stride(1),
         *w_data.stride()[:3],

@@ -1,16 +1,17 @@
 """Shared test setup and helpers.
 
-- Tests run on the CPU by default. Tests marked `@pytest.mark.cuda` need an NVIDIA GPU and are skipped
-  cleanly without one; tests marked `@pytest.mark.slow` are the long end-to-end checks, run by default
-  (`-m "not slow"` leaves them out while iterating).
+- Tests run on the CPU by default. Tests marked `@pytest.mark.cuda` need an NVIDIA GPU and are
+  skipped cleanly without one; tests marked `@pytest.mark.slow` are the long end-to-end checks, run
+  by default (`-m "not slow"` leaves them out while iterating).
 - Triton kernels run on the CPU under the Triton interpreter. `TRITON_INTERPRET` must be set before
-  triton is first imported, so it is set here, at collection time, whenever no GPU is present (or when
-  the user sets it explicitly). On a GPU machine the same kernel tests run natively on the device.
+  triton is first imported, so it is set here, at collection time, whenever no GPU is present (or
+  when the user sets it explicitly). On a GPU machine the same kernel tests run natively on the
+  device.
 - torch computes on one thread: the shapes are tiny, so one thread is the fastest and the least
   disturbed by other processes on a shared CPU. A test that changes the thread count gets it back.
-- Helpers: `report_diff` (max and mean difference, for fast-vs-slow twin tests), `bits` and `same_bits`
-  (bitwise comparison), `assert_same_quantization` (two NVFP4 tensors hold the same bits), and
-  `tiny_model` (the tiny preset with seeded weights).
+- Helpers: `report_diff` (max and mean difference, for fast-vs-slow twin tests), `bits` and
+  `same_bits` (bitwise comparison), `assert_same_quantization` (two NVFP4 tensors hold the same
+  bits), and `tiny_model` (the tiny preset with seeded weights).
 """
 
 import os
@@ -53,20 +54,22 @@ def _restore_torch_threads():
 
 @pytest.fixture
 def kernel_device():
-    """Device on which Triton kernels are exercised: the GPU if present, else the CPU (interpreter)."""
+    """Device on which Triton kernels are exercised: the GPU if present, else the CPU
+    (interpreter)."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     return "cuda" if _HAS_CUDA else "cpu"
 
 
-# ----------------------------------------------------------------------------------------------- helpers
+# ------------------------------------------------------------------------------------------ helpers
 def relative_error(y, reference):
     """||y - reference|| / ||reference|| in float64."""
     return ((y.double() - reference.double()).norm() / reference.double().norm()).item()
 
 
 def report_diff(a, b, name=""):
-    """Max and mean absolute difference of two tensors (compared in float64), printed for the log."""
+    """Max and mean absolute difference of two tensors (compared in float64), printed for the
+    log."""
     d = (a.double() - b.double()).abs()
     mx, mean = d.max().item(), d.mean().item()
     print(f"{name} max|diff|={mx:.3e} mean|diff|={mean:.3e}")
@@ -83,14 +86,15 @@ _SAME_WIDTH_INT = {
 
 
 def bits(t):
-    """t's bit patterns on the CPU: a float tensor viewed as integers of its width, others as they are."""
+    """t's bit patterns on the CPU: a float tensor viewed as integers of its width, others as they
+    are."""
     t = t.detach().cpu()
     return t.view(_SAME_WIDTH_INT[t.dtype]) if t.dtype in _SAME_WIDTH_INT else t
 
 
 def same_bits(a, b):
-    """Bitwise equality of two tensors of one dtype and shape (so -0.0 differs from +0.0). NaNs must sit
-    in the same places; their payload and sign bits are not compared."""
+    """Bitwise equality of two tensors of one dtype and shape (so -0.0 differs from +0.0). NaNs must
+    sit in the same places; their payload and sign bits are not compared."""
     a, b = a.detach().cpu(), b.detach().cpu()
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
@@ -103,7 +107,8 @@ def same_bits(a, b):
 
 
 def assert_same_quantization(a, b):
-    """Two NVFP4Tensors hold the same bits: packed codes, block-scale bytes (NaN included), global scales."""
+    """Two NVFP4Tensors hold the same bits: packed codes, block-scale bytes (NaN included), global
+    scales."""
     assert torch.equal(bits(a.data), bits(b.data)), "packed codes differ"
     assert torch.equal(bits(a.block_scale), bits(b.block_scale)), "block scales differ"
     assert same_bits(a.global_scale, b.global_scale), "global scales differ"
@@ -111,8 +116,8 @@ def assert_same_quantization(a, b):
 
 def tiny_model(seed=0, std=None, dtype=torch.float32, device="cpu", **config):
     """The tiny preset (max_seq_len 64 unless given) with seeded weights: N(0, std) for every matrix
-    when std is given (wider than the default makes routing and attention depend on the weights), else
-    the model's own init (Hugging Face's N(0, 0.02)). Other keywords override config fields."""
+    when std is given (wider than the default makes routing and attention depend on the weights),
+    else the model's own init (Hugging Face's N(0, 0.02)). Other keywords override config fields."""
     torch.manual_seed(seed)
     model = moe.MoETransformer(moe.MoEConfig.from_preset("tiny", **{"max_seq_len": 64, **config}))
     if std is not None:

@@ -1,6 +1,6 @@
-"""Tests for gpu_kernels/norm.py: the fused RMSNorm (forward, and the gradient of its autograd Function)
-and the fused per-head norm + RoPE against moe.py's plain twins (on the CPU under TRITON_INTERPRET=1,
-on a GPU natively)."""
+"""Tests for gpu_kernels/norm.py: the fused RMSNorm (forward, and the gradient of its autograd
+Function) and the fused per-head norm + RoPE against moe.py's plain twins (on the CPU under
+TRITON_INTERPRET=1, on a GPU natively)."""
 
 import pytest
 import torch
@@ -25,18 +25,15 @@ def test_fused_rms_norm_matches_its_twin(kernel_device, dtype, weight_dtype):
     for rows, dim in ((1, 16), (37, 96), (8, 128)):  # D below, at and above a power of two
         x = (3 * torch.randn(rows, dim, generator=generator)).to(dtype).to(kernel_device)
         weight = (0.5 + torch.rand(dim, generator=generator)).to(weight_dtype).to(kernel_device)
-        y, expected = (
-            norm_kernels.rms_norm(x, weight, 1e-6),
-            moe.rms_norm_reference(x, weight, 1e-6),
-        )
+        y = norm_kernels.rms_norm(x, weight, 1e-6)
+        expected = moe.rms_norm_reference(x, weight, 1e-6)
         assert y.dtype == expected.dtype and y.shape == expected.shape
-        # the sum of squares in another order: equal up to fp32 rounding of 1/rms, which the casts to
-        # BF16 / FP16 almost always absorb (one unit in the last place at most)
+        # the sum of squares in another order: equal up to fp32 rounding of 1/rms, which the casts
+        # to BF16 / FP16 almost always absorb (one unit in the last place at most)
         ulp = torch.finfo(expected.dtype).eps
         assert ((y.float() - expected.float()).abs() <= 2 * ulp * expected.float().abs()).all()
-        if (
-            expected.dtype != torch.float32
-        ):  # a missing cast back before * w moves a quarter or more
+        # a missing cast back before * w moves a quarter or more
+        if expected.dtype != torch.float32:
             assert (y != expected).float().mean() < 0.01
     x = torch.zeros(2, 32, dtype=dtype, device=kernel_device)
     zeros = norm_kernels.rms_norm(x, weight[:32], 1e-6)
@@ -74,11 +71,8 @@ def test_fused_norms_refuse_the_dtypes_whose_roundings_they_do_not_make(kernel_d
 def test_fused_norm_rope_is_the_norm_then_rope_bit_for_bit(kernel_device):
     dtype = torch.bfloat16
     generator = torch.Generator().manual_seed(2)
-    for B, T, heads, hd in (
-        (1, 1, 4, 16),
-        (2, 3, 5, 96),
-        (3, 2, 2, 128),
-    ):  # hd below and at a power of 2
+    # hd below and at a power of 2
+    for B, T, heads, hd in ((1, 1, 4, 16), (2, 3, 5, 96), (3, 2, 2, 128)):
         x = (3 * torch.randn(B, T, heads, hd, generator=generator)).to(dtype).to(kernel_device)
         weight = (0.5 + torch.rand(hd, generator=generator)).to(dtype).to(kernel_device)
         positions = torch.randint(0, 4096, (B, T), generator=generator).to(kernel_device)

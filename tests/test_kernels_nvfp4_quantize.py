@@ -1,6 +1,6 @@
-"""Tests for gpu_kernels/nvfp4_quantize.py: the Triton quantize, dequantize and fake-quantize kernels against
-nvfp4.py's torch reference, bit for bit (on the CPU under TRITON_INTERPRET=1, on a GPU natively), on
-every bf16 bit pattern, random data of every dtype and adversarial blocks."""
+"""Tests for gpu_kernels/nvfp4_quantize.py: the Triton quantize, dequantize and fake-quantize
+kernels against nvfp4.py's torch reference, bit for bit (on the CPU under TRITON_INTERPRET=1, on a
+GPU natively), on every bf16 bit pattern, random data of every dtype and adversarial blocks."""
 
 import pytest
 import torch
@@ -14,7 +14,8 @@ from gpu_kernels import nvfp4_quantize  # noqa: E402
 
 
 def kernel_quantize(x, global_scale=None):
-    """The kernel's codes and block scales as an NVFP4Tensor; the global scale as nvfp4 computes it."""
+    """The kernel's codes and block scales as an NVFP4Tensor; the global scale as nvfp4 computes
+    it."""
     if global_scale is None:
         global_scale = nvfp4.compute_global_scale(x)
     global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)

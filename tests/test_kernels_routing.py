@@ -1,5 +1,6 @@
-"""Tests for gpu_kernels/routing.py: the counting sort, the sum of expert rows and the fused router against
-moe.py's plain twins and float64 oracles (on the CPU under TRITON_INTERPRET=1, on a GPU natively)."""
+"""Tests for gpu_kernels/routing.py: the counting sort, the sum of expert rows and the fused router
+against moe.py's plain twins and float64 oracles (on the CPU under TRITON_INTERPRET=1, on a GPU
+natively)."""
 
 import pytest
 import torch
@@ -53,13 +54,13 @@ def test_fused_router_weights_replayed_routes_and_its_gradient_is_the_twins(kern
 
 def test_fused_routing_equals_the_torch_routing_in_every_integer(kernel_device):
     generator = torch.Generator().manual_seed(4)
-    # one assignment; a partial chunk; several chunks, few experts; the largest (chunks, experts) it takes
+    # one assignment; a partial chunk; several chunks, few experts; the largest (chunks, experts) it
+    # takes
     for n_experts, tokens, active in ((8, 1, 1), (5, 3, 2), (128, 256, 8), (256, 512, 8)):
         expert_ids = torch.randint(n_experts, (tokens, active), generator=generator)
         if tokens > 8:
-            expert_ids[:8] = (
-                n_experts - 1
-            )  # a crowded expert across chunk boundaries: ties keep order
+            # a crowded expert across chunk boundaries: ties keep order
+            expert_ids[:8] = n_experts - 1
         fused = routing_kernels.route_tokens(expert_ids.to(kernel_device), n_experts)
         for name, got, expected in zip(
             moe.Routing._fields, fused, moe.route_tokens_reference(expert_ids, n_experts)

@@ -1,6 +1,6 @@
-"""Tests for gpu_kernels/sampling.py: the noise kernel against rollout.py's torch twin, and the fused sampler
-against the exponential race computed in float64 from the same hash (on the CPU under TRITON_INTERPRET=1,
-on a GPU natively)."""
+"""Tests for gpu_kernels/sampling.py: the noise kernel against rollout.py's torch twin, and the
+fused sampler against the exponential race computed in float64 from the same hash (on the CPU under
+TRITON_INTERPRET=1, on a GPU natively)."""
 
 import pytest
 import torch
@@ -11,8 +11,8 @@ sampling_kernels = pytest.importorskip("gpu_kernels.sampling")
 
 
 def test_noise_kernel_equals_its_torch_twin(kernel_device):
-    """One launch computes keys, hash and -log(u): equal to the twin up to the last ulp of the log (a
-    wrong bit anywhere in the hash would move E by far more)."""
+    """One launch computes keys, hash and -log(u): equal to the twin up to the last ulp of the log
+    (a wrong bit anywhere in the hash would move E by far more)."""
     # one token, a partial block, several blocks
     for seed, position, vocab in ((3, 11, 1), (2**33 + 5, 0, 37), (7, 200, 1500)):
         args = (

@@ -1,6 +1,7 @@
-"""gpu_kernels/w4a4_blackwell.py: the native FP4 kernels compile for sm_100 to Blackwell's block-scaled FP4
-tensor-core instruction (with one x scale or one per row), and their first-use check against the Hopper kernels
-names what fails. Their numerics stay untested without a Blackwell GPU."""
+"""gpu_kernels/w4a4_blackwell.py: the native FP4 kernels compile for sm_100 to Blackwell's
+block-scaled FP4 tensor-core instruction (with one x scale or one per row), and their first-use
+check against the Hopper kernels names what fails. Their numerics stay untested without a Blackwell
+GPU."""
 
 import pytest
 import torch
@@ -17,26 +18,28 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from gpu_kernels import w4a4_blackwell
 p8, pf, p32, i = "*u8", "*fp32", "*i32", "i32"
-grouped_types = [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, "*i64", p8, "*fp8e4nv", pf, "*i64", "*i16"]
-grouped_types += [i] * 14
+grouped_types = [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, "*i64", pf, "*i64", p8, "*fp8e4nv", pf, "*i64"]
+grouped_types += ["*i16"] + [i] * 14
 kernels = {}
 for row_scale in (False, True):
     common = dict(OUT_BF16=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, ROW_SCALE=row_scale)
     kernels.update({name + "_row" * row_scale: kernel for name, kernel in {
-        "dense": (w4a4_blackwell._dense_native_kernel,
+        "dense": (w4a4_blackwell.dense_native_kernel,
                   [p8, "*fp8e4nv", p8, "*fp8e4nv", pf, p8, "*fp8e4nv", pf, "*i16"] + [i] * 9,
                   dict(HAS_RESIDUAL=True, **common)),
-        "grouped": (w4a4_blackwell._grouped_native_kernel, grouped_types,
-                    dict(GATHER=True, ROW_WEIGHTS=False, WEIGHT_IDS=False, SWIGLU=True, HAS_RESIDUAL=True,
-                         E_POW2=128, **common)),
-        "grouped_down": (w4a4_blackwell._grouped_native_kernel, grouped_types,
-                         dict(GATHER=False, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=False, HAS_RESIDUAL=True,
-                              E_POW2=128, **common)),
+        "grouped": (w4a4_blackwell.grouped_native_kernel, grouped_types,
+                    dict(GATHER=True, ROW_WEIGHTS=False, WEIGHT_IDS=False, SWIGLU=True,
+                         HAS_RESIDUAL=True, E_POW2=128, **common)),
+        "grouped_down": (w4a4_blackwell.grouped_native_kernel, grouped_types,
+                         dict(GATHER=False, ROW_WEIGHTS=True, WEIGHT_IDS=True, SWIGLU=False,
+                              HAS_RESIDUAL=True, E_POW2=128, **common)),
     }.items()})
 for name, (kernel, types, constants) in kernels.items():
     signature = dict(zip(kernel.arg_names, types + ["constexpr"] * len(constants)))
-    ptx = compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 100, 32)).asm["ptx"]
-    # NVFP4's block-16 scaled MMA: spelled .block16 by Triton 3.9, .scale_vec::4X (its older alias) by 3.6
+    compiled = compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 100, 32))
+    ptx = compiled.asm["ptx"]
+    # NVFP4's block-16 scaled MMA: spelled .block16 by Triton 3.9, .scale_vec::4X (its older alias)
+    # by 3.6
     print(name, len(re.findall(r"tcgen05\.mma\.cta_group::1\.kind::mxf4nvf4\.block_scale"
                                r"\.(?:block16|scale_vec::4X)\b", ptx)))
 """
@@ -52,8 +55,8 @@ def test_native_kernels_compile_to_blackwell_fp4_tensor_core_instructions():
 
 
 def test_disagreement_names_the_kernel_that_fails_or_differs(kernel_device, monkeypatch):
-    # stand-ins for the native launches (no Blackwell GPU here): right, wrong and failing; the Hopper side is
-    # the real kernels (on the CPU under the interpreter)
+    # stand-ins for the native launches (no Blackwell GPU here): right, wrong and failing; the
+    # Hopper side is the real kernels (on the CPU under the interpreter)
     import rac
 
     w4a4_blackwell = rac.w4a4_blackwell

@@ -1,8 +1,9 @@
 """gpu_kernels/w4a4_dense.py: the dense W4A4 GEMM (split-K, the prefill weight pass, stacked q/k/v
-weights) against rac.nvfp4_linear_reference / rac.matmul_reference and the prefill pass against the fp16 operand's
-definition (CPU under TRITON_INTERPRET=1, GPU natively); per-row x scales against the reference on row-quantized
-activations, bit for bit the one-scale results where the scales are equal, and a row's output independent of
-its batch; the W4A16 operand against x @ DQ(W).T; its autotuning table; every GPU configuration forced in turn."""
+weights) against rac.nvfp4_linear_reference / rac.matmul_reference and the prefill pass against the
+fp16 operand's definition (CPU under TRITON_INTERPRET=1, GPU natively); per-row x scales against the
+reference on row-quantized activations, bit for bit the one-scale results where the scales are
+equal, and a row's output independent of its batch; the W4A16 operand against x @ DQ(W).T; every
+GPU configuration forced in turn. (Its autotuning table's fields: test_kernels_w4a4_common.py.)"""
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import nvfp4
 import rac
 
 pytest.importorskip("triton")  # the kernels need it; a wrong name below must fail, not skip
-from gpu_kernels import w4a4_dense  # noqa: E402
+from gpu_kernels import gemm_common, w4a4_dense  # noqa: E402
 
 
 def _dense_case(rows, cols, out_features, device, seed):
@@ -61,8 +62,9 @@ def test_dense_kernel_matches_the_layer_reference(
 
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_prefill_and_partial_max_paths_match_the_decode_path(kernel_device, monkeypatch, rows):
-    # the weight decoded once (prefill) or in registers, whatever the row count, with the amax from the
-    # partial-max launch; the same layer's decode result is the oracle, and both equal the reference
+    # the weight decoded once (prefill) or in registers, whatever the row count, with the amax from
+    # the partial-max launch; the same layer's decode result is the oracle, and both equal the
+    # reference
     x, w_q = _dense_case(rows, 96, 40, kernel_device, rows)
     mask = torch.arange(6, device=kernel_device) < 4
     act = rac.quantize_activation_triton(x, mask)
@@ -88,17 +90,17 @@ def test_prefill_weight_pass_matches_its_reference(kernel_device):
 
 
 def test_split_k_counters_are_reset_so_repeated_calls_agree(kernel_device):
-    x, w_q = _dense_case(
-        3, 256, 72, kernel_device, 3
-    )  # the interpreter's decode bucket splits K in two
+    # the interpreter's decode bucket splits K in two
+    x, w_q = _dense_case(3, 256, 72, kernel_device, 3)
     first = rac.nvfp4_linear_triton(x, w_q, out_dtype=torch.float32)
-    counters = w4a4_dense._SPLIT_COUNTERS[w_q.device]
+    counters = w4a4_dense.SPLIT_COUNTERS[w_q.device]
     assert (counters == 0).all()
     assert torch.equal(rac.nvfp4_linear_triton(x, w_q, out_dtype=torch.float32), first)
 
 
 def _stacked(weights):
-    """Three weights quantized one by one (their own global scales), stacked along N as q/k/v are."""
+    """Three weights quantized one by one (their own global scales), stacked along N as q/k/v
+    are."""
     qs = [nvfp4.quantize_weight(w) for w in weights]
     return qs, rac.stack_weights(qs)
 
@@ -108,8 +110,8 @@ def _stacked(weights):
 def test_stacked_weights_give_each_weight_its_own_global_scale_and_output(
     kernel_device, rows, compensate
 ):
-    # 40 / 24 / 8 rows: tiles straddle the weights (the interpreter's BLOCK_N is 32); the three global
-    # scales differ by 2^10
+    # 40 / 24 / 8 rows: tiles straddle the weights (the interpreter's BLOCK_N is 32); the three
+    # global scales differ by 2^10
     generator = torch.Generator().manual_seed(rows)
     weights = [
         torch.randn(n, 96, generator=generator).to(kernel_device) * scale
@@ -120,21 +122,19 @@ def test_stacked_weights_give_each_weight_its_own_global_scale_and_output(
     mask = torch.arange(6, device=kernel_device) % 2 == 0 if compensate else None
     outputs = rac.nvfp4_linear_triton(x, stacked, mask, out_dtype=torch.float32, splits=(40, 24, 8))
     assert [tuple(y.shape) for y in outputs] == [(rows, 40), (rows, 24), (rows, 8)]
-    for y, q in zip(
-        outputs, qs
-    ):  # each against its own layer's reference, and contiguous (q/k norms read rows)
+    tolerance = 2e-3 if compensate else 1e-5
+    # each against its own layer's reference, and contiguous (q/k norms read rows)
+    for y, q in zip(outputs, qs):
         reference = rac.nvfp4_linear_reference(x, q, mask)
         assert y.is_contiguous()
-        assert (
-            report_diff(y, reference)[0]
-            <= (2e-3 if compensate else 1e-5) * reference.abs().max() + 1e-30
-        )
+        assert report_diff(y, reference)[0] <= tolerance * reference.abs().max() + 1e-30
 
 
-# ------------------------------------------------------------------ per-row x scales and the W4A16 operand
+# ------------------------------------------------------------------ per-row x scales, W4A16 operand
 def assert_rows_close(y, reference, tolerance, name=""):
-    """Each row of y within tolerance * its reference row's max |value| (rows many magnitudes apart: one max
-    over the tensor would hide the small rows' errors); a zero reference row must come out zero."""
+    """Each row of y within tolerance * its reference row's max |value| (rows many magnitudes apart:
+    one max over the tensor would hide the small rows' errors); a zero reference row must come out
+    zero."""
     diff = (y.double() - reference.double()).abs().amax(dim=-1).cpu()
     scale = reference.double().abs().amax(dim=-1).cpu()
     error = torch.where(scale > 0, diff / scale.clamp_min(1e-300), diff)
@@ -145,8 +145,9 @@ def assert_rows_close(y, reference, tolerance, name=""):
 @pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
 @pytest.mark.parametrize("compensate", [False, True])
 def test_row_scale_dense_kernel_matches_the_reference_per_row(kernel_device, rows, compensate):
-    # rows 10^-6 .. 10^6 apart, each with its own global scale: the interpreter's split-K buckets (up to 64
-    # rows) and the prefill pass (300), three stacked weights whose global scales differ by 2^10
+    # rows 10^-6 .. 10^6 apart, each with its own global scale: the interpreter's split-K buckets
+    # (up to 64 rows) and the prefill pass (300), three stacked weights whose global scales differ
+    # by 2^10
     x = rows_of_many_magnitudes(rows, 96, rows).to(kernel_device)
     mask = torch.arange(6, device=kernel_device) % 2 == 0 if compensate else None
     generator = torch.Generator().manual_seed(rows)
@@ -157,9 +158,8 @@ def test_row_scale_dense_kernel_matches_the_reference_per_row(kernel_device, row
     qs, stacked = _stacked(weights)
     act = rac.quantize_activation_triton(x, mask, act_scale="row")
     x_q, residual = nvfp4.quantize_activation(x, mask, "row")
-    tolerance = (
-        2e-3 if compensate else 1e-5
-    )  # as the one-scale tests: fp32 order (and fp16 rounding of x + r)
+    # as the one-scale tests: fp32 order (and fp16 rounding of x + r)
+    tolerance = 2e-3 if compensate else 1e-5
     assert_rows_close(
         _dense(act, qs[0]),
         rac.matmul_reference(x_q, qs[0], residual, torch.float32),
@@ -225,10 +225,10 @@ def _row_layer(w_q, mask, act_scale):
 
 @pytest.mark.parametrize("compensate", [False, True])
 def test_a_rows_output_does_not_depend_on_its_batch_under_row_scales(kernel_device, compensate):
-    # a row's quantization depends on itself alone, and its GEMM output on its own operand row and scale:
-    # within one configuration (here the 16-row bucket's: 12, 1 and 7 rows, split-K, the same tiles) the
-    # same bits whatever else is in the batch and wherever the row sits in it. One scale per tensor moves
-    # the row's output with its batch (so the test can tell the two apart).
+    # a row's quantization depends on itself alone, and its GEMM output on its own operand row and
+    # scale: within one configuration (here the 16-row bucket's: 12, 1 and 7 rows, split-K, the same
+    # tiles) the same bits whatever else is in the batch and wherever the row sits in it. One scale
+    # per tensor moves the row's output with its batch (so the test can tell the two apart).
     x = rows_of_many_magnitudes(12, 96, 0).to(kernel_device)
     others = torch.randn(6, 96, device=kernel_device, dtype=torch.bfloat16) * 1e3
     _, w_q = _dense_case(1, 96, 40, kernel_device, 0)
@@ -245,9 +245,9 @@ def test_a_rows_output_does_not_depend_on_its_batch_under_row_scales(kernel_devi
 @pytest.mark.parametrize("rows", [1, 17, 300])
 @pytest.mark.parametrize("act_scale", ["tensor", "row"])
 def test_w4a16_operand_gives_x_times_the_dequantized_weight(kernel_device, rows, act_scale):
-    # the operand is x / g * 2^-6 exactly and the epilogue multiplies by 2^12 g: x @ DQ(W).T to fp32 order.
-    # Per row, rows 10^-6 .. 10^6 apart; one scale for all takes rows of like magnitudes (far smaller ones
-    # would fall into fp16's subnormals)
+    # the operand is x / g * 2^-6 exactly and the epilogue multiplies by 2^12 g: x @ DQ(W).T to fp32
+    # order. Per row, rows 10^-6 .. 10^6 apart; one scale for all takes rows of like magnitudes (far
+    # smaller ones would fall into fp16's subnormals)
     x, w_q = _dense_case(rows, 96, 40, kernel_device, rows)
     if act_scale == "row":
         x = rows_of_many_magnitudes(rows, 96, rows).to(kernel_device)
@@ -298,14 +298,16 @@ def test_dense_kernel_matches_the_reference_on_gpu_shapes(rows, out_features, co
 @pytest.mark.parametrize("rows", [1, 16, 64, 300, 1500])
 @pytest.mark.parametrize("splits,cols", [((4096, 512, 512), 2048), (None, 4096)])
 def test_row_scale_and_w4a16_dense_on_gpu_shapes(rows, splits, cols):
-    # Qwen3-30B-A3B's q/k/v (stacked, 5120 x 2048) and o_proj (2048 x 4096), rows 10^-6 .. 10^6 apart
+    # Qwen3-30B-A3B's q/k/v (stacked, 5120 x 2048) and o_proj (2048 x 4096), rows 10^-6 .. 10^6
+    # apart
     x = rows_of_many_magnitudes(rows, cols, rows).cuda()
     generator = torch.Generator().manual_seed(rows)
     weights = [torch.randn(n, cols, generator=generator).cuda() * 0.02 for n in (splits or (2048,))]
     if splits:
         qs, w_q = _stacked(weights)
     else:
-        qs = [w_q := nvfp4.quantize_weight(weights[0])]
+        w_q = nvfp4.quantize_weight(weights[0])
+        qs = [w_q]
     for mask in (None, torch.arange(cols // 16, device="cuda") % 2 == 0):
         act = rac.quantize_activation_triton(x, mask, act_scale="row")
         x_q, residual = nvfp4.quantize_activation(x, mask, "row")
@@ -318,11 +320,10 @@ def test_row_scale_and_w4a16_dense_on_gpu_shapes(rows, splits, cols):
                 f"gpu row dense M={rows} K={cols}",
             )
     for act_scale in ("row", "tensor"):
-        x_w4a16 = (
-            x
-            if act_scale == "row"
-            else torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
-        )
+        if act_scale == "row":
+            x_w4a16 = x
+        else:
+            x_w4a16 = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
         act = rac.quantize_activation_triton(x_w4a16, act_scale=act_scale, quantize=False)
         outputs = _dense(act, w_q, splits=splits)
         for y, q in zip(outputs if splits else (outputs,), qs):
@@ -337,8 +338,8 @@ def test_row_scale_and_w4a16_dense_on_gpu_shapes(rows, splits, cols):
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [16, 64, 256])
 def test_a_rows_output_does_not_depend_on_its_batch_on_gpu_shapes(rows):
-    # Qwen3's stacked q/k/v: a batch of `rows`, a row among others (two thirds as many rows: the same
-    # autotuning bucket, so the same configuration), and at 16 a row alone
+    # Qwen3's stacked q/k/v: a batch of `rows`, a row among others (two thirds as many rows: the
+    # same autotuning bucket, so the same configuration), and at 16 a row alone
     x = rows_of_many_magnitudes(rows, 2048, rows).cuda()
     generator = torch.Generator().manual_seed(rows)
     _, w_q = _stacked(
@@ -361,8 +362,9 @@ def test_a_rows_output_does_not_depend_on_its_batch_on_gpu_shapes(rows):
 
 @pytest.mark.cuda
 def test_a_weight_copied_in_just_before_the_layer_is_the_one_it_reads():
-    # a weight copied into the layer's buffers right before it runs (as sync_weights does) must be the one
-    # the GEMM reads: two weights take turns in one buffer, each call gives that weight's output
+    # a weight copied into the layer's buffers right before it runs (as sync_weights does) must be
+    # the one the GEMM reads: two weights take turns in one buffer, each call gives that weight's
+    # output
     torch.manual_seed(0)
     x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
     pair = [
@@ -380,35 +382,6 @@ def test_a_weight_copied_in_just_before_the_layer_is_the_one_it_reads():
         assert torch.equal(
             rac.nvfp4_linear_triton(x, live, out_dtype=torch.float32), expected[i % 2]
         ), i
-
-
-def test_configuration_table_reaches_triton_with_its_operand_order_and_register_cap(monkeypatch):
-    # the table's optional 7th and 8th fields (X_FIRST, maxnreg) must reach the autotuner's configurations: a
-    # dropped cap compiles another kernel than the one measured; the dense kernel's have no X_FIRST
-    monkeypatch.setattr(w4a4_dense, "INTERPRET", False)
-    table = {
-        **w4a4_dense.DENSE_CONFIGS,
-        16: [(16, 64, 256, 4, 2, 1, True, 128)],
-    }  # and a register cap
-    entries = [(bucket, entry) for bucket, rows in table.items() for entry in rows]
-    configs = w4a4_dense._configs(table)
-    assert len(configs) == len(entries)
-    for config, (bucket, entry) in zip(configs, entries):
-        kw = config.kwargs
-        assert (
-            kw["BLOCK_M"],
-            kw["BLOCK_N"],
-            kw["BLOCK_K"],
-            config.num_warps,
-            config.num_stages,
-            kw["SPLIT_K"],
-            kw["BUCKET"],
-        ) == (*entry[:6], bucket)
-        assert kw["X_FIRST"] == (len(entry) > 6 and entry[6])
-        assert config.maxnreg == (entry[7] if len(entry) > 7 else None)
-    assert not any(
-        "X_FIRST" in config.kwargs for config in w4a4_dense._configs(table, x_first=False)
-    )
 
 
 def forced_configs(kernel, bucket, relabel=lambda config: True):
@@ -437,8 +410,9 @@ def forced_configs(kernel, bucket, relabel=lambda config: True):
 
 
 def deterministic_and_close(calls, repeats=10):
-    """calls: name -> (kernel, bucket, relabel, call, reference). Every configuration forced in turn must
-    repeat its result bit for bit and stay within 2e-3 of the reference (relative to its max) -> failures."""
+    """calls: name -> (kernel, bucket, relabel, call, reference). Every configuration forced in turn
+    must repeat its result bit for bit and stay within 2e-3 of the reference (relative to its max)
+    -> failures."""
     failures = []
     for name, (kernel, bucket, relabel, call, reference) in calls.items():
         for config in forced_configs(kernel, bucket, relabel=relabel):
@@ -455,10 +429,10 @@ def deterministic_and_close(calls, repeats=10):
 
 @pytest.mark.cuda
 def test_every_gpu_config_is_deterministic_and_matches_the_reference():
-    # Autotuning may pick any configuration, so each one is forced and repeated (a miscompiled one showed
-    # as run-to-run differences): at each decode bucket (split-K; RAC; one x scale and one per row) and at
-    # prefill size, where the configurations without split-K of every bucket are tried too (split-K scratch is
-    # sized per bucket).
+    # Autotuning may pick any configuration, so each one is forced and repeated (a miscompiled one
+    # showed as run-to-run differences): at each decode bucket (split-K; RAC; one x scale and one
+    # per row) and at prefill size, where the configurations without split-K of every bucket are
+    # tried too (split-K scratch is sized per bucket).
     torch.manual_seed(0)
     D, T = 512, 26112
     w_q = nvfp4.quantize_weight(torch.randn(512, D, device="cuda") * 0.05)
@@ -467,7 +441,7 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
     )
     calls = {
         "dense prefill": (
-            w4a4_dense._dense_kernel,
+            w4a4_dense.dense_kernel,
             4096,
             lambda c: c.kwargs["SPLIT_K"] == 1,
             lambda: _dense(x, w_q),
@@ -479,19 +453,20 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
         x_small = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16)
         act = rac.quantize_activation_triton(x_small, mask)
         calls[f"dense decode M={rows}"] = (
-            w4a4_dense._dense_kernel,
-            w4a4_dense._m_bucket(rows, w4a4_dense.DENSE_CONFIGS),
+            w4a4_dense.dense_kernel,
+            gemm_common.m_bucket(rows, w4a4_dense.DENSE_CONFIGS),
             lambda c: False,
             lambda act=act: _dense(act, w_q),
             rac.nvfp4_linear_reference(x_small, w_q, mask),
         )
-        # and with a scale per row (rows 10x apart either way: the max over the tensor still sees each)
+        # and with a scale per row (rows 10x apart either way: the max over the tensor still sees
+        # each)
         x_rows = (x_small.float() * torch.logspace(-1, 1, rows, device="cuda")[:, None]).bfloat16()
         act = rac.quantize_activation_triton(x_rows, mask, act_scale="row")
         x_q, residual = nvfp4.quantize_activation(x_rows, mask, "row")
         calls[f"dense decode row scales M={rows}"] = (
-            w4a4_dense._dense_kernel,
-            w4a4_dense._m_bucket(rows, w4a4_dense.DENSE_CONFIGS),
+            w4a4_dense.dense_kernel,
+            gemm_common.m_bucket(rows, w4a4_dense.DENSE_CONFIGS),
             lambda c: False,
             lambda act=act: _dense(act, w_q),
             rac.matmul_reference(x_q, w_q, residual, torch.float32),

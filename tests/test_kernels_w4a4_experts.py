@@ -1,9 +1,9 @@
-"""gpu_kernels/w4a4_experts.py: the experts' grouped W4A4 GEMM in Triton (gather + SwiGLU, router weights
-read through routing.order, empty experts, the experts' blocked weight layout) against
-rac.grouped_matmul_reference (CPU under TRITON_INTERPRET=1, GPU natively); per-row x scales (the gathered row's
-at gate/up, the sorted row's at down) against the reference, bit for bit the one-scale results where the scales
-are equal, and a token's output independent of its batch; the W4A16 operand; its autotuning table; every GPU
-configuration forced in turn at prefill size."""
+"""gpu_kernels/w4a4_experts.py: the experts' grouped W4A4 GEMM in Triton (gather + SwiGLU, router
+weights read through routing.order, empty experts, the experts' blocked weight layout) against
+rac.grouped_matmul_reference (CPU under TRITON_INTERPRET=1, GPU natively); per-row x scales (the
+gathered row's at gate/up, the sorted row's at down) against the reference, bit for bit the
+one-scale results where the scales are equal, and a token's output independent of its batch; the
+W4A16 operand; its autotuning table; every GPU configuration forced in turn at prefill size."""
 
 import pytest
 import torch
@@ -16,11 +16,12 @@ import nvfp4
 import rac
 
 pytest.importorskip("triton")  # the kernels need it; a wrong name below must fail, not skip
-from gpu_kernels import w4a4_experts  # noqa: E402
+from gpu_kernels import gemm_common, w4a4_common, w4a4_experts  # noqa: E402
 
 
 def routing_with_empty_experts(n_experts, tokens, active, device, seed=0):
-    """Random top-A routes that never pick experts 0, 2 and the last one (they receive no tokens)."""
+    """Random top-A routes that never pick experts 0, 2 and the last one
+    (they receive no tokens)."""
     generator = torch.Generator().manual_seed(seed)
     allowed = torch.tensor([e for e in range(n_experts) if e not in (0, 2, n_experts - 1)])
     scores = torch.rand(tokens, allowed.numel(), generator=generator)
@@ -44,9 +45,9 @@ def grouped(act, w, counts, **kwargs):
 
 @pytest.mark.parametrize("tokens, D", [(3, 80), (21, 80), (5, 256)])
 def test_grouped_kernel_matches_the_per_expert_reference(kernel_device, tokens, D):
-    # 21 tokens x 2 on 4 used experts: some experts get more rows than one 16-row tile. D = 80: the down
-    # GEMM's output is 3 of the interpreter's 32-column tiles (the last one short); its K is one chunk of
-    # ExpertWeights' layout, D = 256 two
+    # 21 tokens x 2 on 4 used experts: some experts get more rows than one 16-row tile. D = 80: the
+    # down GEMM's output is 3 of the interpreter's 32-column tiles (the last one short); its K is
+    # one chunk of ExpertWeights' layout, D = 256 two
     torch.manual_seed(tokens)
     E, I, A = 7, 32, 2
     expert_ids, routing = routing_with_empty_experts(E, tokens, A, kernel_device, seed=tokens)
@@ -86,8 +87,8 @@ def test_grouped_kernel_matches_the_per_expert_reference(kernel_device, tokens, 
         report_diff(y, reference, "grouped down * router weight")[0]
         <= 1e-5 * reference.abs().max().item()
     )
-    # the router weights as the layer passes them: (T * A,) in assignment order, read through routing.order;
-    # the oracle is the sorted path just checked, on the weights gathered by hand
+    # the router weights as the layer passes them: (T * A,) in assignment order, read through
+    # routing.order; the oracle is the sorted path just checked, on the weights gathered by hand
     expert_weights = torch.rand(tokens, A, device=kernel_device, dtype=torch.bfloat16).reshape(-1)
     by_order = grouped(
         act, down_w, routing.counts, row_weights=expert_weights, row_weight_ids=routing.order
@@ -115,11 +116,11 @@ def test_no_rows_give_an_empty_output(kernel_device):
     assert y.shape == (0, 16)
 
 
-# ------------------------------------------------------------------ per-row x scales and the W4A16 operand
+# ------------------------------------------------------------------ per-row x scales, W4A16 operand
 def expert_layer(grouped_matmul, gate_up_w, down_w, mask=None, act_scale="row", quantize=True):
-    """The experts' two GEMMs on `grouped_matmul` (this file's `grouped`, or another kernel's): x (T, D),
-    expert_ids (T, A), router weights (T * A,) -> (routing, hidden (R, I) fp32 and y (R, D), each in sorted-row
-    order); the down GEMM reads hidden in x's dtype, as rac.NVFP4Experts does."""
+    """The experts' two GEMMs on `grouped_matmul` (this file's `grouped`, or another kernel's): x
+    (T, D), expert_ids (T, A), router weights (T * A,) -> (routing, hidden (R, I) fp32 and y (R, D),
+    each in sorted-row order); the down GEMM reads hidden in x's dtype, as rac.NVFP4Experts does."""
 
     def layer(x, expert_ids, router_weights):
         routing = moe.route_tokens(expert_ids, gate_up_w.shape[0])
@@ -147,8 +148,9 @@ def _experts_case(E, D, I, device, seed):
 
 @pytest.mark.parametrize("tokens, D", [(3, 80), (21, 80), (5, 256)])
 def test_row_scale_grouped_kernel_matches_the_reference_per_row(kernel_device, tokens, D):
-    # token rows 10^-6 .. 10^6 apart, each its own scale: gate/up reads the scale of the gathered token row
-    # (row_ids), down that of its sorted row (the hidden rows, as the gate/up GEMM wrote them)
+    # token rows 10^-6 .. 10^6 apart, each its own scale: gate/up reads the scale of the gathered
+    # token row (row_ids), down that of its sorted row (the hidden rows, as the gate/up GEMM wrote
+    # them)
     E, I, A = 7, 32, 2
     expert_ids, routing = routing_with_empty_experts(E, tokens, A, kernel_device, seed=tokens)
     x = rows_of_many_magnitudes(tokens, D, tokens).to(kernel_device)
@@ -169,9 +171,8 @@ def test_row_scale_grouped_kernel_matches_the_reference_per_row(kernel_device, t
         out_dtype=torch.float32,
     )
     assert_rows_close(hidden, reference, 2e-3, "row-scale gate/up")
-    h_q, _ = nvfp4.quantize_activation(
-        hidden.to(x.dtype), None, "row"
-    )  # the kernel's own hidden rows
+    # the kernel's own hidden rows
+    h_q, _ = nvfp4.quantize_activation(hidden.to(x.dtype), None, "row")
     reference = rac.grouped_matmul_reference(
         h_q,
         down_q,
@@ -208,8 +209,8 @@ def tokens_by_assignment(routing, y_sorted, tokens, A):
 
 
 def assert_batch_invariant(layer, x, expert_ids, router_weights, extra, picks):
-    """Each picked token's hidden and output rows: the same bits in its batch, alone, and among `extra` other
-    tokens (x, expert_ids, router weights (T, A)), where it comes fourth."""
+    """Each picked token's hidden and output rows: the same bits in its batch, alone, and among
+    `extra` other tokens (x, expert_ids, router weights (T, A)), where it comes fourth."""
     tokens, A = expert_ids.shape
     routing, hidden, y = layer(x, expert_ids, router_weights.reshape(-1))
     batch = [tokens_by_assignment(routing, t, tokens, A) for t in (hidden, y)]
@@ -226,16 +227,16 @@ def assert_batch_invariant(layer, x, expert_ids, router_weights, extra, picks):
             routing, hidden, y = layer(xs, ids, weights.reshape(-1))
             at = 0 if xs.shape[0] == 1 else 3
             for got, expected in zip((hidden, y), batch):
-                assert torch.equal(
-                    tokens_by_assignment(routing, got, xs.shape[0], A)[at], expected[t]
-                ), t
+                token_rows = tokens_by_assignment(routing, got, xs.shape[0], A)
+                assert torch.equal(token_rows[at], expected[t]), t
 
 
 @pytest.mark.parametrize("compensate", [False, True])
 def test_a_tokens_output_does_not_depend_on_its_batch_under_row_scales(kernel_device, compensate):
     # 12 tokens, one, or 7 (the token among 6 others 10^3 larger): 2 to 24 rows over 7 experts, the
-    # interpreter's one configuration of the 16-row bucket; the token's rows land in other tiles at other
-    # places. One scale per tensor moves them with the batch (so the test can tell the two apart).
+    # interpreter's one configuration of the 16-row bucket; the token's rows land in other tiles at
+    # other places. One scale per tensor moves them with the batch (so the test can tell the two
+    # apart).
     E, D, I, A = 7, 80, 32, 2
     gate_up_q, down_q = _experts_case(E, D, I, kernel_device, 1)
     gate_up_w, down_w = rac.chunk_experts(gate_up_q), rac.chunk_experts(down_q)
@@ -276,11 +277,10 @@ def test_w4a16_operand_gives_x_times_the_dequantized_experts(kernel_device, act_
     E, D, I, A, tokens = 7, 80, 32, 2, 21
     expert_ids, routing = routing_with_empty_experts(E, tokens, A, kernel_device, seed=3)
     gate_up_q, down_q = _experts_case(E, D, I, kernel_device, 3)
-    x = (
-        rows_of_many_magnitudes(tokens, D, 3)
-        if act_scale == "row"
-        else torch.randn(tokens, D).bfloat16()
-    )
+    if act_scale == "row":
+        x = rows_of_many_magnitudes(tokens, D, 3)
+    else:
+        x = torch.randn(tokens, D).bfloat16()
     x = x.to(kernel_device)  # bf16: x / g * 2^-6 exact in fp16
     router_weights = torch.rand(tokens * A, device=kernel_device)
     _, hidden, y = expert_layer(
@@ -305,8 +305,8 @@ def test_w4a16_operand_gives_x_times_the_dequantized_experts(kernel_device, act_
 @pytest.mark.cuda
 @pytest.mark.parametrize("tokens", [1, 64, 256])
 def test_grouped_kernels_match_the_reference_on_qwen3_expert_shapes(tokens):
-    # through rac.grouped_matmul_triton: the kernel rac.backend picks here (Gluon on sm_89 / sm_90), and
-    # the Triton kernel itself
+    # through rac.grouped_matmul_triton: the kernel rac.backend picks here (Gluon on sm_89 / sm_90),
+    # and the Triton kernel itself
     torch.manual_seed(0)
     E, D, I, A = 128, 2048, 768, 8
     routing = moe.route_tokens(torch.rand(tokens, E, device="cuda").topk(A, dim=-1).indices, E)
@@ -363,9 +363,10 @@ def test_grouped_kernels_match_the_reference_on_qwen3_expert_shapes(tokens):
 @pytest.mark.cuda
 @pytest.mark.parametrize("tokens", [1, 64, 256])
 def test_row_scale_and_w4a16_grouped_kernels_on_qwen3_expert_shapes(tokens):
-    # through rac.grouped_matmul_triton (Gluon on sm_89 / sm_90) and the Triton kernel itself: token rows
-    # 10^-6 .. 10^6 apart with their own scales, against the reference; the W4A16 operand against x @ DQ(W).T;
-    # at 64 tokens a token's output the same bits in its batch, alone and among 40 others (one bucket)
+    # through rac.grouped_matmul_triton (Gluon on sm_89 / sm_90) and the Triton kernel itself: token
+    # rows 10^-6 .. 10^6 apart with their own scales, against the reference; the W4A16 operand
+    # against x @ DQ(W).T; at 64 tokens a token's output the same bits in its batch, alone and among
+    # 40 others (one bucket)
     E, D, I, A = 128, 2048, 768, 8
     generator = torch.Generator().manual_seed(tokens)
     gate_up_q = nvfp4.quantize_weight(torch.randn(E, 2 * I, D, generator=generator).cuda() * 0.02)
@@ -446,18 +447,16 @@ def test_row_scale_and_w4a16_grouped_kernels_on_qwen3_expert_shapes(tokens):
 
 
 def test_triton_grouped_autotuner_steps_k_within_one_chunk_of_the_layout(monkeypatch):
-    # the Triton grouped kernel reads ExpertWeights directly: where K spans several 128-element chunks, its
-    # GPU configurations' 256-element steps become 128 (a step may not cross a chunk); K of one chunk
-    # (here 192) keeps every step; each bucket keeps its own configurations
-    from gpu_kernels import w4a4_dense
-
-    monkeypatch.setattr(w4a4_dense, "INTERPRET", False)  # the GPU table, not the interpreter's
-    configs = w4a4_experts._configs(w4a4_experts.GROUPED_CONFIGS)
+    # the Triton grouped kernel reads ExpertWeights directly: where K spans several 128-element
+    # chunks, its GPU configurations' 256-element steps become 128 (a step may not cross a chunk); K
+    # of one chunk (here 192) keeps every step; each bucket keeps its own configurations
+    monkeypatch.setattr(w4a4_common, "INTERPRET", False)  # the GPU table, not the interpreter's
+    configs = w4a4_common.autotune_configs(w4a4_experts.GROUPED_CONFIGS)
     assert any(c.kwargs["BLOCK_K"] == 256 for c in configs)
     assert any(c.maxnreg for c in configs)  # the table's register cap reaches Triton
     for bucket, entries in w4a4_experts.GROUPED_CONFIGS.items():
         for K, chunk in ((2048, 128), (192, 192)):
-            kept = w4a4_experts._grouped_prune(configs, {"M_BUCKET": bucket, "K": K}, CHUNK=chunk)
+            kept = w4a4_experts.grouped_prune(configs, {"M_BUCKET": bucket, "K": K}, CHUNK=chunk)
             assert [
                 (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept
             ] == [(m, n, w, st) for m, n, _, w, st, *_ in entries]
@@ -468,8 +467,9 @@ def test_triton_grouped_autotuner_steps_k_within_one_chunk_of_the_layout(monkeyp
 
 @pytest.mark.cuda
 def test_every_gpu_config_is_deterministic_and_matches_the_reference():
-    # each configuration forced and repeated (a miscompiled one showed as run-to-run differences) at a
-    # prefill of 512 evaluation prompts, 26k tokens, on the small preset's shapes (gate/up with row scales too)
+    # each configuration forced and repeated (a miscompiled one showed as run-to-run differences) at
+    # a prefill of 512 evaluation prompts, 26k tokens, on the small preset's shapes (gate/up with
+    # row scales too)
     import triton
 
     torch.manual_seed(0)
@@ -490,10 +490,10 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
     x_row = rac.quantize_activation_triton(x_rows, act_scale="row")
     x_row_q, _ = nvfp4.quantize_activation(x_rows, None, "row")
     row_weights = torch.rand(T * A, device="cuda")
-    bucket = w4a4_experts._m_bucket(triton.cdiv(T * A, E), w4a4_experts.GROUPED_CONFIGS)
+    bucket = gemm_common.m_bucket(triton.cdiv(T * A, E), w4a4_experts.GROUPED_CONFIGS)
     calls = {
         "gate/up": (
-            w4a4_experts._grouped_kernel,
+            w4a4_experts.grouped_kernel,
             bucket,
             lambda c: False,
             lambda: grouped(x, gate_up_w, routing.counts, row_ids=routing.token_ids, swiglu=True),
@@ -507,7 +507,7 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
             ),
         ),
         "down": (
-            w4a4_experts._grouped_kernel,
+            w4a4_experts.grouped_kernel,
             bucket,
             lambda c: False,
             lambda: grouped(h, down_w, routing.counts, row_weights=row_weights),
@@ -516,7 +516,7 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
             ),
         ),
         "gate/up, row scales": (
-            w4a4_experts._grouped_kernel,
+            w4a4_experts.grouped_kernel,
             bucket,
             lambda c: False,
             lambda: grouped(

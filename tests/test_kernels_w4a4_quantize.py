@@ -1,8 +1,9 @@
-"""gpu_kernels/w4a4_quantize.py: the activation quantizer against rac.quantize_activation_reference (codes) and
-the definition of the Hopper GEMMs' fp16 operand, bit for bit (CPU under TRITON_INTERPRET=1, GPU natively), with
-one global scale or one per row (against nvfp4.quantize_activation(..., "row")); the W4A16 operand and its
-power-of-two scale against their definition; the partial max; the residual's product rounded on its own when
-compiled for sm_90 on the CPU."""
+"""gpu_kernels/w4a4_quantize.py: the activation quantizer against rac.quantize_activation_reference
+(codes) and the definition of the Hopper GEMMs' fp16 operand, bit for bit (CPU under
+TRITON_INTERPRET=1, GPU natively), with one global scale or one per row (against
+nvfp4.quantize_activation(..., "row")); the W4A16 operand and its power-of-two scale against their
+definition; the partial max; the residual's product rounded on its own when compiled for sm_90 on
+the CPU."""
 
 import os
 import subprocess
@@ -21,8 +22,9 @@ from gpu_kernels import w4a4_quantize  # noqa: E402
 
 
 def operand_oracle(x_q, residual=None):
-    """The Hopper GEMMs' fp16 operand, by its definition: (code value * block scale of x, plus the residual's)
-    * 2^-6 in float64, rounded once to fp16, as planes (2, M, K/2) of the even and the odd columns."""
+    """The Hopper GEMMs' fp16 operand, by its definition: (code value * block scale of x, plus the
+    residual's) * 2^-6 in float64, rounded once to fp16, as planes (2, M, K/2) of the even and the
+    odd columns."""
 
     def values(q):
         codes = nvfp4.unpack_codes(q.data.cpu())
@@ -39,7 +41,8 @@ def operand_oracle(x_q, residual=None):
 @pytest.mark.parametrize("rows,cols", [(1, 16), (3, 48), (17, 80), (64, 768)])
 @pytest.mark.parametrize("compensate", [False, True])
 def test_quantizer_matches_its_reference_bit_for_bit(kernel_device, rows, cols, compensate):
-    # (64, 768) has 49152 elements: above AMAX_IN_LAUNCH, so its amax comes from the partial-max launch
+    # (64, 768) has 49152 elements: above AMAX_IN_LAUNCH, so its amax comes from the partial-max
+    # launch
     torch.manual_seed(rows * cols)
     x = (torch.randn(rows, cols) * torch.exp(torch.randn(cols))).to(kernel_device, torch.bfloat16)
     x[0, :5] = -1e-30  # negative values that round to zero
@@ -83,10 +86,10 @@ def test_partial_max_finds_the_largest_value_in_every_chunk_of_a_slice(
     kernel_device, monkeypatch, rows
 ):
     # two slices, so that each program of the partial-max launch loops over several chunks
-    monkeypatch.setattr(w4a4_quantize, "_AMAX_SLICES", 2)
+    monkeypatch.setattr(w4a4_quantize, "AMAX_SLICES", 2)
     numel = rows * 4096
-    chunk = w4a4_quantize._partial_chunk(numel)
-    assert chunk == (4 if rows == 16 else 1) * w4a4_quantize._AMAX_CHUNK
+    chunk = w4a4_quantize.partial_chunk(numel)
+    assert chunk == (4 if rows == 16 else 1) * w4a4_quantize.AMAX_CHUNK
     torch.manual_seed(rows)
     base = torch.rand(numel) * 0.5
     # the first and last element, and the first and last of every chunk
@@ -96,7 +99,7 @@ def test_partial_max_finds_the_largest_value_in_every_chunk_of_a_slice(
     for place in places:
         x = base.clone()
         x[place] = -3.0 if place % 2 else 3.0
-        partials = w4a4_quantize._partial_amax(x.view(rows, 4096).to(kernel_device, torch.bfloat16))
+        partials = w4a4_quantize.partial_amax(x.view(rows, 4096).to(kernel_device, torch.bfloat16))
         assert partials.numel() == 2 and partials.max().item() == 3.0, place
     # and the quantizer takes its global scale from them
     x = base.view(rows, 4096).to(kernel_device, torch.bfloat16)
@@ -104,9 +107,10 @@ def test_partial_max_finds_the_largest_value_in_every_chunk_of_a_slice(
     assert same_bits(scale, nvfp4.compute_global_scale(x.cpu().float()))
 
 
-# ------------------------------------------------------------------------------ one global scale per row
+# ------------------------------------------------------------------------------ one scale per row
 def rows_of_many_magnitudes(rows, cols, seed, dtype=torch.bfloat16):
-    """Rows 10^-6 .. 10^6 apart in magnitude (each its own global scale), heavy-tailed columns, an all-zero row."""
+    """Rows 10^-6 .. 10^6 apart in magnitude (each its own global scale), heavy-tailed columns, an
+    all-zero row."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, cols, generator=generator) * torch.exp(
         torch.randn(cols, generator=generator)
@@ -121,9 +125,8 @@ def assert_row_quantization(got, x_q, rows):
     """A kernel's codes (NVFP4Tensor) equal the reference's bit for bit on `rows` (bool (M,))."""
     # (the reference's scale of a one-row activation is a scalar: nvfp4 resolves one scale so)
     assert same_bits(got.global_scale[rows], x_q.global_scale.reshape(-1)[rows])
-    assert same_bits(got.data[rows], x_q.data[rows]) and same_bits(
-        got.block_scale[rows], x_q.block_scale[rows]
-    )
+    assert same_bits(got.data[rows], x_q.data[rows])
+    assert same_bits(got.block_scale[rows], x_q.block_scale[rows])
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 16), (3, 48), (17, 80), (64, 768), (5, 4096)])
@@ -131,8 +134,9 @@ def assert_row_quantization(got, x_q, rows):
 def test_row_scale_quantizer_matches_the_row_reference_bit_for_bit(
     kernel_device, rows, cols, compensate
 ):
-    # a program a row: G = 5 blocks pads its tile to 8, K = 4096 takes 256 blocks and 8 warps; rows of very
-    # different magnitudes and an all-zero row, each quantized with its own scale as if alone
+    # a program a row: G = 5 blocks pads its tile to 8, K = 4096 takes 256 blocks and 8 warps; rows
+    # of very different magnitudes and an all-zero row, each quantized with its own scale as if
+    # alone
     x = rows_of_many_magnitudes(rows, cols, rows * cols).to(kernel_device)
     mask = (torch.arange(cols // 16, device=kernel_device) % 2 == 0) if compensate else None
     act = rac.quantize_activation_triton(x, mask, codes=True, operand=True, act_scale="row")
@@ -149,10 +153,10 @@ def test_row_scale_quantizer_matches_the_row_reference_bit_for_bit(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_scale_quantizer_on_adversarial_rows(kernel_device, dtype):
-    # grid ties, subnormal-scale values, -0.0, block scales near the E4M3 maximum, one outlier: bit for bit on
-    # every finite row. A row holding NaN or Inf has a NaN scale (so every value of it dequantizes to NaN, as
-    # with a per-tensor scale, whose kernel codes stand apart from the reference's in the same way), and leaves
-    # the other rows alone
+    # grid ties, subnormal-scale values, -0.0, block scales near the E4M3 maximum, one outlier: bit
+    # for bit on every finite row. A row holding NaN or Inf has a NaN scale (so every value of it
+    # dequantizes to NaN, as with a per-tensor scale, whose kernel codes stand apart from the
+    # reference's in the same way), and leaves the other rows alone
     x = _adversarial(dtype).to(kernel_device)
     finite = x.cpu().isfinite().all(dim=-1)
     mask = torch.arange(4, device=kernel_device) % 2 == 1
@@ -170,8 +174,9 @@ def test_row_scale_quantizer_on_adversarial_rows(kernel_device, dtype):
 
 
 def power_of_two_scale(x, dim=None):
-    """The W4A16 operand's scale by its definition: the smallest power of two >= amax(|x|) / 2688 (over x, or
-    each row with dim=-1), at least 2^-126; 1.0 where x is all zero, NaN where it holds NaN or Inf."""
+    """The W4A16 operand's scale by its definition: the smallest power of two >= amax(|x|) / 2688
+    (over x, or each row with dim=-1), at least 2^-126; 1.0 where x is all zero, NaN where it holds
+    NaN or Inf."""
     x = x.float()
     amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim)
     bad = ~x.isfinite().all() if dim is None else ~x.isfinite().all(dim=dim)
@@ -187,20 +192,19 @@ def power_of_two_scale(x, dim=None):
 def test_w4a16_operand_is_x_over_a_power_of_two_exactly(
     kernel_device, monkeypatch, row_scale, amax_in_launch
 ):
-    # bf16 x: x * 2^-6 / g is exact in fp16 (the oracle rounds the float64 quotient once); g the smallest power
-    # of two >= amax / 2688, exactly amax / 2688 where that is a power of two (row 1: amax 336 = 2688 / 8), the
-    # next one up just above it (row 2), 2^-126 for a row of fp32-subnormal-scale amax (row 3: bf16 keeps it)
+    # bf16 x: x * 2^-6 / g is exact in fp16 (the oracle rounds the float64 quotient once); g the
+    # smallest power of two >= amax / 2688, exactly amax / 2688 where that is a power of two (row 1:
+    # amax 336 = 2688 / 8), the next one up just above it (row 2), 2^-126 for a row of
+    # fp32-subnormal-scale amax (row 3: bf16 keeps it)
     if not amax_in_launch:
-        monkeypatch.setattr(
-            w4a4_quantize, "AMAX_IN_LAUNCH", 0
-        )  # the tensor's amax from the partial-max launch
+        # the tensor's amax from the partial-max launch
+        monkeypatch.setattr(w4a4_quantize, "AMAX_IN_LAUNCH", 0)
     x = rows_of_many_magnitudes(9, 96, 9).float()
     x[1:3] = x[1:3].clamp(-300, 300)
     x[1, 5], x[2, 7] = -336.0, 338.0
     x[3] = torch.randn(96) * 2.0**-125
-    x[4, :4] = torch.tensor(
-        [1e-30, -1e-30, 0.0, -0.0]
-    )  # below fp16's range relative to the row: +-0
+    # below fp16's range relative to the row: +-0
+    x[4, :4] = torch.tensor([1e-30, -1e-30, 0.0, -0.0])
     x = x.to(kernel_device, torch.bfloat16)
     _, _, _, _, operand, scale = w4a4_quantize.quantize_activation(
         x, row_scale=row_scale, quantize=False
@@ -243,8 +247,8 @@ def test_w4a16_operand_takes_no_codes_or_rac_mask(kernel_device, codes, with_mas
 
 # ------------------------------------------------------------------------------ compiled for sm_90
 def compiled_output(script):
-    """Run a compile-only script in a fresh Python with the interpreter off (Triton compiles for a GPU it
-    does not have, with its own ptxas) -> its stdout lines."""
+    """Run a compile-only script in a fresh Python with the interpreter off (Triton compiles for a
+    GPU it does not have, with its own ptxas) -> its stdout lines."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run(
@@ -270,16 +274,18 @@ i = "i32"
 _COMPILE_FOR_SM90 = (
     COMPILE_PREAMBLE
     + r"""
-kernel = jit(w4a4_quantize._quantize_activation_kernel)
+kernel = jit(w4a4_quantize.quantize_activation_kernel)
 types = ["*bf16", "*i32", "*u8", "*fp32", "*fp32", "*u8", "*u8", "*u8", "*u8", "*fp16"] + [i] * 5
 for gpu in (True, False):
     for row_scale in (False, True):
         for quantize in (True, False):  # W4A4, and the W4A16 operand (no codes, no residual)
-            c = dict(AMAX_HERE=True, HAS_RESIDUAL=quantize, X_BF16=True, WRITE_CODES=quantize, WRITE_OPERAND=True,
-                     BLOCKS=32, CHUNK=4096, PARTIALS=1, GPU=gpu, ROW_SCALE=row_scale, QUANTIZE=quantize)
+            c = dict(AMAX_HERE=True, HAS_RESIDUAL=quantize, X_BF16=True, WRITE_CODES=quantize,
+                     WRITE_OPERAND=True, BLOCKS=32, CHUNK=4096, PARTIALS=1, GPU=gpu,
+                     ROW_SCALE=row_scale, QUANTIZE=quantize)
             signature = dict(zip([n for n in kernel.arg_names if n not in c], types))
             signature.update({n: "constexpr" for n in c})
-            ptx = compile(ASTSource(kernel, signature, c), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+            compiled = compile(ASTSource(kernel, signature, c), target=GPUTarget("cuda", 90, 32))
+            ptx = compiled.asm["ptx"]
             name = "quantizer" + "_row" * row_scale + "_w4a16" * (not quantize)
             print(name, gpu, len(re.findall(r"\bmul\.rn\.f32\b", ptx)))
 """
@@ -287,11 +293,12 @@ for gpu in (True, False):
 
 
 def test_compiled_quantizer_rounds_the_residuals_product_on_its_own():
-    # What the interpreter cannot show: compiled for the GPU, x - DQ(x_q) would become one FMA, skipping
-    # the product's fp32 rounding the reference makes (seen on the H200 as residual codes unlike the
-    # reference's). The quantizer must hold the never-fused mul.rn.f32 (not in its interpreter build,
-    # GPU=False: the count is of the residual's products, not of something else), with one global scale or
-    # one per row. The W4A16 operand (no residual) compiles too, and holds none.
+    # What the interpreter cannot show: compiled for the GPU, x - DQ(x_q) would become one FMA,
+    # skipping the product's fp32 rounding the reference makes (seen on the H200 as residual codes
+    # unlike the reference's). The quantizer must hold the never-fused mul.rn.f32 (not in its
+    # interpreter build, GPU=False: the count is of the residual's products, not of something else),
+    # with one global scale or one per row. The W4A16 operand (no residual) compiles too, and holds
+    # none.
     lines = compiled_output(_COMPILE_FOR_SM90)
     counts = {(name, gpu): int(n) for name, gpu, n in (line.split() for line in lines)}
     names = [
@@ -299,7 +306,8 @@ def test_compiled_quantizer_rounds_the_residuals_product_on_its_own():
     ]
     assert set(counts) == {(name, gpu) for name in names for gpu in ("True", "False")}
     for name in names:
-        assert counts[name, "True"] == 0 if name.endswith("w4a16") else counts[name, "True"] > 0, (
-            counts
-        )
+        if name.endswith("w4a16"):
+            assert counts[name, "True"] == 0, counts
+        else:
+            assert counts[name, "True"] > 0, counts
         assert counts[name, "False"] == 0, counts

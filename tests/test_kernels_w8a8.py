@@ -1,8 +1,9 @@
-"""gpu_kernels/w8a8.py: the FP8 quantizer bit for bit against fp8.quantize_rowwise, the dense GEMM (codes, fused
-quantization, split-K) against fp8.linear_reference, the experts' grouped GEMM (gather + SwiGLU, router weights
-through routing.order, empty experts) against fp8.grouped_linear_reference (CPU under TRITON_INTERPRET=1, GPU
-natively); the kernels compiled for sm_90 on the CPU use FP8 tensor cores; one-line input errors; on the GPU
-every configuration forced in turn."""
+"""gpu_kernels/w8a8.py: the FP8 quantizer bit for bit against fp8.quantize_rowwise, the dense GEMM
+(codes, fused quantization, split-K) against fp8.linear_reference, the experts' grouped GEMM
+(gather + SwiGLU, router weights through routing.order, empty experts) against
+fp8.grouped_linear_reference (CPU under TRITON_INTERPRET=1, GPU natively); the kernels compiled for
+sm_90 on the CPU use FP8 tensor cores; one-line input errors; on the GPU every configuration forced
+in turn."""
 
 import pytest
 import torch
@@ -15,30 +16,29 @@ import fp8
 import moe
 
 pytest.importorskip("triton")  # the kernels need it; a wrong name below must fail, not skip
-from gpu_kernels import w8a8  # noqa: E402
+from gpu_kernels import gemm_common, w8a8  # noqa: E402
 
 BF16_ULP = 2.0**-7  # a BF16 value's unit in the last place is at most this much of its magnitude
-# Hopper's FP8 MMA sums PROMOTE_K products in fewer bits than fp32 before they join the fp32 accumulator (about 14
-# bits, as reported for the H800): larger differences than fp32 order alone, still far below a BF16 rounding
+# Hopper's FP8 MMA sums PROMOTE_K products in fewer bits than fp32 before they join the fp32
+# accumulator (about 14 bits, as reported for the H800): larger differences than fp32 order alone,
+# still far below a BF16 rounding
 GPU_TOLERANCE = 3e-4
 
 
 def assert_close_to_reference(y, reference, name, fp32_pair=None, tolerance=1e-5):
-    """The kernel's BF16 output against the reference's, element by element: the two fp32 sums differ in
-    accumulation order only (by at most `tolerance` of the largest magnitude, checked on the unrounded pair
-    (kernel fp32 output, reference fp32) when given), and rounding each to BF16 adds at most one ulp (2^-7 of the
-    value)."""
+    """The kernel's BF16 output against the reference's, element by element: the two fp32 sums
+    differ in accumulation order only (by at most `tolerance` of the largest magnitude, checked on
+    the unrounded pair (kernel fp32 output, reference fp32) when given), and rounding each to BF16
+    adds at most one ulp (2^-7 of the value)."""
     reference = reference.float()
     slack = tolerance * reference.abs().max().item()
     max_diff, _ = report_diff(y.float(), reference, name)
-    assert ((y.float() - reference).abs() <= BF16_ULP * reference.abs() + slack).all(), (
-        f"{name}: {max_diff:.3e}"
-    )
+    within = (y.float() - reference).abs() <= BF16_ULP * reference.abs() + slack
+    assert within.all(), f"{name}: {max_diff:.3e}"
     if fp32_pair is not None:
         fp32_y, fp32_reference = fp32_pair
-        assert report_diff(fp32_y, fp32_reference, f"{name} fp32")[0] <= (
-            tolerance * fp32_reference.abs().max().item()
-        )
+        fp32_diff = report_diff(fp32_y, fp32_reference, f"{name} fp32")[0]
+        assert fp32_diff <= tolerance * fp32_reference.abs().max().item()
 
 
 def dequantized_product(x_codes, x_scale, w_codes, w_scale):
@@ -48,8 +48,9 @@ def dequantized_product(x_codes, x_scale, w_codes, w_scale):
 
 # ------------------------------------------------------------------ the quantizer
 def _hard_rows(K, device, dtype=torch.bfloat16):
-    """Rows that probe the rounding: ties between E4M3 neighbours (scale 1.0: the row's amax is 448), subnormal
-    ties and -0.0, an all-zero row, a row whose amax is tiny, and random rows of several magnitudes."""
+    """Rows that probe the rounding: ties between E4M3 neighbours (scale 1.0: the row's amax is
+    448), subnormal ties and -0.0, an all-zero row, a row whose amax is tiny, and random rows of
+    several magnitudes."""
     torch.manual_seed(K)
     x = torch.randn(6, K) * torch.tensor([1.0, 1.0, 0.0, 1e-30, 3.0, 100.0])[:, None]
     ties = torch.tensor(
@@ -74,16 +75,12 @@ def test_quantizer_equals_the_rowwise_rule_bit_for_bit(kernel_device, K, dtype):
 
 def test_quantizer_reads_strided_views_and_propagates_nan_as_torch(kernel_device):
     x = torch.randn(5, 64, device=kernel_device, dtype=torch.bfloat16)
-    x[3, 5] = float(
-        "nan"
-    )  # torch: amax NaN, so scale 1.0 (NaN > 0 is false); codes NaN there, +-448 elsewhere
+    # torch: amax NaN, so scale 1.0 (NaN > 0 is false); codes NaN there, +-448 elsewhere
+    x[3, 5] = float("nan")
     wide = torch.zeros(5, 80, device=kernel_device, dtype=torch.bfloat16)
     wide[:, 8:72] = x * 1000
-    for source in (
-        x,
-        wide[:, 8:72],
-        x.t().contiguous().t(),
-    ):  # rows 80 elements apart; columns 5 apart (a copy)
+    # x itself; rows 80 elements apart; columns 5 apart (a copy)
+    for source in (x, wide[:, 8:72], x.t().contiguous().t()):
         codes, scale = w8a8.quantize_rows(source)
         expected_codes, expected_scale = fp8.quantize_rowwise(source)
         assert same_bits(scale, expected_scale) and same_bits(codes, expected_codes)
@@ -104,8 +101,8 @@ def _dense_case(M, K, N, device, seed):
 def test_dense_gemm_matches_the_reference_with_and_without_fused_quantization(
     kernel_device, M, K, N
 ):
-    # M = 1, 3, 17: the interpreter's split-K buckets; 70: the next bucket (no split). K = 96 and 40: masked last K
-    # steps (the interpreter's BLOCK_K is 64); N = 33: a short last N tile
+    # M = 1, 3, 17: the interpreter's split-K buckets; 70: the next bucket (no split). K = 96 and
+    # 40: masked last K steps (the interpreter's BLOCK_K is 64); N = 33: a short last N tile
     x, w_codes, w_scale = _dense_case(M, K, N, kernel_device, M + K + N)
     x_codes, x_scale = fp8.quantize_rowwise(x)
     reference = fp8.linear_reference(x_codes, x_scale, w_codes, w_scale)
@@ -120,7 +117,8 @@ def test_dense_gemm_matches_the_reference_with_and_without_fused_quantization(
         assert_close_to_reference(
             y, reference, f"dense M={M} K={K} N={N} fused={fused}", (y32, unrounded)
         )
-    # the fused GEMM quantizes x exactly as the quantizer does: the same codes, the same sums (same configuration)
+    # the fused GEMM quantizes x exactly as the quantizer does: the same codes, the same sums
+    # (same configuration)
     assert torch.equal(outputs[False], outputs[True])
     codes_path = w8a8.linear_codes(
         *w8a8.quantize_rows(x), w_codes, w_scale, out_dtype=torch.float32
@@ -129,21 +127,20 @@ def test_dense_gemm_matches_the_reference_with_and_without_fused_quantization(
 
 
 def test_split_k_counters_are_reset_so_repeated_calls_agree(kernel_device):
-    x, w_codes, w_scale = _dense_case(
-        3, 256, 72, kernel_device, 3
-    )  # the interpreter's decode bucket: 2 splits
+    # the interpreter's decode bucket: 2 splits
+    x, w_codes, w_scale = _dense_case(3, 256, 72, kernel_device, 3)
     first = w8a8.linear(x, w_codes, w_scale, fused=False, out_dtype=torch.float32)
-    assert (w8a8._SPLIT_COUNTERS[x.device] == 0).all()
-    assert torch.equal(
-        w8a8.linear(x, w_codes, w_scale, fused=False, out_dtype=torch.float32), first
-    )
+    assert (w8a8.SPLIT_COUNTERS[x.device] == 0).all()
+    again = w8a8.linear(x, w_codes, w_scale, fused=False, out_dtype=torch.float32)
+    assert torch.equal(again, first)
 
 
 # ------------------------------------------------------------------ the experts' grouped GEMM
 @pytest.mark.parametrize("tokens, D", [(3, 80), (21, 64)])
 def test_grouped_gemm_matches_the_per_expert_reference(kernel_device, tokens, D):
-    # 21 tokens x 2 on 4 used experts: some experts get more rows than one 16-row tile. D = 80: the down GEMM's
-    # output is 3 of the interpreter's 32-column tiles, the last one short, and the gate/up K steps are masked
+    # 21 tokens x 2 on 4 used experts: some experts get more rows than one 16-row tile. D = 80: the
+    # down GEMM's output is 3 of the interpreter's 32-column tiles, the last one short, and the
+    # gate/up K steps are masked
     E, I, A = 7, 32, 2
     expert_ids, routing = routing_with_empty_experts(E, tokens, A, kernel_device, seed=tokens)
     assert (routing.counts[[0, 2, E - 1]] == 0).all()
@@ -277,39 +274,40 @@ def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(call, nam
     raises_one_line(call, names, problem)
 
 
-# ------------------------------------------------------------------ compiled for sm_90 (no GPU needed)
+# ------------------------------------------------------------------ compiled for sm_90 (no GPU)
 _COMPILE_FOR_SM90 = (
     COMPILE_PREAMBLE
     + r"""
 from gpu_kernels import w8a8
 p8 = "*fp8e4nv"
 def counts(name, variant, kernel, types, c, warps=4, stages=3):
-    signature = dict(zip([a for a in kernel.arg_names if a not in c], types), **{a: "constexpr" for a in c})
+    signature = dict(zip([a for a in kernel.arg_names if a not in c], types))
+    signature.update({a: "constexpr" for a in c})
     ptx = compile(ASTSource(kernel, signature, c), target=GPUTarget("cuda", 90, 32),
                   options=dict(num_warps=warps, num_stages=stages)).asm["ptx"]
     mma = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3", ptx))
     cvt = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
     print(name, variant, mma, cvt, len(re.findall(r"\bdiv\.rn\.f32\b", ptx)))
-counts("quantizer", True, jit(w8a8._quantize_kernel), ["*bf16", p8, "*fp32"] + [i] * 4,
+counts("quantizer", True, jit(w8a8.quantize_kernel), ["*bf16", p8, "*fp32"] + [i] * 4,
        dict(ROWS=1, BLOCK_K=2048, GPU=True))
 for fused in (False, True):
-    c = dict(FUSED=fused, OUT_BF16=True, GPU=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, BUCKET=16,
-             EVEN_K=True)
-    counts("dense", fused, jit(w8a8._dense_kernel),
+    c = dict(FUSED=fused, OUT_BF16=True, GPU=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2,
+             BUCKET=16, EVEN_K=True)
+    counts("dense", fused, jit(w8a8.dense_kernel),
            ["*bf16" if fused else p8, "*fp32", p8, "*fp32", "*i16", "*fp32", "*i32"] + [i] * 7, c)
-c = dict(GATHER=True, ROW_WEIGHTS=False, WEIGHT_IDS=False, SWIGLU=True, OUT_BF16=True, GPU=True, E_POW2=128,
-         BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BUCKET=4, EVEN_K=True)
-counts("grouped", True, jit(w8a8._grouped_kernel),
+c = dict(GATHER=True, ROW_WEIGHTS=False, WEIGHT_IDS=False, SWIGLU=True, OUT_BF16=True, GPU=True,
+         E_POW2=128, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BUCKET=4, EVEN_K=True)
+counts("grouped", True, jit(w8a8.grouped_kernel),
        [p8, "*fp32", "*i64", "*fp32", "*i64", p8, "*fp32", "*i64", "*i16"] + [i] * 9, c)
 """
 )
 
 
 def test_kernels_compile_for_sm90_to_fp8_tensor_core_instructions():
-    # What the interpreter cannot show: on Hopper the products run on the FP8 wgmma (weight rows on its 64-row
-    # side, 16 token rows on its narrow one), and x is quantized with IEEE division (div.rn, as torch divides) and
-    # the hardware's nearest-even E4M3 conversion: by the quantizer, and by the fused GEMM, which the GEMM on
-    # stored codes has no use for
+    # What the interpreter cannot show: on Hopper the products run on the FP8 wgmma (weight rows on
+    # its 64-row side, 16 token rows on its narrow one), and x is quantized with IEEE division
+    # (div.rn, as torch divides) and the hardware's nearest-even E4M3 conversion: by the quantizer,
+    # and by the fused GEMM, which the GEMM on stored codes has no use for
     found = {
         (name, variant): tuple(map(int, numbers))
         for name, variant, *numbers in (line.split() for line in compiled_output(_COMPILE_FOR_SM90))
@@ -336,9 +334,8 @@ def test_kernels_compile_for_sm90_to_fp8_tensor_core_instructions():
 def test_dense_gemm_matches_the_reference_on_gpu_shapes(M, N, K):
     x, w_codes, w_scale = _dense_case(M, K, N, "cuda", 0)
     x_codes, x_scale = fp8.quantize_rowwise(x)
-    assert same_bits(w8a8.quantize_rows(x)[0], x_codes) and same_bits(
-        w8a8.quantize_rows(x)[1], x_scale
-    )
+    codes, scale = w8a8.quantize_rows(x)
+    assert same_bits(codes, x_codes) and same_bits(scale, x_scale)
     reference = fp8.linear_reference(x_codes, x_scale, w_codes, w_scale)
     unrounded = dequantized_product(x_codes, x_scale, w_codes, w_scale)
     for fused in (False, True):
@@ -389,7 +386,8 @@ def test_grouped_gemm_matches_the_reference_on_gpu_shapes(tokens):
 
 @pytest.mark.cuda
 def test_every_gpu_config_is_deterministic_and_matches_the_reference():
-    # autotuning may pick any configuration: each one is forced and repeated, at each bucket of both kernels
+    # autotuning may pick any configuration: each one is forced and repeated, at each bucket of both
+    # kernels
     torch.manual_seed(0)
     calls = {}
     w_codes, w_scale = fp8.quantize_weight(torch.randn(1024, 512, device="cuda") * 0.05)
@@ -398,8 +396,8 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
         reference = dequantized_product(*fp8.quantize_rowwise(x), w_codes, w_scale)
         for fused in (False, True):
             calls[f"dense M={rows} fused={fused}"] = (
-                w8a8._dense_kernel,
-                w8a8._m_bucket(rows, w8a8.DENSE_CONFIGS),
+                w8a8.dense_kernel,
+                gemm_common.m_bucket(rows, w8a8.DENSE_CONFIGS),
                 lambda c: False,
                 lambda x=x, fused=fused: w8a8.linear(
                     x, w_codes, w_scale, fused=fused, out_dtype=torch.float32
@@ -422,8 +420,8 @@ def test_every_gpu_config_is_deterministic_and_matches_the_reference():
             out_dtype=torch.float32,
         )
         calls[f"grouped tokens={tokens}"] = (
-            w8a8._grouped_kernel,
-            w8a8._m_bucket(-(-tokens * A // E), w8a8.GROUPED_CONFIGS),
+            w8a8.grouped_kernel,
+            gemm_common.m_bucket(-(-tokens * A // E), w8a8.GROUPED_CONFIGS),
             lambda c: False,
             lambda x_codes=x_codes, x_scale=x_scale, routing=routing: w8a8.grouped_linear(
                 x_codes,

@@ -515,8 +515,9 @@ def _print_autotuned():
 # ---------------------------------------------------------------------------- qat (qat.py)
 def bench_qat(args):
     """Training step time (forward + backward + AdamW step) of moe.py's "small" preset, BF16
-    weights, under each of qat.py's modes: bf16 (the reference), qat (fake-quantized weights,
-    recomputed every step), w4a4 (weights and activations fake-quantized), moeresq (w4a4 + residual
+    weights, under each trainer mode (qat.py, symmetric.py): bf16 (the reference), qat
+    (fake-quantized weights, recomputed every step), w4a4 (weights and activations
+    fake-quantized), moeresq (w4a4 + residual
     compensation on half the blocks of every layer input), trace (w4a4 + rollout-guided rounding,
     with recorded codes for every token and every (token, expert) pair: its upper bound). Loss:
     cross-entropy on random tokens. One more row times the weight fake quantization alone
@@ -529,6 +530,8 @@ def bench_qat(args):
     import moe
     import nvfp4
     import qat
+    import rac
+    import symmetric
 
     preset, batch, seq_len = "small", 32, 256
     config = moe.MoEConfig.from_preset(preset)
@@ -543,12 +546,12 @@ def bench_qat(args):
     def random_codes(keys, K):  # what a rollout would have recorded for these rows (random codes)
         n = keys.numel()
         q = nvfp4.quantize(torch.randn(n, K, device="cuda", dtype=torch.bfloat16))
-        return qat.RolloutCodes(
+        return rac.RecordedCodes(
             keys, q.data, q.block_scale, torch.full((n,), float(q.global_scale), device="cuda")
         )
 
     # what a rollout would hand the trainer: half the blocks, random codes
-    def shared_state(model, mode):
+    def rollout_share(model, mode):
         layer_index = {id(b.mlp.experts): i for i, b in enumerate(model.layers)}
         masks, codes = {}, {}
         for path, layer in model.named_modules():
@@ -570,17 +573,28 @@ def bench_qat(args):
                     pair_keys = positions[:, None] * layer.n_experts + experts
                     down_keys = pair_keys.flatten().sort().values
                     codes[path] = (random_codes(positions, D), random_codes(down_keys, I))
-        return qat.SharedState(masks, codes if mode == "trace" else None)
+        if mode == "moeresq":
+            return symmetric.RolloutShare(masks=masks)
+        if mode == "trace":
+            return symmetric.RolloutShare(codes=codes)
+        return None
 
     rows = []
     for mode in ("bf16", "qat", "w4a4", "moeresq", "trace"):
-        model = qat.convert_for_training(copy.deepcopy(base), mode)
-        state = shared_state(model, mode)
+        model = copy.deepcopy(base)
+        if mode == "qat":
+            qat.convert_for_training(model)
+        elif mode != "bf16":
+            symmetric.convert_for_training(model, mode)
+        share = rollout_share(model, mode)
+        hand_offs = None
+        if share is not None:
+            hand_offs = share.hand_offs(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
         def train_step():
-            with qat.sharing(model, state):
-                loss = F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
+            logits = model(inputs, hand_offs=hand_offs)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -1,9 +1,10 @@
-"""The rollout side: NVFP4 W4A4 layers with residual activation compensation (RAC), the conversion of
-a moe.py model into its rollout twin, and weight sync.
+"""The rollout side: NVFP4 W4A4 layers with residual activation compensation (RAC), the conversion
+of a moe.py model into its rollout twin, and weight sync.
 
-A rollout layer computes y = x @ W.T, W (N, K), both operands blocked by 16 along K (G = K / 16 blocks):
+A rollout layer computes y = x @ W.T, W (N, K), both operands blocked by 16 along K (G = K / 16
+blocks):
 
-    W_q = quantize_weight(W)      nvfp4.py's one weight rule (qat.py, read next, trains with the same)
+    W_q = quantize_weight(W)      nvfp4.py's one weight rule (qat.py, read next, trains with it)
     x_q = Q(x)                    NVFP4 with a dynamic global scale amax(|x|) / (6 * 448) per call
     r   = x - DQ(x_q)             the activation's quantization residual, exact in fp32
     r_q = Q(S * r)                S keeps whole 16-channel blocks: the round(rac_ratio * G) blocks
@@ -12,29 +13,30 @@ A rollout layer computes y = x @ W.T, W (N, K), both operands blocked by 16 alon
 
 Whole blocks keep the weight's codes and block scales valid for the residual term, so RAC never
 re-reads weights: one W4A4 GEMM whose K is longer. rac_ratio 0 is naive NVFP4 (the selector then
-chooses nothing and the residual is never computed); 1 compensates every block; QUADS uses about 0.5.
-The residual shares x's global scale (nvfp4.quantize_activation, the rule both sides call). That scale
-is dynamic, since RL changes the weights every step, and is taken per tensor (the paper's: a token's
-rounding then depends on the rows beside it in its batch) or per row (act_scale="row": it does not).
-Two modes beside W4A4 separate the two error sources: "w4a16" (the same weights and GEMMs, activations
-unquantized) and "w16a4" (full-precision weights on the reference path, NVFP4 activations).
+chooses nothing and the residual is never computed); 1 compensates every block; QUADS uses about
+0.5. The residual shares x's global scale (nvfp4.quantize_activation, the rule both sides call).
+That scale is dynamic, since RL changes the weights every step, and is taken per tensor (the
+paper's: a token's rounding then depends on the rows beside it in its batch) or per row
+(act_scale="row": it does not). Two modes beside W4A4 separate the two error sources: "w4a16" (the
+same weights and GEMMs, activations unquantized) and "w16a4" (full-precision weights on the
+reference path, NVFP4 activations).
 
 Reading order: the references (plain PyTorch, fp32), block selection, the layers (an attention's
 q/k/v_proj read one input: NVFP4Attention quantizes it once for the three), conversion, sync and
-calibration, what TRACE's trainer takes from the rollout (InputRecorder, rac_masks: symmetric.py uses
-them), the fast path (gpu_kernels/w4a4_*.py), and `backend`, the one place a path is chosen. Hopper:
-fp16 MMAs on the FP4 weight decoded in registers. Blackwell: `tl.dot_scaled` on the codes, numerics
-UNTESTED, checked against the Hopper kernels on first use.
+calibration, what TRACE's trainer takes from the rollout (InputRecorder, rac_masks: symmetric.py
+uses them), the fast path (gpu_kernels/w4a4_*.py), and `backend`, the one place a path is chosen.
+Hopper: fp16 MMAs on the FP4 weight decoded in registers. Blackwell: `tl.dot_scaled` on the codes,
+numerics UNTESTED, checked against the Hopper kernels on first use.
 
-Nothing of a rollout's data is set on a layer from outside: what a layer records (TRACE) is handed to
-its forward as an argument (moe.py's hand_offs). Two pieces of state are kept on purpose, each by its
-owner: a RACSelector's mask (the calibrated selection, refreshed by calibrate_rac) and the reference
-path's dequantized weight (DequantizedWeight, cleared whenever the layer loads a weight).
+Nothing of a rollout's data is set on a layer from outside: what a layer records (TRACE) is handed
+to its forward as an argument (moe.py's hand_offs). Two pieces of state are kept on purpose, each by
+its owner: a RACSelector's mask (the calibrated selection, refreshed by calibrate_rac) and the
+reference path's dequantized weight (DequantizedWeight, cleared whenever the layer loads a weight).
 
 Shape letters: M rows, K reduction dim, N outputs, G = K / 16 blocks, T tokens, A active experts,
-R = T * A, E experts, D model dim, I expert hidden. Left out: static activation scales, per-expert RAC
-selection, a one-row GEMV (RL decodes whole batches), FP4 KV caches. The FP8 baseline, which these
-layers' conversion also offers (mode "fp8"), is fp8.py, read after the trainer-side modules.
+R = T * A, E experts, D model dim, I expert hidden. Left out: static activation scales, per-expert
+RAC selection, a one-row GEMV (RL decodes whole batches), FP4 KV caches. The FP8 baseline, which
+these layers' conversion also offers (mode "fp8"), is fp8.py, read after the trainer-side modules.
 """
 
 import warnings
@@ -74,22 +76,25 @@ _PARTS = ("data", "block_scale", "global_scale")  # an NVFP4 weight's three buff
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# ======================================================================== the references (plain PyTorch)
+# =================================================================== the references (plain PyTorch)
 def quantize_activation_reference(x, rac_mask=None, act_scale="tensor"):
-    """x (M, K) -> nvfp4.quantize_activation's (x_q, residual) (residual None without rac_mask (G,))."""
+    """x (M, K) -> nvfp4.quantize_activation's (x_q, residual) (residual None without rac_mask
+    (G,))."""
     _check_input(x, rac_mask, "quantize_activation_reference")
     return nvfp4.quantize_activation(x, rac_mask, act_scale)
 
 
 def matmul_reference(x_q, w_q, residual=None, out_dtype=torch.bfloat16, w=None):
-    """(DQ(x_q) + DQ(residual)) @ DQ(w_q).T in fp32: x_q (M, K), w_q (N, K) -> (M, N); w: DQ(w_q) if kept."""
+    """(DQ(x_q) + DQ(residual)) @ DQ(w_q).T in fp32: x_q (M, K), w_q (N, K) -> (M, N); w: DQ(w_q) if
+    kept."""
     _check_operands(x_q, w_q, residual, "matmul_reference")
     w = _dequantized(w_q) if w is None else w
     return (_dequantized(x_q, residual) @ w.T).to(out_dtype)
 
 
 def nvfp4_linear_reference(x, w_q, rac_mask=None):
-    """The NVFP4 layer's twin: quantize x (and its RAC residual), dequantize, fp32 matmul -> (M, N) fp32."""
+    """The NVFP4 layer's twin: quantize x (and its RAC residual), dequantize, fp32 matmul -> (M, N)
+    fp32."""
     x_q, residual = quantize_activation_reference(x, rac_mask)
     return matmul_reference(x_q, w_q, residual, out_dtype=torch.float32)
 
@@ -106,9 +111,10 @@ def grouped_matmul_reference(
     w=None,
     row_weight_ids=None,
 ):
-    """The experts' GEMM, a loop in fp32: rows (x_q's, or x_q[row_ids]) grouped by expert, counts (E,) rows
-    each, times DQ(w_q[e]).T (w_q (E, N, K), or ExpertWeights); swiglu: silu(gate) * up of the [gate; up]
-    rows. Output row r times row_weights[r], or row_weights[row_weight_ids[r]]. w: DQ(w_q) if kept."""
+    """The experts' GEMM, a loop in fp32: rows (x_q's, or x_q[row_ids]) grouped by expert, counts
+    (E,) rows each, times DQ(w_q[e]).T (w_q (E, N, K), or ExpertWeights); swiglu: silu(gate) * up of
+    the [gate; up] rows. Output row r times row_weights[r], or row_weights[row_weight_ids[r]]. w:
+    DQ(w_q) if kept."""
     _check_operands(x_q, w_q, residual, "grouped_matmul_reference", stacked=True)
     n_rows = row_ids.numel() if row_ids is not None else x_q.shape[0]
     _check_row_weights(row_weights, row_weight_ids, n_rows, "grouped_matmul_reference")
@@ -127,7 +133,8 @@ def grouped_matmul_reference(
 
 
 def _dequantized(q, residual=None):
-    """DQ(q) in fp32 (q NVFP4Tensor, ExpertWeights, or a float tensor: w4a16's x), plus DQ(residual)."""
+    """DQ(q) in fp32 (q NVFP4Tensor, ExpertWeights, or a float tensor: w4a16's x), plus
+    DQ(residual)."""
     q = unchunk_experts(q) if isinstance(q, ExpertWeights) else q
     x = q.float() if isinstance(q, torch.Tensor) else nvfp4.dequantize_reference(q, torch.float32)
     return x if residual is None else x + nvfp4.dequantize_reference(residual, torch.float32)
@@ -135,8 +142,9 @@ def _dequantized(q, residual=None):
 
 # ======================================================================== RAC block selection
 class RACSelector(nn.Module):
-    """Which 16-channel blocks of one layer input get RAC: `mask` (G,), True on the round(rac_ratio * G) blocks
-    with the largest mean |x - DQ(Q(x))| over the calibration inputs (calibrate_rac), else the first input."""
+    """Which 16-channel blocks of one layer input get RAC: `mask` (G,), True on the round(rac_ratio
+    * G) blocks with the largest mean |x - DQ(Q(x))| over the calibration inputs (calibrate_rac),
+    else the first input."""
 
     def __init__(self, n_blocks, rac_ratio=0.0, device=None, act_scale="tensor"):
         super().__init__()
@@ -183,15 +191,16 @@ class RACSelector(nn.Module):
 
 
 def unchunk_experts(w):
-    """ExpertWeights (gpu_kernels/expert_layout.py) -> NVFP4Tensor (E, N, K): views when K is one chunk."""
+    """ExpertWeights (gpu_kernels/expert_layout.py) -> NVFP4Tensor (E, N, K): views when K is one
+    chunk."""
     return NVFP4Tensor(*expert_layout.unchunk_experts(w))
 
 
 # ======================================================================== rollout layers
 class DequantizedWeight:
-    """DQ(W) in fp32 for the reference path, computed once per weight load: dequantizing on every call
-    costs a sixth of a CPU train.py. Its owner, the layer, calls clear() whenever it writes the weight
-    (load_weight, load_state_dict), so a kept value never outlives the codes it came from.
+    """DQ(W) in fp32 for the reference path, computed once per weight load: dequantizing on every
+    call costs a sixth of a CPU train.py. Its owner, the layer, calls clear() whenever it writes the
+    weight (load_weight, load_state_dict), so a kept value never outlives the codes it came from.
     w16a4 keeps the full-precision weight itself in `full`."""
 
     def __init__(self):
@@ -210,24 +219,28 @@ class DequantizedWeight:
 
 
 def _kernels(x, layer):
-    """Does `layer` run the kernels on x? Not w16a4: its full-precision weight has none (an ablation)."""
+    """Does `layer` run the kernels on x? Not w16a4: its full-precision weight has none (an
+    ablation)."""
     return use_triton(x) and layer.mode != "w16a4"
 
 
 def _quantized_input(x2, rac_mask, layer, kernels):
-    """What a layer's GEMM takes of x2 (M, K): the quantizer's Activation on the kernels, else the codes
-    (x_q, residual); w4a16 quantizes nothing (its operand of x, or x2 itself with no residual)."""
+    """What a layer's GEMM takes of x2 (M, K): the quantizer's Activation on the kernels, else the
+    codes (x_q, residual); w4a16 quantizes nothing (its operand of x, or x2 itself with no
+    residual)."""
     if kernels:
         quantize = layer.mode != "w4a16"
-        return quantize_activation_triton(x2, rac_mask, act_scale=layer.act_scale, quantize=quantize)
+        scale = layer.act_scale
+        return quantize_activation_triton(x2, rac_mask, act_scale=scale, quantize=quantize)
     if layer.mode == "w4a16":
         return (x2, None)
     return quantize_activation_reference(x2, rac_mask, layer.act_scale)
 
 
 class NVFP4Linear(nn.Module):
-    """W4A4 nn.Linear: NVFP4 weights (`weight_q`), activations quantized per call, RAC where `rac` picks.
-    mode "w4a16": activations unquantized; "w16a4": full-precision weights (the twin path), NVFP4 inputs."""
+    """W4A4 nn.Linear: NVFP4 weights (`weight_q`), activations quantized per call, RAC where `rac`
+    picks. mode "w4a16": activations unquantized; "w16a4": full-precision weights (the twin path),
+    NVFP4 inputs."""
 
     def __init__(
         self,
@@ -281,7 +294,8 @@ class NVFP4Linear(nn.Module):
 
     @torch.no_grad()
     def load_weight(self, weight, bias=None):
-        """Quantize a master weight (N, K) with nvfp4.quantize_weight, in place (the trainer's rule)."""
+        """Quantize a master weight (N, K) with nvfp4.quantize_weight, in place (the trainer's
+        rule)."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(
                 f"NVFP4Linear: weight shape {tuple(weight.shape)} != "
@@ -302,8 +316,8 @@ class NVFP4Linear(nn.Module):
         self.weight_fp32.clear()
 
     def share_input(self, selector, weight_views):
-        """Read the input of a group (NVFP4Attention's q/k/v): the group's one RACSelector, and weight
-        buffers that become `weight_views`, views of the group's stacked weight."""
+        """Read the input of a group (NVFP4Attention's q/k/v): the group's one RACSelector, and
+        weight buffers that become `weight_views`, views of the group's stacked weight."""
         self.rac = selector
         self.weight_data, self.weight_block_scale, self.weight_global_scale = weight_views
 
@@ -337,7 +351,8 @@ class NVFP4Linear(nn.Module):
 
 
 def stack_weights(weights):
-    """NVFP4 weights (N_i, K) as one (sum N_i, K) NVFP4Tensor with (len(weights),) global scales: splits."""
+    """NVFP4 weights (N_i, K) as one (sum N_i, K) NVFP4Tensor with (len(weights),) global scales:
+    splits."""
     return NVFP4Tensor(
         torch.cat([w.data for w in weights]),
         torch.cat([w.block_scale for w in weights]),
@@ -347,8 +362,9 @@ def stack_weights(weights):
 
 class NVFP4Attention(moe.Attention):
     """moe.Attention whose q/k/v_proj (NVFP4Linear) read their one input once: one RACSelector, one
-    quantization and, on the kernels, one GEMM over a stacked weight (three global scales) whose views
-    are the three layers' own buffers, so weight sync and state dicts see three ordinary layers."""
+    quantization and, on the kernels, one GEMM over a stacked weight (three global scales) whose
+    views are the three layers' own buffers, so weight sync and state dicts see three ordinary
+    layers."""
 
     @classmethod
     def from_float(cls, attention):
@@ -370,8 +386,8 @@ class NVFP4Attention(moe.Attention):
         return layer.train(attention.training)
 
     def _stacked(self):
-        """The stacked weight; None if a layer's buffers are no longer views of it (moved or replaced
-        after conversion), then each layer multiplies alone, with one warning."""
+        """The stacked weight; None if a layer's buffers are no longer views of it (moved or
+        replaced after conversion), then each layer multiplies alone, with one warning."""
         for proj in self.qkv:
             for part in _PARTS:
                 view = getattr(proj, f"weight_{part}")
@@ -412,7 +428,8 @@ class NVFP4Attention(moe.Attention):
 
 
 class NVFP4Experts(nn.Module):
-    """W4A4 moe.Experts: NVFP4 weights, two grouped GEMMs, RAC on each input; modes as NVFP4Linear's."""
+    """W4A4 moe.Experts: NVFP4 weights, two grouped GEMMs, RAC on each input; modes as
+    NVFP4Linear's."""
 
     def __init__(
         self,
@@ -463,7 +480,8 @@ class NVFP4Experts(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, gate_up_proj, down_proj):
-        """Quantize the master stacks with nvfp4.quantize_weight (per-expert global scales), in place."""
+        """Quantize the master stacks with nvfp4.quantize_weight (per-expert global scales), in
+        place."""
         for name, w in (("gate_up", gate_up_proj), ("down", down_proj)):
             expected = getattr(self, f"{name}_w").shape
             if tuple(w.shape) != expected:
@@ -526,7 +544,8 @@ class NVFP4Experts(nn.Module):
         )  # (R, D)
 
     def _forward_reference(self, x, routing, expert_weights, record=None):
-        """The twin: the same quantization steps, dequantized, a loop of fp32 matmuls over experts."""
+        """The twin: the same quantization steps, dequantized, a loop of fp32 matmuls over
+        experts."""
         gate_up_w, down_w = self.gate_up_w, self.down_w
         x_q, residual = _quantized_input(x, self.rac_gate_up(x), self, kernels=False)
         hidden = grouped_matmul_reference(
@@ -561,7 +580,8 @@ class NVFP4Experts(nn.Module):
 
 
 def selectors(layer):
-    """A layer's RACSelectors, one per quantized input: (rac,), (gate/up, down) of experts, or ()."""
+    """A layer's RACSelectors, one per quantized input: (rac,), (gate/up, down) of experts, or
+    ()."""
     if isinstance(layer, NVFP4Linear):
         return (layer.rac,)
     if isinstance(layer, NVFP4Experts):
@@ -569,16 +589,17 @@ def selectors(layer):
     return ()
 
 
-# ======================================================================== conversion, sync, calibration
+# ==================================================================== conversion, sync, calibration
 def convert_for_rollout(
     model, mode, rac_ratio=0.0, quantize_router=False, quantize_lm_head=False, act_scale="tensor"
 ):
     """Swap a moe.py model's layers for rollout layers in place; returns the model.
 
     mode: "bf16" (unchanged), "fp8" (fp8.py), "nvfp4" (W4A4, RAC on round(rac_ratio * G) blocks,
-    act_scale "tensor" or "row"), "w4a16" or "w16a4" (NVFP4 weights or activations alone). Swapped: the
-    attention projections and experts, with the flags the routers and the LM head; an attention
-    whose q/k/v_proj are all NVFP4Linear becomes an NVFP4Attention (one quantization of its input)."""
+    act_scale "tensor" or "row"), "w4a16" or "w16a4" (NVFP4 weights or activations alone). Swapped:
+    the attention projections and experts, with the flags the routers and the LM head; an attention
+    whose q/k/v_proj are all NVFP4Linear becomes an NVFP4Attention (one quantization of its
+    input)."""
     _check_mode(mode, rac_ratio, act_scale)
     if mode == "bf16":
         return model
@@ -610,9 +631,9 @@ def _attention_modules(model):
 
 @torch.no_grad()
 def sync_weights(rollout_model, trainer_model):
-    """Reload every rollout weight in place from the trainer's: quantized layers re-quantize (NVFP4 with
-    nvfp4.quantize_weight: the trainer's QAT codes bit for bit), the rest is copied by name. The RAC block
-    selection is left alone: calibrate_rac refreshes it."""
+    """Reload every rollout weight in place from the trainer's: quantized layers re-quantize (NVFP4
+    with nvfp4.quantize_weight: the trainer's QAT codes bit for bit), the rest is copied by name.
+    The RAC block selection is left alone: calibrate_rac refreshes it."""
     params = dict(trainer_model.named_parameters(remove_duplicate=False))
 
     def master(path, name):
@@ -643,8 +664,9 @@ def sync_weights(rollout_model, trainer_model):
 
 @torch.no_grad()
 def calibrate_rac(rollout_model, tokens):
-    """Choose each NVFP4 layer input's compensated blocks from one forward pass on `tokens` (B, T), each
-    selector on what its layer receives (upstream ones already on their fresh selection); returns the model."""
+    """Choose each NVFP4 layer input's compensated blocks from one forward pass on `tokens` (B, T),
+    each selector on what its layer receives (upstream ones already on their fresh selection);
+    returns the model."""
     selectors = [m for m in rollout_model.modules() if isinstance(m, RACSelector)]
     for selector in selectors:
         selector.start_calibration()
@@ -657,9 +679,10 @@ def calibrate_rac(rollout_model, tokens):
 
 
 def rac_masks(rollout_model):
-    """A snapshot of every NVFP4 layer's RAC block masks, {layer path: (mask (G,) bool, ...)}, one per
-    quantized input (a linear: one; experts: gate/up, down), cloned: the rollout's selection at the
-    time of the call, unchanged by a later calibrate_rac. MoEResQ's trainer takes it (symmetric.py)."""
+    """A snapshot of every NVFP4 layer's RAC block masks, {layer path: (mask (G,) bool, ...)}, one
+    per quantized input (a linear: one; experts: gate/up, down), cloned: the rollout's selection at
+    the time of the call, unchanged by a later calibrate_rac. MoEResQ's trainer takes it
+    (symmetric.py)."""
     masks = {}
     for path, layer in rollout_model.named_modules():
         layer_selectors = selectors(layer)
@@ -668,11 +691,13 @@ def rac_masks(rollout_model):
     return masks
 
 
-# ======================================================================== TRACE: recording the rollout
+# ===================================================================== TRACE: recording the rollout
 class RecordedCodes(NamedTuple):
-    """What the rollout's quantizer produced for some rows of one layer input, one record per row."""
+    """What the rollout's quantizer produced for some rows of one layer input, one record per
+    row."""
 
-    keys: torch.Tensor  # (M',) int64, ascending: trainer row b * W + w (down input: row * E + expert)
+    # (M',) int64, ascending: trainer row b * W + w (down input: row * E + expert)
+    keys: torch.Tensor
     data: torch.Tensor  # (M', K/2) uint8 packed E2M1 codes, low nibble first
     block_scale: torch.Tensor  # (M', G) float8_e4m3fn
     global_scale: torch.Tensor  # (M',) fp32
@@ -680,36 +705,23 @@ class RecordedCodes(NamedTuple):
 
 
 class InputRecorder:
-    """The NVFP4 codes of every quantized layer input at each decode step of one rollout, for TRACE's
-    trainer (symmetric.py), which rounds towards them.
+    """The NVFP4 codes of every quantized layer input at each decode step of one rollout, for
+    TRACE's trainer (symmetric.py), which rounds towards them.
 
     Made for one rollout: `hand_offs()` gives each NVFP4 layer a RecordSlot, which rollout.generate
-    passes to the decode steps' forward (moe.py's hand_offs: an argument of the call, as the KV cache
-    is); the layer records the input it quantizes; `codes(out)` then returns the completion tokens'
-    records, keyed by the trainer's (row, column). The input is re-quantized with nvfp4.quantize and the
-    rollout's act_scale, which gives the rollout's own codes. Per token and input of width K: K/2 + K/16
-    + 12 bytes (1.5 KB per token and layer on the small preset), held from the rollout to the update."""
+    passes to the decode steps' forward (moe.py's hand_offs: an argument of the call, as the KV
+    cache is); the layer records the input it quantizes; `codes(out)` then returns the completion
+    tokens' records, keyed by the trainer's (row, column). The input is re-quantized with
+    nvfp4.quantize and the rollout's act_scale, which gives the rollout's own codes. Per token and
+    input of width K: K/2 + K/16 + 12 bytes (1.5 KB per token and layer on the small preset), held
+    from the rollout to the update."""
 
     def __init__(self, rollout_model, act_scale="tensor"):
         self.act_scale = act_scale  # the rollout's: one global scale per tensor or per row
         self.steps = {}  # (paths, index) -> [(data, block_scale, global_scale) per decode step]
         self.experts = {}  # (paths, index) -> [expert_ids (T, A) per decode step]
         self.n_experts = {}  # (paths, index) -> E
-        self.slots = {}
-        groups = []  # q/k/v read one input: one slot for the group, named by all their paths
-        grouped = set()
-        for path, layer in rollout_model.named_modules():
-            if isinstance(layer, NVFP4Attention):
-                paths = [f"{path}.{name}" for name in ("q_proj", "k_proj", "v_proj")]
-                groups.append(paths)
-                grouped.update(paths)
-        for path, layer in rollout_model.named_modules():
-            if isinstance(layer, (NVFP4Linear, NVFP4Experts)) and path not in grouped:
-                groups.append([path])
-        for paths in groups:
-            slot = RecordSlot(self, tuple(paths))
-            for path in paths:
-                self.slots[path] = slot
+        self.slots = record_slots(rollout_model, self)
 
     def hand_offs(self):
         """{layer path: RecordSlot}: what the decode steps' forward hands each NVFP4 layer."""
@@ -717,8 +729,9 @@ class InputRecorder:
 
     @torch.no_grad()
     def record(self, paths, index, x, routes=None):
-        """x (M, K): input `index` of the layers at `paths` at this decode step; index 1 (the experts'
-        down input, rows sorted by expert) with routes = (moe.Routing, expert_ids (T, A))."""
+        """x (M, K): input `index` of the layers at `paths` at this decode step; index 1 (the
+        experts' down input, rows sorted by expert) with routes = (moe.Routing, expert_ids (T,
+        A))."""
         q = nvfp4.quantize(x, nvfp4.activation_global_scale(x, self.act_scale))
         data = q.data
         block_scale = q.block_scale.view(torch.uint8)
@@ -736,8 +749,8 @@ class InputRecorder:
     def codes(self, out):
         """{layer path: (RecordedCodes or None, ...)} of the completion tokens of `out` (a
         rollout.Rollout), one entry per quantized input, keyed by the trainer's position b * W + w:
-        completion token t of row b sits at column prompt_lengths[b] + t of right-padded rows of width
-        W; the experts' down inputs by (b * W + w) * E + expert."""
+        completion token t of row b sits at column prompt_lengths[b] + t of right-padded rows of
+        width W; the experts' down inputs by (b * W + w) * E + expert."""
         completion_mask, prompt_lengths = out.completion_mask, out.prompt_lengths
         width = int((out.prompt_lengths + out.completion_lengths).max())  # the trainer's W
         B, T = completion_mask.shape
@@ -751,7 +764,8 @@ class InputRecorder:
                     f"the rollout has {T} tokens"
                 )
             columns = list(zip(*records[:T]))
-            data, block_scale, global_scale = (torch.stack(c, dim=1) for c in columns)  # (B[*A], T, .)
+            # (B[*A], T, .)
+            data, block_scale, global_scale = (torch.stack(c, dim=1) for c in columns)
             if index == 1:
                 experts = torch.stack(self.experts[paths, index][:T], dim=1)  # (B, T, A)
                 E = self.n_experts[paths, index]
@@ -774,15 +788,38 @@ class InputRecorder:
         return result
 
 
+def record_slots(rollout_model, recorder):
+    """{layer path: RecordSlot} for every NVFP4 layer of `rollout_model`, each writing to `recorder`
+    (any object with record(paths, index, x, routes)): q, k and v read one input, so they share one
+    slot named by their three paths."""
+    groups = []
+    grouped = set()
+    for path, layer in rollout_model.named_modules():
+        if isinstance(layer, NVFP4Attention):
+            paths = [f"{path}.{name}" for name in ("q_proj", "k_proj", "v_proj")]
+            groups.append(paths)
+            grouped.update(paths)
+    for path, layer in rollout_model.named_modules():
+        if isinstance(layer, (NVFP4Linear, NVFP4Experts)) and path not in grouped:
+            groups.append([path])
+    slots = {}
+    for paths in groups:
+        slot = RecordSlot(recorder, tuple(paths))
+        for path in paths:
+            slots[path] = slot
+    return slots
+
+
 class RecordSlot(NamedTuple):
     """What an NVFP4 layer is handed to record its quantized inputs: the recorder and the layers'
-    paths (q, k and v share one input, so one slot)."""
+    paths (q, k and v share one input, so one slot). index 0: a linear's or the experts' gate/up
+    input; 1: the experts' down input, with routes = (moe.Routing, expert_ids)."""
 
-    recorder: InputRecorder
+    recorder: object
     paths: tuple
 
-    def record(self, index, x):
-        self.recorder.record(self.paths, index, x)
+    def record(self, index, x, routes=None):
+        self.recorder.record(self.paths, index, x, routes)
 
 
 class RouteSlot(NamedTuple):
@@ -793,11 +830,10 @@ class RouteSlot(NamedTuple):
     expert_ids: torch.Tensor
 
     def record(self, index, x):
-        routes = (self.routing, self.expert_ids)
-        self.slot.recorder.record(self.slot.paths, index, x, routes)
+        self.slot.record(index, x, (self.routing, self.expert_ids))
 
 
-# ==================================================================== the fast path (gpu_kernels/w4a4_*.py)
+# ============================================================ the fast path (gpu_kernels/w4a4_*.py)
 class Activation(NamedTuple):
     """An activation quantized for the W4A4 GEMMs (the fields a path does not need are None)."""
 
@@ -826,8 +862,9 @@ class Activation(NamedTuple):
 def quantize_activation_triton(
     x, rac_mask=None, codes=None, operand=None, act_scale="tensor", quantize=True
 ):
-    """x (M, K) -> Activation: the codes of x and its RAC residual (codes=True: quantize_activation_reference
-    bit for bit), the Hopper GEMMs' fp16 operand (operand=True); None: what this device's GEMMs take."""
+    """x (M, K) -> Activation: the codes of x and its RAC residual (codes=True:
+    quantize_activation_reference bit for bit), the Hopper GEMMs' fp16 operand (operand=True); None:
+    what this device's GEMMs take."""
     _check_input(x, rac_mask, "quantize_activation_triton", kernel=True)
     native = backend(x.device) == "native" and quantize  # W4A16's operand goes to the Hopper GEMMs
     codes, operand = (
@@ -851,7 +888,8 @@ def quantize_activation_triton(
 
 
 def layer_matmul(act, w_q, out_dtype, splits=None):
-    """The dense GEMM on a quantized activation: (M, N), or one (M, n) per stacked weight (splits)."""
+    """The dense GEMM on a quantized activation: (M, N), or one (M, n) per stacked weight
+    (splits)."""
     w = (w_q.data, w_q.block_scale, w_q.global_scale, out_dtype, splits)
     if act.operand is None:
         return w4a4_blackwell.dense_matmul(*act.codes, act.global_scale, *w)
@@ -859,7 +897,8 @@ def layer_matmul(act, w_q, out_dtype, splits=None):
 
 
 def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=None):
-    """The NVFP4 layer's fast path x (M, K) -> (M, N); splits: w_q stacks up to 3 weights (q/k/v) along N."""
+    """The NVFP4 layer's fast path x (M, K) -> (M, N); splits: w_q stacks up to 3 weights (q/k/v)
+    along N."""
     _check_input(x, rac_mask, "nvfp4_linear", kernel=True)
     _check_kernel_call(out_dtype)
     if x.shape[1] != w_q.shape[1] or x.device != w_q.device:
@@ -872,7 +911,10 @@ def nvfp4_linear_triton(x, w_q, rac_mask=None, out_dtype=torch.bfloat16, splits=
             f"nvfp4_linear: splits {tuple(splits)} must be 1 to 3 row counts adding up to the "
             f"weight's N = {w_q.shape[0]}"
         )
-    if w_q.global_scale.numel() != (n_scales := 1 if splits is None else len(splits)):
+    n_scales = 1
+    if splits is not None:
+        n_scales = len(splits)
+    if w_q.global_scale.numel() != n_scales:
         raise ValueError(
             f"nvfp4_linear: the weight has {w_q.global_scale.numel()} global scales; "
             f"expected {n_scales} (one per stacked weight)"
@@ -891,8 +933,9 @@ def grouped_matmul_triton(
     row_weight_ids=None,
     tokens=None,
 ):
-    """grouped_matmul_reference's fast path (no host sync): Blackwell's kernel on codes; Gluon's where `backend`
-    says so (K % 64 == 0) below GLUON_EXPERTS_BELOW tokens (the layer's; None: act's rows); else Triton's."""
+    """grouped_matmul_reference's fast path (no host sync): Blackwell's kernel on codes; Gluon's
+    where `backend` says so (K % 64 == 0) below GLUON_EXPERTS_BELOW tokens (the layer's; None: act's
+    rows); else Triton's."""
     _check_kernel_call(out_dtype)
     if not isinstance(w, ExpertWeights):
         raise ValueError(
@@ -915,23 +958,27 @@ def grouped_matmul_triton(
     )
     if act.operand is None:  # codes only: the native kernel
         return w4a4_blackwell.grouped_matmul(*act.codes, act.global_scale, *args)
-    # H200, gate/up + down, Gluon vs Triton us: 64 tokens 123 / 139, 1,024 421 / 486, 4,096 1987 / 1269
+    # H200, gate/up + down, Gluon vs Triton, us: 64 tokens 123 / 139, 1,024 tokens 421 / 486,
+    # 4,096 tokens 1987 / 1269
     decode = (act_rows if tokens is None else tokens) < GLUON_EXPERTS_BELOW
     gluon_here = backend(w.device) == "gluon" and w.shape[2] % 64 == 0 and decode
     kernel = w4a4_experts_gluon if gluon_here else w4a4_experts
     return kernel.grouped_matmul(act.operand, act.global_scale, *args)
 
 
-# ======================================================================== the one place a path is chosen
+# =================================================================== the one place a path is chosen
 _BACKENDS = {}  # CUDA device index -> its backend, decided once
 
 
 def backend(device):
     """Which path the W4A4 layers take on `device`:
-    'reference'  the plain-PyTorch references: CPU tensors, no Triton, or a GPU before sm_89 (one warning)
+    'reference'  the plain-PyTorch references: CPU tensors, no Triton, or a GPU before sm_89
+                 (one warning)
     'gluon'      sm_89 / sm_90 with Gluon: quantizer, tiled dense GEMM, Gluon experts (decode sizes)
-    'triton'     the same with the Triton experts: no Gluon, the interpreter, or a failed Blackwell check
-    'native'     sm_100+: tl.dot_scaled, once it matched the Hopper kernels (w4a4_blackwell.disagreement)"""
+    'triton'     the same with the Triton experts: no Gluon, the interpreter, or a failed
+                 Blackwell check
+    'native'     sm_100+: tl.dot_scaled, once it matched the Hopper kernels
+                 (w4a4_blackwell.disagreement)"""
     if device.type != "cuda" or triton is None:
         return "reference"
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -961,7 +1008,7 @@ def use_triton(x):
     return backend(x.device) != "reference"
 
 
-# ======================================================================== input checks (one line each)
+# ===================================================================== input checks (one line each)
 def _check_kernel_call(out_dtype=None):
     if triton is None:
         raise RuntimeError(
@@ -1029,7 +1076,8 @@ def _check_operands(x_q, w_q, residual, name, stacked=False):
     ):  # x_q: a float tensor in mode w4a16
         if q is not None and not isinstance(q, (NVFP4Tensor, other)):
             raise ValueError(
-                f"{name}: {label} must be an NVFP4Tensor or {other.__name__}, got {type(q).__name__}"
+                f"{name}: {label} must be an NVFP4Tensor or {other.__name__}, "
+                f"got {type(q).__name__}"
             )
     if len(x_q.shape) != 2 or len(w_q.shape) != 2 + stacked or x_q.shape[-1] != w_q.shape[-1]:
         raise ValueError(

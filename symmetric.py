@@ -1,19 +1,21 @@
-"""The symmetric trainer recipes: the trainer fake-quantizes its activations too, as the rollout does.
+"""The symmetric trainer recipes: the trainer fake-quantizes its activations too, as the rollout
+does.
 
-qat.py's asymmetric trainer quantizes weights only. The symmetric answers to the same mismatch quantize
-each layer input x (M, K) of the trainer's forward the way the rollout quantizes it, so both sides
-compute W4A4, and pass the gradient straight through to x:
+qat.py's asymmetric trainer quantizes weights only. The symmetric answers to the same mismatch
+quantize each layer input x (M, K) of the trainer's forward the way the rollout quantizes it, so
+both sides compute W4A4, and pass the gradient straight through to x:
 
-    w4a4      x_eff = DQ(Q(x))                      Q with a dynamic global scale, per tensor or per
-                                                    row (act_scale), as the rollout's activations
-    moeresq   x_eff = DQ(Q(x)) + DQ(Q(S * r))       r = x - DQ(Q(x)); S = the rollout's own RAC block
-              (MoEResQ)                             mask: nvfp4.fake_quantize_activation, one rule
-    trace     x_eff = the rollout's value where     s = x / (block_scale_r * global_scale_r) in the
-              (TRACE)  it lies within one E2M1      rollout's grid units; lo, hi = the E2M1 points
-                       step of x, else DQ(Q(x))     around s; take the rollout's value if it is lo or hi
+    w4a4      x_eff = DQ(Q(x))                  Q with a dynamic global scale, per tensor or per
+                                                row (act_scale), as the rollout's activations
+    moeresq   x_eff = DQ(Q(x)) + DQ(Q(S * r))   r = x - DQ(Q(x)); S = the rollout's own RAC block
+              (MoEResQ)                         mask: nvfp4.fake_quantize_activation, one rule
+    trace     x_eff = the rollout's value       s = x / (block_scale_r * global_scale_r) in the
+              (TRACE)  where it lies within     rollout's grid units; lo, hi = the E2M1 points
+                       one E2M1 step of x,      around s; the rollout's value is taken if it is
+                       else DQ(Q(x))            lo or hi
 
-    forward   y = x_eff @ fq(W).T                   fq(W) as in qat.py
-    backward  grad_x = grad_y @ fq(W)               straight-through: d x_eff / d x = identity
+    forward   y = x_eff @ fq(W).T               fq(W) as in qat.py
+    backward  grad_x = grad_y @ fq(W)           straight-through: d x_eff / d x = identity
               grad_W = grad_y.T @ x_eff
 
 QUADS reports that w4a4 leaves a *larger* mismatch than qat: the trainer's rounding of x is its own,
@@ -22,18 +24,18 @@ decode step and the trainer's forward). MoEResQ and TRACE each close part of tha
 the rollout hands over, and here both travel as arguments of the trainer's forward (moe.py's
 hand_offs), made by train.py from the rollout that sampled the batch:
 
-- moeresq: the rollout's RAC block masks (rac.rac_masks, a snapshot taken right after the rollout, so
+- moeresq: the rollout's RAC block masks (rac.rac_masks, a snapshot taken right after the rollout,
+so
   a later recalibration of the rollout does not reach this batch's update);
 - trace: the codes the rollout's quantizers produced at each decode step (rac.InputRecorder's
   RecordedCodes, keyed by the trainer's row b * W + w, the experts' down input by (row, expert)).
 
-Choices TRACE's text leaves open: the rollout's block scales are used where its code is taken, the grid
-test is in fp32, zero blocks (scale 0) keep the trainer's rounding, and prompt tokens (the rollout's
-prefill) are not recorded, so they round on their own.
+Choices TRACE's text leaves open: the rollout's block scales are used where its code is taken, the
+grid test is in fp32, zero blocks (scale 0) keep the trainer's rounding, and prompt tokens (the
+rollout's prefill) are not recorded, so they round on their own.
 
-Shape letters: M rows of a layer input, K in-features, G = K / 16 blocks, T tokens, E experts, A active
-experts, R = T * A (token, expert) rows, W the trainer's columns.
-"""
+Shape letters: M rows of a layer input, K in-features, G = K / 16 blocks, T tokens, E experts, A
+active experts, R = T * A (token, expert) rows, W the trainer's columns."""
 
 from typing import NamedTuple
 
@@ -47,7 +49,7 @@ import qat
 MODES = ("w4a4", "moeresq", "trace")
 
 
-# ----------------------------------------------------------------------------- what the rollout hands over
+# ---------------------------------------------------------------------- what the rollout hands over
 class RolloutShare(NamedTuple):
     """What a symmetric trainer takes from the rollout of one batch, by layer path (the rollout and
     the trainer share one module tree, so a path names a layer's twin)."""
@@ -56,8 +58,8 @@ class RolloutShare(NamedTuple):
     codes: dict | None = None  # trace: {path: (RecordedCodes or None, ...)}, as rac.InputRecorder
 
     def select_rows(self, rows, width):
-        """The share of a forward on tokens[rows] (a mini-batch of the rollout's sequences of width W):
-        the codes re-keyed to the mini-batch's rows; the masks are the same for every row."""
+        """The share of a forward on tokens[rows] (a mini-batch of the rollout's sequences of width
+        W): the codes re-keyed to the mini-batch's rows; the masks are the same for every row."""
         if self.codes is None:
             return self
         selected = {}  # one selection per record: q, k and v share theirs
@@ -88,8 +90,8 @@ class RolloutShare(NamedTuple):
 
 
 class LayerShare(NamedTuple):
-    """One layer's part of a RolloutShare, one entry per quantized input (a linear: its input; experts:
-    gate/up input, down input)."""
+    """One layer's part of a RolloutShare, one entry per quantized input (a linear: its input;
+    experts: gate/up input, down input)."""
 
     masks: tuple | None  # (mask (G,) bool or None, ...)
     codes: tuple | None  # (RecordedCodes or None, ...)
@@ -106,8 +108,8 @@ class LayerShare(NamedTuple):
 
 
 def select_codes(codes, rows, width):
-    """The records of trainer rows `rows` (R',) int64 of `codes` (RecordedCodes), re-keyed as a forward
-    on tokens[rows] (width W) sees them."""
+    """The records of trainer rows `rows` (R',) int64 of `codes` (RecordedCodes), re-keyed as a
+    forward on tokens[rows] (width W) sees them."""
     position = codes.keys // codes.n_experts
     expert = codes.keys % codes.n_experts
     row = position // width
@@ -132,7 +134,7 @@ def select_codes(codes, rows, width):
     )
 
 
-# ----------------------------------------------------------------------------- trace: rollout-guided rounding
+# ------------------------------------------------------------------- trace: rollout-guided rounding
 # The signed E2M1 grid, ascending: the 15 distinct values a code can take.
 _SIGNED_GRID = tuple(sorted({s * v for v in nvfp4.E2M1_VALUES for s in (-1.0, 1.0)}))
 
@@ -156,7 +158,8 @@ def guided_values(x, codes, row_keys, own):
     (M,)). own: x's own fake-quantized values (M, K), returned with the guided rows replaced."""
     if codes is None or codes.keys.numel() == 0:
         return own
-    # every row is looked up and computed, the rows without a record masked out at the end: no host sync
+    # every row is looked up and computed, the rows without a record masked out at the end:
+    # no host sync
     last = codes.keys.numel() - 1
     index = torch.searchsorted(codes.keys, row_keys).clamp(max=last)  # (M,)
     found = (codes.keys[index] == row_keys)[:, None]  # (M, 1)
@@ -173,11 +176,11 @@ def guided_values(x, codes, row_keys, own):
     return torch.where(take, rollout_value, own.float()).to(own.dtype)
 
 
-# ----------------------------------------------------------------------------- the activation rule, per mode
+# -------------------------------------------------------------------- the activation rule, per mode
 def quantize_input(x, mode, rac_mask=None, codes=None, row_keys=None, act_scale="tensor"):
-    """A layer input x (M, K) as the symmetric modes see it, in the GEMM's dtype, straight-through to
-    x: fq(x) (w4a4), with the rollout's RAC residual (moeresq), rollout-guided (trace). row_keys (M,):
-    which trainer row each row of x is, to find its record (default 0..M-1)."""
+    """A layer input x (M, K) as the symmetric modes see it, in the GEMM's dtype, straight-through
+    to x: fq(x) (w4a4), with the rollout's RAC residual (moeresq), rollout-guided (trace). row_keys
+    (M,): which trainer row each row of x is, to find its record (default 0..M-1)."""
     # the GEMM's dtype: under autocast BF16, as the rollout model's
     dtype = x.dtype
     if torch.is_autocast_enabled(x.device.type):
@@ -215,7 +218,8 @@ def _check_share(layer, share, inputs):
 # ----------------------------------------------------------------------------- the layers
 class SymmetricLinear(qat.QATLinear):
     """qat.QATLinear whose input is quantized too: y = x_eff @ fq(W).T, x_eff from quantize_input.
-    forward(x, share): share, a LayerShare (the rollout's mask and codes for this input), or None."""
+    forward(x, share): share, a LayerShare (the rollout's mask and codes for this input), or
+    None."""
 
     @classmethod
     def from_float(cls, linear, mode="w4a4", act_scale="tensor"):
@@ -241,7 +245,8 @@ class SymmetricLinear(qat.QATLinear):
 
 
 def _grouped_linear(x_sorted, routing, weight, grouped):
-    """x_sorted (R, K) grouped by expert, weight (E, N, K) -> (R, N): rows of expert e times weight[e].T."""
+    """x_sorted (R, K) grouped by expert, weight (E, N, K) -> (R, N): rows of expert e times
+    weight[e].T."""
     if grouped:
         return torch._grouped_mm(x_sorted, weight.transpose(-2, -1), offs=routing.offsets)
     outputs = []
@@ -254,8 +259,8 @@ def _grouped_linear(x_sorted, routing, weight, grouped):
 
 
 class SymmetricExperts(qat.QATExperts):
-    """qat.QATExperts with both GEMM inputs quantized as the rollout quantizes them: x (T, D) before the
-    gather (one global scale over the T tokens) and silu(gate) * up (R, I) over all R rows.
+    """qat.QATExperts with both GEMM inputs quantized as the rollout quantizes them: x (T, D) before
+    the gather (one global scale over the T tokens) and silu(gate) * up (R, I) over all R rows.
     forward(x, expert_ids, expert_weights, share): share, a LayerShare with (gate/up, down) entries
     (the down codes keyed by (row, expert)), or None."""
 
@@ -268,7 +273,8 @@ class SymmetricExperts(qat.QATExperts):
         return layer
 
     def forward(self, x, expert_ids, expert_weights, share=None):
-        """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) fp32 -> (T, D), as moe.Experts."""
+        """x (T, D), expert_ids (T, A) int64, expert_weights (T, A) fp32 -> (T, D), as
+        moe.Experts."""
         _check_share(self, share, "(gate_up mask, down mask)")
         if share is None:
             share = LayerShare(None, None)
@@ -301,9 +307,9 @@ class SymmetricExperts(qat.QATExperts):
 # ----------------------------------------------------------------------------- conversion
 def convert_for_training(model, mode, act_scale="tensor", *, quantize_router=False,
                          quantize_lm_head=False):
-    """Swap moe.py's layers (or qat.py's) for symmetric layers in mode `mode` (MODES) in place; returns
-    the model. The same layers as qat.convert_for_training, the same Parameter objects; act_scale: the
-    activations' global scale, per "tensor" or per "row", as the rollout's."""
+    """Swap moe.py's layers (or qat.py's) for symmetric layers in mode `mode` (MODES) in place;
+    returns the model. The same layers as qat.convert_for_training, the same Parameter objects;
+    act_scale: the activations' global scale, per "tensor" or per "row", as the rollout's."""
     _check_mode(mode, act_scale)
     for parent, name, child in moe.swappable_layers(model, quantize_router, quantize_lm_head):
         if isinstance(child, moe.Experts):

@@ -1,41 +1,50 @@
 """GRPO with NVFP4 rollouts and BF16 training, and the two-sided fix that keeps them aligned.
 
-    python train.py                                   # the default experiment (quads recipe), ~1 min on a CPU
-    python train.py --recipe nvfp4 --steps 300        # the naive recipe
+    python train.py                              # the default experiment (quads), ~1 min on a CPU
+    python train.py --recipe nvfp4 --steps 300   # the naive recipe
     python train.py --model path/to/qwen3-moe --task gsm8k --recipe quads
-    torchrun --nproc_per_node=8 train.py --recipe quads [--fsdp]          # every GPU of one node
+    torchrun --nproc_per_node=8 train.py --recipe quads [--fsdp]    # every GPU of one node
 
 One RL step, as `rl_step` reads:
 
-    problems  = task.sample(P, "train")                              # tasks.py
-    rollout   = generate(rollout_model, prompts, G)                  # rollout.py, rollout precision
-    rewards   = task.reward(problem, completion); A = advantages     # tasks.py, exact verifier; grpo.py
-    for each of N mini-batches:                                      # --minibatches N (default 1)
-        new_logp = trainer(tokens [, forced routes (R3)])            # BF16 or QAT trainer
-        loss  = grpo.policy_loss(new_logp, old_logp, A [, tis])      # ratio new/old, TIS weight old/rollout
+    problems  = task.sample(P, "train")                          # tasks.py
+    rollout   = generate(rollout_model, prompts, G)              # rollout.py, rollout precision
+    rewards   = task.reward(problem, completion)                 # tasks.py, exact verifier
+    A         = group advantages of the rewards                  # grpo.py
+    for each of N mini-batches:                                  # --minibatches N (default 1)
+        new_logp = trainer(tokens [, forced routes (R3)])        # the recipe's trainer
+        loss     = grpo.policy_loss(new_logp, old_logp, A)       # ratio new/old [, TIS weight]
         optimizer.step()
-    metrics   = mismatch(old_logp, rollout.logprobs), routing disagreement       # grpo.py
-    sync_weights(rollout_model, trainer)                             # rac.py via nvfp4.quantize_weight
+    metrics   = mismatch(old_logp, rollout.logprobs)             # grpo.py, routing disagreement
+    sync_weights(rollout_model, trainer)                         # rac.py, nvfp4.quantize_weight
     (--mipu: keep the update only if the synced rollout policy improved)
-    log the step to metrics.jsonl; every eval_every steps pass@1; every checkpoint_every a checkpoint
+    log the step to metrics.jsonl; pass@1 every eval_every steps; a checkpoint every
+    checkpoint_every steps
 
-A recipe (RECIPES) sets the trainer's forward (qat.py's mode) and the rollout's linear layers (rac.py's
-mode): bf16, fp8 and nvfp4 train in BF16; qat fake-quantizes the trainer's weights, rac adds RAC to the
-NVFP4 rollout, quads does both; w4a4, moeresq and trace quantize the trainer's activations too; w4a16,
-qat-w4a16 and w16a4 quantize one rollout operand (--act-scale row: activation scales per row). What the
-trainer takes from the rollout is an argument of its forward (qat.SharedState): moeresq the rollout's RAC
-block masks, trace the codes its rollout recorded (rac.recording into qat.RolloutRecorder; eager decode).
+Read it first along the bf16 recipe: the rollout and the trainer are the same BF16 model, and every
+line above is plain GRPO. A recipe (RECIPES) then sets the rollout's linear layers (rac.py's modes,
+read next) and the trainer's forward: bf16, fp8 and nvfp4 train in BF16; qat fake-quantizes the
+trainer's weights (qat.py), rac adds RAC to the NVFP4 rollout, quads does both; w4a4, moeresq and
+trace quantize the trainer's activations too (symmetric.py); w4a16, qat-w4a16 and w16a4 quantize one
+rollout operand (--act-scale row: activation scales per row).
 
-By default one update per rollout batch: `old_logp` is the forward that carries the gradient, detached,
-so the PPO ratio is 1 and what differs from the rollout engine is exactly the mismatch studied (`--tis C`
-corrects it per token). `--minibatches N`: N optimizer steps on shuffled rows, so clip-higher acts.
-`--mipu`: ratios against the rollout's log-probs; an update is kept only if the synced rollout raises the
-batch's advantage-weighted likelihood (grpo.mipu_proxy), else weights and optimizer are restored.
+What a trainer takes from the rollout travels as arguments, never as state set on a layer: R3's
+routes are the forward's forced_routes; moeresq's RAC masks (a snapshot taken right after the
+rollout) and trace's recorded codes (rac.InputRecorder, handed to the decode steps) form a
+symmetric.RolloutShare, which the trainer's forward receives as moe.py's hand_offs.
 
-The starting policy: a supervised warm-start on the task's (deliberately imperfect) demonstrations, cached.
-In tools/: a run's directory, checkpoints, --resume, Ctrl-C and config checks (runs.py), torchrun
-(distributed.py), the comparison, figures, the audit. Defaults: on a CPU the tiny preset and a short run,
-on a GPU the small preset and the full experiment. Every field of TrainConfig is a flag (see --help).
+By default one update per rollout batch: `old_logp` is the forward that carries the gradient,
+detached, so the PPO ratio is 1 and what differs from the rollout engine is exactly the mismatch
+studied (`--tis C` corrects it per token). `--minibatches N`: N optimizer steps on shuffled rows, so
+clip-higher acts. `--mipu`: ratios against the rollout's log-probs; an update is kept only if the
+synced rollout raises the batch's advantage-weighted likelihood (grpo.mipu_proxy), else weights and
+optimizer are restored.
+
+The starting policy: a supervised warm-start on the task's (deliberately imperfect) demonstrations,
+cached. In tools/: a run's directory, checkpoints, --resume, Ctrl-C and config checks (runs.py),
+torchrun (distributed.py), the comparison, figures, the audit. Defaults: on a CPU the tiny preset
+and a short run, on a GPU the small preset and the full experiment. Every field of TrainConfig is a
+flag (see --help).
 """
 
 import copy
@@ -72,7 +81,8 @@ from tools.runs import (
     write_text,
 )
 
-# recipe -> (trainer mode for qat.convert_for_training, rollout mode for rac.convert_for_rollout, RAC on)
+# recipe -> (the trainer's mode: bf16, qat or a symmetric.MODES mode; the rollout's mode for
+# rac.convert_for_rollout; whether the rollout compensates with RAC)
 RECIPES = {
     "bf16": ("bf16", "bf16", False),
     "fp8": ("bf16", "fp8", False),
@@ -189,7 +199,8 @@ class TrainConfig:
 
 
 def variant_name(cfg, ratio_given=False):
-    """recipe[@rac_ratio][+row][+tisC][+r3][+mbN][+mipu]: the ratio when not the default, or when asked."""
+    """recipe[@rac_ratio][+row][+tisC][+r3][+mbN][+mipu]: the ratio when not the default, or when
+    asked."""
     ratio = RECIPES[cfg.recipe][2] and (ratio_given or cfg.rac_ratio != TrainConfig.rac_ratio)
     return (
         cfg.recipe
@@ -204,7 +215,8 @@ def variant_name(cfg, ratio_given=False):
 
 # ----------------------------------------------------------------------------- the starting policy
 def build_task(cfg):
-    """The task, loaded; a dataset that cannot be loaded is a ConfigError naming the source and the fix."""
+    """The task, loaded; a dataset that cannot be loaded is a ConfigError naming the source and the
+    fix."""
     if cfg.task == "arith":
         return tasks.make_task(
             "arith", difficulty=cfg.difficulty, demo_error_rate=cfg.demo_error_rate, seed=cfg.seed
@@ -226,7 +238,8 @@ def build_task(cfg):
 
 
 def build_model(cfg, task):
-    """The BF16 policy before warm-start: a preset with the task's vocabulary, or a real checkpoint."""
+    """The BF16 policy before warm-start: a preset with the task's vocabulary, or a real
+    checkpoint."""
     torch.manual_seed(cfg.seed)
     if not cfg.model:
         config = moe.MoEConfig.from_preset(
@@ -259,7 +272,8 @@ def build_model(cfg, task):
 
 
 def autocast(cfg):
-    """BF16 compute with FP32 master weights on the GPU; plain FP32 on the CPU (exact, for tests)."""
+    """BF16 compute with FP32 master weights on the GPU; plain FP32 on the CPU (exact, for
+    tests)."""
     gpu = cfg.device.startswith("cuda")
     return (
         torch.autocast("cuda", dtype=torch.bfloat16)
@@ -270,7 +284,8 @@ def autocast(cfg):
 
 # ----------------------------------------------------------------------------- warm-start
 def warmstart(cfg, model, task, tokenizer):
-    """Supervised fine-tuning on demonstrations (loss on completion + EOS tokens), cached on disk."""
+    """Supervised fine-tuning on demonstrations (loss on completion + EOS tokens), cached on
+    disk."""
     path = runs.warmstart_path(cfg)
     if os.path.exists(path):
         model.load_state_dict(
@@ -331,11 +346,12 @@ def max_new_tokens(cfg, task):
     return cfg.max_new_tokens or getattr(task, "max_completion_chars", 256) + 1
 
 
-# ----------------------------------------------------------------------------- evaluation and reward
+# ------------------------------------------------------------------------- evaluation and reward
 @torch.no_grad()
 def evaluate(cfg, model, task, tokenizer, problems, ranks=SINGLE):
     """pass@1 by sampling one completion per held-out prompt at the training temperature (each rank
-    samples its share of the prompts; row ids follow the prompt's index, so the result is the same)."""
+    samples its share of the prompts; row ids follow the prompt's index, so the result is the
+    same)."""
     start, stop = distributed.shard(len(problems), ranks)
     total = 0.0
     if stop > start:
@@ -365,7 +381,7 @@ def score(task, tokenizer, problems, out, group_size):
     )
 
 
-# ----------------------------------------------------------------------------- the two sides of a recipe
+# --------------------------------------------------------------------- the two sides of a recipe
 def build_recipe(cfg, model, recipe, rac_ratio):
     """A recipe's two sides from one policy: the rollout model (a converted copy in the rollout's
     precision) and the trainer (model itself, converted in place)."""
@@ -384,12 +400,12 @@ def build_recipe(cfg, model, recipe, rac_ratio):
 
 # ----------------------------------------------------------------------------- the policy update
 def trainer_logprobs(cfg, trainer, seq, share=None, rows=slice(None)):
-    """The trainer's log-probs of the sampled tokens of `rows`, tempered as the rollout sampled them:
-    (n, W-1) fp32, aligned with seq.logprobs[:, 1:]; and the experts it chose, (L, n, W, A).
+    """The trainer's log-probs of the sampled tokens of `rows`, tempered as the rollout sampled
+    them: (n, W-1) fp32, aligned with seq.logprobs[:, 1:]; and the experts it chose, (L, n, W, A).
 
-    With --r3 the trainer replays the rollout's routes (forced_routes). share: what a symmetric trainer
-    takes from the rollout (symmetric.RolloutShare, or None), handed to its layers as arguments of this
-    forward (moe.py's hand_offs)."""
+    With --r3 the trainer replays the rollout's routes (forced_routes). share: what a symmetric
+    trainer takes from the rollout (symmetric.RolloutShare, or None), handed to its layers as
+    arguments of this forward (moe.py's hand_offs)."""
     tokens = seq.tokens[rows]
     forced_routes = None
     if cfg.r3:
@@ -411,16 +427,17 @@ def trainer_logprobs(cfg, trainer, seq, share=None, rows=slice(None)):
 def policy_update(
     cfg, trainer, optimizer, seq, advantages, shuffle_seed, rollout_share=None, ranks=SINGLE
 ):
-    """GRPO on one rollout batch: cfg.minibatches optimizer steps, each on a shuffled 1/N of its rows.
+    """GRPO on one rollout batch: cfg.minibatches optimizer steps, each on a shuffled 1/N of its
+    rows.
 
-    Three log-probs per token (grpo.py): `rollout` (the engine's), `old` (the trainer under the weights
-    that sampled: one forward without gradient first) and `new` (each mini-batch's forward, with the
-    gradient). With one mini-batch, old is that forward, detached: the on-policy update. The ratio is
-    new / old (new / rollout with --mipu); a mini-batch's loss is normalized by its valid tokens (DAPO),
-    a rank's weighted by its share of them (tools/distributed.py). rollout_share: what a symmetric
-    trainer takes from the rollout (trainer_logprobs). Returns old (N, W-1), the trainer's routes under
-    the sampling weights (L, N, W, A) and per mini-batch a dict of floats (loss, grad_norm and
-    grpo.policy_loss's statistics)."""
+    Three log-probs per token (grpo.py): `rollout` (the engine's), `old` (the trainer under the
+    weights that sampled: one forward without gradient first) and `new` (each mini-batch's forward,
+    with the gradient). With one mini-batch, old is that forward, detached: the on-policy update.
+    The ratio is new / old (new / rollout with --mipu); a mini-batch's loss is normalized by its
+    valid tokens (DAPO), a rank's weighted by its share of them (tools/distributed.py).
+    rollout_share: what a symmetric trainer takes from the rollout (trainer_logprobs). Returns old
+    (N, W-1), the trainer's routes under the sampling weights (L, N, W, A) and per mini-batch a dict
+    of floats (loss, grad_norm and grpo.policy_loss's statistics)."""
     mask = seq.loss_mask[:, 1:]
     rollout_logp = seq.logprobs[:, 1:]
     minibatches = [slice(None)]
@@ -460,20 +477,23 @@ def policy_update(
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
         optimizer.step()
-        minibatch_stats.append({"loss": stats.pop("loss"), "grad_norm": grad_norm.detach(), **stats})
+        stats = {"loss": stats.pop("loss"), "grad_norm": grad_norm.detach(), **stats}
+        minibatch_stats.append(stats)
     # every statistic to the host in one sync
     rows_of_values = []
     for stats in minibatch_stats:
-        values = [torch.as_tensor(v, dtype=torch.float32, device=grad_norm.device) for v in stats.values()]
+        device = grad_norm.device
+        values = [torch.as_tensor(v, dtype=torch.float32, device=device) for v in stats.values()]
         rows_of_values.append(torch.stack(values))
     values = torch.stack(rows_of_values).tolist()
     return old_logp, old_routes, [dict(zip(minibatch_stats[0], row)) for row in values]
 
 
 def update_metrics(cfg, minibatch_stats):
-    """What the log keeps of one policy update: loss and gradient norm (means over mini-batches), and, when
-    they can differ from their on-policy values (not with one mini-batch against old: ratio = 1), the PPO
-    ratio's mean, min and max, the clipped fractions (TRL's names) and the K3 KL(old || new)."""
+    """What the log keeps of one policy update: loss and gradient norm (means over mini-batches),
+    and, when they can differ from their on-policy values (not with one mini-batch against old:
+    ratio = 1), the PPO ratio's mean, min and max, the clipped fractions (TRL's names) and the K3
+    KL(old || new)."""
 
     def mean(key):
         return sum(s[key] for s in minibatch_stats) / len(minibatch_stats)
@@ -500,7 +520,8 @@ def update_metrics(cfg, minibatch_stats):
 # ----------------------------------------------------------------------------- one RL run
 @dataclass
 class Setup:
-    """What a run is built from: models, optimizer, data and paths (everything but the loop's state)."""
+    """What a run is built from: models, optimizer, data and paths (everything but the loop's
+    state)."""
 
     cfg: TrainConfig
     task: object
@@ -534,7 +555,8 @@ class Setup:
 
 
 def calibration_tokens(cfg, task, tokenizer):
-    """(16, W) prompts + demonstrations on which RAC chooses its compensated blocks (fixed by the seed)."""
+    """(16, W) prompts + demonstrations on which RAC chooses its compensated blocks (fixed by the
+    seed)."""
     rng = random.Random(cfg.seed + 777)
     rows = [
         tokenizer.encode(p.prompt + task.demonstration(p, rng))
@@ -547,9 +569,10 @@ def calibration_tokens(cfg, task, tokenizer):
 
 
 def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
-    """Build a run (-> Setup): task, warm-started policy (or base_state), trainer, rollout and evaluation
-    models, optimizer, data; the checkpoint under --resume. Nothing is written before the run directory is
-    checked and the task and model are loaded: a run that cannot start leaves the disk as it was."""
+    """Build a run (-> Setup): task, warm-started policy (or base_state), trainer, rollout and
+    evaluation models, optimizer, data; the checkpoint under --resume. Nothing is written before the
+    run directory is checked and the task and model are loaded: a run that cannot start leaves the
+    disk as it was."""
     ckpt = ckpt if ckpt is not None else check_run_dir(cfg)
     task = build_task(cfg)
     model, tokenizer = build_model(cfg, task)
@@ -631,15 +654,16 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
 
 
 def sync(s, step):
-    """Trainer -> rollout weights through nvfp4 (bit-identical to a QAT trainer's); every rac_refresh
-    syncs, RAC re-chooses its compensated blocks on the calibration batch."""
+    """Trainer -> rollout weights through nvfp4 (bit-identical to a QAT trainer's); every
+    rac_refresh syncs, RAC re-chooses its compensated blocks on the calibration batch."""
     distributed.sync_from_trainer(s.rollout_model, s.trainer)
     if s.rac_ratio > 0 and step % s.cfg.rac_refresh == 0:
         rac.calibrate_rac(s.rollout_model, s.calib_tokens)
 
 
 def save(s, step):
-    """Rank 0 writes the whole trainer and optimizer state (gathered from the shards under FSDP2)."""
+    """Rank 0 writes the whole trainer and optimizer state (gathered from the shards under
+    FSDP2)."""
     model_state, optimizer_state = distributed.trainer_state(s.trainer, s.optimizer)
     if s.ranks.main:
         atomic_save(
@@ -663,7 +687,8 @@ def evaluate_both(s):
 
 
 def run(cfg, base_state=None, ranks=SINGLE):
-    """Warm-start (or reuse), then GRPO for cfg.steps; print a summary. Returns the run directory."""
+    """Warm-start (or reuse), then GRPO for cfg.steps; print a summary. Returns the run
+    directory."""
     ckpt = check_run_dir(cfg)
     distributed.barrier(
         ranks
@@ -672,16 +697,18 @@ def run(cfg, base_state=None, ranks=SINGLE):
         run_dir = os.path.join(cfg.out_dir, cfg.run_name)
         if ranks.main:
             print(
-                f"run {run_dir} is complete at step {cfg.steps}: nothing to do (--steps N > {cfg.steps} "
+                f"run {run_dir} is complete at step {cfg.steps}: nothing to do "
+                f"(--steps N > {cfg.steps} "
                 f"extends it)\n{runs.report(cfg, run_dir, runs.warmstart_path(cfg))}"
             )
         return run_dir
     s = setup(cfg, base_state, ckpt, ranks)
-    if (
-        s.start_step == 0 and (baseline := evaluate_both(s)) and ranks.main
-    ):  # the curves' common start
-        with open(s.metrics_path, "a") as f:
-            f.write(json.dumps({"step": 0, **baseline}) + "\n")
+    if s.start_step == 0:
+        # the curves' common start: pass@1 of the warm-started policy, before any RL step
+        baseline = evaluate_both(s)
+        if ranks.main:
+            with open(s.metrics_path, "a") as f:
+                f.write(json.dumps({"step": 0, **baseline}) + "\n")
     bar = tqdm(
         range(s.start_step, cfg.steps),
         desc=cfg.run_name,
@@ -742,8 +769,9 @@ def run(cfg, base_state=None, ranks=SINGLE):
 
 
 def rl_step(s, step, interrupt, accepted):
-    """One RL step (the module docstring): rollout, reward, policy update, metrics, sync (MIPU's decision),
-    log. A Ctrl-C from the first optimizer step to the metrics line is held (HeldInterrupt)."""
+    """One RL step (the module docstring): rollout, reward, policy update, metrics, sync (MIPU's
+    decision), log. A Ctrl-C from the first optimizer step to the metrics line is held
+    (HeldInterrupt)."""
     cfg, ranks = s.cfg, s.ranks
     interrupt.step, interrupt.holding = step, False
     t0 = time.perf_counter()
@@ -782,7 +810,7 @@ def rl_step(s, step, interrupt, accepted):
         "step": step + 1,
         **step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_rollout),
     }
-    # 6. sync the rollout's weights through nvfp4; MIPU keeps them only if the rollout policy improved
+    # 6. sync the rollout's weights through nvfp4; MIPU keeps them only if the rollout improved
     sync(s, step + 1)
     if cfg.mipu:
         decision = mipu_decide(s, step, seq, advantages, old_logp, rollout_share, before, accepted)
@@ -798,19 +826,17 @@ def rl_step(s, step, interrupt, accepted):
 
 
 def sample(s, problems, first, step):
-    """The rollout of this rank's groups in the recipe's precision -> (rollout.Rollout, what a symmetric
-    trainer takes from it: a symmetric.RolloutShare, or None for the other trainers).
+    """The rollout of this rank's groups in the recipe's precision -> (rollout.Rollout, what a
+    symmetric trainer takes from it: a symmetric.RolloutShare, or None for the other trainers).
 
-    moeresq takes a snapshot of the rollout's RAC block masks, those that sampled this batch (the sync
-    after the update recalibrates the rollout's own). trace takes the codes the rollout's quantizers
-    produced: a fresh rac.InputRecorder hands each NVFP4 layer a slot through the decode steps' forward
-    (eager decode), and returns the completion tokens' codes after the rollout."""
+    moeresq takes a snapshot of the rollout's RAC block masks, those that sampled this batch (the
+    sync after the update recalibrates the rollout's own). trace takes the codes the rollout's
+    quantizers produced: a fresh rac.InputRecorder hands each NVFP4 layer a slot through the decode
+    steps' forward (eager decode), and returns the completion tokens' codes after the rollout."""
     cfg, tokenizer = s.cfg, s.tokenizer
-    train_mode = RECIPES[cfg.recipe][0]
-    recorder = None
+    recorder = rollout_recorder(cfg, s.rollout_model)
     decode_hand_offs = None
-    if train_mode == "trace":
-        recorder = rac.InputRecorder(s.rollout_model, cfg.act_scale)
+    if recorder is not None:
         decode_hand_offs = recorder.hand_offs()
     out = rollout.generate(
         s.rollout_model,
@@ -825,14 +851,30 @@ def sample(s, problems, first, step):
         cuda_graph=cfg.cuda_graph,
         decode_hand_offs=decode_hand_offs,
     )
-    rollout_share = None
-    if train_mode == "moeresq":
-        rollout_share = symmetric.RolloutShare(masks=rac.rac_masks(s.rollout_model))
-    elif train_mode == "trace":
-        rollout_share = symmetric.RolloutShare(codes=recorder.codes(out))
+    rollout_share = share_of_rollout(cfg, s.rollout_model, out, recorder)
     if cfg.device.startswith("cuda"):
         torch.cuda.synchronize()  # the rollout's time, not its launch's
     return out, rollout_share
+
+
+def rollout_recorder(cfg, rollout_model):
+    """trace: a fresh recorder of what the rollout's layers quantize (rac.InputRecorder, with the
+    run's act_scale), to hand to the decode steps; None for every other recipe."""
+    if RECIPES[cfg.recipe][0] != "trace":
+        return None
+    return rac.InputRecorder(rollout_model, cfg.act_scale)
+
+
+def share_of_rollout(cfg, rollout_model, out, recorder=None):
+    """What the recipe's trainer takes from the rollout that sampled `out`: moeresq a snapshot of
+    the rollout's RAC masks, trace the recorded codes (symmetric.RolloutShare); None for the
+    others."""
+    train_mode = RECIPES[cfg.recipe][0]
+    if train_mode == "moeresq":
+        return symmetric.RolloutShare(masks=rac.rac_masks(rollout_model))
+    if train_mode == "trace":
+        return symmetric.RolloutShare(codes=recorder.codes(out))
+    return None
 
 
 def step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_rollout):
@@ -865,14 +907,16 @@ def step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_roll
 
 
 def mipu_before(s, seq):
-    """MIPU, before the update: what a rejected candidate restores, and the rollout policy's log-probs."""
+    """MIPU, before the update: what a rejected candidate restores, and the rollout policy's
+    log-probs."""
     state = copy.deepcopy(s.trainer.state_dict()), copy.deepcopy(s.optimizer.state_dict())
     return state, rollout.score(s.rollout_model, seq.tokens, s.cfg.temperature)[:, 1:]
 
 
 def mipu_decide(s, step, seq, advantages, old_logp, rollout_share, before, accepted):
-    """MIPU, after the sync: keep the candidate if the synced rollout policy's proxy improved, else restore
-    the weights and optimizer state (and sync again). Every rank decides on the whole batch's proxy."""
+    """MIPU, after the sync: keep the candidate if the synced rollout policy's proxy improved, else
+    restore the weights and optimizer state (and sync again). Every rank decides on the whole
+    batch's proxy."""
     cfg, mask, (state, inference_logp) = s.cfg, seq.loss_mask[:, 1:], before
     proxy = grpo.mipu_proxy(
         rollout.score(s.rollout_model, seq.tokens, cfg.temperature)[:, 1:],
@@ -906,7 +950,8 @@ def build_parser(
     usage="python train.py [--recipe R] [options] (see --help)",
     description=__doc__,
 ):
-    """The CLI, built from TrainConfig by runs.build_parser: one option per field, its comment the help."""
+    """The CLI, built from TrainConfig by runs.build_parser: one option per field, its comment the
+    help."""
     return runs.build_parser(TrainConfig, CHOICES, prog, usage, description)
 
 
@@ -916,7 +961,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """The command line: one run (under torchrun, one rank's). A ConfigError exits 2 with its one line."""
+    """The command line: one run (under torchrun, one rank's). A ConfigError exits 2 with its one
+    line."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

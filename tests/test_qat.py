@@ -1,7 +1,8 @@
-"""qat.py: QAT layers use exactly nvfp4's weight rule (the rollout's weights; checked against a float64
-oracle), gradients are straight-through to the master weights, weights follow every optimizer step, each
-layer quantizes its weights inside its own forward and keeps nothing, QAT trains, and conversion keeps
-the parameters. The symmetric recipes built on these layers are tested in test_symmetric.py."""
+"""qat.py: QAT layers use exactly nvfp4's weight rule (the rollout's weights; checked against a
+float64 oracle), gradients are straight-through to the master weights, weights follow every
+optimizer step, each layer quantizes its weights inside its own forward and keeps nothing, QAT
+trains, and conversion keeps the parameters. The symmetric recipes built on these layers are tested
+in test_symmetric.py."""
 
 import copy
 
@@ -17,7 +18,7 @@ import qat
 import rac
 
 
-# ----------------------------------------------------------------------------------------------- helpers
+# ------------------------------------------------------------------------------------------ helpers
 def tokens(batch=4, length=16, seed=1):
     return torch.randint(64, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -28,12 +29,13 @@ def weight_rule(w):
 
 
 def oracle_weight_fake_quant(w):
-    """NVFP4 weight fake quantization written from the format's definition, without nvfp4.py: one global
-    scale per matrix (fp32 amax / 2688), block scales rounded to the nearest E4M3 value (ties to the even
-    mantissa, from an enumerated table), unit = block_scale * global_scale in fp32, and the E2M1 code of
-    |x| = the number of midpoints m * unit (fp32 products) it passes (at a midpoint: up iff the code below
-    is odd, i.e. ties to even); value = code value * block_scale * global_scale, exact, rounded once to
-    fp32, then to w's dtype; a zero keeps x's sign (E2M1 has a sign bit: -0.1 at a unit of 1 gives -0)."""
+    """NVFP4 weight fake quantization written from the format's definition, without nvfp4.py: one
+    global scale per matrix (fp32 amax / 2688), block scales rounded to the nearest E4M3 value (ties
+    to the even mantissa, from an enumerated table), unit = block_scale * global_scale in fp32, and
+    the E2M1 code of |x| = the number of midpoints m * unit (fp32 products) it passes (at a
+    midpoint: up iff the code below is odd, i.e. ties to even); value = code value * block_scale *
+    global_scale, exact, rounded once to fp32, then to w's dtype; a zero keeps x's sign (E2M1 has a
+    sign bit: -0.1 at a unit of 1 gives -0)."""
     e4m3 = [
         (m / 8 * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7), m % 2 == 1)
         for e in range(16)
@@ -87,7 +89,7 @@ def random_experts(seed=0):
     return experts, qat.QATExperts.from_float(experts), x, expert_ids, expert_weights
 
 
-# ----------------------------------------------------------------------------------------------- the weights
+# -------------------------------------------------------------------------------------- the weights
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_qat_layer_uses_the_rollout_weight_rule_bit_for_bit(dtype):
     model = qat.convert_for_training(tiny_model(std=0.1).to(dtype))
@@ -144,7 +146,8 @@ def test_trainer_weights_equal_rac_rollout_weights_after_sync():
     qat.convert_for_training(trainer)
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2)
     trainer(tokens()).float().logsumexp(-1).mean().backward()
-    optimizer.step()  # the rollout copy is stale now: sync_weights must bring it to the trainer's weights
+    # the rollout copy is stale now: sync_weights must bring it to the trainer's weights
+    optimizer.step()
     rac.sync_weights(rollout, trainer)
 
     trainer_blocks = [m for m in trainer.modules() if isinstance(m, moe.Block)]
@@ -163,7 +166,7 @@ def test_trainer_weights_equal_rac_rollout_weights_after_sync():
         assert same_bits(down_q, rac.unchunk_experts(experts.down_w).dequantize(down_q.dtype))
 
 
-# ----------------------------------------------------------------------------------------------- gradients
+# ---------------------------------------------------------------------------------------- gradients
 def test_qat_linear_gradients_are_the_analytic_straight_through_ones():
     torch.manual_seed(0)
     layer = qat.QATLinear.from_float(nn.Linear(32, 48, bias=False))
@@ -171,7 +174,8 @@ def test_qat_linear_gradients_are_the_analytic_straight_through_ones():
     grad_y = torch.randn(2, 5, 48)
     layer(x).backward(grad_y)
     weight_q = qat.quantized_weights(layer)[0]
-    # grad_W = grad_y.T @ x (to the master weight); grad_x = grad_y @ Wq (the weight the forward used)
+    # grad_W = grad_y.T @ x (to the master weight); grad_x = grad_y @ Wq (the weight the forward
+    # used)
     expected_grad_weight = grad_y.reshape(-1, 48).T @ x.detach().reshape(-1, 32)
     torch.testing.assert_close(layer.weight.grad, expected_grad_weight, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(x.grad, grad_y @ weight_q, rtol=1e-6, atol=1e-6)
@@ -180,8 +184,8 @@ def test_qat_linear_gradients_are_the_analytic_straight_through_ones():
 
 def test_qat_experts_gradients_reach_the_master_weights_straight_through():
     _, qat_experts, x, ids, weights = random_experts()
-    # Reference: plain moe.Experts math with the quantized weights as leaves; its weight gradients are
-    # what a straight-through estimator must hand to the master weights.
+    # Reference: plain moe.Experts math with the quantized weights as leaves; its weight gradients
+    # are what a straight-through estimator must hand to the master weights.
     gate_up_q, down_q = (w.clone().requires_grad_() for w in qat.quantized_weights(qat_experts))
     reference = moe.Experts(moe.MoEConfig.from_preset("tiny"))
     del reference.gate_up_proj, reference.down_proj
@@ -204,7 +208,7 @@ def test_gradients_reach_every_master_weight_of_a_converted_model():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
 
 
-# ------------------------------------------------------------------------------------------ weight updates
+# ----------------------------------------------------------------------------------- weight updates
 @pytest.mark.parametrize(
     "make_optimizer",
     [
@@ -281,7 +285,7 @@ def test_a_forward_under_inference_mode_does_not_change_the_next_training_step()
         assert torch.equal(param.grad, twin_param.grad), name
 
 
-# ----------------------------------------------------------------------------------------------- training
+# ----------------------------------------------------------------------------------------- training
 def train_losses(quantized, steps=150):
     model = tiny_model(std=0.02)
     if quantized:
@@ -314,10 +318,10 @@ def test_qat_trains_a_tiny_model_like_bf16():
     assert quantized[-1] < 0.1 * quantized[0] and quantized[-1] < 2 * bf16[-1] + 0.05
 
 
-# ----------------------------------------------------------------------------------------------- w4a4
+# --------------------------------------------------------------------------------------------- w4a4
 
 
-# ----------------------------------------------------------------------------------------------- conversion
+# --------------------------------------------------------------------------------------- conversion
 def test_conversion_keeps_parameters_names_and_full_precision_layers():
     model = tiny_model(std=0.1, tie_embeddings=True)
     params = {name: p for name, p in model.named_parameters()}

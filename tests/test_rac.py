@@ -1,7 +1,8 @@
-"""rac.py: the choice of path per GPU and the Blackwell kernels' guard, the experts' weight layout, residual
-activation compensation (block selection, calibration, the error it removes), q/k/v sharing one
-quantization and one GEMM, the experts' fast path against their reference and moe.py, model conversion,
-weight sync against the QAT weight rule, and clear errors. The kernels themselves: tests/test_kernels_w4a4_*.py."""
+"""rac.py: the choice of path per GPU and the Blackwell kernels' guard, the experts' weight layout,
+residual activation compensation (block selection, calibration, the error it removes), q/k/v sharing
+one quantization and one GEMM, the experts' fast path against their reference and moe.py, model
+conversion, weight sync against the QAT weight rule, and clear errors. The kernels themselves:
+tests/test_kernels_w4a4_*.py."""
 
 import copy
 import warnings
@@ -40,7 +41,8 @@ def _outlier_activations(rows, cols, seed, device="cpu", dtype=torch.bfloat16):
 
 
 def _routing_with_empty_experts(n_experts, tokens, active, device, seed=0):
-    """Random top-A routes that never pick experts 0, 2 and the last one (they receive no tokens)."""
+    """Random top-A routes that never pick experts 0, 2 and the last one (they receive no
+    tokens)."""
     generator = torch.Generator().manual_seed(seed)
     allowed = torch.tensor([e for e in range(n_experts) if e not in (0, 2, n_experts - 1)])
     scores = torch.rand(tokens, allowed.numel(), generator=generator)
@@ -48,13 +50,13 @@ def _routing_with_empty_experts(n_experts, tokens, active, device, seed=0):
     return expert_ids, moe.route_tokens(expert_ids, n_experts)
 
 
-# ============================================================================ the one place a path is chosen
+# =================================================================== the one place a path is chosen
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_backend_is_chosen_once_per_gpu_by_its_capability(monkeypatch):
-    # an A100 (8.0) cannot compile the kernels' E4M3 conversions: the NVFP4 layers run the references there,
-    # and say so once per GPU, instead of failing inside the kernel compiler; sm_89 / sm_90 take the Gluon
-    # experts (the Triton ones under the interpreter); Blackwell runs its native check once, and falls back
-    # to the Triton kernels when it fails
+    # an A100 (8.0) cannot compile the kernels' E4M3 conversions: the NVFP4 layers run the
+    # references there, and say so once per GPU, instead of failing inside the kernel compiler;
+    # sm_89 / sm_90 take the Gluon experts (the Triton ones under the interpreter); Blackwell runs
+    # its native check once, and falls back to the Triton kernels when it fails
     checks = []
     monkeypatch.setattr(
         rac.w4a4_blackwell, "disagreement", lambda device: checks.append(device) or problem
@@ -126,8 +128,9 @@ def test_experts_take_the_gluon_kernel_only_where_the_backend_says_so(monkeypatc
 
 # ============================================================================ RAC
 def test_rac_reduces_output_error_monotonically_on_outlier_channels():
-    """Inputs with heavy tails and fixed outlier channels; blocks calibrated on one batch, measured on
-    another. Asserted margin: ratio 0.5 at most half of naive NVFP4's error (seen: about 0.25-0.3)."""
+    """Inputs with heavy tails and fixed outlier channels; blocks calibrated on one batch, measured
+    on another. Asserted margin: ratio 0.5 at most half of naive NVFP4's error (seen: about
+    0.25-0.3)."""
     torch.manual_seed(0)
     batch = _outlier_activations(64, 256, seed=0, dtype=torch.float32)
     calibration, x = batch(), batch()
@@ -355,9 +358,10 @@ def test_the_twin_path_dequantizes_a_weight_again_whenever_it_is_loaded():
     assert not torch.equal(after, before)
 
 
-# ============================================================================ the error sources: w4a16, w16a4
+# ================================================================== the error sources: w4a16, w16a4
 def _oracle_w16a4(x, w, mask, act_scale):
-    """Each row quantized alone (per row) or the tensor at once, then a float64 product with w itself."""
+    """Each row quantized alone (per row) or the tensor at once, then a float64 product with w
+    itself."""
     rows = (
         [nvfp4.fake_quantize_activation(r[None], mask) for r in x]
         if act_scale == "row"
@@ -716,7 +720,7 @@ def test_bad_input_raises_one_line_naming_the_argument_and_the_problem(call, nam
     raises_one_line(call, names, problem)
 
 
-# ============================================================================ TRACE: the rollout's record
+# ====================================================================== TRACE: the rollout's record
 def recorded_and_used(x):
     """What InputRecorder keeps of x (nvfp4.quantize) and what the rollout's quantizer used."""
     return nvfp4.quantize(x), rac.quantize_activation_triton(x, codes=True).x_q
@@ -724,8 +728,9 @@ def recorded_and_used(x):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_recorders_requantization_is_the_rollout_kernels_bit_for_bit(dtype, kernel_device):
-    """InputRecorder keeps nvfp4.quantize(x) of each rollout layer input; the rollout's fused quantizer
-    (under the Triton interpreter on the CPU) must have produced the same codes and scales."""
+    """InputRecorder keeps nvfp4.quantize(x) of each rollout layer input; the rollout's fused
+    quantizer (under the Triton interpreter on the CPU) must have produced the same codes and
+    scales."""
     torch.manual_seed(0)
     x = torch.randn(8, 64, dtype=dtype).to(kernel_device)
     x[:, 16:32] *= 40
@@ -749,8 +754,8 @@ def test_cuda_the_recorders_requantization_is_the_rollout_kernels_bit_for_bit(ro
 
 @torch.no_grad()
 def test_the_recorder_keeps_each_layers_quantized_input_with_its_own_act_scale():
-    """Each NVFP4 layer records the input it quantizes, once per call (q, k and v: once for the three,
-    under each path), requantized with the recorder's act_scale: the rollout's codes."""
+    """Each NVFP4 layer records the input it quantizes, once per call (q, k and v: once for the
+    three, under each path), requantized with the recorder's act_scale: the rollout's codes."""
     seen = {}
     for act_scale in ("tensor", "row"):
         model = tiny_model(vocab_size=48)

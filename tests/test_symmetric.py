@@ -24,7 +24,8 @@ def tokens(batch=4, length=16, seed=1):
 
 
 def random_experts(mode="w4a4", seed=0):
-    """(plain experts, their trainer twin in `mode` ("qat" or a symmetric mode), x, ids, weights)."""
+    """(plain experts, their trainer twin in `mode` ("qat" or a symmetric mode), x, ids,
+    weights)."""
     torch.manual_seed(seed)
     experts = moe.Experts(moe.MoEConfig.from_preset("tiny"))
     nn.init.normal_(experts.gate_up_proj, std=0.2)
@@ -54,7 +55,8 @@ def test_w4a4_fake_quantizes_activations_with_a_straight_through_gradient():
     assert not torch.equal(y, layer_qat(x))
     grad_y = torch.randn(6, 32)
     y.backward(grad_y)
-    # straight-through: grad_x = grad_y @ Wq as if x were not quantized; grad_W uses the quantized input
+    # straight-through: grad_x = grad_y @ Wq as if x were not quantized; grad_W uses the quantized
+    # input
     torch.testing.assert_close(
         x.grad, grad_y @ qat.quantized_weights(layer_w4a4)[0], rtol=1e-6, atol=1e-6
     )
@@ -93,7 +95,7 @@ def test_w4a4_grouped_linear_matches_its_loop_twin_in_bf16():
     assert report_diff(fast, slow, "grouped vs loop")[0] <= 1e-2 * slow.float().abs().max()
 
 
-# ----------------------------------------------------------------------------------------------- moeresq
+# ------------------------------------------------------------------------------------------ moeresq
 def half_the_blocks(n_blocks, seed):
     mask = torch.zeros(n_blocks, dtype=torch.bool)
     mask[
@@ -116,8 +118,8 @@ def test_moeresq_linear_equals_the_rollout_layers_torch_twin_to_accumulation_ord
     y = trainer_layer(x, symmetric.LayerShare((mask,), None))  # the masks: an argument of the call
     scale = expected.abs().max().item()
     assert report_diff(y, expected, "moeresq vs rollout twin")[0] <= 1e-6 * scale
-    # the compensation is really there: without it (w4a4) or without activation quantization (qat) the
-    # trainer is far from the rollout
+    # the compensation is really there: without it (w4a4) or without activation quantization (qat)
+    # the trainer is far from the rollout
     naive = rac.nvfp4_linear_reference(x, rollout_layer.weight_q, None)
     assert report_diff(expected, naive, "rac vs naive rollout")[0] > 1e-3 * scale
     others = {
@@ -150,7 +152,7 @@ def test_moeresq_experts_equal_the_rollout_experts_torch_twin_to_accumulation_or
     assert x.grad.abs().sum() > 0 and trainer_experts.down_proj.grad.abs().sum() > 0
 
 
-# ----------------------------------------------------------------------------------------------- trace
+# -------------------------------------------------------------------------------------------- trace
 def test_the_rollouts_code_is_taken_only_when_it_brackets_the_trainers_value():
     # scaled value s (x in units of the rollout's block grid), the rollout's grid value, taken?
     cases = [
@@ -211,11 +213,12 @@ def test_trace_rounds_to_the_rollouts_code_across_a_boundary_and_its_own_elsewhe
 
 @pytest.mark.parametrize("act_scale", ["tensor", "row"])
 def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tokens(act_scale):
-    """A real rollout: the recorder keeps, per completion token, what the rollout's quantizer used. In
-    layer 0 the q projection's input of a token depends on that token alone, so the trainer sees the same
-    values as the rollout; with one global scale per tensor it quantizes the whole batch at another scale:
-    rollout-guided rounding must give back exactly the rollout's dequantized values on every completion
-    token, its own elsewhere. With one per row the trainer's own rounding already is the rollout's."""
+    """A real rollout: the recorder keeps, per completion token, what the rollout's quantizer used.
+    In layer 0 the q projection's input of a token depends on that token alone, so the trainer sees
+    the same values as the rollout; with one global scale per tensor it quantizes the whole batch at
+    another scale: rollout-guided rounding must give back exactly the rollout's dequantized values
+    on every completion token, its own elsewhere. With one per row the trainer's own rounding
+    already is the rollout's."""
     model = tiny_model(std=0.2)
     rollout_model = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4", act_scale=act_scale)
     recorder = rac.InputRecorder(rollout_model, act_scale)
@@ -262,12 +265,14 @@ def test_trace_layer_takes_the_rollouts_exact_values_for_its_recorded_decode_tok
         ]
     )
     assert torch.equal(guided[rows], rollout_values)
-    # the trainer's own rounding differs with another global scale, is the rollout's with the row's own
+    # the trainer's own rounding differs with another global scale, is the rollout's with the row's
+    # own
     assert torch.equal(own[rows], rollout_values) == (act_scale == "row")
     others = torch.ones(B * W, dtype=torch.bool)
     others[rows] = False
     assert torch.equal(guided[others], own[others])
-    # a mini-batch of the sequences (rows 3 and 0) sees the same rollout values on its completion tokens
+    # a mini-batch of the sequences (rows 3 and 0) sees the same rollout values on its completion
+    # tokens
     rows = torch.tensor([3, 0])
     sub = symmetric.select_codes(codes["q"][0], rows, W)
     trainer(seq.tokens[rows])
@@ -290,12 +295,14 @@ def test_symmetric_modes_with_row_scales_quantize_each_row_as_if_alone():
         alone = torch.cat(
             [symmetric.quantize_input(row[None], mode, rac_mask) for row in x]
         )  # tensor = the row
-        assert torch.equal(symmetric.quantize_input(x, mode, rac_mask, act_scale="row"), alone), mode
+        per_row = symmetric.quantize_input(x, mode, rac_mask, act_scale="row")
+        assert torch.equal(per_row, alone), mode
         assert not torch.equal(symmetric.quantize_input(x, mode, rac_mask), alone), mode
 
 
 def test_layers_sharing_a_record_share_its_mini_batch_too():
-    # q, k and v read one input and share one record; their mini-batch stays one object (selected once)
+    # q, k and v read one input and share one record; their mini-batch stays one object (selected
+    # once)
     trainer = symmetric.convert_for_training(tiny_model(), "trace")
     record = hand_made_codes(torch.arange(3.0)[:, None].repeat(1, 16), 1.0, 1.0, keys=[3, 8, 13])
     paths = [f"layers.0.attn.{name}" for name in ("q_proj", "k_proj", "v_proj")]
@@ -310,7 +317,8 @@ def test_layers_sharing_a_record_share_its_mini_batch_too():
 
 def test_a_mini_batch_of_rows_gets_its_own_rows_records_rekeyed():
     width, n_experts = 5, 4
-    # records of rows 0, 1, 2: one per (row, column 3) for a linear input, two experts each for a down input
+    # records of rows 0, 1, 2: one per (row, column 3) for a linear input, two experts each for a
+    # down input
     linear = hand_made_codes(torch.arange(3.0)[:, None].repeat(1, 16), 1.0, 1.0, keys=[3, 8, 13])
     keys = torch.tensor([(r * width + 3) * n_experts + e for r in range(3) for e in (1, 2)])
     down = rac.RecordedCodes(
@@ -334,7 +342,7 @@ def test_a_mini_batch_of_rows_gets_its_own_rows_records_rekeyed():
     assert picked.global_scale.tolist() == [4.0, 5.0, 0.0, 1.0] and picked.n_experts == n_experts
 
 
-# ----------------------------------------------------------------------------------------------- conversion
+# --------------------------------------------------------------------------------------- conversion
 def test_conversion_keeps_parameters_and_sets_the_mode_and_scale():
     model = tiny_model(std=0.1, tie_embeddings=True)
     params = {name: p for name, p in model.named_parameters()}

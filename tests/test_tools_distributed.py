@@ -1,5 +1,5 @@
-"""tools/distributed.py: the shards of a batch, and the statistics reduced over two gloo ranks (the torchrun runs
-themselves, against one process, are in test_train.py)."""
+"""tools/distributed.py: the shards of a batch, and the statistics reduced over two gloo ranks (the
+torchrun runs themselves, against one process, are in test_train.py)."""
 
 import torch
 
@@ -46,7 +46,8 @@ def _reduce_stats_on_rank(rank, init_file, results):
 
 
 def test_reduce_stats_weights_the_means_and_keeps_each_extreme_over_ranks(tmp_path):
-    # two gloo processes; by hand: loss 0.25 * 1 + 0.75 * 2, grad_norm 0.75 * 4, min(0.5, 1.5), max(2, 1)
+    # two gloo processes; by hand: loss 0.25 * 1 + 0.75 * 2, grad_norm 0.75 * 4, min(0.5, 1.5),
+    # max(2, 1)
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()

@@ -1,6 +1,7 @@
 """train.py end to end on the CPU (tiny model, a few RL steps per recipe), its command line, and the
-checks that the loop really does RL: rollout weights synced from the trainer, rewards reaching the loss
-through the right groups, a step that raises the advantage-weighted log-prob of what was sampled."""
+checks that the loop really does RL: rollout weights synced from the trainer, rewards reaching the
+loss through the right groups, a step that raises the advantage-weighted log-prob of what was
+sampled."""
 
 import copy
 import hashlib
@@ -69,7 +70,8 @@ def read_metrics(run_dir, rl_steps_only=False):
 
 
 def tree_digest(path):
-    """{relative path: sha1 of the content} of every file under path: equal before and after = untouched."""
+    """{relative path: sha1 of the content} of every file under path: equal before and after =
+    untouched."""
     digest = {}
     for root, _, files in os.walk(path):
         for name in files:
@@ -81,7 +83,8 @@ def tree_digest(path):
 
 
 def main_exit(argv, capsys):
-    """train.main in-process -> (exit code, stdout, stderr); a traceback would fail the test itself."""
+    """train.main in-process -> (exit code, stdout, stderr); a traceback would fail the test
+    itself."""
     try:
         train.main(argv)
         code = 0
@@ -98,7 +101,8 @@ def out_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def recipe_runs(out_dir):
-    """bf16, nvfp4 and quads from one cached warm-start (the first run writes it, the others load it)."""
+    """bf16, nvfp4 and quads from one cached warm-start (the first run writes it, the others load
+    it)."""
     return {
         recipe: train.run(tiny_config(out_dir, recipe=recipe))
         for recipe in ("bf16", "nvfp4", "quads")
@@ -137,8 +141,9 @@ def test_every_recipe_writes_metrics_and_checkpoint(recipe_runs):
 
 @pytest.mark.slow
 def test_logged_pass_at_1_is_that_of_the_checkpointed_weights(recipe_runs, out_dir):
-    """A fresh setup from the final checkpoint, evaluated again, gives the logged pass@1 of both models
-    (the evaluation runs on the weights it claims to, and pass@1 is a count over eval_prompts)."""
+    """A fresh setup from the final checkpoint, evaluated again, gives the logged pass@1 of both
+    models (the evaluation runs on the weights it claims to, and pass@1 is a count over
+    eval_prompts)."""
     last = read_metrics(recipe_runs["nvfp4"])[-1]
     s = train.setup(tiny_config(out_dir, recipe="nvfp4", resume=True))
     assert s.start_step == 3
@@ -395,7 +400,8 @@ def test_the_other_recipes_run_end_to_end(out_dir, recipe):
 
 @pytest.fixture(scope="module")
 def symmetric_runs(out_dir):
-    """qat and the two recipes that align the trainer's activations with the rollout's, two steps each."""
+    """qat and the two recipes that align the trainer's activations with the rollout's, two steps
+    each."""
     return {
         recipe: train.run(tiny_config(out_dir, recipe=recipe, steps=2, eval_every=2))
         for recipe in ("qat", "moeresq", "trace")
@@ -442,8 +448,8 @@ def test_route_replay_logs_the_disagreement_it_overrides_and_tis_logs_truncation
     cfg = tiny_config(out_dir, recipe="nvfp4", r3=True, tis=2.0, steps=2, eval_every=2)
     assert cfg.run_name == "nvfp4+tis2+r3"
     records = read_metrics(train.run(cfg), rl_steps_only=True)
-    # the trainer ran the rollout's experts; the metric compares its routers' own choice with them (not
-    # the replayed routes with themselves, which is 0 by construction)
+    # the trainer ran the rollout's experts; the metric compares its routers' own choice with them
+    # (not the replayed routes with themselves, which is 0 by construction)
     assert 0.0 < max(r["routing_disagreement"] for r in records) < 0.5
     assert all(
         r["mismatch/tis_ratio_max"] <= 2.0 and "mismatch/tis_clip_frac" in r for r in records
@@ -481,7 +487,8 @@ NO_GPU = pytest.mark.skipif(
         (["--threads", "0"], "argument --threads: must be an integer >= 1"),
         (
             ["--group-size", "1"],
-            "argument --group-size: must be an integer >= 2 (GRPO compares the samples of one prompt), got 1",
+            "argument --group-size: must be an integer >= 2 "
+            "(GRPO compares the samples of one prompt), got 1",
         ),
         (["--rac-ratio", "1.5"], "argument --rac-ratio: must be in [0, 1], got 1.5"),
         (["--clip-low", "1"], "argument --clip-low: must be in [0, 1), got 1.0"),
@@ -578,7 +585,8 @@ def test_the_real_command_line_exits_2_with_one_line_and_no_traceback(tmp_path):
 
 @pytest.fixture
 def gsm8k_dirs(tmp_path):
-    """An empty directory (passes as a --model directory until it is loaded) and a valid GSM8K file."""
+    """An empty directory (passes as a --model directory until it is loaded) and a valid GSM8K
+    file."""
     model_dir, data = tmp_path / "empty_model", tmp_path / "gsm8k.jsonl"
     model_dir.mkdir()
     data.write_text(
@@ -627,7 +635,8 @@ def test_data_and_model_that_cannot_be_loaded_give_one_line_with_the_fix(
 
 @pytest.mark.slow
 def test_refused_commands_modify_no_run_directory(recipe_runs, out_dir, capsys):
-    """Checksums of every file under out_dir (runs and warm-start cache) before and after each refusal."""
+    """Checksums of every file under out_dir (runs and warm-start cache) before and after each
+    refusal."""
     before = tree_digest(out_dir)
     refusals = [
         (
@@ -645,7 +654,8 @@ def test_refused_commands_modify_no_run_directory(recipe_runs, out_dir, capsys):
         (
             cli(out_dir, recipe="quads", run_name="nvfp4", resume=True, lr=0.01),
             f"cannot resume {out_dir}/nvfp4: "
-            "this command changes --lr 0.0001 -> 0.01, --recipe nvfp4 -> quads; a resumed run keeps its config",
+            "this command changes --lr 0.0001 -> 0.01, --recipe nvfp4 -> quads; "
+            "a resumed run keeps its config",
         ),
         (cli(out_dir, recipe="bf16", resume=True, seed=1), "this command changes --seed 0 -> 1;"),
         (
@@ -739,9 +749,9 @@ def test_cpu_threads_default_to_one_on_the_tiny_preset(monkeypatch):
 def test_overwrite_starts_over_and_the_run_ends_with_a_summary(
     recipe_runs, out_dir, capsys, monkeypatch
 ):
-    """--overwrite replaces the run (deterministically: the same records) and whatever was made from it (an
-    audit); the bar shows step 0's pass@1 before the first evaluation; the summary gives the RL steps' own
-    time, the final pass@1, the mismatch and every path."""
+    """--overwrite replaces the run (deterministically: the same records) and whatever was made from
+    it (an audit); the bar shows step 0's pass@1 before the first evaluation; the summary gives the
+    RL steps' own time, the final pass@1, the mismatch and every path."""
     old = read_metrics(recipe_runs["bf16"])
     os.makedirs(os.path.join(recipe_runs["bf16"], "audit_step3"))  # as tools.audit writes it
     postfixes = []
@@ -777,15 +787,15 @@ def test_overwrite_starts_over_and_the_run_ends_with_a_summary(
     assert os.path.exists(runs.warmstart_path(tiny_config(out_dir)))
 
 
-# ----------------------------------------------------------------------------- the loop really does RL
+# -------------------------------------------------------------------------- the loop really does RL
 P = 3  # prompts per step of the traced runs (G = 4)
 
 
 @pytest.fixture(scope="module")
 def traced_run(out_dir):
-    """Two RL steps of a recipe with the loop's data recorded: the Setup object, every training rollout,
-    the problems scored, and what reached the loss (advantages, log-probs before the step). P != G, so
-    that grouping by the wrong one of the two shows."""
+    """Two RL steps of a recipe with the loop's data recorded: the Setup object, every training
+    rollout, the problems scored, and what reached the loss (advantages, log-probs before the step).
+    P != G, so that grouping by the wrong one of the two shows."""
 
     def trace(recipe):
         record = {"steps": []}
@@ -884,8 +894,9 @@ def test_after_the_steps_the_rollout_holds_the_requantized_trainer_weights(trace
 
 
 def expected_advantages(s, step):
-    """The oracle: rewards recomputed from the rollout's own tokens, normalized within each prompt's G
-    samples (rows p*G .. p*G+G-1) in float64 -> (advantages (N,), number of groups with a reward spread)."""
+    """The oracle: rewards recomputed from the rollout's own tokens, normalized within each prompt's
+    G samples (rows p*G .. p*G+G-1) in float64 -> (advantages (N,), number of groups with a reward
+    spread)."""
     G = TINY["group_size"]
     out, problems = step["out"], step["problems"]
     assert [s.tokenizer.encode(problems[p].prompt) for p in range(P)] == step["prompts"]
@@ -920,8 +931,9 @@ def test_the_loss_gets_group_advantages_of_the_rewards_of_the_sampled_completion
 
 @pytest.mark.slow
 def test_a_step_raises_the_advantage_weighted_logprob_of_the_sampled_tokens(traced_run):
-    """The policy-gradient direction end to end: sum_i A_i * sum_t log p(token) over step 1's completions,
-    A from the oracle, is higher under the weights after step 1 than under the ones that sampled."""
+    """The policy-gradient direction end to end: sum_i A_i * sum_t log p(token) over step 1's
+    completions, A from the oracle, is higher under the weights after step 1 than under the ones
+    that sampled."""
     s, (first, second) = traced_run["nvfp4"]["setup"], traced_run["nvfp4"]["steps"]
     advantages, _ = expected_advantages(s, first)
     seq, model = first["out"].sequences(), copy.deepcopy(s.trainer)
@@ -938,10 +950,10 @@ def test_a_step_raises_the_advantage_weighted_logprob_of_the_sampled_tokens(trac
     assert after > before + 1e-4 * abs(before)
 
 
-# ----------------------------------------------------------------------------- mini-batches, MIPU, the audit
+# -------------------------------------------------------------------- mini-batches, MIPU, the audit
 def update_fixture(**overrides):
-    """A random tiny QAT trainer, one batch its NVFP4 rollout sampled (4 prompts x 4 samples), advantages of
-    both signs, and the run's AdamW."""
+    """A random tiny QAT trainer, one batch its NVFP4 rollout sampled (4 prompts x 4 samples),
+    advantages of both signs, and the run's AdamW."""
     cfg = tiny_config("unused", recipe="quads", lr=1e-2, **overrides)
     task = train.build_task(cfg)
     model, tokenizer = train.build_model(cfg, task)
@@ -965,7 +977,8 @@ def test_one_minibatch_is_the_plain_on_policy_update_bit_for_bit():
     old, _, stats = train.policy_update(
         cfg, trainer, adamw(cfg, trainer), seq, advantages, shuffle_seed=0
     )
-    # the update before mini-batches existed: one forward, old = its own detached log-probs, one step
+    # the update before mini-batches existed: one forward, old = its own detached log-probs, one
+    # step
     optimizer = adamw(cfg, reference)
     logp = grpo.token_logprobs(reference(seq.tokens)[:, :-1].float(), seq.tokens[:, 1:])
     loss, _ = grpo.policy_loss(
@@ -1062,7 +1075,8 @@ def test_on_policy_runs_log_no_ratio_statistics(recipe_runs):
 @pytest.mark.parametrize("proxy", [-1.0, 1.0])
 def test_mipu_keeps_an_accepted_candidate_and_restores_a_rejected_one(out_dir, monkeypatch, proxy):
     monkeypatch.setattr(train.grpo, "mipu_proxy", lambda *args: proxy)
-    # the short warm-start rarely solves a problem: advantages of both signs, so that every update moves
+    # the short warm-start rarely solves a problem: advantages of both signs, so that every update
+    # moves
     generator = torch.Generator().manual_seed(0)
     monkeypatch.setattr(
         train.grpo,
@@ -1108,8 +1122,9 @@ def test_minibatches_and_mipu_name_the_run():
 
 @pytest.mark.slow
 def test_row_scales_let_a_symmetric_trainer_round_each_token_as_its_rollout_did(out_dir):
-    # the trainer quantizes the whole batch at once, the rollout one decode step of it at a time: with one
-    # global scale per tensor their roundings differ, with one per row they are the same function of the row
+    # the trainer quantizes the whole batch at once, the rollout one decode step of it at a time:
+    # with one global scale per tensor their roundings differ, with one per row they are the same
+    # function of the row
     gap = {
         act_scale: read_metrics(
             train.run(
@@ -1130,7 +1145,7 @@ def test_row_scales_let_a_symmetric_trainer_round_each_token_as_its_rollout_did(
     assert gap["tensor"] > 1e-3 and gap["row"] < 1e-5
 
 
-# --------------------------------------------------------------------------- torchrun (gloo, 2 CPU processes)
+# ----------------------------------------------------------------- torchrun (gloo, 2 CPU processes)
 TORCHRUN_ARGS = [
     "--recipe",
     "bf16",
@@ -1197,7 +1212,8 @@ def _train_py(out_dir, *extra, nproc=0):
 
 
 def _same_run(a, b, steps, rel=1e-5, weight_atol=1e-5):
-    """Metrics of the steps in `steps` and the final weights agree to fp32 reduction-order tolerance."""
+    """Metrics of the steps in `steps` and the final weights agree to fp32 reduction-order
+    tolerance."""
     ma = {r["step"]: r for r in read_metrics(a)}
     mb = {r["step"]: r for r in read_metrics(b)}
     for step in steps:
@@ -1215,7 +1231,8 @@ def _same_run(a, b, steps, rel=1e-5, weight_atol=1e-5):
 
 @pytest.fixture(scope="module")
 def single_process_run(tmp_path_factory):
-    """The reference: one process, 3 steps of 5 prompts x 4 samples; its warm-start cache is reused."""
+    """The reference: one process, 3 steps of 5 prompts x 4 samples; its warm-start cache is
+    reused."""
     out = tmp_path_factory.mktemp("single")
     run_dir = _train_py(out, "--steps", "3")
     assert any(
@@ -1234,8 +1251,8 @@ def _with_warmstart(single_out, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_ranks_give_the_single_process_run(single_process_run, tmp_path, mode):
-    """Same global batch (5 groups: shards of 3 and 2, so the token-mean loss must be weighted right):
-    same rewards, losses, gradient norms, pass@1 and final weights as one process."""
+    """Same global batch (5 groups: shards of 3 and 2, so the token-mean loss must be weighted
+    right): same rewards, losses, gradient norms, pass@1 and final weights as one process."""
     single_out, single_dir = single_process_run
     extra = ["--fsdp"] if mode == "fsdp" else []
     run_dir = _train_py(_with_warmstart(single_out, tmp_path), "--steps", "3", *extra, nproc=2)
@@ -1253,8 +1270,8 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(single_process_run, tmp_pa
 
 @pytest.mark.slow
 def test_two_ranks_take_the_single_process_mipu_decisions(single_process_run, tmp_path):
-    """MIPU accepts or rejects on the whole batch's proxy: with each rank deciding on its own rows the
-    ranks' weights would part ways (and differ from one process's)."""
+    """MIPU accepts or rejects on the whole batch's proxy: with each rank deciding on its own rows
+    the ranks' weights would part ways (and differ from one process's)."""
     single_out, _ = single_process_run
     one = _train_py(_with_warmstart(single_out, tmp_path / "one"), "--steps", "3", "--mipu")
     two = _train_py(
@@ -1275,7 +1292,7 @@ def test_two_ranks_take_the_single_process_mipu_decisions(single_process_run, tm
     _same_run(one, two, steps=(0, 1, 2, 3), rel=1e-4, weight_atol=3e-4)
 
 
-# ============================================================================ the starting policy (warm-start)
+# ================================================================= the starting policy (warm-start)
 def warmstart_config(out_dir, **overrides):
     return train.TrainConfig(
         **{
@@ -1293,7 +1310,8 @@ def warmstart_config(out_dir, **overrides):
 
 
 def demonstration_loss(cfg, model, task, tokenizer):
-    """Mean negative log-prob of 64 fixed demonstrations' completion + EOS tokens (the oracle: a loop)."""
+    """Mean negative log-prob of 64 fixed demonstrations' completion + EOS tokens (the oracle: a
+    loop)."""
     import random
 
     rng, total, count = random.Random(123), 0.0, 0
@@ -1392,7 +1410,7 @@ def test_a_model_that_cannot_be_loaded_is_one_line_naming_the_flag(tmp_path):
     assert str(error.value).startswith(f"argument --model: cannot load {tmp_path} (the directory)")
 
 
-# ============================================================================ trace: the rollout's record
+# ====================================================================== trace: the rollout's record
 def test_the_rollout_records_only_when_handed_a_recorder_and_the_trainer_takes_the_codes():
     torch.manual_seed(0)
     model = moe.MoETransformer(moe.MoEConfig.from_preset("tiny"))
@@ -1424,9 +1442,9 @@ def test_the_rollout_records_only_when_handed_a_recorder_and_the_trainer_takes_t
 
 
 def test_trace_with_row_scales_keeps_its_first_steps_gap_over_later_rollouts(tmp_path):
-    """With one activation scale per row, TRACE's trainer rounds every completion token as its rollout
-    did, so the gap stays at fp32 order on every step, not only the first (each rollout records with
-    the run's act_scale)."""
+    """With one activation scale per row, TRACE's trainer rounds every completion token as its
+    rollout did, so the gap stays at fp32 order on every step, not only the first (each rollout
+    records with the run's act_scale)."""
     cfg = tiny_config(
         tmp_path, recipe="trace", act_scale="row", steps=4, warmstart_steps=20, eval_every=100
     )
@@ -1441,8 +1459,9 @@ def test_trace_with_row_scales_keeps_its_first_steps_gap_over_later_rollouts(tmp
 def test_moeresq_with_mipu_scores_the_trainer_with_the_masks_that_sampled_the_batch(
     tmp_path, monkeypatch
 ):
-    """The trainer forwards of a step (the update, then MIPU's trainer proxy after the sync) take the
-    RAC masks of the rollout that sampled the batch, though the sync recalibrates the rollout's own."""
+    """The trainer forwards of a step (the update, then MIPU's trainer proxy after the sync) take
+    the RAC masks of the rollout that sampled the batch, though the sync recalibrates the rollout's
+    own."""
     seen = []
     original = train.trainer_logprobs
 

@@ -44,7 +44,6 @@ import torch  # noqa: E402
 
 import grpo  # noqa: E402
 import nvfp4  # noqa: E402
-import qat  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 from tools import runs  # noqa: E402
@@ -121,17 +120,15 @@ def audit(
         recipe, _, scale = spec.partition("+")
         cfg = dataclasses.replace(cfg, recipe=recipe, act_scale=scale or "tensor", run_name="audit")
         rac_ratio = cfg.rac_ratio if train.RECIPES[recipe][2] else 0.0
-        rollout_model, trainer, recorder = train.build_recipe(
-            cfg, copy.deepcopy(model), recipe, rac_ratio
-        )
+        rollout_model, trainer = train.build_recipe(cfg, copy.deepcopy(model), recipe, rac_ratio)
         if rac_ratio > 0:
             train.rac.calibrate_rac(rollout_model, calib_tokens)
-        record = (
-            (lambda m=rollout_model: train.rac.recording(m, recorder.record)) if recorder else None
-        )
-        out = sample_batch(cfg, rollout_model, task, tokenizer, batch, cuda_graph, record)
-        codes = qat.recorded_codes(recorder, out) if recorder is not None else None
-        shared = train.shared_state(rollout_model, train.RECIPES[recipe][0], codes)
+        recorder = train.rollout_recorder(cfg, rollout_model)
+        hand_offs = None
+        if recorder is not None:
+            hand_offs = recorder.hand_offs()
+        out = sample_batch(cfg, rollout_model, task, tokenizer, batch, cuda_graph, hand_offs)
+        rollout_share = train.share_of_rollout(cfg, rollout_model, out, recorder)
         seq = out.sequences()
         mask = seq.loss_mask[:, 1:]
         recorded = seq.logprobs[:, 1:]  # A
@@ -139,7 +136,7 @@ def audit(
             rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:] for _ in range(2)
         )  # B, B'
         with torch.no_grad():
-            trainer_logp, _ = train.trainer_logprobs(cfg, trainer, seq, shared)  # C
+            trainer_logp, _ = train.trainer_logprobs(cfg, trainer, seq, rollout_share)  # C
         name = spec + (f" (batch {batch + 1})" if batches > 1 else "")
         results[name] = {
             "tokens": int(mask.sum()),
@@ -197,7 +194,7 @@ def audit(
     return md_path
 
 
-def sample_batch(cfg, rollout_model, task, tokenizer, batch, cuda_graph, decode_context=None):
+def sample_batch(cfg, rollout_model, task, tokenizer, batch, cuda_graph, decode_hand_offs=None):
     """The rollout of audit batch `batch`: its own prompts and sampling seed, the same for every recipe."""
     problems = task.sample(cfg.prompts_per_step, "train", random.Random(cfg.seed + 4242 + batch))
     return rollout.generate(
@@ -210,7 +207,7 @@ def sample_batch(cfg, rollout_model, task, tokenizer, batch, cuda_graph, decode_
         pad_id=tokenizer.pad_id,
         seed=cfg.seed + 4242 + batch,
         cuda_graph=cuda_graph,
-        decode_context=decode_context,
+        decode_hand_offs=decode_hand_offs,
     )
 
 
@@ -237,19 +234,27 @@ def outlier_stats(x):
     }
 
 
+class InputCapture:
+    """Keeps the first input each NVFP4 layer quantizes, unquantized: a recorder for
+    rac.record_slots, {(layer path, number of layers reading it): x (M, K)}."""
+
+    def __init__(self):
+        self.inputs = {}
+
+    def record(self, paths, index, x, routes=None):
+        name = paths[0] + ("", " (down)")[index]
+        self.inputs.setdefault((name, len(paths)), x.detach().reshape(-1, x.shape[-1]).clone())
+
+
 def outlier_report(cfg, model, task, tokenizer, ckpt_path, step, out_dir, cuda_graph):
     """The inputs of the checkpoint's NVFP4 rollout (no RAC) on one batch it sampled -> outliers.md."""
     rollout_model = train.rac.convert_for_rollout(model, "nvfp4")
     out = sample_batch(cfg, rollout_model, task, tokenizer, 0, cuda_graph)
-    inputs = {}  # (layer paths, index) -> x of the prefill
-    with train.rac.recording(
-        rollout_model,
-        lambda paths, index, x, routes: inputs.setdefault(
-            (paths[0] + ("", " (down)")[index], len(paths)),
-            x.detach().reshape(-1, x.shape[-1]).clone(),
-        ),
-    ):
-        rollout.score(rollout_model, out.sequences().tokens, cfg.temperature)
+    inputs = InputCapture()  # (layer path, readers) -> x of one prefill
+    with torch.no_grad():
+        hand_offs = train.rac.record_slots(rollout_model, inputs)
+        rollout_model(out.sequences().tokens, hand_offs=hand_offs)
+    inputs = inputs.inputs
     stats = {
         f"{path}" + (f" (+{n - 1} sharing it)" if n > 1 else ""): outlier_stats(x)
         for (path, n), x in inputs.items()

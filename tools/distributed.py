@@ -1,17 +1,17 @@
 """Scale-out under torchrun: one process per GPU, SPMD and colocated.
 
-Every rank holds a rollout model and a trainer, samples and scores its share of each step's prompts (whole
-GRPO groups) and computes its share of the loss. A rank's loss is (sum of its tokens' losses) / (tokens of
-the whole batch) * world_size, so that DDP's gradient average is exactly the single-process gradient of
-the whole batch; the sampling noise follows each row's id in the whole batch (rollout.py), so the ranks
-sample exactly the rollouts one process would. Metrics come from the per-token tensors gathered from every
-rank: the same numbers as one process. Only rank 0 writes files and draws the progress bar. With --fsdp
-the trainer is sharded per transformer block (FSDP2's fully_shard) instead of copied whole (DDP).
+Every rank holds a rollout model and a trainer, samples and scores its share of each step's prompts
+(whole GRPO groups) and computes its share of the loss. A rank's loss is (sum of its tokens' losses)
+/ (tokens of the whole batch) * world_size, so that DDP's gradient average is exactly the
+single-process gradient of the whole batch; the sampling noise follows each row's id in the whole
+batch (rollout.py), so the ranks sample exactly the rollouts one process would. Metrics come from
+the per-token tensors gathered from every rank: the same numbers as one process. Only rank 0 writes
+files and draws the progress bar. With --fsdp the trainer is sharded per transformer block (FSDP2's
+fully_shard) instead of copied whole (DDP).
 
-Without torchrun `init_distributed` returns SINGLE and every helper here is the identity (or a no-op):
-train.py reads the same with one process or many. Beyond one node the same script runs under
-`torchrun --nnodes`; nothing here is a home-made communication layer.
-"""
+Without torchrun `init_distributed` returns SINGLE and every helper here is the identity (or a
+no-op): train.py reads the same with one process or many. Beyond one node the same script runs under
+`torchrun --nnodes`; nothing here is a home-made communication layer."""
 
 import contextlib
 import math
@@ -46,8 +46,8 @@ SINGLE = Distributed()
 
 
 def init_distributed(cfg):
-    """Under torchrun (RANK and WORLD_SIZE set): join the process group (NCCL on GPUs, gloo on CPUs) and
-    take this rank's GPU. Without torchrun: the single process, nothing initialized."""
+    """Under torchrun (RANK and WORLD_SIZE set): join the process group (NCCL on GPUs, gloo on CPUs)
+    and take this rank's GPU. Without torchrun: the single process, nothing initialized."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return SINGLE
     if not dist.is_initialized():
@@ -59,15 +59,17 @@ def init_distributed(cfg):
 
 
 def shard(n, ranks):
-    """This rank's contiguous share [start, stop) of n items (the first n % world ranks take one more)."""
+    """This rank's contiguous share [start, stop) of n items (the first n % world ranks take one
+    more)."""
     per, extra = divmod(n, ranks.world_size)
     start = ranks.rank * per + min(ranks.rank, extra)
     return start, start + per + (ranks.rank < extra)
 
 
 def gather_rows(x, ranks, fill=0):
-    """Concatenate every rank's rows (N_r, T_r, ...) in rank order, padding dim 1 to the widest with `fill`.
-    (Collectives want one shape on every rank: rows are padded too, and the padding dropped again.)"""
+    """Concatenate every rank's rows (N_r, T_r, ...) in rank order, padding dim 1 to the widest with
+    `fill`. (Collectives want one shape on every rank: rows are padded too, and the padding dropped
+    again.)"""
     if not ranks.enabled:
         return x
     shapes = [None] * ranks.world_size
@@ -96,8 +98,8 @@ def all_sum(values, ranks):
 
 
 def weighted_mean(values, weight, ranks, empty=math.nan):
-    """Each of `values` (this rank's means) averaged over the ranks, weighted by each rank's `weight` (its
-    tokens): one all-reduce; `empty` where no rank has any weight."""
+    """Each of `values` (this rank's means) averaged over the ranks, weighted by each rank's
+    `weight` (its tokens): one all-reduce; `empty` where no rank has any weight."""
     *sums, total = all_sum([v * weight for v in values] + [weight], ranks).tolist()
     return [v / total if total else empty for v in sums]
 
@@ -117,8 +119,8 @@ def barrier(ranks):
 
 @contextlib.contextmanager
 def rank0_first(ranks):
-    """Rank 0 runs the block first, the others after it (e.g. rank 0 computes the warm-start and writes
-    its cache, the others load it)."""
+    """Rank 0 runs the block first, the others after it (e.g. rank 0 computes the warm-start and
+    writes its cache, the others load it)."""
     if not ranks.main:
         barrier(ranks)
     yield
@@ -127,8 +129,9 @@ def rank0_first(ranks):
 
 
 def distribute_trainer(trainer, cfg, ranks):
-    """-> the module the loop calls: DDP(trainer) (gradients averaged across ranks), or with --fsdp the
-    trainer itself, sharded in place per transformer block and at the root (FSDP2's fully_shard)."""
+    """-> the module the loop calls: DDP(trainer) (gradients averaged across ranks), or with --fsdp
+    the trainer itself, sharded in place per transformer block and at the root (FSDP2's
+    fully_shard)."""
     if not ranks.enabled:
         return trainer
     if cfg.fsdp:
@@ -151,9 +154,10 @@ def sharded(trainer):
 
 @torch.no_grad()
 def sync_from_trainer(target, trainer):
-    """rac.sync_weights(target, trainer), also for an FSDP2-sharded trainer: then one block at a time is
-    gathered (unshard), re-quantized into the target and released (reshard), so the peak is the largest
-    block, never the whole model; the root's own parameters (embeddings, final norm, LM head) last."""
+    """rac.sync_weights(target, trainer), also for an FSDP2-sharded trainer: then one block at a
+    time is gathered (unshard), re-quantized into the target and released (reshard), so the peak is
+    the largest block, never the whole model; the root's own parameters (embeddings, final norm, LM
+    head) last."""
     if not sharded(trainer):
         rac.sync_weights(target, trainer)
         return
@@ -174,8 +178,9 @@ FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def trainer_state(trainer, optimizer):
-    """Whole (unsharded) state dicts keyed by parameter name, whatever the world size or sharding, so a
-    checkpoint resumes on any number of ranks. Collective under FSDP2: every rank must call it."""
+    """Whole (unsharded) state dicts keyed by parameter name, whatever the world size or sharding,
+    so a checkpoint resumes on any number of ranks. Collective under FSDP2: every rank must call
+    it."""
     return get_model_state_dict(trainer, options=FULL_STATE), get_optimizer_state_dict(
         trainer, optimizer, options=FULL_STATE
     )
@@ -192,8 +197,8 @@ MIN_STATS, MAX_STATS = ("ratio/min",), ("ratio/max",)
 
 
 def reduce_stats(stats, weight, ranks):
-    """A rank's token-mean statistics -> those of all ranks' tokens (weight: this rank's share of them);
-    MIN_STATS / MAX_STATS -> the extreme over ranks."""
+    """A rank's token-mean statistics -> those of all ranks' tokens (weight: this rank's share of
+    them); MIN_STATS / MAX_STATS -> the extreme over ranks."""
     keys, device = list(stats), _collective_device(ranks)
     values = torch.stack([stats[key].detach().float().reshape(()) for key in keys]).to(device)
     extreme = torch.tensor([key in MIN_STATS or key in MAX_STATS for key in keys], device=device)
@@ -206,8 +211,9 @@ def reduce_stats(stats, weight, ranks):
 
 
 def loss_share(loss, stats, mask, ranks):
-    """-> (the factor on this rank's mini-batch loss that makes DDP's gradient average the token mean of the
-    whole mini-batch, the statistics of the whole mini-batch with its "loss"). mask: this rank's tokens."""
+    """-> (the factor on this rank's mini-batch loss that makes DDP's gradient average the token
+    mean of the whole mini-batch, the statistics of the whole mini-batch with its "loss"). mask:
+    this rank's tokens."""
     if not ranks.enabled:
         return 1.0, {"loss": loss.detach(), **stats}
     tokens = mask.sum().item()
@@ -216,8 +222,8 @@ def loss_share(loss, stats, mask, ranks):
 
 
 def run_distributed(run, cfg, ranks):
-    """run(cfg, ranks=ranks) on every rank, then leave the process group (after a barrier: every rank done
-    with its collectives before the group goes, gloo aborts otherwise)."""
+    """run(cfg, ranks=ranks) on every rank, then leave the process group (after a barrier: every
+    rank done with its collectives before the group goes, gloo aborts otherwise)."""
     try:
         result = run(cfg, ranks=ranks)
         dist.barrier()

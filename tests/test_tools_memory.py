@@ -8,7 +8,7 @@ import torch
 from conftest import raises_one_line
 
 import moe
-import qat
+import symmetric
 import rac
 from tools import memory
 
@@ -226,8 +226,9 @@ def test_max_layers_is_the_last_that_fits():
     assert memory.max_layers(CONFIG, layout, 1.0) == 0
 
 
-def test_modes_are_rac_and_qat_modes():
-    assert tuple(memory.ROLLOUT_BYTES) == rac.MODES and memory.TRAINER_MODES == qat.MODES
+def test_modes_are_rac_and_the_trainers_modes():
+    assert tuple(memory.ROLLOUT_BYTES) == rac.MODES
+    assert memory.TRAINER_MODES == ("bf16", "qat") + symmetric.MODES
 
 
 @pytest.mark.parametrize(

@@ -87,7 +87,8 @@ ROLLOUT_BYTES = {
     "w4a16": 0.5625,
     "w16a4": 0.5625 + 4.0,  # the reference path keeps the FP32 weight beside the codes
 }
-TRAINER_MODES = ("bf16", "qat", "w4a4", "moeresq", "trace")  # qat.MODES: all but bf16 fake-quantize
+# train.RECIPES' trainer modes (qat.py, symmetric.MODES): all but bf16 fake-quantize their weights
+TRAINER_MODES = ("bf16", "qat", "w4a4", "moeresq", "trace")
 # train.py's flags that make a plan smaller, in the order a suggestion names them
 FLAG_FSDP = "--fsdp"
 FLAG_CHECKPOINT = "--grad-checkpoint"
@@ -105,7 +106,7 @@ class Layout:
     completion_tokens: int = 1024  # the longest completion (--max-new-tokens)
     # the rollout's layers: a key of ROLLOUT_BYTES (rac.py's modes)
     rollout_precision: str = "nvfp4"
-    trainer_mode: str = "bf16"  # qat.py's mode; all but bf16 hold fake-quantized weights
+    trainer_mode: str = "bf16"  # the trainer's mode; all but bf16 hold fake-quantized weights
     world_size: int = 1  # ranks (GPUs) under torchrun
     fsdp: bool = False  # the trainer sharded over the ranks (FSDP2) instead of copied (DDP)
     grad_checkpoint: bool = False  # blocks recomputed in the backward instead of saved

@@ -54,6 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 # triton ships with CUDA builds of torch on Linux; without it the plain twins run
 try:
@@ -589,6 +590,16 @@ class Block(nn.Module):
         return x + moe_out, routes
 
 
+# fp32 logits of one log-prob chunk: at most this many entries (256 MB)
+LOGPROB_CHUNK_ELEMENTS = 2**26
+
+
+def logprob_chunk_tokens(vocab_size: int) -> int:
+    """Positions per chunk of token_logprobs: 441 at Qwen3's vocabulary of 151,936, every position
+    at once for the small presets' vocabularies."""
+    return max(1, LOGPROB_CHUNK_ELEMENTS // vocab_size)
+
+
 class MoETransformer(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -632,6 +643,9 @@ class MoETransformer(nn.Module):
         forced_routes: Tensor | None = None,
         return_routes: bool = False,
         hand_offs: dict | None = None,
+        targets: Tensor | None = None,
+        temperature: float = 1.0,
+        grad_checkpoint: bool = False,
     ):
         """tokens (B, T) int64 -> logits (B, T, V) in the model's dtype (upcast before a
         log-softmax).
@@ -647,6 +661,11 @@ class MoETransformer(nn.Module):
             input (a symmetric trainer's share of the rollout, a rollout's recorder, both met
             later); the layer at a path named here is called layer(x, hand_offs[path]), every other
             layer(x). Paths are named_modules'.
+        targets (B, T) int64: return the log-probs of these tokens instead of the logits, (B, T)
+            fp32, of logits / temperature, computed LOGPROB_CHUNK_ELEMENTS entries at a time
+            (token_logprobs): the full-vocabulary fp32 logits never exist at once.
+        grad_checkpoint: keep only each block's input for the backward and recompute the block
+            there (activation checkpointing); the gradients are those of the plain forward.
         """
         c = self.config
         check(
@@ -694,10 +713,56 @@ class MoETransformer(nn.Module):
         for i, layer in enumerate(self.layers):
             layer_hand_offs = hand_offs_below(hand_offs, f"layers.{i}.")
             forced = forced_per_layer[i]
-            x, layer_routes = layer(x, cos, sin, attn_mask, kv_cache, forced, layer_hand_offs)
+            block_inputs = (x, cos, sin, attn_mask, kv_cache, forced, layer_hand_offs)
+            if grad_checkpoint and torch.is_grad_enabled():
+                x, layer_routes = checkpoint(layer, *block_inputs, use_reentrant=False)
+            else:
+                x, layer_routes = layer(*block_inputs)
             routes.append(layer_routes)  # (B, T, A)
-        logits = call_layer(self.lm_head, hand_offs, "lm_head", self.norm(x))  # (B, T, V)
-        return (logits, torch.stack(routes)) if return_routes else logits
+        hidden = self.norm(x)  # (B, T, D)
+        if targets is not None:
+            out = self.token_logprobs(hidden, targets, temperature, hand_offs)  # (B, T) fp32
+        else:
+            out = call_layer(self.lm_head, hand_offs, "lm_head", hidden)  # (B, T, V)
+        if return_routes:
+            return out, torch.stack(routes)
+        return out
+
+    def token_logprobs(
+        self, hidden: Tensor, targets: Tensor, temperature: float = 1.0, hand_offs=None
+    ) -> Tensor:
+        """log softmax(lm_head(hidden) / temperature)[target], (B, T) fp32, from hidden (B, T, D).
+
+        The positions are taken logprob_chunk_tokens(V) at a time, so one chunk's fp32 logits are
+        the most that exists; with a gradient each chunk is recomputed in the backward (checkpoint),
+        so the chunks' logits are not kept for it either. Each token's value is its own row's
+        logit minus its row's logsumexp: the same as on the whole tensor."""
+        B, T, D = hidden.shape
+        check(
+            targets.shape == (B, T),
+            f"targets must have the shape of tokens {(B, T)}, got {tuple(targets.shape)}",
+        )
+        flat_hidden = hidden.reshape(B * T, D)
+        flat_targets = targets.reshape(B * T)
+        chunk = logprob_chunk_tokens(self.config.vocab_size)
+        pieces = []
+        for start in range(0, B * T, chunk):
+            rows = (flat_hidden[start : start + chunk], flat_targets[start : start + chunk])
+            if B * T > chunk and torch.is_grad_enabled():
+                piece = checkpoint(
+                    self._chunk_logprobs, *rows, temperature, hand_offs, use_reentrant=False
+                )
+            else:
+                piece = self._chunk_logprobs(*rows, temperature, hand_offs)
+            pieces.append(piece)
+        return torch.cat(pieces).view(B, T)
+
+    def _chunk_logprobs(self, hidden, targets, temperature, hand_offs):
+        """(n, D), (n,) -> (n,) fp32: one chunk's log-probs (token_logprobs)."""
+        logits = call_layer(self.lm_head, hand_offs, "lm_head", hidden)  # (n, V)
+        logits = logits.float() / max(temperature, 1e-6)
+        chosen = logits.gather(-1, targets[:, None]).squeeze(-1)
+        return chosen - logits.logsumexp(-1)
 
 
 def swappable_layers(model: nn.Module, include_router: bool = False, include_lm_head: bool = False):

@@ -58,6 +58,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 import grpo
@@ -68,7 +69,7 @@ import rac
 import rollout
 import symmetric
 import tasks
-from tools import distributed, runs
+from tools import distributed, memory, runs
 from tools.distributed import SINGLE
 from tools.runs import (
     ConfigError,
@@ -137,6 +138,9 @@ class TrainConfig:
     clip_high: float = 0.28  # PPO ratio clip above 1 + clip_high (clip-higher, as in DAPO)
     grad_clip: float = 1.0  # max global gradient norm
     minibatches: int = 1  # optimizer steps per rollout batch, each on a shuffled 1/N of its rows
+    micro_batch: int = 0  # rows per forward/backward, gradients accumulated (0 = a mini-batch)
+    grad_checkpoint: bool = False  # recompute each block in the backward (activation checkpointing)
+    memory_check: bool = True  # GPU: refuse a run whose memory plan does not fit (tools/memory.py)
     mipu: bool = False  # MIPU: ratios against the rollout; keep an update only if it improves
     warmstart_steps: int | None = None  # supervised steps (default 300 on CPU, 1500 on GPU)
     warmstart_batch: int = 64  # demonstrations per warm-start step
@@ -175,14 +179,19 @@ class TrainConfig:
                 setattr(self, name, default)
         self.eval_every = max(1, self.steps // 5) if self.eval_every is None else self.eval_every
         runs.require(
+            runs.is_int(self.micro_batch) and self.micro_batch >= 0,
+            "micro-batch",
+            self.micro_batch,
+            "must be an integer >= 0 (0: a whole mini-batch at once)",
+        )
+        runs.require(
             self.minibatches <= self.prompts_per_step * self.group_size,
             "minibatches",
             self.minibatches,
             f"must be at most prompts x group size = {self.prompts_per_step * self.group_size}",
         )
-        world = int(
-            os.environ.get("WORLD_SIZE", 1)
-        )  # torchrun: each rank needs rows for every mini-batch
+        # torchrun: each rank needs rows for every mini-batch
+        world = int(os.environ.get("WORLD_SIZE", 1))
         runs.require(
             self.prompts_per_step // world * self.group_size >= self.minibatches,
             "prompts-per-step",
@@ -320,8 +329,10 @@ def warmstart(cfg, model, task, tokenizer):
         )
         tokens, target_mask = tokens.to(cfg.device), target_mask.to(cfg.device)
         with autocast(cfg):
-            logits = model(tokens[:, :-1])
-        logp = grpo.token_logprobs(logits.float(), tokens[:, 1:])  # (N, W-1)
+            # the targets' log-probs, a chunk of positions at a time (moe.py): (N, W-1) fp32
+            logp = model(
+                tokens[:, :-1], targets=tokens[:, 1:], grad_checkpoint=cfg.grad_checkpoint
+            )
         mask = target_mask[:, 1:]
         loss = -(logp * mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)
@@ -403,10 +414,14 @@ def trainer_logprobs(cfg, trainer, seq, share=None, rows=slice(None)):
     """The trainer's log-probs of the sampled tokens of `rows`, tempered as the rollout sampled
     them: (n, W-1) fp32, aligned with seq.logprobs[:, 1:]; and the experts it chose, (L, n, W, A).
 
-    With --r3 the trainer replays the rollout's routes (forced_routes). share: what a symmetric
-    trainer takes from the rollout (symmetric.RolloutShare, or None), handed to its layers as
-    arguments of this forward (moe.py's hand_offs)."""
+    The model returns the log-probs of its targets rather than its logits (moe.py computes them a
+    chunk of positions at a time: the fp32 logits of the whole batch never exist at once); the last
+    column has no target. With --r3 the trainer replays the rollout's routes (forced_routes); with
+    --grad-checkpoint each block is recomputed in the backward. share: what a symmetric trainer
+    takes from the rollout (symmetric.RolloutShare, or None), handed to its layers as arguments of
+    this forward (moe.py's hand_offs)."""
     tokens = seq.tokens[rows]
+    targets = F.pad(tokens[:, 1:], (0, 1))  # (n, W): the next token; the last column has none
     forced_routes = None
     if cfg.r3:
         forced_routes = seq.routes[:, rows]
@@ -417,11 +432,27 @@ def trainer_logprobs(cfg, trainer, seq, share=None, rows=slice(None)):
         model = getattr(trainer, "module", trainer)  # DDP wraps the trainer; paths are the model's
         hand_offs = share.hand_offs(model)
     with autocast(cfg):
-        logits, routes = trainer(
-            tokens, forced_routes=forced_routes, return_routes=True, hand_offs=hand_offs
+        logprobs, routes = trainer(
+            tokens,
+            forced_routes=forced_routes,
+            return_routes=True,
+            hand_offs=hand_offs,
+            targets=targets,
+            temperature=cfg.temperature,
+            grad_checkpoint=cfg.grad_checkpoint,
         )
-    logits = logits[:, :-1].float() / max(cfg.temperature, 1e-6)
-    return grpo.token_logprobs(logits, tokens[:, 1:]), routes
+    return logprobs[:, :-1], routes
+
+
+def micro_batches(rows, n_rows, size):
+    """The rows of one mini-batch (a slice of all n_rows, or an index tensor) in pieces of at most
+    `size` rows for gradient accumulation; [rows] itself when it fits (size 0: no limit)."""
+    index = rows
+    if isinstance(rows, slice):
+        index = torch.arange(n_rows)
+    if size == 0 or len(index) <= size:
+        return [rows]
+    return list(index.split(size))
 
 
 def policy_update(
@@ -435,44 +466,69 @@ def policy_update(
     with the gradient). With one mini-batch, old is that forward, detached: the on-policy update.
     The ratio is new / old (new / rollout with --mipu); a mini-batch's loss is normalized by its
     valid tokens (DAPO), a rank's weighted by its share of them (tools/distributed.py).
+
+    --micro-batch R: a mini-batch's forward and backward run R rows at a time, each piece's loss
+    normalized by the whole mini-batch's tokens, so the accumulated gradient is the whole
+    mini-batch's (to fp32 summation order) and the optimizer still steps once per mini-batch.
     rollout_share: what a symmetric trainer takes from the rollout (trainer_logprobs). Returns old
     (N, W-1), the trainer's routes under the sampling weights (L, N, W, A) and per mini-batch a dict
     of floats (loss, grad_norm and grpo.policy_loss's statistics)."""
     mask = seq.loss_mask[:, 1:]
     rollout_logp = seq.logprobs[:, 1:]
+    n_rows = seq.tokens.shape[0]
     minibatches = [slice(None)]
     if cfg.minibatches > 1:
         with torch.no_grad():
-            old_logp, old_routes = trainer_logprobs(cfg, trainer, seq, rollout_share)
+            old_logp, old_routes = no_grad_logprobs(cfg, trainer, seq, rollout_share)
         generator = torch.Generator().manual_seed(shuffle_seed + 7919 * ranks.rank)
-        order = torch.randperm(seq.tokens.shape[0], generator=generator).to(seq.tokens.device)
+        order = torch.randperm(n_rows, generator=generator).to(seq.tokens.device)
         minibatches = order.chunk(cfg.minibatches)
     minibatch_stats = []
     for rows in minibatches:
-        new_logp, routes = trainer_logprobs(cfg, trainer, seq, rollout_share, rows)
-        if cfg.minibatches == 1:
-            old_logp = new_logp.detach()
-            old_routes = routes
-        reference = old_logp
-        if cfg.mipu:
-            reference = rollout_logp
-        loss, stats = grpo.policy_loss(
-            new_logp,
-            reference[rows],
-            advantages[rows],
-            mask[rows],
-            cfg.clip_low,
-            cfg.clip_high,
-            rollout_logprobs=rollout_logp[rows],
-            tis_cap=cfg.tis or None,
-        )
-        # any rank's non-finite loss stops every rank
-        not_finite = 0.0 if torch.isfinite(loss) else 1.0
-        if distributed.all_sum([not_finite], ranks)[0] > 0:
-            raise FloatingPointError(f"non-finite loss ({loss.item()})")
-        loss_weight, stats = distributed.loss_share(loss, stats, mask[rows], ranks)
+        pieces = micro_batches(rows, n_rows, cfg.micro_batch)
+        # DAPO's denominator: the mini-batch's valid tokens, also when it runs in pieces
+        tokens = None
+        if len(pieces) > 1:
+            tokens = mask[rows].sum().item()
+        loss_weight = distributed.token_share(mask[rows], ranks)
         optimizer.zero_grad(set_to_none=True)
-        (loss * loss_weight).backward()
+        stats = {}
+        for piece in pieces:
+            new_logp, routes = trainer_logprobs(cfg, trainer, seq, rollout_share, piece)
+            if cfg.minibatches == 1 and len(pieces) == 1:
+                old_logp = new_logp.detach()
+                old_routes = routes
+            elif cfg.minibatches == 1:
+                if piece is pieces[0]:
+                    old_logp = torch.empty_like(rollout_logp)
+                    old_routes = routes.new_empty(routes.shape[0], n_rows, *routes.shape[2:])
+                old_logp[piece] = new_logp.detach()
+                old_routes[:, piece] = routes
+            reference = old_logp
+            if cfg.mipu:
+                reference = rollout_logp
+            loss, piece_stats = grpo.policy_loss(
+                new_logp,
+                reference[piece],
+                advantages[piece],
+                mask[piece],
+                cfg.clip_low,
+                cfg.clip_high,
+                rollout_logprobs=rollout_logp[piece],
+                tis_cap=cfg.tis or None,
+                num_valid_tokens=tokens,
+            )
+            # any rank's non-finite loss stops every rank
+            not_finite = 0.0 if torch.isfinite(loss) else 1.0
+            if distributed.all_sum([not_finite], ranks)[0] > 0:
+                raise FloatingPointError(f"non-finite loss ({loss.item()})")
+            (loss * loss_weight).backward()
+            fraction = 1.0
+            if tokens is not None:
+                fraction = mask[piece].sum().item() / max(tokens, 1)
+            accumulate_stats(stats, {"loss": loss.detach(), **piece_stats}, fraction)
+        if ranks.enabled:
+            stats = distributed.reduce_stats(stats, loss_weight / ranks.world_size, ranks)
         grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
@@ -487,6 +543,36 @@ def policy_update(
         rows_of_values.append(torch.stack(values))
     values = torch.stack(rows_of_values).tolist()
     return old_logp, old_routes, [dict(zip(minibatch_stats[0], row)) for row in values]
+
+
+def no_grad_logprobs(cfg, trainer, seq, rollout_share):
+    """trainer_logprobs of every row without a gradient, cfg.micro_batch rows at a time."""
+    pieces = micro_batches(slice(None), seq.tokens.shape[0], cfg.micro_batch)
+    results = [trainer_logprobs(cfg, trainer, seq, rollout_share, piece) for piece in pieces]
+    logp = torch.cat([logp for logp, _ in results])
+    routes = torch.cat([routes for _, routes in results], dim=1)
+    return logp, routes
+
+
+# statistics grpo.policy_loss already divides by the whole mini-batch's tokens (num_valid_tokens)
+SUMMED_STATS = ("loss", "pg_loss")
+
+
+def accumulate_stats(total, piece, fraction):
+    """Add one micro-batch's statistics to the mini-batch's: the loss terms (already over the
+    mini-batch's tokens) add up, a token mean over the piece's own tokens adds with its fraction of
+    the mini-batch's tokens, ratio/min and ratio/max take the extreme."""
+    for key, value in piece.items():
+        if key not in SUMMED_STATS and key not in distributed.MIN_STATS + distributed.MAX_STATS:
+            value = value * fraction
+        if key not in total:
+            total[key] = value
+        elif key in distributed.MIN_STATS:
+            total[key] = torch.minimum(total[key], value)
+        elif key in distributed.MAX_STATS:
+            total[key] = torch.maximum(total[key], value)
+        else:
+            total[key] = total[key] + value
 
 
 def update_metrics(cfg, minibatch_stats):
@@ -574,8 +660,11 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
     run directory is checked and the task and model are loaded: a run that cannot start leaves the
     disk as it was."""
     ckpt = ckpt if ckpt is not None else check_run_dir(cfg)
+    free_bytes = memory.free_memory(cfg.device)  # before this run's models take any
     task = build_task(cfg)
     model, tokenizer = build_model(cfg, task)
+    if free_bytes is not None:
+        check_memory_plan(cfg, task, model.config, free_bytes, ranks)
     prompt, completion = (
         getattr(task, "max_prompt_chars", 0),
         max_new_tokens(cfg, task),
@@ -651,6 +740,35 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
         s, s.start_step
     )  # the rollout starts from the trainer's weights (the checkpoint's, on resume)
     return s
+
+
+def check_memory_plan(cfg, task, model_config, free_bytes, ranks):
+    """Print what one GPU will hold during a step (tools/memory.py's plan: weights, gradients,
+    optimizer, rollout model, KV cache, activations, logits) beside its free memory; a plan that
+    does not fit is a ConfigError naming the flags that would make it fit (--no-memory-check skips
+    the refusal)."""
+    layout = memory.Layout(
+        prompts=cfg.prompts_per_step,
+        group_size=cfg.group_size,
+        # arith: a character a token; a task of a real tokenizer: a bound, not a measurement
+        prompt_tokens=getattr(task, "max_prompt_chars", 256),
+        completion_tokens=max_new_tokens(cfg, task),
+        rollout_precision=RECIPES[cfg.recipe][1],
+        trainer_mode=RECIPES[cfg.recipe][0],
+        world_size=ranks.world_size,
+        fsdp=cfg.fsdp,
+        grad_checkpoint=cfg.grad_checkpoint,
+        micro_batch=cfg.micro_batch,
+        minibatches=cfg.minibatches,
+        logprob_chunk=moe.logprob_chunk_tokens(model_config.vocab_size),
+        eval_prompts=cfg.eval_prompts,
+    )
+    plan = memory.plan(model_config, layout)
+    if ranks.main:
+        print("memory plan, one GPU:\n" + plan.table(free_bytes, cfg.grad_checkpoint))
+    problem = memory.fitting_flags(model_config, layout, free_bytes)
+    if problem is not None and cfg.memory_check:
+        raise ConfigError(f"{problem} (or --no-memory-check to try anyway)")
 
 
 def sync(s, step):
@@ -925,7 +1043,7 @@ def mipu_decide(s, step, seq, advantages, old_logp, rollout_share, before, accep
         mask,
     )
     with torch.no_grad():  # the same estimate for the trainer's policy: what the update believes
-        trainer_logp = trainer_logprobs(cfg, s.trainer, seq, rollout_share)[0]
+        trainer_logp = no_grad_logprobs(cfg, s.trainer, seq, rollout_share)[0]
     trainer_proxy = grpo.mipu_proxy(trainer_logp, old_logp, advantages, mask)
     if s.ranks.enabled:
         proxy, trainer_proxy = distributed.weighted_mean(

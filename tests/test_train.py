@@ -4,6 +4,7 @@ loss through the right groups, a step that raises the advantage-weighted log-pro
 sampled."""
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ import rac
 import rollout
 import symmetric
 import train
+from conftest import report_diff
 from tools import runs
 
 TINY = dict(
@@ -1495,3 +1497,142 @@ def test_moeresq_with_mipu_scores_the_trainer_with_the_masks_that_sampled_the_ba
                 for mask, sampled in zip(layer_masks, before[path]):
                     assert torch.equal(mask, sampled), path
     assert changed  # the recalibration did move the rollout's selection: the test can tell
+
+
+# -------------------------------------------------- real checkpoints: memory-saving paths, exact
+def symmetric_fixture(mode, **overrides):
+    """update_fixture's batch for a trainer in `mode` (qat or a symmetric mode), with what its
+    rollout hands it (moeresq's masks, trace's recorded codes)."""
+    cfg = tiny_config("unused", recipe=mode if mode != "qat" else "quads", lr=1e-2, **overrides)
+    task = train.build_task(cfg)
+    model, tokenizer = train.build_model(cfg, task)
+    rollout_model = rac.convert_for_rollout(copy.deepcopy(model), "nvfp4", rac_ratio=0.5)
+    rac.calibrate_rac(rollout_model, train.calibration_tokens(cfg, task, tokenizer))
+    if mode == "qat":
+        trainer = qat.convert_for_training(model)
+    else:
+        trainer = symmetric.convert_for_training(model, mode)
+    recorder = train.rollout_recorder(cfg, rollout_model)
+    hand_offs = recorder.hand_offs() if recorder is not None else None
+    prompts = train.encode_prompts(tokenizer, task.sample(4, "train", random.Random(0)))
+    out = rollout.generate(
+        rollout_model,
+        prompts,
+        4,
+        12,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        seed=0,
+        decode_hand_offs=hand_offs,
+    )
+    share = train.share_of_rollout(cfg, rollout_model, out, recorder)
+    return cfg, trainer, out.sequences(), share
+
+
+@pytest.mark.parametrize("mode", ["bf16", "qat", "w4a4", "moeresq", "trace"])
+def test_grad_checkpointing_gives_the_plain_runs_gradients_bit_for_bit(mode):
+    if mode == "bf16":
+        cfg, trainer, seq, _ = update_fixture()
+        trainer = tiny_model_of(cfg)
+        share = None
+    else:
+        cfg, trainer, seq, share = symmetric_fixture(mode)
+    grads = []
+    for checkpointed in (False, True):
+        run_cfg = dataclasses.replace(cfg, grad_checkpoint=checkpointed)
+        trainer.zero_grad(set_to_none=True)
+        logp, _ = train.trainer_logprobs(run_cfg, trainer, seq, share)
+        (logp * seq.loss_mask[:, 1:]).sum().backward()
+        grads.append([p.grad.clone() for p in trainer.parameters()])
+    for (name, _), plain, checkpointed in zip(trainer.named_parameters(), *grads):
+        assert torch.equal(plain, checkpointed), name
+    assert any(g.abs().sum() > 0 for g in grads[0])
+
+
+def tiny_model_of(cfg):
+    task = train.build_task(cfg)
+    return train.build_model(cfg, task)[0]
+
+
+def test_grad_checkpointing_keeps_only_the_blocks_inputs(monkeypatch):
+    """With checkpointing each block runs twice (forward, then again in the backward)."""
+    cfg, _, seq, _ = update_fixture()
+    model = tiny_model_of(cfg)
+    calls = []
+    original = moe.Block.forward
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(moe.Block, "forward", counting)
+    for checkpointed, expected in ((False, 2), (True, 4)):
+        calls.clear()
+        run_cfg = dataclasses.replace(cfg, grad_checkpoint=checkpointed)
+        logp, _ = train.trainer_logprobs(run_cfg, model, seq)
+        logp.sum().backward()
+        assert len(calls) == expected
+
+
+def test_chunked_logprobs_equal_the_whole_logits_values_and_gradients(monkeypatch):
+    """token_logprobs a few positions at a time equals grpo.token_logprobs of the whole logits
+    (the oracle: one log-softmax over every position), values and gradients, to fp32 order."""
+    torch.manual_seed(0)
+    model = moe.MoETransformer(moe.MoEConfig.from_preset("tiny", vocab_size=96))
+    tokens = torch.randint(96, (3, 11))
+    targets = torch.randint(96, (3, 11))
+    whole = grpo.token_logprobs(model(tokens).float() / 0.7, targets)
+    whole.sum().backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    monkeypatch.setattr(moe, "LOGPROB_CHUNK_ELEMENTS", 96 * 5)  # 5 positions a chunk: 7 chunks
+    assert moe.logprob_chunk_tokens(96) == 5
+    chunked = model(tokens, targets=targets, temperature=0.7)
+    assert report_diff(chunked, whole, "chunked vs whole")[0] < 1e-5
+    chunked.sum().backward()
+    for (name, param), expected in zip(model.named_parameters(), expected_grads):
+        scale = expected.abs().max().item() + 1e-12
+        assert report_diff(param.grad, expected, name)[0] <= 1e-5 * scale, name
+    # the chunk size follows the vocabulary: Qwen3's 151,936 entries give 441 positions
+    monkeypatch.undo()
+    assert moe.logprob_chunk_tokens(151_936) == 2**26 // 151_936 == 441
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),
+        dict(tis=2.0),
+        dict(minibatches=2),
+        dict(r3=True, tis=2.0),
+        dict(mipu=True),
+    ],
+    ids=["plain", "tis", "minibatches", "r3", "mipu"],
+)
+def test_micro_batches_accumulate_the_whole_batch_update(overrides):
+    """--micro-batch 3 (pieces of 3, 3, 3, ..., 1 rows) takes the optimizer step of the whole
+    (mini-)batch: the DAPO denominator is the whole batch's tokens, to fp32 summation order."""
+    cfg, trainer, seq, advantages = update_fixture(**overrides)
+    results = []
+    for micro_batch in (0, 3):
+        model = copy.deepcopy(trainer)
+        run_cfg = dataclasses.replace(cfg, micro_batch=micro_batch)
+        # SGD: the step is the accumulated gradient itself (AdamW's normalization would magnify
+        # the fp32-order differences of near-zero gradients)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        old, routes, stats = train.policy_update(
+            run_cfg, model, optimizer, seq, advantages, shuffle_seed=0
+        )
+        results.append((model, old, routes, stats))
+    (whole, old_w, routes_w, stats_w), (micro, old_m, routes_m, stats_m) = results
+    assert torch.equal(routes_w, routes_m)
+    assert report_diff(old_m, old_w, "old log-probs")[0] < 1e-6
+    assert len(stats_w) == len(stats_m) == cfg.minibatches
+    for s_w, s_m in zip(stats_w, stats_m):
+        assert s_w.keys() == s_m.keys()
+        for key in s_w:
+            assert abs(s_w[key] - s_m[key]) <= 1e-5 * max(1.0, abs(s_w[key])), key
+    for (name, p_w), p_m in zip(whole.named_parameters(), micro.parameters()):
+        assert report_diff(p_m, p_w, name)[0] < 1e-6, name  # lr 1: the gradients themselves
+    moved = any(not torch.equal(p, q) for p, q in zip(whole.parameters(), trainer.parameters()))
+    assert moved

@@ -210,15 +210,14 @@ def reduce_stats(stats, weight, ranks):
     return dict(zip(keys, torch.where(extreme, maxima * sign, summed)))
 
 
-def loss_share(loss, stats, mask, ranks):
-    """-> (the factor on this rank's mini-batch loss that makes DDP's gradient average the token
-    mean of the whole mini-batch, the statistics of the whole mini-batch with its "loss"). mask:
-    this rank's tokens."""
+def token_share(mask, ranks):
+    """The factor on this rank's mini-batch loss (a mean over its own tokens, `mask`) that makes
+    DDP's gradient average the token mean of the whole mini-batch: this rank's share of the tokens
+    times the world size. 1 without torchrun."""
     if not ranks.enabled:
-        return 1.0, {"loss": loss.detach(), **stats}
+        return 1.0
     tokens = mask.sum().item()
-    share = tokens * ranks.world_size / all_sum([tokens], ranks)[0].item()
-    return share, reduce_stats({"loss": loss.detach(), **stats}, share / ranks.world_size, ranks)
+    return tokens * ranks.world_size / all_sum([tokens], ranks)[0].item()
 
 
 def run_distributed(run, cfg, ranks):

@@ -43,13 +43,18 @@ TINY = dict(
 
 
 def tiny_config(out_dir, **overrides):
-    return train.TrainConfig(**{**TINY, "out_dir": str(out_dir), **overrides})
+    return train.TrainConfig(**{**TINY, **in_dir(out_dir), **overrides})
+
+
+def in_dir(out_dir):
+    """A test's runs and warm-start cache, both under its own out_dir."""
+    return {"out_dir": str(out_dir), "warmstart_dir": os.path.join(str(out_dir), "warmstart")}
 
 
 def cli(out_dir, **overrides):
     """The command line of tiny_config(out_dir, **overrides)."""
     flags = []
-    for name, value in {**TINY, "out_dir": str(out_dir), **overrides}.items():
+    for name, value in {**TINY, **in_dir(out_dir), **overrides}.items():
         flag = "--" + name.replace("_", "-")
         flags += (
             [flag]
@@ -1049,14 +1054,21 @@ def test_update_metrics_average_over_minibatches_and_keep_the_extremes():
             "approx_kl": 0.1,
         }
     )
-    assert train.update_metrics(tiny_config("unused"), stats[:1]) == {"loss": 1.0, "grad_norm": 2.0}
+    # on policy (one mini-batch, ratio 1) the clipped fractions are logged, the ratio's are not
+    assert train.update_metrics(tiny_config("unused"), stats[:1]) == {
+        "loss": 1.0,
+        "grad_norm": 2.0,
+        "clip_ratio/low_mean": 0.0,
+        "clip_ratio/high_mean": 0.0,
+        "clip_ratio/region_mean": 0.0,
+    }
 
 
 def test_on_policy_runs_log_no_ratio_statistics(recipe_runs):
     record = read_metrics(recipe_runs["quads"], rl_steps_only=True)[0]
-    assert not any(
-        key.startswith(("ratio/", "clip_ratio/", "approx_kl", "mipu/")) for key in record
-    )
+    assert not any(key.startswith(("ratio/", "approx_kl", "mipu/")) for key in record)
+    # the clipped fractions are logged always: 0 on policy, where the ratio is 1
+    assert record["clip_ratio/region_mean"] == record["clip_ratio/dual_mean"] == 0.0
 
 
 @pytest.mark.parametrize("proxy", [-1.0, 1.0])
@@ -1179,7 +1191,8 @@ def _train_py(out_dir, *extra, nproc=0):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         launcher
-        + [os.path.join(repo, "train.py"), *TORCHRUN_ARGS, "--out-dir", str(out_dir), *extra],
+        + [os.path.join(repo, "train.py"), *TORCHRUN_ARGS, "--out-dir", str(out_dir)]
+        + ["--warmstart-dir", os.path.join(str(out_dir), "warmstart"), *extra],
         capture_output=True,
         text=True,
         env=env,
@@ -1285,7 +1298,7 @@ def warmstart_config(out_dir, **overrides):
                 warmstart_steps=40,
                 warmstart_batch=16,
                 device="cpu",
-                out_dir=str(out_dir),
+                **in_dir(out_dir),
             ),
             **overrides,
         }

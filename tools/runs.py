@@ -360,6 +360,7 @@ RESUMABLE_FIELDS = {
     "fsdp",
     "warmstart_dir",
     "log_to",
+    "eval_samples",  # evaluation only; and absent from the checkpoints of before it
 }
 
 

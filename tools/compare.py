@@ -35,8 +35,7 @@ FORM = "the form is recipe[@rac_ratio][+tisC][+r3], e.g. bf16,nvfp4,quads@0.25+t
 
 def parse_variant(spec):
     """A variant "recipe[@rac_ratio][+tisC][+r3]" (e.g. "quads@0.25", "nvfp4+tis2+r3") -> the
-    TrainConfig fields it sets. Fields it leaves out keep the command line's values (a recipe
-    without RAC gets the RAC fields' defaults: it has nothing they apply to)."""
+    TrainConfig fields it sets. Fields it leaves out keep the command line's values."""
     head, *flags = spec.split("+")
     recipe, at, ratio = head.partition("@")
     if not recipe:
@@ -73,9 +72,6 @@ def parse_variant(spec):
         raise runs.ConfigError(
             f"argument variants: variant {spec!r}: the TIS cap after 'tis' must be >= 0"
         )
-    if not train.RECIPES[recipe][2]:
-        for name in RAC_FIELDS:
-            fields[name] = getattr(train.TrainConfig, name)
     return fields
 
 
@@ -84,7 +80,7 @@ RAC_FIELDS = ("rac_ratio", "rac_refresh")  # what only a recipe with RAC uses
 
 def variant_configs(cfg, variants):
     """ "v1,v2,..." -> one TrainConfig per variant, named as written (a given @ratio stays in the
-    name)."""
+    name). A recipe without RAC gets the RAC fields' defaults: it has nothing they apply to."""
     specs = variants.split(",")
     if not all(specs):
         raise runs.ConfigError(
@@ -94,6 +90,8 @@ def variant_configs(cfg, variants):
     configs = []
     for spec in specs:
         fields = parse_variant(spec)
+        if not train.RECIPES[fields["recipe"]][2]:
+            fields.update({name: getattr(train.TrainConfig, name) for name in RAC_FIELDS})
         config = dataclasses.replace(cfg, run_name="", **fields)
         config.run_name = train.variant_name(config, ratio_given="rac_ratio" in fields)
         configs.append(config)

@@ -273,8 +273,9 @@ def build_model(cfg, task):
         model = moe.MoETransformer(config)
         model.init_weights()
         return model.to(cfg.device), task.tokenizer
+    source = model_source(cfg.model)
     try:
-        model, hf_tokenizer = moe.load_hf(model_source(cfg.model))
+        model, hf_tokenizer = moe.load_hf(source)
     except (OSError, ValueError) as error:
         # no config.json, weights that do not fit, a hub that stopped answering
         where = "the directory" if os.path.isdir(cfg.model) else "no such directory, and the hub id"

@@ -184,8 +184,7 @@ def main(argv=None):
         runs.refuse(
             recipe is not None,
             "recipe",
-            f"not allowed with a comparison (each variant names its recipe: {recipe}+tis2,"
-            "bf16,...)",
+            f"not allowed with a comparison: its variants name the recipes (e.g. {recipe},bf16)",
         )
         # (an empty variant is refused by variant_configs, with the others' problems)
         recipes = [parse_variant(spec)["recipe"] for spec in variants.split(",") if spec]

@@ -369,7 +369,7 @@ def test_a_hugging_face_checkpoint_trains_on_a_local_gsm8k_file(tmp_path):
         warmstart_batch=2,
         eval_prompts=2,
         max_new_tokens=8,
-        out_dir=str(tmp_path / "runs"),
+        **in_dir(tmp_path / "runs"),
         device="cpu",
     )
     records = read_metrics(train.run(cfg))

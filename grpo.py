@@ -1,45 +1,63 @@
-"""GRPO on tensors: group advantages, the clipped token-level loss, truncated importance sampling, the
-MIPU acceptance proxy and the train/rollout mismatch metrics. Pure functions of tensors: train.py runs the
-models and hands the log-probs over.
+"""GRPO on tensors: group advantages, the clipped token-level loss, truncated importance sampling,
+the MIPU acceptance proxy and the train/rollout mismatch metrics. Pure functions of tensors:
+train.py runs the models and hands the log-probs over.
 
 Group advantages. Each prompt is sampled G times; a completion is measured against its own group,
     A_i = (r_i - mean_g(r)) / (std_g(r) + eps)          population std (unbiased=False)
 and a group whose rewards are all equal gets exactly A = 0 (no signal, no gradient).
 
-Three policies, kept apart by name: `rollout_logprobs` (log pi_rollout: what the NVFP4/FP8/BF16 engine
-scored while it sampled, the probabilities the tokens were drawn from); `old_logprobs` (log pi_old: the
-trainer under the weights that sampled, once, without gradient; with perfect numerics old == rollout, and
-their gap is the mismatch this project studies); `logprobs` (log pi_theta: the trainer now, carrying the
-gradient; from a batch's second mini-batch on, theta has moved and pi_theta / pi_old departs from 1).
+Three policies, kept apart by name: `rollout_logprobs` (log pi_rollout: what the NVFP4/FP8/BF16
+engine scored while it sampled, the probabilities the tokens were drawn from); `old_logprobs` (log
+pi_old: the trainer under the weights that sampled, once, without gradient; with perfect numerics
+old == rollout, and their gap is the mismatch this project studies); `logprobs` (log pi_theta: the
+trainer now, carrying the gradient; from a batch's second mini-batch on, theta has moved and
+pi_theta / pi_old departs from 1).
 
-Policy loss: PPO's clip with DAPO's clip-higher, token-level normalization, and the engine's mismatch
-corrected separately (decoupled, as in verl's and slime's rollout correction):
-    ratio_t = exp(logp_t - logp_old_t)                       the update so far (PPO)
-    w_t     = min(pi_old / pi_rollout, C), detached          the engine's mismatch (TIS, C = 2 in verl)
-    pg_t    = -w_t * min(ratio_t * A, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A)
+Policy loss: PPO's clip with DAPO's clip-higher, dual-clip for negative advantages, token-level
+normalization, and the engine's mismatch corrected separately (decoupled, as in verl's and slime's
+rollout correction):
+    ratio_t = exp(logp_t - logp_old_t)                   the update so far (PPO)
+    w_t     = min(pi_old / pi_rollout, C), detached      the engine's mismatch (TIS, C = 2 in verl)
+    clip_t  = -min(ratio_t * A, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A)
+    pg_t    = w_t * (min(clip_t, c * |A|) if A < 0 else clip_t)     dual-clip, c = clip_ratio_c
     loss    = sum_{valid t} pg_t / (valid tokens)  +  kl_coef * sum_{valid t} k3_t / (valid tokens)
-Without `tis_cap`, w_t = 1; with one mini-batch per rollout batch, ratio = 1 and only w_t remains. Every
-valid token weighs the same (DAPO), not each sequence. The optional KL to a reference model (off by
-default) uses K3: k3_t = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1 >= 0.
+Without `tis_cap`, w_t = 1; without `clip_ratio_c`, pg_t = w_t * clip_t; with one mini-batch per
+rollout batch, ratio = 1 and only w_t remains. Every valid token weighs the same (DAPO), not each
+sequence. The KL to a reference policy (GRPO's reference term, off by default) uses K3:
+k3_t = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1 >= 0.
 
-MIPU's acceptance proxy (the objective is the rollout policy mu, which samples and is deployed): after a
-candidate update is synced, the rollout model re-scores the batch (mu' against mu, both prefill scores,
-so decode/prefill differences cancel) and the candidate is kept only if
+Guards against a runaway ratio, the regime a collapsing FP4 rollout produces. PPO's clip leaves a
+token with A < 0 unbounded above: its loss is ratio * |A|, so one token at a log-ratio of 25 weighs
+7e10, and past 88.7 the fp32 exp is inf. Dual-clip (Ye et al. 2020; verl's clip_ratio_c, 3 by
+default) caps that loss at c * |A|, where its gradient is zero. Every log-ratio is also clamped to
++-LOG_RATIO_LIMIT (20, as in verl) before its exp, in the loss, the TIS weight and both KL terms, so
+no exp overflows; beyond the clamp a token's term is a constant (no gradient), as the clip makes it
+anyway for every token but one with A < 0 and no dual-clip.
+
+MIPU's acceptance proxy (the objective is the rollout policy mu, which samples and is deployed):
+after a candidate update is synced, the rollout model re-scores the batch (mu' against mu, both
+prefill scores, so decode/prefill differences cancel) and the candidate is kept only if
     proxy = sum_{valid t} A_t * (mu'_t / mu_t - 1) / (valid tokens)  >  0,
-the first-order term of the policy-improvement identity (in-sample, so optimistic, without the trust-region
-penalty): it rejects updates that do not move the *inference* policy the way the advantages ask.
+the first-order term of the policy-improvement identity (in-sample, so optimistic, without the
+trust-region penalty): it rejects updates that do not move the *inference* policy the way the
+advantages ask.
 
-Mismatch metrics (completion tokens only), with d_t = logp_train_t - logp_rollout_t: |d| mean, max, p95,
-p99 and the signed mean; KL(pi_rollout || pi_train) as K1 = mean(-d) and K3 = mean(exp(d) - 1 - d)
-(unbiased too, since E_rollout[exp(d)] = 1, and >= 0 per token: far less variance; verl's direction);
-trainer and rollout perplexity; exp(d) min, mean, max before and after the TIS cap; for MoE the fraction
-of (token, layer) pairs whose chosen experts differ (`routing_disagreement`).
+Mismatch metrics (completion tokens only), with d_t = logp_train_t - logp_rollout_t: |d| mean, max,
+p95, p99 and the signed mean; KL(pi_rollout || pi_train) as K1 = mean(-d) and K3 = mean(exp(d) - 1 -
+d) (unbiased too, since E_rollout[exp(d)] = 1, and >= 0 per token: far less variance; verl's
+direction); trainer and rollout perplexity; exp(d) min, mean, max before and after the TIS cap; for
+MoE the fraction of (token, layer) pairs whose chosen experts differ (`routing_disagreement`).
 
-Shapes: N = P prompts x G samples, prompt-major (rows p*G .. p*G+G-1 are one group); T completion length
-(padded), mask (N, T) the valid tokens; V vocabulary; L MoE layers; A active experts per token.
+Shapes: N = P prompts x G samples, prompt-major (rows p*G .. p*G+G-1 are one group); T completion
+length (padded), mask (N, T) the valid tokens; V vocabulary; L MoE layers; A active experts per
+token.
 
-Left out: value functions and GAE (no critic), sequence-level ratios (GSPO), dual-clip PPO, masking tokens
-by ratio (IcePop and other rejection variants), entropy bonuses. Loss statistics are 0-d detached tensors
+Entropy, for logging only: from the logits, H = -sum_v p_v log p_v (entropy_from_logits); from the
+sampled tokens' log-probs alone (all the rollout engine reports), the Monte-Carlo estimate
+mean_t(-log p(y_t)), unbiased since E_{y ~ p}[-log p(y)] = H(p) (sampled_entropy).
+
+Left out: value functions and GAE (no critic), sequence-level ratios (GSPO), masking tokens by ratio
+(IcePop and other rejection variants), entropy bonuses. Loss statistics are 0-d detached tensors
 (no GPU sync per mini-batch); the mismatch metrics are Python floats, computed once per step.
 """
 
@@ -47,6 +65,8 @@ import math
 
 import torch
 
+# |log-ratio| above which exp is not taken (verl's bound): exp(20) = 4.9e8 is far from fp32's 3.4e38
+LOG_RATIO_LIMIT = 20.0
 
 # -----------------------------------------------------------------------------
 # Advantages
@@ -57,11 +77,12 @@ def group_advantages(
 ) -> torch.Tensor:
     """GRPO advantages: A_i = (r_i - mean_group(r)) / (std_group(r) + eps), shape (N,) -> (N,) fp32.
 
-    std is the population std (unbiased=False): with G=2 and rewards {0, 1} the advantages are exactly
-    +-1, and the scale does not carry Bessel's sqrt(G/(G-1)) factor (TRL and verl use the unbiased std;
-    the two differ only by that constant factor per G). With normalize_std=False the advantage is the
-    centred reward only (Dr. GRPO), which does not up-weight groups that are nearly all-right or
-    all-wrong. Groups with no reward spread (max == min) get exactly zero, not a rounding residue.
+    std is the population std (unbiased=False): with G=2 and rewards {0, 1} the advantages are
+    exactly +-1, and the scale does not carry Bessel's sqrt(G/(G-1)) factor (TRL and verl use the
+    unbiased std; the two differ only by that constant factor per G). With normalize_std=False the
+    advantage is the centred reward only (Dr. GRPO), which does not up-weight groups that are nearly
+    all-right or all-wrong. Groups with no reward spread (max == min) get exactly zero, not a
+    rounding residue.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
@@ -86,10 +107,10 @@ def group_advantages(
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[token] in fp32: (N, T, V), (N, T) -> (N, T) fp32, differentiable.
 
-    Computed as logits[token] - logsumexp(logits) on an fp32 copy, which is log_softmax followed by a
-    gather without materializing the (N, T, V) log_softmax output. fp32 matters: BF16 keeps 8 mantissa
-    bits, so a log-prob near -5 is rounded by up to 0.016, the order of the train/rollout mismatch
-    being measured. The fp32 copy of
+    Computed as logits[token] - logsumexp(logits) on an fp32 copy, which is log_softmax followed by
+    a gather without materializing the (N, T, V) log_softmax output. fp32 matters: BF16 keeps 8
+    mantissa bits, so a log-prob near -5 is rounded by up to 0.016, the order of the train/rollout
+    mismatch being measured. The fp32 copy of
     the logits (N*T*V*4 bytes) is kept for backward; callers bound it by micro-batching over N.
     """
     if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
@@ -109,8 +130,8 @@ def entropy_from_logits(
     """Mean token entropy over valid tokens, H = -sum_v p_v log p_v, for logging: 0-d fp32 tensor.
 
     The logits are walked `chunk_tokens` positions at a time and only the valid rows of a chunk are
-    upcast, so the extra memory is a few chunk_tokens x V fp32 buffers, never a full fp32 copy of the
-    logits. Tokens with p = 0 (logits of -inf) contribute 0, not NaN. An empty mask gives NaN.
+    upcast, so the extra memory is a few chunk_tokens x V fp32 buffers, never a full fp32 copy of
+    the logits. Tokens with p = 0 (logits of -inf) contribute 0, not NaN. An empty mask gives NaN.
     No gradient: an entropy bonus is deliberately not part of the loss.
     """
     if logits.dim() != 3 or mask.shape != logits.shape[:2]:
@@ -128,6 +149,19 @@ def entropy_from_logits(
         p_log_p = torch.where(p > 0, p * logp, torch.zeros_like(p))
         total -= p_log_p.sum(dim=-1).double().sum()
     return (total / flat_valid.sum()).float()  # 0/0 = NaN when empty
+
+
+def sampled_entropy(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Estimate of the mean token entropy from the sampled tokens' log-probs: mean over valid tokens
+    of -log p(y_t), (N, T), (N, T) -> 0-d fp32 tensor, NaN when no token is valid.
+
+    Unbiased when the tokens were sampled from the distribution that scored them (the rollout's
+    log-probs, tempered as it sampled): E_{y ~ p}[-log p(y)] = H(p). Of another policy's log-probs
+    (the trainer's) it is the cross-entropy H(p_rollout, p_trainer) = H + KL, not an entropy.
+    """
+    _check_same_shape("logprobs", logprobs, mask=mask)
+    valid = mask.bool()
+    return (-logprobs.detach().double()[valid]).mean().float()
 
 
 # -----------------------------------------------------------------------------
@@ -155,28 +189,36 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     num_valid_tokens: float | None = None,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-level clipped GRPO loss with decoupled truncated importance sampling (module docstring).
+    """Token-level clipped GRPO loss with decoupled TIS and optional dual-clip (module docstring).
 
     logprobs (N, T) carries the gradient; old_logprobs, rollout_logprobs, ref_logprobs (N, T) and
     advantages (N,) are treated as constants (detached here). mask (N, T) marks valid tokens.
 
-    clip_low/clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher keeps
-    low-probability tokens that got a positive advantage growing, which slows entropy collapse).
-    tis_cap: if given, multiply each token's policy-gradient term by w = min(pi_old/pi_rollout, tis_cap).
-    Needs rollout_logprobs. w is a constant of the rollout batch: its statistics are mismatch_metrics'
-    tis_ratio_* (computed once per batch), not repeated here for every mini-batch.
-    kl_coef > 0: add kl_coef * K3(pi_theta || pi_ref) per token. Needs ref_logprobs.
-    num_valid_tokens: the DAPO denominator. Defaults to the valid tokens in this call; when a batch is
-    split into micro-batches for gradient accumulation, pass the whole batch's count so the summed
-    micro-batch losses equal the full-batch loss.
+    clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher
+        keeps low-probability tokens that got a positive advantage growing, which slows entropy
+        collapse).
+    tis_cap: if given, each token's policy-gradient term is multiplied by
+        w = min(pi_old / pi_rollout, tis_cap). Needs rollout_logprobs. w is a constant of the
+        rollout batch: its statistics are mismatch_metrics' tis_ratio_* (once per batch), not
+        repeated here for every mini-batch.
+    ref_logprobs, kl_coef: with kl_coef > 0, add kl_coef * K3(pi_theta || pi_ref) per token, the
+        reference policy being whatever ref_logprobs scored (GRPO's: the starting policy).
+    num_valid_tokens: the DAPO denominator. Defaults to the valid tokens in this call; when a batch
+        is split into micro-batches for gradient accumulation, pass the whole batch's count so the
+        summed micro-batch losses equal the full-batch loss.
+    clip_ratio_c: if given (> 1), dual-clip: a token with A < 0 loses at most c * |A|, however
+        large its ratio. None (the default) leaves the loss of such a token unbounded, as plain PPO.
 
-    Returns (loss, stats). loss is a 0-d tensor; stats are 0-d detached fp32 tensors (float() them to
-    log), named as TRL's GRPO trainer logs them where it has a name: pg_loss; ratio/mean, ratio/min,
-    ratio/max of pi_theta/pi_old; clip_ratio/low_mean (ratio < 1-clip_low with A < 0),
-    clip_ratio/high_mean (ratio > 1+clip_high with A > 0), clip_ratio/region_mean (their sum: the tokens
-    whose gradient the clip removed); approx_kl (K3 of KL(pi_theta || pi_old), the form of the reference term:
-    how far the update has moved); and kl (K3 to the reference) when kl_coef > 0.
+    Returns (loss, stats). loss is a 0-d tensor; stats are 0-d detached fp32 tensors (float() them
+    to log), named as TRL's GRPO trainer logs them where it has a name: pg_loss; ratio/mean,
+    ratio/min, ratio/max of pi_theta / pi_old (of the clamped log-ratio: at most exp(20));
+    clip_ratio/low_mean (ratio < 1 - clip_low with A < 0), clip_ratio/high_mean (ratio >
+    1 + clip_high with A > 0), clip_ratio/dual_mean (ratio > c with A < 0: the dual clip's; 0
+    without it), clip_ratio/region_mean (their sum: the tokens whose gradient a clip removed);
+    approx_kl (K3 of KL(pi_theta || pi_old), the form of the reference term: how far the update has
+    moved); and kl (K3 to the reference) whenever ref_logprobs is given.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be (N, T), got shape {tuple(logprobs.shape)}")
@@ -196,6 +238,10 @@ def policy_loss(
         raise ValueError("tis_cap needs rollout_logprobs (the rollout engine's log-probs)")
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(
+            f"clip_ratio_c must be > 1 (the dual clip's bound on the ratio), got {clip_ratio_c}"
+        )
 
     is_valid = mask.bool()  # (N, T)
     valid = is_valid.float()
@@ -203,10 +249,12 @@ def policy_loss(
         float(num_valid_tokens) if num_valid_tokens is not None else valid.sum().clamp(min=1.0)
     )
 
-    def on_valid(log_diff: torch.Tensor) -> torch.Tensor:
-        # Padding may hold anything (-inf, NaN, stale values). Zeroing log-differences there *before*
-        # exp keeps every product finite, so padding cannot leak NaN into the sum or the gradient.
-        return torch.where(is_valid, log_diff, torch.zeros_like(log_diff))
+    def safe_log_ratio(log_diff: torch.Tensor) -> torch.Tensor:
+        # Padding may hold anything (-inf, NaN, stale values): zeroing log-differences there
+        # before exp keeps every product finite, so padding cannot leak NaN into the sum or the
+        # gradient. The clamp keeps exp finite on valid tokens too (module docstring).
+        on_valid = torch.where(is_valid, log_diff, torch.zeros_like(log_diff))
+        return on_valid.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
 
     def batch_mean(per_token: torch.Tensor) -> torch.Tensor:
         return (per_token * valid).sum() / denominator
@@ -215,21 +263,28 @@ def policy_loss(
     old_logprobs = old_logprobs.detach().float()
     adv = advantages.detach().float().unsqueeze(1)  # (N, 1)
 
-    log_ratio = on_valid(logprobs - old_logprobs)  # (N, T)
+    log_ratio = safe_log_ratio(logprobs - old_logprobs)  # (N, T)
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     pg_per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)  # (N, T)
+    dual_clipped = torch.zeros_like(is_valid)
+    if clip_ratio_c is not None:
+        dual_bound = clip_ratio_c * adv.abs()  # (N, 1)
+        dual_clipped = (adv < 0) & (pg_per_token > dual_bound)  # (N, T)
+        pg_per_token = torch.where(adv < 0, torch.minimum(pg_per_token, dual_bound), pg_per_token)
     if tis_cap is not None:
-        old_over_rollout = torch.exp(on_valid(old_logprobs - rollout_logprobs.detach().float()))
+        rollout_log_ratio = safe_log_ratio(old_logprobs - rollout_logprobs.detach().float())
+        old_over_rollout = torch.exp(rollout_log_ratio)
         pg_per_token = pg_per_token * old_over_rollout.clamp(max=tis_cap)  # w_t, a constant
     pg_loss = batch_mean(pg_per_token)
 
     stats: dict[str, torch.Tensor] = {}
     loss = pg_loss
-    if kl_coef > 0:
-        ref_log_ratio = on_valid(ref_logprobs.detach().float() - logprobs)  # (N, T)
+    if ref_logprobs is not None:
+        ref_log_ratio = safe_log_ratio(ref_logprobs.detach().float() - logprobs)  # (N, T)
         k3 = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0
-        loss = loss + kl_coef * batch_mean(k3)
+        if kl_coef > 0:
+            loss = loss + kl_coef * batch_mean(k3)
         stats["kl"] = _masked_mean(k3.detach(), valid)
 
     with torch.no_grad():
@@ -242,16 +297,18 @@ def policy_loss(
         stats["ratio/max"] = _masked_max(ratio_d, valid)
         stats["clip_ratio/low_mean"] = _masked_mean(clipped_low.float(), valid)
         stats["clip_ratio/high_mean"] = _masked_mean(clipped_high.float(), valid)
-        stats["clip_ratio/region_mean"] = (
-            stats["clip_ratio/low_mean"] + stats["clip_ratio/high_mean"]
-        )
-        # expm1: exp(-x) - 1 + x cancels catastrophically in fp32 for the small x of a near-on-policy step
+        stats["clip_ratio/dual_mean"] = _masked_mean(dual_clipped.float(), valid)
+        region = clipped_low | clipped_high | dual_clipped
+        stats["clip_ratio/region_mean"] = _masked_mean(region.float(), valid)
+        # expm1: exp(-x) - 1 + x cancels catastrophically in fp32 for the small x of a
+        # near-on-policy step
         stats["approx_kl"] = _masked_mean(torch.expm1(-log_ratio_d) + log_ratio_d, valid)
     return loss, stats
 
 
 def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Mean over valid entries, 0 when there are none (training stats stay finite; no device sync)."""
+    """Mean over valid entries, 0 when there are none (training stats stay finite; no device
+    sync)."""
     return ((values * valid).sum() / valid.sum().clamp(min=1.0)).detach().float()
 
 
@@ -282,7 +339,8 @@ def mismatch_metrics(
     trainer_logprobs: log pi_train of the sampled tokens under the weights that sampled them;
     rollout_logprobs: log pi_rollout reported by the rollout engine. d = trainer - rollout, and:
 
-        abs_diff_mean, abs_diff_max, abs_diff_p95, abs_diff_p99   |d| (quantiles linearly interpolated)
+        abs_diff_mean, abs_diff_max, abs_diff_p95, abs_diff_p99
+                         |d| (the quantiles linearly interpolated)
         diff_mean        mean d (signed; > 0: the trainer finds the sampled tokens more likely)
         kl_k1            mean(-d)              } both estimate KL(pi_rollout || pi_train),
         kl_k3            mean(exp(d) - 1 - d)  } the tokens being samples of pi_rollout
@@ -352,7 +410,8 @@ def mismatch_metrics(
 
 
 def _quantile_sorted(sorted_values: torch.Tensor, q: float) -> torch.Tensor:
-    """q-quantile of an ascending 1-D tensor with linear interpolation (numpy's default). torch.quantile
+    """q-quantile of an ascending 1-D tensor with linear interpolation (numpy's default).
+    torch.quantile
     refuses inputs above 2**24 elements, which a large batch of tokens can exceed."""
     position = q * (sorted_values.numel() - 1)
     below = int(math.floor(position))
@@ -367,7 +426,8 @@ def routing_disagreement(
     token_mask: torch.Tensor,
     any_layer: bool = False,
 ) -> float:
-    """Fraction of (valid token, layer) pairs where trainer and rollout chose different expert *sets*.
+    """Fraction of (valid token, layer) pairs where trainer and rollout chose different expert
+    *sets*.
 
     routes: (L, N, T, A) integer expert ids, top-k per token and layer; token_mask (N, T). The order
     within the top-k is irrelevant (both are sorted along A first): only which experts run matters.
@@ -406,12 +466,14 @@ def mipu_proxy(
     advantages: torch.Tensor,
     mask: torch.Tensor,
 ) -> float:
-    """MIPU's acceptance proxy (module docstring): sum_valid A * (mu'/mu - 1) / valid tokens, a float.
+    """MIPU's acceptance proxy (module docstring): sum_valid A * (mu'/mu - 1) / valid tokens, a
+    float.
 
-    candidate_logprobs: log mu', the rollout model's scores of the batch's tokens after the candidate
-    update was synced into it; current_logprobs: log mu, the same model's scores of the same tokens
-    before the update; both (N, T). advantages (N,), mask (N, T). > 0: the candidate raises the inference
-    policy's expected advantage on these tokens; accept it. Computed in float64; 0.0 with no valid token.
+    candidate_logprobs: log mu', the rollout model's scores of the batch's tokens after the
+    candidate update was synced into it; current_logprobs: log mu, the same model's scores of the
+    same tokens before the update; both (N, T). advantages (N,), mask (N, T). > 0: the candidate
+    raises the inference policy's expected advantage on these tokens; accept it. Computed in
+    float64; 0.0 with no valid token.
     """
     _check_same_shape(
         "candidate_logprobs", candidate_logprobs, current_logprobs=current_logprobs, mask=mask

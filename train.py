@@ -54,7 +54,9 @@ import math
 import os
 import random
 import shutil
+import socket
 import time
+import urllib.parse
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +71,7 @@ import rac
 import rollout
 import symmetric
 import tasks
-from tools import distributed, memory, runs
+from tools import distributed, logger, memory, runs
 from tools.distributed import SINGLE
 from tools.runs import (
     ConfigError,
@@ -103,22 +105,25 @@ CHOICES = {
     "preset": moe.PRESETS,
     "task": tasks.TASKS,  # checked, and listed in --help
     "act_scale": nvfp4.ACT_SCALES,
+    "log_to": logger.PACKAGES,
 }
 
 
 @dataclass
 class TrainConfig:
     # run
-    out_dir: str = "runs"  # one directory per run, and the shared warm-start cache (warmstart/)
+    out_dir: str = "runs"  # one directory per run
     run_name: str = ""  # the run's directory under out_dir ("" = recipe and switches: nvfp4+tis2)
     resume: bool = False  # continue the run from its checkpoint (same config; --steps may grow)
     overwrite: bool = False  # start over where a run is (deletes the run's directory)
+    warmstart_dir: str = "runs/warmstart"  # the warm-start cache, shared by every --out-dir
     seed: int = 0  # model init, warm-start, data order and sampling all derive from it
     device: str = ""  # cpu, cuda or cuda:N ("" = cuda if available, else cpu)
     threads: int | None = None  # torch's CPU threads (default 1 on the tiny preset)
     checkpoint_every: int = 25  # steps between checkpoints (also written at the end and on Ctrl-C)
     cuda_graph: bool = True  # decode steps as a captured CUDA graph (GPU only)
     fsdp: bool = False  # under torchrun: shard the trainer per block (FSDP2) instead of DDP
+    log_to: str | None = None  # also send metrics.jsonl's records to TensorBoard or W&B
     # model and task
     preset: str | None = None  # model size (default tiny on CPU, small on GPU; none with --model)
     preset_overrides: str = ""  # preset fields replaced, e.g. "dim=128,head_dim=32,expert_dim=128"
@@ -136,6 +141,8 @@ class TrainConfig:
     max_new_tokens: int | None = None  # completion cap (default the task's longest + EOS)
     clip_low: float = 0.2  # PPO ratio clip below 1 - clip_low
     clip_high: float = 0.28  # PPO ratio clip above 1 + clip_high (clip-higher, as in DAPO)
+    clip_ratio_c: float = 3.0  # dual-clip: a token with A < 0 loses at most c |A| (0 = off)
+    kl_coef: float = 0.0  # K3 KL penalty to the starting policy (GRPO's reference term; 0 = off)
     grad_clip: float = 1.0  # max global gradient norm
     minibatches: int = 1  # optimizer steps per rollout batch, each on a shuffled 1/N of its rows
     micro_batch: int = 0  # rows per forward/backward, gradients accumulated (0 = a mini-batch)
@@ -146,7 +153,8 @@ class TrainConfig:
     warmstart_batch: int = 64  # demonstrations per warm-start step
     warmstart_lr: float | None = None  # warm-start peak lr (default 3e-3 on tiny, else 1e-3)
     eval_every: int | None = None  # steps between evaluations (default steps // 5; also 0, last)
-    eval_prompts: int | None = None  # held-out prompts for pass@1 (default 128 on CPU, 512 on GPU)
+    eval_prompts: int | None = None  # held-out prompts for pass@k (default 128 on CPU, 512 on GPU)
+    eval_samples: int | None = None  # completions per eval prompt, for pass@k (default G; CPU 1)
     # recipe switches
     recipe: str = "quads"  # the trainer's and the rollout's precision (RECIPES)
     tis: float = 0.0  # truncated importance sampling cap C (0 = off; verl uses 2)
@@ -161,9 +169,8 @@ class TrainConfig:
         gpu = self.device.startswith("cuda")
         if self.preset is None and not self.model:
             self.preset = "small" if gpu else "tiny"
-        runs.preset_overrides(
-            self.preset, self.preset_overrides
-        )  # checked here, applied in build_model
+        # checked here, applied in build_model
+        runs.preset_overrides(self.preset, self.preset_overrides)
         tiny = self.preset == "tiny"
         defaults = dict(
             difficulty=(3 if gpu else 2) if self.task == "arith" else None,
@@ -173,6 +180,7 @@ class TrainConfig:
             warmstart_steps=1500 if gpu else 300,
             warmstart_lr=3e-3 if tiny else 1e-3,
             eval_prompts=512 if gpu else 128,
+            eval_samples=self.group_size if gpu else 1,
         )
         for name, default in defaults.items():
             if getattr(self, name) is None:
@@ -204,12 +212,32 @@ class TrainConfig:
             "act-scale",
             f"{self.act_scale!r} scales NVFP4 activations; recipe {self.recipe} has none",
         )
+        rac_recipes = ", ".join(name for name, (_, _, has_rac) in RECIPES.items() if has_rac)
+        for name in ("rac_ratio", "rac_refresh"):
+            runs.refuse(
+                getattr(self, name) != getattr(TrainConfig, name) and not RECIPES[self.recipe][2],
+                name,
+                f"recipe {self.recipe} has no RAC, so the value would change nothing; RAC "
+                f"recipes: {rac_recipes}",
+            )
+        if self.task == "arith" and self.max_new_tokens is not None:
+            longest = tasks.ArithmeticTask(self.difficulty).max_completion_chars
+            runs.require(
+                self.max_new_tokens >= longest,
+                "max_new_tokens",
+                self.max_new_tokens,
+                f"must be at least {longest}, the longest completion of the arith task at "
+                f"--difficulty {self.difficulty} (shorter, the answers are cut off and every "
+                "reward is 0)",
+            )
+        logger.check_available(self.log_to)
         self.run_name = self.run_name or variant_name(self)
 
 
 def variant_name(cfg, ratio_given=False):
-    """recipe[@rac_ratio][+row][+tisC][+r3][+mbN][+mipu]: the ratio when not the default, or when
-    asked."""
+    """recipe[@rac_ratio][+row][+tisC][+r3][+mbN][+mipu][+preset overrides]: the ratio when not the
+    default, or when asked; the overrides as given (quads+dim=128,head_dim=32), so that a resized
+    model does not land in the run directory of the preset's own size."""
     ratio = RECIPES[cfg.recipe][2] and (ratio_given or cfg.rac_ratio != TrainConfig.rac_ratio)
     return (
         cfg.recipe
@@ -219,6 +247,7 @@ def variant_name(cfg, ratio_given=False):
         + "+r3" * cfg.r3
         + (f"+mb{cfg.minibatches}" if cfg.minibatches > 1 else "")
         + "+mipu" * cfg.mipu
+        + (f"+{cfg.preset_overrides}" if cfg.preset_overrides else "")
     )
 
 
@@ -259,12 +288,11 @@ def build_model(cfg, task):
         model = moe.MoETransformer(config)
         model.init_weights()
         return model.to(cfg.device), task.tokenizer
+    source = model_source(cfg.model)
     try:
-        model, hf_tokenizer = moe.load_hf(cfg.model)
-    except (
-        OSError,
-        ValueError,
-    ) as error:  # no config.json, weights that do not fit, an unreachable hub
+        model, hf_tokenizer = moe.load_hf(source)
+    except (OSError, ValueError) as error:
+        # no config.json, weights that do not fit, a hub that stopped answering
         where = "the directory" if os.path.isdir(cfg.model) else "no such directory, and the hub id"
         raise ConfigError(
             f"argument --model: cannot load {cfg.model} ({where}): {one_line(error)}"
@@ -280,21 +308,50 @@ def build_model(cfg, task):
         raise ConfigError(f"argument --model: {error}") from None
 
 
+def model_source(model):
+    """--model as moe.load_hf takes it: a local directory as given; a hub id as given when the hub
+    answers, else its snapshot in the local Hugging Face cache. One quick connection decides, so
+    that a machine without network gets one line at once instead of the hub client's retries."""
+    if os.path.isdir(model):
+        return model
+    from huggingface_hub import constants, snapshot_download
+
+    if constants.HF_HUB_OFFLINE:
+        reason = "HF_HUB_OFFLINE is set"
+    elif any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return model  # through a proxy a direct connection proves nothing: the client decides
+    else:
+        endpoint = urllib.parse.urlparse(constants.ENDPOINT)
+        port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+        try:
+            socket.create_connection((endpoint.hostname, port), timeout=5).close()
+            return model
+        except OSError as error:
+            reason = f"{endpoint.hostname} cannot be reached ({one_line(error)})"
+    try:
+        return snapshot_download(model, local_files_only=True)
+    except (OSError, ValueError):  # huggingface_hub's LocalEntryNotFoundError is an OSError
+        raise ConfigError(
+            f"argument --model: {model} is not in the local Hugging Face cache and {reason}; give "
+            f"a local directory, or download it where the hub is reachable (hf download {model})"
+        ) from None
+
+
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
 def autocast(cfg):
     """BF16 compute with FP32 master weights on the GPU; plain FP32 on the CPU (exact, for
     tests)."""
-    gpu = cfg.device.startswith("cuda")
-    return (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if gpu
-        else torch.autocast("cpu", enabled=False)
-    )
+    if cfg.device.startswith("cuda"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
 
 
 # ----------------------------------------------------------------------------- warm-start
 def warmstart(cfg, model, task, tokenizer):
-    """Supervised fine-tuning on demonstrations (loss on completion + EOS tokens), cached on
-    disk."""
+    """Supervised fine-tuning on demonstrations (loss on completion + EOS tokens), cached on disk
+    (runs.warmstart_path: one cache for every out_dir)."""
     path = runs.warmstart_path(cfg)
     if os.path.exists(path):
         model.load_state_dict(
@@ -359,36 +416,75 @@ def max_new_tokens(cfg, task):
 
 # ------------------------------------------------------------------------- evaluation and reward
 @torch.no_grad()
-def evaluate(cfg, model, task, tokenizer, problems, ranks=SINGLE):
-    """pass@1 by sampling one completion per held-out prompt at the training temperature (each rank
-    samples its share of the prompts; row ids follow the prompt's index, so the result is the
-    same)."""
+def evaluate(cfg, model, task, tokenizer, problems, ranks=SINGLE, kept=0):
+    """pass@k on the held-out problems for k = 1, 2, 4, ... up to cfg.eval_samples (and it): that
+    many completions per prompt, sampled at the training temperature, each k the unbiased estimate
+    (pass_at_k) averaged over the prompts. Each rank samples its share of the prompts; row ids
+    follow the prompt's index, so the result is the same. -> ({"pass@k": value}, the first
+    completion of each of the first `kept` prompts as {prompt, answer, completion, reward})."""
+    samples = cfg.eval_samples
+    ks = sorted({2**i for i in range(samples.bit_length()) if 2**i <= samples} | {samples})
     start, stop = distributed.shard(len(problems), ranks)
-    total = 0.0
+    totals = [0.0] * len(ks)
+    kept_samples = []
     if stop > start:
         out = rollout.generate(
             model,
             encode_prompts(tokenizer, problems[start:stop]),
-            1,
+            samples,
             max_new_tokens(cfg, task),
             temperature=cfg.temperature,
             eos_id=tokenizer.eos_id,
             pad_id=tokenizer.pad_id,
             seed=cfg.seed + 12345,
             cuda_graph=cfg.cuda_graph,
-            row_offset=start,
+            row_offset=start * samples,
         )
-        total = score(task, tokenizer, problems[start:stop], out, 1).sum().item()
-    return (distributed.all_sum([total], ranks)[0] / len(problems)).item()
+        texts = completion_texts(tokenizer, out)
+        rewards = [
+            task.reward(problems[start + row // samples], text) for row, text in enumerate(texts)
+        ]
+        for prompt in range(stop - start):
+            correct = sum(r == 1.0 for r in rewards[prompt * samples : (prompt + 1) * samples])
+            for i, k in enumerate(ks):
+                totals[i] += pass_at_k(correct, samples, k)
+        for prompt in range(min(kept, stop - start)):
+            problem = problems[start + prompt]
+            kept_samples.append(
+                {
+                    "prompt": problem.prompt,
+                    "answer": problem.answer,
+                    "completion": texts[prompt * samples],
+                    "reward": rewards[prompt * samples],
+                }
+            )
+    sums = distributed.all_sum(totals, ranks)
+    metrics = {f"pass@{k}": (sums[i] / len(problems)).item() for i, k in enumerate(ks)}
+    return metrics, kept_samples
 
 
-def score(task, tokenizer, problems, out, group_size):
-    completions = [
+def pass_at_k(correct, samples, k):
+    """The unbiased estimate of pass@k from `samples` completions of one prompt, `correct` of them
+    right (reward 1): 1 - C(samples - correct, k) / C(samples, k), the chance that k of them drawn
+    without replacement hold a right one (Chen et al. 2021). With one sample, pass@1 is its
+    reward."""
+    if samples - correct < k:
+        return 1.0
+    return 1.0 - math.comb(samples - correct, k) / math.comb(samples, k)
+
+
+def completion_texts(tokenizer, out):
+    """The decoded completions of a rollout, one per row."""
+    return [
         tokenizer.decode(row[m].tolist())
         for row, m in zip(out.completion_ids.cpu(), out.completion_mask.cpu())
     ]
+
+
+def score(task, tokenizer, problems, out, group_size):
+    texts = completion_texts(tokenizer, out)
     return torch.tensor(
-        [task.reward(problems[i // group_size], text) for i, text in enumerate(completions)]
+        [task.reward(problems[i // group_size], text) for i, text in enumerate(texts)]
     )
 
 
@@ -456,7 +552,15 @@ def micro_batches(rows, n_rows, size):
 
 
 def policy_update(
-    cfg, trainer, optimizer, seq, advantages, shuffle_seed, rollout_share=None, ranks=SINGLE
+    cfg,
+    trainer,
+    optimizer,
+    seq,
+    advantages,
+    shuffle_seed,
+    rollout_share=None,
+    ranks=SINGLE,
+    reference_logp=None,
 ):
     """GRPO on one rollout batch: cfg.minibatches optimizer steps, each on a shuffled 1/N of its
     rows.
@@ -470,9 +574,10 @@ def policy_update(
     --micro-batch R: a mini-batch's forward and backward run R rows at a time, each piece's loss
     normalized by the whole mini-batch's tokens, so the accumulated gradient is the whole
     mini-batch's (to fp32 summation order) and the optimizer still steps once per mini-batch.
-    rollout_share: what a symmetric trainer takes from the rollout (trainer_logprobs). Returns old
-    (N, W-1), the trainer's routes under the sampling weights (L, N, W, A) and per mini-batch a dict
-    of floats (loss, grad_norm and grpo.policy_loss's statistics)."""
+    rollout_share: what a symmetric trainer takes from the rollout (trainer_logprobs).
+    reference_logp (N, W-1): the starting policy's log-probs for --kl-coef's K3 term, else None.
+    Returns old (N, W-1), the trainer's routes under the sampling weights (L, N, W, A) and per
+    mini-batch a dict of floats (loss, grad_norm and grpo.policy_loss's statistics)."""
     mask = seq.loss_mask[:, 1:]
     rollout_logp = seq.logprobs[:, 1:]
     n_rows = seq.tokens.shape[0]
@@ -516,6 +621,9 @@ def policy_update(
                 cfg.clip_high,
                 rollout_logprobs=rollout_logp[piece],
                 tis_cap=cfg.tis or None,
+                clip_ratio_c=cfg.clip_ratio_c or None,
+                ref_logprobs=None if reference_logp is None else reference_logp[piece],
+                kl_coef=cfg.kl_coef,
                 num_valid_tokens=tokens,
             )
             # any rank's non-finite loss stops every rank
@@ -576,28 +684,21 @@ def accumulate_stats(total, piece, fraction):
 
 
 def update_metrics(cfg, minibatch_stats):
-    """What the log keeps of one policy update: loss and gradient norm (means over mini-batches),
-    and, when they can differ from their on-policy values (not with one mini-batch against old:
-    ratio = 1), the PPO ratio's mean, min and max, the clipped fractions (TRL's names) and the K3
-    KL(old || new)."""
+    """What the log keeps of one policy update: loss, gradient norm and the clipped fractions (TRL's
+    names; 0 on policy, logged always so that every run has them), means over mini-batches; and,
+    when they can differ from their on-policy values (not with one mini-batch against old: ratio =
+    1), the PPO ratio's mean, min and max and the K3 KL(old || new)."""
 
     def mean(key):
         return sum(s[key] for s in minibatch_stats) / len(minibatch_stats)
 
     record = {"loss": mean("loss"), "grad_norm": mean("grad_norm")}
+    clip_keys = [key for key in minibatch_stats[0] if key.startswith("clip_ratio/")]
+    record.update({key: mean(key) for key in clip_keys})
+    if "kl" in minibatch_stats[0]:  # --kl-coef: K3 KL(new || the starting policy)
+        record["kl_to_reference"] = mean("kl")
     if cfg.minibatches > 1 or cfg.mipu:
-        record.update(
-            {
-                key: mean(key)
-                for key in (
-                    "ratio/mean",
-                    "clip_ratio/low_mean",
-                    "clip_ratio/high_mean",
-                    "clip_ratio/region_mean",
-                    "approx_kl",
-                )
-            }
-        )
+        record.update({key: mean(key) for key in ("ratio/mean", "approx_kl")})
         record["ratio/min"] = min(s["ratio/min"] for s in minibatch_stats)
         record["ratio/max"] = max(s["ratio/max"] for s in minibatch_stats)
     return record
@@ -612,28 +713,25 @@ class Setup:
     cfg: TrainConfig
     task: object
     tokenizer: object
-    trainer: (
-        torch.nn.Module
-    )  # FP32 master weights, the optimizer's (forward fake-quantized per recipe)
-    train_forward: (
-        torch.nn.Module
-    )  # what the loop calls: DDP(trainer) under torchrun, else the trainer
-    rollout_model: (
-        torch.nn.Module
-    )  # the recipe's rollout precision; sync() loads it from the trainer
-    eval_model: (
-        torch.nn.Module
-    )  # a BF16 copy of the trainer's weights, for the trainer's own pass@1
+    # FP32 master weights, the optimizer's (forward fake-quantized per recipe)
+    trainer: torch.nn.Module
+    # what the loop calls: DDP(trainer) under torchrun, else the trainer
+    train_forward: torch.nn.Module
+    # the recipe's rollout precision; sync() loads it from the trainer
+    rollout_model: torch.nn.Module
+    # a BF16 copy of the trainer's weights, for the trainer's own pass@1
+    eval_model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     rac_ratio: float  # 0 when the recipe has no RAC
-    calib_tokens: (
-        torch.Tensor
-    )  # (16, W) prompts + demonstrations that choose RAC's compensated blocks
+    # (16, W) prompts + demonstrations that choose RAC's compensated blocks
+    calib_tokens: torch.Tensor
     eval_problems: list  # held-out problems for pass@1
     run_dir: str  # out_dir/run_name: config.json, metrics.jsonl, checkpoint.pt (tools/runs.py)
     start_step: int  # 0, or the checkpoint's step under --resume
-    ranks: distributed.Distributed = SINGLE  # this process's rank and the world size (1 without
-        # torchrun)
+    # this process's rank and the world size (1 without torchrun)
+    ranks: distributed.Distributed = SINGLE
+    # --kl-coef: the starting policy, frozen, in the rollout's dtype (else None)
+    reference_model: torch.nn.Module | None = None
 
     def __post_init__(self):
         self.ckpt_path = os.path.join(self.run_dir, "checkpoint.pt")
@@ -665,10 +763,9 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
     model, tokenizer = build_model(cfg, task)
     if free_bytes is not None:
         check_memory_plan(cfg, task, model.config, free_bytes, ranks)
-    prompt, completion = (
-        getattr(task, "max_prompt_chars", 0),
-        max_new_tokens(cfg, task),
-    )  # arith: a char a token
+    # arith: a char a token
+    prompt = getattr(task, "max_prompt_chars", 0)
+    completion = max_new_tokens(cfg, task)
     if prompt + completion > model.config.max_seq_len:
         raise ConfigError(
             f"{prompt} prompt + {completion} completion tokens exceed the model's max_seq_len="
@@ -678,9 +775,8 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     if ranks.main:  # only rank 0 writes
         if cfg.overwrite and os.path.isdir(run_dir):
-            shutil.rmtree(
-                run_dir
-            )  # the whole run: metrics, checkpoint and whatever was made from them
+            # the whole run: metrics, checkpoint and whatever was made from them
+            shutil.rmtree(run_dir)
         os.makedirs(run_dir, exist_ok=True)
         config_path = os.path.join(run_dir, "config.json")
         starts = runs.read_provenance(config_path) if ckpt is not None else []
@@ -688,25 +784,24 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
             "from_step": ckpt["step"] if ckpt is not None else 0,
             **runs.provenance(cfg.device),
         }
-        config = {
-            **dataclasses.asdict(cfg),
-            "provenance": starts + [start],
-        }  # one entry per (re)start
+        # one provenance entry per (re)start
+        config = {**dataclasses.asdict(cfg), "provenance": starts + [start]}
         write_text(json.dumps(config, indent=2), config_path)
         print(f"run {cfg.run_name}: {json.dumps(dataclasses.asdict(cfg))}")
     if base_state is None:
-        with distributed.rank0_first(
-            ranks
-        ):  # rank 0 computes (or loads) the warm-start; the others load it
+        # rank 0 computes (or loads) the warm-start; the others load it
+        with distributed.rank0_first(ranks):
             warmstart(cfg, model, task, tokenizer)
     else:
         model.load_state_dict(base_state)  # a comparison: every recipe from the one warm-start
     rac_ratio = cfg.rac_ratio if RECIPES[cfg.recipe][2] else 0.0
     eval_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype(cfg)), "bf16")
+    reference_model = None
+    if cfg.kl_coef > 0:  # the starting policy: the warm-start, before any checkpoint is loaded
+        reference_model = copy.deepcopy(model).to(rollout_dtype(cfg)).requires_grad_(False)
     rollout_model, trainer = build_recipe(cfg, model, cfg.recipe, rac_ratio)
-    train_forward = distributed.distribute_trainer(
-        trainer, cfg, ranks
-    )  # before the optimizer: FSDP2 swaps
+    # before the optimizer: FSDP2 swaps the parameters
+    train_forward = distributed.distribute_trainer(trainer, cfg, ranks)
     optimizer = torch.optim.AdamW(
         trainer.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)
     )
@@ -726,19 +821,19 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
         run_dir,
         0,
         ranks,
+        reference_model,
     )
     if ckpt is not None:
         distributed.load_trainer_state(trainer, optimizer, ckpt["trainer"], ckpt["optimizer"])
         s.start_step = ckpt["step"]
-        if (
-            ranks.main
-        ):  # drop records logged after the checkpoint (they will be recomputed identically)
-            kept = [r for r in read_metrics(s.metrics_path) if r["step"] <= s.start_step]
-            atomic_save("".join(json.dumps(r) + "\n" for r in kept), s.metrics_path, write_text)
+        # drop records logged after the checkpoint (they will be recomputed identically)
+        if ranks.main:
+            for path in (s.metrics_path, os.path.join(run_dir, "samples.jsonl")):
+                kept = [r for r in read_metrics(path) if r["step"] <= s.start_step]
+                atomic_save("".join(json.dumps(r) + "\n" for r in kept), path, write_text)
             print(f"resumed {run_dir} at step {s.start_step}")
-    sync(
-        s, s.start_step
-    )  # the rollout starts from the trainer's weights (the checkpoint's, on resume)
+    # the rollout starts from the trainer's weights (the checkpoint's, on resume)
+    sync(s, s.start_step)
     return s
 
 
@@ -796,37 +891,81 @@ def save(s, step):
 
 
 def evaluate_both(s):
-    """pass@1 on the held-out problems of the rollout model and of the trainer's weights in BF16."""
+    """pass@k on the held-out problems of the rollout model and of the trainer's weights in BF16."""
+    return evaluation(s)[0]
+
+
+SHOWN_SAMPLES = 4  # evaluation completions of the rollout model kept in samples.jsonl
+
+
+def evaluation(s):
+    """evaluate_both's metrics ("pass@k" of the rollout model, "pass@k_bf16_trainer" of the
+    trainer's weights), and the rollout model's first completions of the first held-out prompts."""
     distributed.sync_from_trainer(s.eval_model, s.trainer)
-    return {
-        name: evaluate(s.cfg, model, s.task, s.tokenizer, s.eval_problems, s.ranks)
-        for name, model in (("pass@1", s.rollout_model), ("pass@1_bf16_trainer", s.eval_model))
-    }
+    rollout_metrics, samples = evaluate(
+        s.cfg, s.rollout_model, s.task, s.tokenizer, s.eval_problems, s.ranks, SHOWN_SAMPLES
+    )
+    trainer_metrics, _ = evaluate(
+        s.cfg, s.eval_model, s.task, s.tokenizer, s.eval_problems, s.ranks
+    )
+    metrics = dict(rollout_metrics)
+    metrics.update({f"{name}_bf16_trainer": value for name, value in trainer_metrics.items()})
+    return metrics, samples
+
+
+def write_record(s, record, metric_logger):
+    """Rank 0 appends a record to metrics.jsonl and hands it to --log-to's logger (if any)."""
+    if not s.ranks.main:
+        return
+    with open(s.metrics_path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if metric_logger is not None:
+        metric_logger.log(record)
+
+
+def write_samples(s, step, samples):
+    """Rank 0 appends an evaluation's sample completions, with their step, to samples.jsonl."""
+    if not s.ranks.main:
+        return
+    lines = [json.dumps({"step": step, "model": "rollout", **sample}) + "\n" for sample in samples]
+    with open(os.path.join(s.run_dir, "samples.jsonl"), "a") as f:
+        f.write("".join(lines))
 
 
 def run(cfg, base_state=None, ranks=SINGLE):
     """Warm-start (or reuse), then GRPO for cfg.steps; print a summary. Returns the run
     directory."""
     ckpt = check_run_dir(cfg)
-    distributed.barrier(
-        ranks
-    )  # every rank has checked the run directory before rank 0 writes to it
+    # every rank has checked the run directory before rank 0 writes to it
+    distributed.barrier(ranks)
     if ckpt is not None and ckpt["step"] == cfg.steps:
         run_dir = os.path.join(cfg.out_dir, cfg.run_name)
         if ranks.main:
             print(
-                f"run {run_dir} is complete at step {cfg.steps}: nothing to do "
-                f"(--steps N > {cfg.steps} "
-                f"extends it)\n{runs.report(cfg, run_dir, runs.warmstart_path(cfg))}"
+                f"run {run_dir} is complete at step {cfg.steps}: nothing to do (--steps N > "
+                f"{cfg.steps} extends it)\n{runs.report(cfg, run_dir, runs.warmstart_path(cfg))}"
             )
         return run_dir
     s = setup(cfg, base_state, ckpt, ranks)
+    metric_logger = logger.open_logger(cfg, s.run_dir) if ranks.main else None
+    try:
+        loop(s, metric_logger)
+    finally:
+        if metric_logger is not None:
+            metric_logger.close()
+    if ranks.main:
+        print(runs.report(cfg, s.run_dir, runs.warmstart_path(cfg), s.start_step))
+    return s.run_dir
+
+
+def loop(s, metric_logger):
+    """The step-0 evaluation (the curves' common start), then the RL steps from s.start_step, with
+    their checkpoints; Ctrl-C ends it with one line below the progress bar (HeldInterrupt)."""
+    cfg, ranks = s.cfg, s.ranks
     if s.start_step == 0:
-        # the curves' common start: pass@1 of the warm-started policy, before any RL step
-        baseline = evaluate_both(s)
-        if ranks.main:
-            with open(s.metrics_path, "a") as f:
-                f.write(json.dumps({"step": 0, **baseline}) + "\n")
+        metrics, samples = evaluation(s)
+        write_record(s, {"step": 0, **metrics}, metric_logger)
+        write_samples(s, 0, samples)
     bar = tqdm(
         range(s.start_step, cfg.steps),
         desc=cfg.run_name,
@@ -835,9 +974,8 @@ def run(cfg, base_state=None, ranks=SINGLE):
         total=cfg.steps,
         disable=not ranks.main,
     )
-    evals = [
-        r for r in read_metrics(s.metrics_path) if "pass@1" in r
-    ]  # the bar shows the last pass@1
+    # the bar shows the last pass@1
+    evals = [r for r in read_metrics(s.metrics_path) if "pass@1" in r]
     last_eval = {k: evals[-1][k] for k in ("pass@1", "pass@1_bf16_trainer")} if evals else {}
     accepted = [
         r["mipu/accepted"] > 0 for r in read_metrics(s.metrics_path) if "mipu/accepted" in r
@@ -845,7 +983,7 @@ def run(cfg, base_state=None, ranks=SINGLE):
     with HeldInterrupt(s.start_step) as interrupt:
         try:
             for step in bar:
-                record = rl_step(s, step, interrupt, accepted)
+                record = rl_step(s, step, interrupt, accepted, metric_logger)
                 last_eval = record if "pass@1" in record else last_eval
                 bar.set_postfix(
                     reward=f"{record['reward']:.2f}",
@@ -858,37 +996,38 @@ def run(cfg, base_state=None, ranks=SINGLE):
                     stop = distributed.all_sum([float(stop)], ranks)[0].item() > 0
                 if stop or (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                     save(s, step + 1)
-                interrupt.step, interrupt.holding = step + 1, False
+                interrupt.step = step + 1
+                interrupt.holding = False
                 if stop:
+                    bar.close()  # the message goes below the bar, not onto its line
                     interrupt.stop(
                         f"stopped: checkpoint at step {step + 1} in {s.ckpt_path}; continue with "
                         "--resume",
                         ranks,
                     )
         except KeyboardInterrupt:
-            if (
-                interrupt.holding
-            ):  # a second Ctrl-C inside a step's update: its weights are half-updated
+            bar.close()
+            if interrupt.holding:
+                # a second Ctrl-C inside a step's update: its weights are half-updated
                 interrupt.stop(
-                    f"\ninterrupted during step {interrupt.step + 1}'s update: not saved; "
+                    f"interrupted during step {interrupt.step + 1}'s update: not saved; "
                     f"{s.ckpt_path} keeps the last checkpoint written; continue with --resume",
                     ranks,
                 )
             if interrupt.step > s.start_step:  # before this step's update: `step` finished steps
                 save(s, interrupt.step)
             interrupt.stop(
-                f"\ninterrupted: checkpoint at step {interrupt.step} in {s.ckpt_path}; continue "
+                f"interrupted: checkpoint at step {interrupt.step} in {s.ckpt_path}; continue "
                 "with --resume",
                 ranks,
             )
-    if ranks.main:
-        print(runs.report(cfg, s.run_dir, runs.warmstart_path(cfg), s.start_step))
-    return s.run_dir
+    bar.close()
 
 
-def rl_step(s, step, interrupt, accepted):
+def rl_step(s, step, interrupt, accepted, metric_logger=None):
     """One RL step (the module docstring): rollout, reward, policy update, metrics, sync (MIPU's
-    decision), log. A Ctrl-C from the first optimizer step to the metrics line is held
+    decision), log (metrics.jsonl and --log-to's logger; every eval_every steps pass@k and
+    samples.jsonl). A Ctrl-C from the first optimizer step to the metrics line is held
     (HeldInterrupt)."""
     cfg, ranks = s.cfg, s.ranks
     interrupt.step, interrupt.holding = step, False
@@ -918,6 +1057,7 @@ def rl_step(s, step, interrupt, accepted):
             cfg.seed * 1_000_003 + step,
             rollout_share,
             ranks,
+            reference_logprobs(s, seq),
         )
     except FloatingPointError as error:
         raise FloatingPointError(
@@ -935,11 +1075,11 @@ def rl_step(s, step, interrupt, accepted):
         record.update(decision)
     # 7. evaluate, log
     if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-        record.update(evaluate_both(s))
+        metrics, samples = evaluation(s)
+        record.update(metrics)
+        write_samples(s, step + 1, samples)
     record["step_s"] = time.perf_counter() - t0
-    if ranks.main:
-        with open(s.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    write_record(s, record, metric_logger)
     return record
 
 
@@ -999,11 +1139,10 @@ def step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_roll
     """The step's metrics over the whole batch, from every rank's per-token tensors."""
     ranks, mask = s.ranks, seq.loss_mask[:, 1:]
     gather = distributed.gather_rows
+    rollout_logp = gather(seq.logprobs[:, 1:], ranks)
+    valid = gather(mask, ranks, fill=False)
     mismatch = grpo.mismatch_metrics(
-        gather(old_logp, ranks),
-        gather(seq.logprobs[:, 1:], ranks),
-        gather(mask, ranks, fill=False),
-        tis_cap=s.cfg.tis or None,
+        gather(old_logp, ranks), rollout_logp, valid, tis_cap=s.cfg.tis or None
     )
     disagreement = math.nan  # under --r3: the trainer routers' own top-k, which the replay overrode
     if seq.routes is not None:
@@ -1015,6 +1154,10 @@ def step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_roll
     ).tolist()
     return {
         "reward": gather(rewards, ranks).mean().item(),
+        # the rollout policy's entropy, estimated from the log-probs of the tokens it sampled
+        "entropy/rollout": grpo.sampled_entropy(rollout_logp, valid).item(),
+        # the trainer's -log p of those tokens: its entropy plus KL(rollout || trainer), expected
+        "entropy/trainer_sampled": grpo.sampled_entropy(gather(old_logp, ranks), valid).item(),
         **update_metrics(s.cfg, minibatch_stats),
         "completion_len": n_tokens / n_rows,
         "routing_disagreement": disagreement,
@@ -1022,6 +1165,14 @@ def step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_roll
         "rollout_tokens_per_s": n_tokens / t_rollout,
         **{f"mismatch/{k}": v for k, v in mismatch.items()},
     }
+
+
+@torch.no_grad()
+def reference_logprobs(s, seq):
+    """--kl-coef: the starting policy's log-probs of the batch, (N, W-1), else None."""
+    if s.reference_model is None:
+        return None
+    return no_grad_logprobs(s.cfg, s.reference_model, seq, None)[0]
 
 
 def mipu_before(s, seq):
@@ -1085,9 +1236,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         cfg = TrainConfig(**vars(args))
-        runs.set_threads(
-            cfg
-        )  # here, not in run(): a program that imports train.py keeps its own setting
+        # here, not in run(): a program that imports train.py keeps its own setting
+        runs.set_threads(cfg)
         ranks = distributed.init_distributed(cfg)
         return [distributed.run_distributed(run, cfg, ranks) if ranks.enabled else run(cfg)]
     except ConfigError as error:

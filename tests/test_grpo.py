@@ -7,12 +7,14 @@ import torch
 
 from conftest import raises_one_line
 from grpo import (
+    LOG_RATIO_LIMIT,
     entropy_from_logits,
     group_advantages,
     mipu_proxy,
     mismatch_metrics,
     policy_loss,
     routing_disagreement,
+    sampled_entropy,
     token_logprobs,
 )
 
@@ -22,18 +24,8 @@ from grpo import (
 
 
 def test_group_advantages_population_std_and_zero_spread_group():
-    rewards = torch.tensor(
-        [
-            1.0,
-            0.0,
-            0.0,
-            1.0,  # mean 0.5, population std 0.5
-            0.7,
-            0.7,
-            0.7,
-            0.7,
-        ]
-    )  # no spread: exactly zero
+    # group 0: mean 0.5, population std 0.5; group 1: no spread, so exactly zero
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.7, 0.7, 0.7, 0.7])
     adv = group_advantages(rewards, group_size=4, eps=0.0)
     assert torch.equal(adv, torch.tensor([1.0, -1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0]))
     assert adv.dtype == torch.float32
@@ -152,9 +144,8 @@ def test_truncated_importance_sampling_weights():
     torch.testing.assert_close(loss, torch.tensor(-(2.0 + 0.5) / 2))
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-2.0 / 2], [-0.5 / 2]]))
-    assert not any(
-        name.startswith("tis") for name in stats
-    )  # constant per batch: mismatch_metrics logs it
+    # constant per batch: mismatch_metrics logs it
+    assert not any(name.startswith("tis") for name in stats)
 
     # Without a cap, rollout log-probs are ignored.
     plain, _ = policy_loss(logprobs, old, adv, mask, rollout_logprobs=rollout)
@@ -162,9 +153,9 @@ def test_truncated_importance_sampling_weights():
 
 
 def test_clip_acts_on_new_over_old_and_the_weight_on_old_over_rollout():
-    # Decoupled: token 0 has new/old = 1.5 (clipped at 1.28, A > 0) and old/rollout = 3 (weight capped at 2);
-    # token 1 has new/old = 1 and old/rollout = 0.5. The clip must not see the rollout's log-probs, and the
-    # weight must not see the current policy's.
+    # Decoupled: token 0 has new/old = 1.5 (clipped at 1.28, A > 0) and old/rollout = 3 (weight
+    # capped at 2); token 1 has new/old = 1 and old/rollout = 0.5. The clip must not see the
+    # rollout's log-probs, and the weight must not see the current policy's.
     old = torch.tensor([[-1.0], [-1.0]])
     logprobs = (old + torch.log(torch.tensor([[1.5], [1.0]]))).requires_grad_()
     rollout = old - torch.log(torch.tensor([[3.0], [0.5]]))
@@ -181,9 +172,8 @@ def test_clip_acts_on_new_over_old_and_the_weight_on_old_over_rollout():
     )
     torch.testing.assert_close(loss, torch.tensor(-(2.0 * 1.28 + 0.5 * 1.0) / 2))
     loss.backward()
-    torch.testing.assert_close(
-        logprobs.grad, torch.tensor([[0.0], [-0.5 / 2]])
-    )  # clipped: no gradient
+    # token 0 is clipped: no gradient
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0], [-0.5 / 2]]))
     assert stats["clip_ratio/high_mean"].item() == pytest.approx(0.5)
 
 
@@ -200,9 +190,8 @@ def test_clip_fraction_responds_to_clip_high():
     expected = [
         ((logprobs - old).exp()[::2] > 1 + c).float().sum().item() / 128 for c in (0.05, 0.28, 10.0)
     ]
-    assert (
-        fractions == pytest.approx(expected) and fractions[0] > fractions[1] > fractions[2] == 0.0
-    )
+    assert fractions == pytest.approx(expected)
+    assert fractions[0] > fractions[1] > fractions[2] == 0.0
 
 
 def test_k3_kl_to_reference():
@@ -240,6 +229,83 @@ def test_gradient_flows_only_through_logprobs():
     assert adv.grad is None and all(tensor.grad is None for tensor in others.values())
 
 
+def test_dual_clip_caps_the_loss_of_negative_advantages_at_c_times_abs_a():
+    # (ratio, A) with c = 3:  (5, -1)  PPO's loss 5 > 3 * 1: capped at 3, no gradient
+    #                         (2, -1)  loss 2 < 3: unchanged, gradient -A * ratio / 4 = 2 / 4
+    #                         (5, +1)  clipped at 1 + 0.28 as before: -1.28, no gradient
+    #                         (6, -0.5) loss 3 > 3 * 0.5: capped at 1.5, no gradient
+    logprobs, old, adv, mask = _one_token_each([5.0, 2.0, 5.0, 6.0], [-1.0, -1.0, 1.0, -0.5])
+    loss, stats = policy_loss(logprobs, old, adv, mask, clip_ratio_c=3.0)
+    torch.testing.assert_close(loss, torch.tensor((3.0 + 2.0 - 1.28 + 1.5) / 4))
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0], [2.0 / 4], [0.0], [0.0]]))
+    assert stats["clip_ratio/dual_mean"].item() == pytest.approx(2 / 4)
+    assert stats["clip_ratio/high_mean"].item() == pytest.approx(1 / 4)
+    assert stats["clip_ratio/region_mean"].item() == pytest.approx(3 / 4)
+
+    # without it (the default) the loss of a negative advantage grows with the ratio, as in PPO
+    plain, plain_stats = policy_loss(logprobs.detach(), old, adv, mask)
+    torch.testing.assert_close(plain, torch.tensor((5.0 + 2.0 - 1.28 + 3.0) / 4))
+    assert plain_stats["clip_ratio/dual_mean"].item() == 0.0
+
+
+def test_extreme_log_ratios_give_a_finite_loss_and_gradient():
+    # log-ratios far past fp32's exp overflow (88.7), both signs of A, with and without dual-clip:
+    # every exp sees a log-ratio clamped to +-20, where a token's term is constant (zero gradient).
+    limit = LOG_RATIO_LIMIT
+    log_ratios = [25.0, 100.0, 1000.0, -100.0, 0.5]
+    advantages = [-1.0, -1.0, 1.0, 1.0, -1.0]
+    old = torch.full((5, 1), -3.0)
+    logprobs = (old + torch.tensor(log_ratios).unsqueeze(1)).requires_grad_()
+    adv, mask = torch.tensor(advantages), torch.ones(5, 1)
+    # hand-computed per-token losses: (25, -1) and (100, -1) weigh exp(20) each without dual-clip
+    # and 3 with it; (1000, +1) is clipped at 1.28; (-100, +1) is -exp(-20); (0.5, -1) is exp(0.5)
+    plain_tokens = [math.exp(limit), math.exp(limit), -1.28, -math.exp(-limit), math.exp(0.5)]
+    dual_tokens = [3.0, 3.0, -1.28, -math.exp(-limit), math.exp(0.5)]
+    for clip_ratio_c, tokens in ((None, plain_tokens), (3.0, dual_tokens)):
+        logprobs.grad = None
+        loss, stats = policy_loss(logprobs, old, adv, mask, clip_ratio_c=clip_ratio_c)
+        loss.backward()
+        assert loss.item() == pytest.approx(sum(tokens) / 5, rel=1e-6)
+        # only the in-range token (0.5, -1) has a gradient: -A * exp(0.5) / 5
+        expected_grad = torch.tensor([[0.0], [0.0], [0.0], [0.0], [math.exp(0.5) / 5]])
+        torch.testing.assert_close(logprobs.grad, expected_grad)
+        assert all(torch.isfinite(value) for value in stats.values())
+        assert stats["ratio/max"].item() == pytest.approx(math.exp(limit), rel=1e-6)
+        # K3 of KL(old || new) at log-ratio x: exp(-x) - 1 + x, x clamped
+        clamped = [min(max(x, -limit), limit) for x in log_ratios]
+        k3 = [math.expm1(-x) + x for x in clamped]
+        assert stats["approx_kl"].item() == pytest.approx(sum(k3) / 5, rel=1e-6)
+
+
+def test_extreme_reference_and_rollout_log_ratios_give_a_finite_kl_and_weight():
+    # ref - logp = 100: K3 = exp(20) - 20 - 1 (was inf in fp32, and its gradient NaN); = -100:
+    # exp(-20) + 20 - 1. old - rollout = 100: the TIS weight is its cap. A = 0: only the KL counts.
+    logprobs = torch.full((2, 1), -50.0, requires_grad=True)
+    ref = logprobs.detach() + torch.tensor([[100.0], [-100.0]])
+    rollout = logprobs.detach() - 100.0
+    loss, stats = policy_loss(
+        logprobs,
+        logprobs.detach(),
+        torch.zeros(2),
+        torch.ones(2, 1),
+        rollout_logprobs=rollout,
+        tis_cap=2.0,
+        ref_logprobs=ref,
+        kl_coef=0.5,
+    )
+    k3 = [math.exp(20) - 20 - 1, math.exp(-20) + 20 - 1]
+    assert stats["kl"].item() == pytest.approx(sum(k3) / 2, rel=1e-6)
+    assert loss.item() == pytest.approx(0.5 * sum(k3) / 2, rel=1e-6)
+    loss.backward()
+    assert torch.equal(logprobs.grad, torch.zeros(2, 1))  # both beyond the clamp: constant
+    # a kl term is reported whenever a reference is given, and adds nothing at kl_coef 0
+    no_kl, no_kl_stats = policy_loss(
+        logprobs, logprobs.detach(), torch.ones(2), torch.ones(2, 1), ref_logprobs=ref
+    )
+    assert no_kl.item() == pytest.approx(-1.0) and no_kl_stats["kl"].item() == stats["kl"].item()
+
+
 # -----------------------------------------------------------------------------
 # token_logprobs, entropy_from_logits
 
@@ -273,6 +339,30 @@ def test_entropy_from_logits():
     assert math.isnan(entropy_from_logits(logits, torch.zeros(2, 3)).item())
 
 
+def test_entropy_from_logits_at_extreme_logits():
+    # two equal logits of 1e30: H = log 2 exactly; logits 0 and 1000: p = (e^-1000, 1) in float64,
+    # H = 1000 e^-1000 + ~0 = 0 to fp32; a row of -1e30 and one finite logit: H = 0. No inf, no NaN.
+    logits = torch.tensor([[[1e30, 1e30, -math.inf], [0.0, 1000.0, -1e30], [-1e30, 7.0, -1e30]]])
+    mask = torch.ones(1, 3)
+    assert entropy_from_logits(logits[:, :1], mask[:, :1]).item() == pytest.approx(math.log(2))
+    assert entropy_from_logits(logits[:, 1:], mask[:, 1:]).item() == pytest.approx(0.0, abs=1e-30)
+    assert entropy_from_logits(logits, mask).item() == pytest.approx(math.log(2) / 3)
+
+
+def test_sampled_entropy_is_the_mean_negative_logprob_and_estimates_the_entropy():
+    logprobs = torch.tensor([[-1.0, -2.0, 99.0], [-0.5, 99.0, 99.0]])  # the 99s are padding
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    assert sampled_entropy(logprobs, mask).item() == pytest.approx((1.0 + 2.0 + 0.5) / 3)
+    assert math.isnan(sampled_entropy(logprobs, torch.zeros(2, 3)).item())
+    # tokens drawn from p: the mean of -log p(y) converges to H(p) = -sum p log p
+    p = torch.tensor([0.7, 0.2, 0.05, 0.05], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.multinomial(p, 100_000, replacement=True, generator=generator).view(1, -1)
+    entropy = -(p * p.log()).sum().item()
+    estimate = sampled_entropy(p.log()[tokens].float(), torch.ones_like(tokens)).item()
+    assert estimate == pytest.approx(entropy, abs=0.01)
+
+
 # -----------------------------------------------------------------------------
 # mismatch_metrics
 
@@ -293,11 +383,8 @@ def test_mismatch_metrics_identical_logprobs():
         assert metrics[name] == 0.0, name
     for name in ("is_ratio_min", "is_ratio_mean", "is_ratio_max", "tis_ratio_min", "tis_ratio_max"):
         assert metrics[name] == 1.0, name
-    assert (
-        metrics["trainer_ppl"]
-        == metrics["rollout_ppl"]
-        == pytest.approx(math.exp(-logp.mean().item()))
-    )
+    assert metrics["trainer_ppl"] == pytest.approx(math.exp(-logp.mean().item()))
+    assert metrics["rollout_ppl"] == metrics["trainer_ppl"]
     assert metrics["num_tokens"] == 12
     assert all(isinstance(value, (int, float)) for value in metrics.values())
 
@@ -328,8 +415,8 @@ def test_mismatch_metrics_known_delta_and_masking():
 
 
 def test_k3_estimates_kl_of_rollout_to_trainer():
-    # Tokens sampled from the rollout distribution q; trainer distribution p. K3 and K1 must estimate
-    # KL(q || p) = 0.391, not KL(p || q) = 0.666.
+    # Tokens sampled from the rollout distribution q; trainer distribution p. K3 and K1 must
+    # estimate KL(q || p) = 0.391, not KL(p || q) = 0.666.
     q = torch.tensor([0.9, 0.09, 0.01])
     p = torch.tensor([0.5, 0.3, 0.2])
     generator = torch.Generator().manual_seed(0)
@@ -373,7 +460,8 @@ def test_routing_disagreement_ignores_order_within_top_k():
 
 
 def test_mipu_proxy_is_the_advantage_weighted_change_of_the_inference_policy():
-    # tokens of a positive-advantage sequence become twice as likely, those of a negative one half as likely
+    # tokens of a positive-advantage sequence become twice as likely, those of a negative one half
+    # as likely
     current = torch.full((2, 3), -2.0)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
     adv = torch.tensor([1.0, -0.5])
@@ -394,11 +482,9 @@ def test_mipu_proxy_is_the_advantage_weighted_change_of_the_inference_policy():
 # -----------------------------------------------------------------------------
 # bad input
 
-LOGPROBS, MASK, ROUTES = (
-    torch.zeros(2, 3),
-    torch.ones(2, 3),
-    torch.zeros(2, 3, 4, 2, dtype=torch.long),
-)
+LOGPROBS = torch.zeros(2, 3)
+MASK = torch.ones(2, 3)
+ROUTES = torch.zeros(2, 3, 4, 2, dtype=torch.long)
 BAD_CALLS = [  # (id, call, what the message names, the problem it states)
     (
         "rewards not in groups",
@@ -435,6 +521,12 @@ BAD_CALLS = [  # (id, call, what the message names, the problem it states)
         lambda: policy_loss(LOGPROBS, LOGPROBS, torch.zeros(2), MASK, tis_cap=2.0),
         "rollout_logprobs",
         "tis_cap needs",
+    ),
+    (
+        "clip_ratio_c not above 1",
+        lambda: policy_loss(LOGPROBS, LOGPROBS, torch.zeros(2), MASK, clip_ratio_c=1.0),
+        "clip_ratio_c",
+        "must be > 1",
     ),
     (
         "kl_coef without ref_logprobs",

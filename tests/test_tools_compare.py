@@ -1,5 +1,5 @@
-"""tools/compare.py: variants and their run names, its command line, and a comparison from one warm-start
-(sequential and in processes)."""
+"""tools/compare.py: variants and their run names, its command line, and a comparison from one
+warm-start (sequential and in processes)."""
 
 import os
 
@@ -35,6 +35,16 @@ def test_variants_set_recipe_rac_ratio_tis_and_r3_and_keep_a_given_ratio_in_the_
         compare.parse_variant("quads@x")
 
 
+def test_the_command_lines_rac_ratio_applies_to_the_variants_with_rac_only():
+    base = tiny_config("unused", rac_ratio=0.3)
+    configs = compare.variant_configs(base, "bf16,quads,rac@0.25")
+    assert [(c.run_name, c.rac_ratio) for c in configs] == [
+        ("bf16", train.TrainConfig.rac_ratio),  # nothing it applies to: the default, no refusal
+        ("quads@0.3", 0.3),
+        ("rac@0.25", 0.25),
+    ]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -58,6 +68,14 @@ def test_variants_set_recipe_rac_ratio_tis_and_r3_and_keep_a_given_ratio_in_the_
         ),
         (["bf16", "--run-name", "x"], "argument --run-name: not allowed with a comparison"),
         (["bf16", "--steps", "0"], "argument --steps: must be an integer >= 1, got 0"),
+        (["bf16,nvfp4", "--recipe", "fp8"], "argument --recipe: not allowed with a comparison"),
+        (["bf16,nvfp4", "--recipe", "quads"], "argument --recipe: not allowed with a comparison"),
+        (
+            ["bf16,nvfp4", "--rac-ratio", "0.3"],
+            "argument --rac-ratio: no variant of 'bf16,nvfp4' has RAC, so the value would change "
+            "nothing",
+        ),
+        (["bf16", "--step", "3"], "unrecognized argument --step: did you mean --steps?"),
     ],
 )
 def test_a_bad_value_exits_2_with_one_line_naming_it_and_writes_nothing(

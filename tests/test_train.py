@@ -6,12 +6,15 @@ sampled."""
 import copy
 import dataclasses
 import hashlib
+import itertools
 import json
+import math
 import os
 import random
 import shutil
 import subprocess
 import sys
+import time
 
 import datasets
 import pytest
@@ -47,13 +50,18 @@ TINY = dict(
 
 
 def tiny_config(out_dir, **overrides):
-    return train.TrainConfig(**{**TINY, "out_dir": str(out_dir), **overrides})
+    return train.TrainConfig(**{**TINY, **in_dir(out_dir), **overrides})
+
+
+def in_dir(out_dir):
+    """A test's runs and warm-start cache, both under its own out_dir."""
+    return {"out_dir": str(out_dir), "warmstart_dir": os.path.join(str(out_dir), "warmstart")}
 
 
 def cli(out_dir, **overrides):
     """The command line of tiny_config(out_dir, **overrides)."""
     flags = []
-    for name, value in {**TINY, "out_dir": str(out_dir), **overrides}.items():
+    for name, value in {**TINY, **in_dir(out_dir), **overrides}.items():
         flag = "--" + name.replace("_", "-")
         flags += (
             [flag]
@@ -369,7 +377,7 @@ def test_a_hugging_face_checkpoint_trains_on_a_local_gsm8k_file(tmp_path):
         warmstart_batch=2,
         eval_prompts=2,
         max_new_tokens=8,
-        out_dir=str(tmp_path / "runs"),
+        **in_dir(tmp_path / "runs"),
         device="cpu",
     )
     records = read_metrics(train.run(cfg))
@@ -1064,14 +1072,21 @@ def test_update_metrics_average_over_minibatches_and_keep_the_extremes():
             "approx_kl": 0.1,
         }
     )
-    assert train.update_metrics(tiny_config("unused"), stats[:1]) == {"loss": 1.0, "grad_norm": 2.0}
+    # on policy (one mini-batch, ratio 1) the clipped fractions are logged, the ratio's are not
+    assert train.update_metrics(tiny_config("unused"), stats[:1]) == {
+        "loss": 1.0,
+        "grad_norm": 2.0,
+        "clip_ratio/low_mean": 0.0,
+        "clip_ratio/high_mean": 0.0,
+        "clip_ratio/region_mean": 0.0,
+    }
 
 
 def test_on_policy_runs_log_no_ratio_statistics(recipe_runs):
     record = read_metrics(recipe_runs["quads"], rl_steps_only=True)[0]
-    assert not any(
-        key.startswith(("ratio/", "clip_ratio/", "approx_kl", "mipu/")) for key in record
-    )
+    assert not any(key.startswith(("ratio/", "approx_kl", "mipu/")) for key in record)
+    # the clipped fractions are logged always: 0 on policy, where the ratio is 1
+    assert record["clip_ratio/region_mean"] == record["clip_ratio/dual_mean"] == 0.0
 
 
 @pytest.mark.parametrize("proxy", [-1.0, 1.0])
@@ -1196,7 +1211,8 @@ def _train_py(out_dir, *extra, nproc=0):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         launcher
-        + [os.path.join(repo, "train.py"), *TORCHRUN_ARGS, "--out-dir", str(out_dir), *extra],
+        + [os.path.join(repo, "train.py"), *TORCHRUN_ARGS, "--out-dir", str(out_dir)]
+        + ["--warmstart-dir", os.path.join(str(out_dir), "warmstart"), *extra],
         capture_output=True,
         text=True,
         env=env,
@@ -1304,7 +1320,7 @@ def warmstart_config(out_dir, **overrides):
                 warmstart_steps=40,
                 warmstart_batch=16,
                 device="cpu",
-                out_dir=str(out_dir),
+                **in_dir(out_dir),
             ),
             **overrides,
         }
@@ -1636,3 +1652,188 @@ def test_micro_batches_accumulate_the_whole_batch_update(overrides):
         assert report_diff(p_m, p_w, name)[0] < 1e-6, name  # lr 1: the gradients themselves
     moved = any(not torch.equal(p, q) for p, q in zip(whole.parameters(), trainer.parameters()))
     assert moved
+
+
+
+
+# ----------------------------------------------------------------------------- pass@k, samples, and
+# the flags that change nothing refused
+def test_pass_at_k_is_the_share_of_k_subsets_holding_a_right_completion():
+    # the oracle: every k-subset of n completions, c of them right, counted
+    for samples in range(1, 7):
+        for correct in range(samples + 1):
+            outcomes = [True] * correct + [False] * (samples - correct)
+            for k in range(1, samples + 1):
+                subsets = list(itertools.combinations(outcomes, k))
+                share = sum(any(subset) for subset in subsets) / len(subsets)
+                assert train.pass_at_k(correct, samples, k) == pytest.approx(share, abs=1e-12)
+
+
+@pytest.fixture(scope="module")
+def sampled_run(tmp_path_factory):
+    """Two steps evaluated after each, four completions per held-out prompt."""
+    out_dir = tmp_path_factory.mktemp("sampled")
+    cfg = tiny_config(out_dir, recipe="bf16", steps=2, eval_every=1, eval_samples=4)
+    return cfg, train.run(cfg)
+
+
+def test_every_evaluation_logs_pass_at_k_up_to_its_samples_for_both_models(sampled_run):
+    cfg, run_dir = sampled_run
+    evals = read_metrics(run_dir)
+    assert [r["step"] for r in evals] == [0, 1, 2] and all("pass@1" in r for r in evals)
+    for record in evals:
+        for suffix in ("", "_bf16_trainer"):
+            values = [record[f"pass@{k}{suffix}"] for k in (1, 2, 4)]
+            assert "pass@3" + suffix not in record  # k = 1, 2, 4, ... and the samples
+            assert values == sorted(values)  # more tries never pass less often
+            # pass@4 of 4 samples is the share of prompts with a right one: a count over prompts
+            prompts_passed = values[-1] * cfg.eval_prompts
+            assert prompts_passed == pytest.approx(round(prompts_passed))
+
+
+def test_every_evaluation_writes_sample_completions_with_their_rewards(sampled_run):
+    cfg, run_dir = sampled_run
+    samples = runs.read_metrics(os.path.join(run_dir, "samples.jsonl"))
+    assert [r["step"] for r in samples] == [0] * 4 + [1] * 4 + [2] * 4
+    task = train.build_task(cfg)
+    held_out = task.sample(cfg.eval_prompts, "test", random.Random(cfg.seed + 999))
+    for sample in samples:
+        assert sample["model"] == "rollout"
+        assert sample["prompt"] in [p.prompt for p in held_out[: train.SHOWN_SAMPLES]]
+        problem = next(p for p in held_out if p.prompt == sample["prompt"])
+        assert sample["answer"] == problem.answer
+        assert sample["reward"] == task.reward(problem, sample["completion"])  # the verifier's
+
+
+def test_each_step_logs_the_rollouts_entropy_and_the_clipped_fractions(sampled_run):
+    _, run_dir = sampled_run
+    for record in read_metrics(run_dir, rl_steps_only=True):
+        # mean -log p of the sampled tokens = log of the rollout's perplexity (computed apart)
+        entropy = math.log(record["mismatch/rollout_ppl"])
+        assert record["entropy/rollout"] == pytest.approx(entropy, rel=1e-5)
+        assert record["clip_ratio/region_mean"] == 0.0  # one mini-batch: the ratio is 1
+
+
+def test_the_summary_shows_the_last_evaluations_first_sample(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, recipe="bf16", steps=1, eval_samples=2)
+    run_dir = train.run(cfg)
+    out = capsys.readouterr().out
+    last = runs.read_metrics(os.path.join(run_dir, "samples.jsonl"))[-4]  # step 1's first
+    assert last["step"] == 1
+    shown = f"  sample        step 1, reward {last['reward']:g}: {last['prompt']!r} -> "
+    assert shown + repr(last["completion"]) in out.splitlines()
+    assert "  pass@k        rollout pass@2 " in out
+
+
+def test_the_default_run_name_carries_the_preset_overrides():
+    cfg = train.TrainConfig(device="cpu", preset_overrides="dim=128,head_dim=32,expert_dim=128")
+    assert cfg.run_name == "quads+dim=128,head_dim=32,expert_dim=128"
+    assert train.TrainConfig(device="cpu").run_name == "quads"  # the README's first run
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--recipe", "w4a16", "--rac-ratio", "0.3"],
+            "argument --rac-ratio: recipe w4a16 has no RAC, so the value would change nothing; "
+            "RAC recipes: rac, quads, moeresq",
+        ),
+        (["--recipe", "bf16", "--rac-refresh", "4"], "argument --rac-refresh: recipe bf16 has no"),
+        # difficulty 2: 2 steps of 8, ';', '>' and up to 3 digits = 21 = 10 * 2 + 1 characters
+        (
+            ["--max-new-tokens", "1"],
+            "argument --max-new-tokens: must be at least 21, the longest completion of the arith "
+            "task at --difficulty 2",
+        ),
+        (["--max-new-tokens", "20"], "argument --max-new-tokens: must be at least 21"),
+        (["--difficulty", "3", "--max-new-tokens", "30"], "must be at least 31"),
+        (["--clip-ratio-c", "1"], "argument --clip-ratio-c: must be 0 (off) or a number > 1"),
+        (["--kl-coef", "-1"], "argument --kl-coef: must be a number >= 0 (0 = off), got -1.0"),
+        (["--kl-coef", "0.1"], "argument --kl-coef: the reference policy's log-probs are not"),
+        (["--eval-samples", "0"], "argument --eval-samples: must be an integer >= 1, got 0"),
+        (["--log-to", "csv"], "argument --log-to: choose from tensorboard, wandb, got 'csv'"),
+        (["--warmstart-dir", ""], "argument --warmstart-dir: must name a directory"),
+        (["--out-dir", "/dev/null/runs"], "argument --out-dir: cannot make /dev/null/runs"),
+    ],
+)
+def test_a_flag_that_would_change_nothing_is_refused_in_one_line(flags, message, tmp_path, capsys):
+    code, out, err = main_exit(flags + ["--device", "cpu", "--warmstart-steps", "0"], capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("train.py: error: ")
+    assert message in err and out == ""
+    assert train.TrainConfig(device="cpu", max_new_tokens=21).max_new_tokens == 21  # enough
+
+
+def test_the_ctrl_c_lines_are_lines_of_their_own_below_the_progress_bar(
+    tmp_path, monkeypatch, capsys
+):
+    _ctrl_c_during_the_second_update(monkeypatch, presses=1)
+    with pytest.raises(SystemExit):
+        train.run(tiny_config(tmp_path, recipe="bf16", run_name="own_line", steps=3))
+    lines = capsys.readouterr().err.split("\n")
+    assert any(
+        line.startswith("Ctrl-C: finishing this step's update, then saving") for line in lines
+    )
+    stopped = f"stopped: checkpoint at step 2 in {tmp_path}/own_line/checkpoint.pt"
+    assert [line for line in lines if stopped in line] == [stopped + "; continue with --resume"]
+
+
+def test_a_hub_id_without_network_is_one_line_at_once(tmp_path, monkeypatch, capsys, gsm8k_dirs):
+    import huggingface_hub.constants
+
+    def unreachable(address, timeout=None, **kwargs):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(train.socket, "create_connection", unreachable)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    for name in train.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    start = time.perf_counter()
+    flags = ["--model", "nobody/no-such-model", "--task", "gsm8k", "--task-source", gsm8k_dirs[1]]
+    flags += ["--device", "cpu", "--out-dir", str(tmp_path / "runs")]
+    code, out, err = main_exit(flags, capsys)
+    assert time.perf_counter() - start < 10  # no retries
+    # (above the line: datasets' progress bar of the local GSM8K file)
+    last_line = err.strip().splitlines()[-1]
+    assert code == 2 and "Traceback" not in err and last_line.startswith("train.py: error: ")
+    assert "argument --model: nobody/no-such-model is not in the local Hugging Face cache" in err
+    assert "huggingface.co cannot be reached" in err and "give a local directory" in err
+
+    # a snapshot in the cache is used as it is, without the network
+    snapshot = tmp_path / "hub" / "models--nobody--cached" / "snapshots" / "0123abcd"
+    os.makedirs(snapshot)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--nobody--cached" / "refs").mkdir()
+    (tmp_path / "hub" / "models--nobody--cached" / "refs" / "main").write_text("0123abcd")
+    assert train.model_source("nobody/cached") == str(snapshot)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert train.model_source("nobody/cached") == str(snapshot)
+    with pytest.raises(runs.ConfigError, match="HF_HUB_OFFLINE is set"):
+        train.model_source("nobody/no-such-model")
+
+
+def test_the_update_hands_the_loss_dual_clip_and_the_reference_kl(monkeypatch):
+    """--clip-ratio-c and --kl-coef reach grpo.policy_loss, the latter with the starting policy's
+    log-probs (a frozen copy of the warm-start: its KL to the trainer is 0 before the first
+    step)."""
+    seen = []
+    original = grpo.policy_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "policy_loss", spy)
+    cfg, trainer, seq, advantages = update_fixture(clip_ratio_c=2.5, kl_coef=0.1)
+    reference = copy.deepcopy(trainer)
+    reference_logp = train.no_grad_logprobs(cfg, reference, seq, None)[0]
+    _, _, stats = train.policy_update(
+        cfg, trainer, adamw(cfg, trainer), seq, advantages, 0, reference_logp=reference_logp
+    )
+    assert seen[0]["clip_ratio_c"] == 2.5 and seen[0]["kl_coef"] == 0.1
+    assert torch.equal(seen[0]["ref_logprobs"], reference_logp)
+    assert stats[0]["kl"] == 0.0  # the trainer is still the starting policy
+    seen.clear()
+    no_kl = dataclasses.replace(cfg, kl_coef=0.0)
+    train.policy_update(no_kl, trainer, adamw(cfg, trainer), seq, advantages, 0)
+    assert seen[0]["ref_logprobs"] is None and seen[0]["kl_coef"] == 0.0

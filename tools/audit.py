@@ -1,31 +1,36 @@
-"""The 3-way log-prob audit: one rollout batch per recipe, from a run's weights, its tokens scored three ways.
+"""The 3-way log-prob audit: one rollout batch per recipe, from a run's weights, its tokens scored
+three ways.
 
-    python -m tools.audit runs/quads                                   # bf16, nvfp4, quads
+    python -m tools.audit runs/quads                          # bf16, nvfp4, quads
     python -m tools.audit runs/quads/checkpoint.pt --recipes moeresq,trace --device cpu
     python -m tools.audit runs/quads --recipes nvfp4,nvfp4+row,w4a16,w16a4 --batches 2
-    python -m tools.audit runs/quads --outliers                        # the inputs NVFP4 quantizes
+    python -m tools.audit runs/quads --outliers               # the inputs NVFP4 quantizes
 
-    A  the log-probs the rollout engine recorded while it generated the batch (decode, one token a step)
+    A  the log-probs the rollout engine recorded while it generated the batch (decode, one token a
+       step)
     B  the same rollout model re-scoring the same tokens in one prefill (rollout.score), done twice
     C  the recipe's trainer forward on the same tokens (what the loss sees as `old`)
 
 A - B isolates the engine's own nondeterminism (decode vs prefill numerics; the dynamic per-tensor
-activation scale that makes a token's rounding depend on the rest of its GEMM); B - C is precision (the
-rollout's quantized layers against the trainer's); A - C is what the loss sees; B - B' must be 0 (a
-repeatable prefill). For each, over the completion tokens: signed mean, mean absolute error, p95, p99 and
-max of |d|. A recipe name with `+row` runs it with --act-scale row; --batches N scores N batches each.
+activation scale that makes a token's rounding depend on the rest of its GEMM); B - C is precision
+(the rollout's quantized layers against the trainer's); A - C is what the loss sees; B - B' must be
+0 (a repeatable prefill). For each, over the completion tokens: signed mean, mean absolute error,
+p95, p99 and max of |d|. A recipe name with `+row` runs it with --act-scale row; --batches N scores
+N batches each.
 
---outliers reports instead how outlier-heavy each input of the NVFP4 rollout is on one batch of its own
-tokens (its prefill re-score): max |x| / RMS; the largest block amax over the median one; the share of
-blocks whose E4M3 scale falls below E4M3's smallest normal 2^-6 under the per-tensor global scale (fewer
-scale bits); and the relative error |x - DQ(Q(x))| / |x| with a per-tensor and a per-row scale. The
-activation error NVFP4 RL suffers grows with these ratios (pretrained LLMs have channels hundreds of
-times their RMS). Writes outliers.md into the audit's directory.
+--outliers reports instead how outlier-heavy each input of the NVFP4 rollout is on one batch of its
+own tokens (its prefill re-score): max |x| / RMS; the largest block amax over the median one; the
+share of blocks whose E4M3 scale falls below E4M3's smallest normal 2^-6 under the per-tensor global
+scale (fewer scale bits); and the relative error |x - DQ(Q(x))| / |x| with a per-tensor and a
+per-row scale. The activation error NVFP4 RL suffers grows with these ratios (pretrained LLMs have
+channels hundreds of times their RMS). Writes outliers.md into the audit's directory.
 
 The run's own config (preset, task, batch shape, temperature, RAC ratio, seed) is used, with this
-command's device. Every recipe starts from the checkpoint's weights and scores a batch it sampled itself
-(same prompts and seed). Writes audit.md, audit.json and each batch (tokens, A, B, C) as batch_<recipe>.pt
-into RUN/audit_step<N>/ (or --out DIR); an audit that is there is refused unless --overwrite replaces it.
+command's device. Every recipe starts from the checkpoint's weights and scores a batch it sampled
+itself (same prompts and seed). Writes audit.md (the full table: every statistic of every pair),
+audit.json and each batch (tokens, A, B, C) as batch_<recipe>.pt into RUN/audit_step<N>/ (or --out
+DIR), and prints a compact table (MAE and max of each pair) and the paths it wrote; an audit that is
+there is refused unless --overwrite replaces it.
 """
 
 import argparse
@@ -35,10 +40,10 @@ import json
 import os
 import random
 import sys
+import textwrap
 
-sys.path.insert(
-    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # also as a plain script
+# also as a plain script
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
@@ -55,15 +60,8 @@ STATS = [
     ("p99", "abs_diff_p99"),
     ("max", "abs_diff_max"),
 ]
-SKIPPED = (
-    "device",
-    "run_name",
-    "resume",
-    "overwrite",
-    "threads",
-    "mipu",
-    "tis",
-)  # not the audit's business
+# not the audit's business
+SKIPPED = ("device", "run_name", "resume", "overwrite", "threads", "mipu", "tis", "log_to")
 
 
 def audit(
@@ -103,6 +101,8 @@ def audit(
         **{k: v for k, v in ckpt["config"].items() if k in known and k not in SKIPPED},
         device=device,
     )
+    run_cfg = cfg
+    default_rac_ratio = train.TrainConfig.rac_ratio
     task = train.build_task(cfg)
     model, tokenizer = train.build_model(cfg, task)
     model.load_state_dict(ckpt["trainer"])  # QAT layers keep moe.py's parameter names
@@ -118,8 +118,13 @@ def audit(
     results = {}
     for spec, batch in ((spec, b) for spec in recipes for b in range(batches)):
         recipe, _, scale = spec.partition("+")
-        cfg = dataclasses.replace(cfg, recipe=recipe, act_scale=scale or "tensor", run_name="audit")
-        rac_ratio = cfg.rac_ratio if train.RECIPES[recipe][2] else 0.0
+        has_rac = train.RECIPES[recipe][2]
+        # a recipe without RAC takes the RAC fields' defaults (it has nothing they apply to)
+        rac_fields = {} if has_rac else {"rac_ratio": default_rac_ratio, "rac_refresh": 1}
+        cfg = dataclasses.replace(
+            run_cfg, recipe=recipe, act_scale=scale or "tensor", run_name="audit", **rac_fields
+        )
+        rac_ratio = cfg.rac_ratio if has_rac else 0.0
         rollout_model, trainer = train.build_recipe(cfg, copy.deepcopy(model), recipe, rac_ratio)
         if rac_ratio > 0:
             train.rac.calibrate_rac(rollout_model, calib_tokens)
@@ -132,9 +137,8 @@ def audit(
         seq = out.sequences()
         mask = seq.loss_mask[:, 1:]
         recorded = seq.logprobs[:, 1:]  # A
-        rescored, replayed = (
-            rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:] for _ in range(2)
-        )  # B, B'
+        rescored = rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:]  # B
+        replayed = rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:]  # B'
         with torch.no_grad():
             trainer_logp, _ = train.trainer_logprobs(cfg, trainer, seq, rollout_share)  # C
         name = spec + (f" (batch {batch + 1})" if batches > 1 else "")
@@ -160,10 +164,10 @@ def audit(
         del rollout_model, trainer
 
     header = (
-        f"Log-prob audit of {ckpt_path} (RL step {ckpt['step']}): {cfg.prompts_per_step} prompts x "
-        f"{cfg.group_size} samples per recipe, preset {cfg.preset or cfg.model}, temperature "
-        f"{cfg.temperature:g}, {device}, torch {torch.__version__}. d in nats over completion tokens; "
-        "A recorded at decode, B one-prefill re-score, C trainer forward."
+        f"Log-prob audit of {ckpt_path} (RL step {ckpt['step']}): {cfg.prompts_per_step} prompts "
+        f"x {cfg.group_size} samples per recipe, preset {cfg.preset or cfg.model}, temperature "
+        f"{cfg.temperature:g}, {device}, torch {torch.__version__}. d in nats over completion "
+        "tokens; A recorded at decode, B one-prefill re-score, C trainer forward."
     )
     columns = (
         ["recipe", "tokens"]
@@ -187,15 +191,40 @@ def audit(
         "config": dataclasses.asdict(cfg),
         "recipes": results,
     }
-    runs.atomic_save(
-        json.dumps(record, indent=2), os.path.join(out_dir, "audit.json"), runs.write_text
-    )
-    print(table)
+    json_path = os.path.join(out_dir, "audit.json")
+    runs.atomic_save(json.dumps(record, indent=2), json_path, runs.write_text)
+    print(textwrap.fill(header, width=100))
+    print(compact_table(results))
+    print(f"full table (p95, p99, signed mean too): {md_path}")
+    print(f"also written: {json_path}, and each batch as {out_dir}/batch_<recipe>.pt")
     return md_path
 
 
+def compact_table(results):
+    """The audit for a terminal: per recipe, the tokens and the MAE and max |d| of each pair and of
+    the repeated prefill, in columns a person reads at 100 characters."""
+    columns = ["recipe", "tokens"]
+    columns += [f"{pair} {name}" for pair in ("A-B", "B-C", "A-C") for name in ("MAE", "max")]
+    columns += ["B-B' max"]
+    rows = [columns]
+    for recipe, r in results.items():
+        cells = [recipe, str(r["tokens"])]
+        for pair in ("A-B", "B-C", "A-C"):
+            cells += [f"{r[pair]['abs_diff_mean']:.2e}", f"{r[pair]['abs_diff_max']:.2e}"]
+        rows.append(cells + [f"{r['B-B replay max']:.1e}"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = []
+    for row in rows:
+        # the recipe's name to the left, the numbers to the right of their columns
+        cells = [row[0].ljust(widths[0])]
+        cells += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
 def sample_batch(cfg, rollout_model, task, tokenizer, batch, cuda_graph, decode_hand_offs=None):
-    """The rollout of audit batch `batch`: its own prompts and sampling seed, the same for every recipe."""
+    """The rollout of audit batch `batch`: its own prompts and sampling seed, the same for every
+    recipe."""
     problems = task.sample(cfg.prompts_per_step, "train", random.Random(cfg.seed + 4242 + batch))
     return rollout.generate(
         rollout_model,
@@ -247,7 +276,8 @@ class InputCapture:
 
 
 def outlier_report(cfg, model, task, tokenizer, ckpt_path, step, out_dir, cuda_graph):
-    """The inputs of the checkpoint's NVFP4 rollout (no RAC) on one batch it sampled -> outliers.md."""
+    """The inputs of the checkpoint's NVFP4 rollout (no RAC) on one batch it sampled ->
+    outliers.md, whose table is printed with its path."""
     rollout_model = train.rac.convert_for_rollout(model, "nvfp4")
     out = sample_batch(cfg, rollout_model, task, tokenizer, 0, cuda_graph)
     inputs = InputCapture()  # (layer path, readers) -> x of one prefill
@@ -261,8 +291,9 @@ def outlier_report(cfg, model, task, tokenizer, ckpt_path, step, out_dir, cuda_g
     }
     columns = list(next(iter(stats.values())))
     lines = [
-        f"Inputs of the NVFP4 rollout of {ckpt_path} (RL step {step}), one prefill of its own batch of "
-        f"{cfg.prompts_per_step} x {cfg.group_size} samples, {cfg.device}, torch {torch.__version__}.",
+        f"Inputs of the NVFP4 rollout of {ckpt_path} (RL step {step}), one prefill of its own "
+        f"batch of {cfg.prompts_per_step} x {cfg.group_size} samples, {cfg.device}, torch "
+        f"{torch.__version__}.",
         "",
         "| input | " + " | ".join(columns) + " |",
         "| --- |" + " ---: |" * len(columns),
@@ -275,6 +306,7 @@ def outlier_report(cfg, model, task, tokenizer, ckpt_path, step, out_dir, cuda_g
     md_path = os.path.join(out_dir, "outliers.md")
     runs.atomic_save(table, md_path, runs.write_text)
     print(table)
+    print(f"written: {md_path}")
     return md_path
 
 

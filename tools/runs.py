@@ -1,21 +1,28 @@
 """A run's directory: what makes a run durable and never destroyed unasked.
 
-A run lives in out_dir/run_name/: config.json, metrics.jsonl (one JSON line per step; step 0 holds the
-warm-started policy's pass@1) and checkpoint.pt (step, trainer and optimizer state, config). Beside the runs,
-out_dir/warmstart/ caches each starting policy, keyed by what determines it (warmstart_path). The rules:
-- a directory holding a run is refused unless --resume continues it (the checkpoint's stored config must
-  match, except RESUMABLE_FIELDS: --steps may grow) or --overwrite starts it over (check_run_dir, before
-  anything is written);
+A run lives in out_dir/run_name/: config.json (the config, and one provenance entry per start:
+commit, versions, device), metrics.jsonl (one JSON line per step; step 0 holds the warm-started
+policy's pass@k), samples.jsonl (a few evaluation completions with their rewards, every
+evaluation) and checkpoint.pt (step, trainer and optimizer state, config). The starting policies
+are cached in one directory shared by every out_dir (--warmstart-dir, default runs/warmstart: beside
+the default runs, so that the caches made before the flag existed are found where they are), keyed
+by what determines them (warmstart_path). The rules:
+- a directory holding a run is refused unless --resume continues it (the checkpoint's stored config
+  must match, except RESUMABLE_FIELDS: --steps may grow) or --overwrite starts it over
+  (check_run_dir, before anything is written; a directory that cannot be made is refused there too);
 - every file is written atomically (atomic_save): a crash never leaves half a checkpoint;
-- Ctrl-C while a step changes the weights is held until that step is logged and saved (HeldInterrupt), so
-  a checkpoint is always of a whole step, and a resumed run repeats the same data order and seeds;
+- Ctrl-C while a step changes the weights is held until that step is logged and saved
+  (HeldInterrupt), so a checkpoint is always of a whole step, and a resumed run repeats the same
+  data order and seeds;
 - what cannot run is one line (ConfigError: the CLI prints it and exits 2), never a traceback;
-- the command line is built from the config dataclass (build_parser): a field's comment is its --help;
-  every value is checked before anything runs (validate), each problem one line naming its flag.
+- the command line is built from the config dataclass (build_parser): a field's comment is its
+  --help; every value is checked before anything runs (validate), each problem one line naming its
+  flag; a flag must be spelt out (no abbreviations), and a misspelt one gets the nearest names.
 """
 
 import argparse
 import dataclasses
+import difflib
 import hashlib
 import inspect
 import json
@@ -27,6 +34,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import typing
 
 import torch
@@ -38,10 +46,9 @@ class ConfigError(ValueError):
     """A run that cannot start as asked: one line for the user (the CLI prints it and exits 2)."""
 
 
-# ----------------------------------------------------------------------------- the config's values, checked
-HUB_ID = re.compile(
-    r"[A-Za-z0-9][\w.-]*/[\w.-]+"
-)  # "org/name"; anything else must be a local directory
+# ----------------------------------------------------------------------------- the config's values
+# "org/name"; anything else must be a local directory
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 AT_LEAST = dict(
     steps=1,
     prompts_per_step=1,
@@ -54,6 +61,7 @@ AT_LEAST = dict(
     threads=1,
     difficulty=1,
     minibatches=1,
+    eval_samples=1,
     group_size=2,
     seed=0,
     warmstart_steps=0,
@@ -64,6 +72,8 @@ BOUNDED = dict(
     clip_low=(lambda v: 0 <= v < 1, "must be in [0, 1)"),
     clip_high=(lambda v: 0 <= v < math.inf, "must be a number >= 0"),
     tis=(lambda v: 0 <= v < math.inf, "must be a number >= 0 (0 = off)"),
+    clip_ratio_c=(lambda v: v == 0 or 1 < v < math.inf, "must be 0 (off) or a number > 1"),
+    kl_coef=(lambda v: 0 <= v < math.inf, "must be a number >= 0 (0 = off)"),
     **{
         name: (lambda v: 0 < v < math.inf, "must be a number > 0")
         for name in ("lr", "warmstart_lr", "grad_clip", "temperature")
@@ -110,8 +120,8 @@ def validate(cfg, choices):
     refuse(
         kind == "cuda" and not torch.cuda.is_available(),
         "device",
-        f"{cfg.device!r} but torch "
-        f"{torch.__version__} sees no CUDA GPU (built with CUDA {torch.version.cuda}); use --device cpu",
+        f"{cfg.device!r} but torch {torch.__version__} sees no CUDA GPU (built with CUDA "
+        f"{torch.version.cuda}); use --device cpu",
     )
     refuse(
         index and int(index) >= torch.cuda.device_count(),
@@ -145,8 +155,8 @@ def validate(cfg, choices):
     refuse(
         cfg.model and not os.path.isdir(cfg.model) and not HUB_ID.fullmatch(cfg.model),
         "model",
-        f"no such directory: {cfg.model} (give a Hugging Face Qwen3-MoE directory, or a hub id such as "
-        "Qwen/Qwen3-30B-A3B)",
+        f"no such directory: {cfg.model} (give a Hugging Face Qwen3-MoE directory, or a hub id "
+        "such as Qwen/Qwen3-30B-A3B)",
     )
     require(
         cfg.run_name == ""
@@ -156,6 +166,7 @@ def validate(cfg, choices):
         cfg.run_name,
         "must be a directory name under --out-dir (no '/'; 'warmstart' holds the warm-start cache)",
     )
+    require(cfg.warmstart_dir, "warmstart-dir", cfg.warmstart_dir, "must name a directory")
     refuse(cfg.resume and cfg.overwrite, "overwrite", "not allowed with argument --resume")
     refuse(
         cfg.fsdp and "RANK" not in os.environ,
@@ -177,9 +188,10 @@ def validate(cfg, choices):
 
 
 def preset_overrides(preset, text):
-    """--preset-overrides "dim=128,expert_dim=128" -> the moe.MoEConfig fields it replaces in the preset,
-    checked: known fields, values of their type, a config moe.py accepts, and NVFP4's 16-element blocks
-    dividing every reduction dimension the rollout quantizes (dim, n_heads x head_dim, expert_dim)."""
+    """--preset-overrides "dim=128,expert_dim=128" -> the moe.MoEConfig fields it replaces in the
+    preset, checked: known fields, values of their type, a config moe.py accepts, and NVFP4's
+    16-element blocks dividing every reduction dimension the rollout quantizes (dim, n_heads x
+    head_dim, expert_dim)."""
     if not text:
         return {}
     types = {
@@ -262,13 +274,41 @@ WARMSTART_KEY = (
 
 
 def warmstart_path(cfg):
-    """out_dir/warmstart/<hash of WARMSTART_KEY's values>.pt, every recipe's starting policy. Preset overrides
-    join the key only when given, so the keys of runs without them are those of before the option."""
+    """warmstart_dir/<hash of WARMSTART_KEY's values>.pt, every recipe's starting policy, whatever
+    the out_dir. Preset overrides join the key only when given, so the keys of runs without them are
+    those of before the option. A cache made before --warmstart-dir existed, in out_dir/warmstart/,
+    is still used when the shared directory has none of that key."""
     fields = WARMSTART_KEY + ("preset_overrides",) * bool(cfg.preset_overrides)
     key = json.dumps({name: getattr(cfg, name) for name in fields}, sort_keys=True)
-    return os.path.join(
-        cfg.out_dir, "warmstart", hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt"
-    )
+    name = hashlib.sha1(key.encode()).hexdigest()[:12] + ".pt"
+    shared = os.path.join(cfg.warmstart_dir, name)
+    earlier = os.path.join(cfg.out_dir, "warmstart", name)
+    if not os.path.exists(shared) and os.path.exists(earlier):
+        return earlier
+    return shared
+
+
+def check_writable_dir(path, flag):
+    """Refuse, in one line and before anything is written, a directory that cannot be made or
+    written into: a file on its path (README.md, /dev/null/x) or a parent that takes no new entry
+    (/proc/x). The probe is a temporary directory made and removed in the nearest existing
+    ancestor."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(
+            f"argument --{flag}: cannot make {path}: {existing} is not a directory; give a "
+            "directory"
+        )
+    try:
+        probe = tempfile.mkdtemp(prefix=".write_check_", dir=existing)
+    except OSError as error:
+        raise ConfigError(
+            f"argument --{flag}: cannot make {path}: {existing} takes no new entry "
+            f"({error.strerror}); give a writable directory"
+        ) from None
+    os.rmdir(probe)
 
 
 CHECKPOINT_KEYS = {"step", "trainer", "optimizer", "config"}
@@ -318,14 +358,20 @@ RESUMABLE_FIELDS = {
     "threads",
     "cuda_graph",
     "fsdp",
+    "warmstart_dir",
+    "log_to",
+    "eval_samples",  # evaluation only; and absent from the checkpoints of before it
 }
 
 
 def check_run_dir(cfg, rename="choose another --run-name"):
-    """Refuse, before anything is written, to start where a run would be destroyed; under --resume read
-    the checkpoint and check that it continues this run. -> the checkpoint to resume from, or None."""
+    """Refuse, before anything is written, to start where a run would be destroyed; under --resume
+    read the checkpoint and check that it continues this run. -> the checkpoint to resume from, or
+    None."""
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
+    check_writable_dir(cfg.out_dir, "out-dir")
+    check_writable_dir(cfg.warmstart_dir, "warmstart-dir")
     if not cfg.resume:
         found = [name for name in RUN_FILES if os.path.exists(os.path.join(run_dir, name))]
         if found and not cfg.overwrite:
@@ -364,9 +410,10 @@ def check_run_dir(cfg, rename="choose another --run-name"):
 
 
 class HeldInterrupt:
-    """Ctrl-C while a step changes the trainer's weights (from its first optimizer step to its metrics line
-    and checkpoint) is held until that step ends, so that what is saved is always a finished, logged step;
-    elsewhere, and on a second Ctrl-C, it acts at once. Only in the main thread (signals live there)."""
+    """Ctrl-C while a step changes the trainer's weights (from its first optimizer step to its
+    metrics line and checkpoint) is held until that step ends, so that what is saved is always a
+    finished, logged step; elsewhere, and on a second Ctrl-C, it acts at once. Only in the main
+    thread (signals live there)."""
 
     def __init__(self, step):
         self.step = step  # the RL loop's step: finished steps, or the one whose update is running
@@ -387,8 +434,10 @@ class HeldInterrupt:
     def _handler(self, signum, frame):
         if self.holding and not self.requested:
             self.requested = True
+            # a line of its own, below the progress bar's
             print(
-                "\nCtrl-C: finishing this step's update, then saving (Ctrl-C again: stop now, unsaved)",
+                "\nCtrl-C: finishing this step's update, then saving (Ctrl-C again: stop now, "
+                "unsaved)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -403,8 +452,9 @@ class HeldInterrupt:
 
 
 def report(cfg, run_dir, warmstart, start_step=None):
-    """The end-of-run summary: the RL steps' own time (this command's steps: not the warm-start, not what
-    ran before a resume), final pass@1, mismatch over the run, and where everything is."""
+    """The end-of-run summary: the RL steps' own time (this command's steps: not the warm-start, not
+    what ran before a resume), final pass@k, mismatch over the run, the last evaluation's first
+    sample, and where everything is."""
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     steps, evals = [r for r in records if r["step"] > 0], [r for r in records if "pass@1" in r]
     lines = [f"{cfg.run_name}: {steps[-1]['step'] if steps else 0} steps"]
@@ -420,31 +470,90 @@ def report(cfg, run_dir, warmstart, start_step=None):
             f"{last['pass@1_bf16_trainer']:.3f} at step {last['step']} (step {first['step']}: "
             f"{first['pass@1']:.3f}, {first['pass@1_bf16_trainer']:.3f})"
         )
+        more = [key for key in pass_at_k_keys(last) if key != "pass@1"]
+        if more:
+            values = ", ".join(f"{key} {last[key]:.3f}" for key in more)
+            lines.append(f"  pass@k        rollout {values} at step {last['step']}")
     if steps:
         mean = sum(r["mismatch/abs_diff_mean"] for r in steps) / len(steps)
         worst = max(r["mismatch/abs_diff_max"] for r in steps)
         lines.append(
             f"  |delta logp|  mean {mean:.2e}, max {worst:.3f} over steps 1-{steps[-1]['step']}"
         )
+    samples_path = os.path.join(run_dir, "samples.jsonl")
+    samples = read_metrics(samples_path)
+    if samples:
+        last_step = samples[-1]["step"]
+        sample = next(r for r in samples if r["step"] == last_step)
+        lines.append(
+            f"  sample        step {last_step}, reward {sample['reward']:g}: "
+            f"{sample['prompt']!r} -> {sample['completion']!r}"
+        )
     lines += [
         f"  {'metrics':<13} {os.path.join(run_dir, 'metrics.jsonl')}",
+        f"  {'samples':<13} {samples_path}" if samples else None,
         f"  {'checkpoint':<13} {os.path.join(run_dir, 'checkpoint.pt')}",
         f"  {'warm-start':<13} {warmstart}",
         f"  {'figure':<13} python -m tools.plot {run_dir}",
     ]
-    return "\n".join(lines)
+    return "\n".join(line for line in lines if line is not None)
+
+
+def pass_at_k_keys(record, suffix=""):
+    """The pass@k keys of a metrics record in the order of k: pass@1, pass@2, pass@4, ..."""
+    found = []
+    for key in record:
+        match = re.fullmatch(r"pass@(\d+)" + re.escape(suffix), key)
+        if match:
+            found.append((int(match.group(1)), key))
+    return [key for _, key in sorted(found)]
 
 
 class Parser(argparse.ArgumentParser):
-    def error(
-        self, message
-    ):  # argparse's "prog: error: ..." and exit 2, without the 40-option usage
+    """argparse with every flag spelt out (an abbreviation such as --step for --steps is refused,
+    not guessed), a misspelt flag answered with the nearest names, and an error as one line."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(self.unknown_message(unknown))
+        return parsed
+
+    def unknown_message(self, unknown):
+        """'unrecognized argument --step: did you mean --steps?' for the first unknown flag."""
+        flags = [word for word in unknown if word.startswith("--")]
+        if not flags:
+            return f"unrecognized arguments: {' '.join(unknown)}"
+        flag = flags[0].partition("=")[0]
+        known = [name for name in self._option_string_actions if name.startswith("--")]
+        nearest = [name for name in known if name.startswith(flag)]
+        if not nearest:
+            # the closest spellings, and only those about as close as the closest
+            similarity = {name: difflib.SequenceMatcher(None, flag, name).ratio() for name in known}
+            best = max(similarity.values(), default=0.0)
+            nearest = sorted(
+                (name for name in known if similarity[name] >= max(0.7, best - 0.1)),
+                key=lambda name: -similarity[name],
+            )
+        if not nearest:
+            return f"unrecognized argument {flag} (see --help)"
+        if len(nearest) == 1:
+            return f"unrecognized argument {flag}: did you mean {nearest[0]}?"
+        listed = ", ".join(nearest[:3][:-1]) + " or " + nearest[:3][-1]
+        return f"unrecognized argument {flag}: did you mean {listed}?"
+
+    def error(self, message):
+        # argparse's "prog: error: ..." and exit 2, without the 40-option usage
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def option_docs(config_class):
-    """A config dataclass's source -> {field: (group, help)}: a field's trailing comment is its help, a
-    comment line of its own opens a group. The dataclass stays the one place where an option is documented."""
+    """A config dataclass's source -> {field: (group, help)}: a field's trailing comment is its
+    help, a comment line of its own opens a group. The dataclass stays the one place where an option
+    is documented."""
     docs, group = {}, "options"
     for line in inspect.getsource(config_class).splitlines()[1:]:
         if line.startswith("    def "):
@@ -462,8 +571,9 @@ def option_docs(config_class):
 
 
 def build_parser(config_class, choices, prog, usage, description):
-    """The command line of a config dataclass: one option per field, grouped and documented as the fields
-    are (option_docs), with its type, default and, for the fields in `choices`, the values it takes."""
+    """The command line of a config dataclass: one option per field, grouped and documented as the
+    fields are (option_docs), with its type, default and, for the fields in `choices`, the values it
+    takes."""
     parser = Parser(
         prog=prog,
         description=description,
@@ -502,8 +612,9 @@ def build_parser(config_class, choices, prog, usage, description):
 
 def provenance(device):
     """Where a run's numbers come from, for its config.json: the commit and whether the tree had
-    uncommitted changes to tracked files (None outside a git checkout), the versions of Python, torch and
-    Triton, and the device (the GPU's name, or the CPU's architecture and thread count)."""
+    uncommitted changes to tracked files (None outside a git checkout), the versions of Python,
+    torch and Triton, and the device (the GPU's name, or the CPU's architecture and thread
+    count)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*args):
@@ -540,7 +651,8 @@ def provenance(device):
 
 
 def read_provenance(config_path):
-    """The provenance entries of an earlier config.json (a resumed run keeps them and adds its own)."""
+    """The provenance entries of an earlier config.json (a resumed run keeps them and adds its
+    own)."""
     if not os.path.exists(config_path):
         return []
     with open(config_path) as f:
@@ -548,18 +660,20 @@ def read_provenance(config_path):
 
 
 def set_threads(cfg):
-    """CPU: torch's threads (--threads, or 1 on the tiny preset, whose matmuls gain nothing from a second
-    thread, which stalls whenever another process holds a core: several times slower on 2 shared cores)."""
+    """CPU: torch's threads (--threads, or 1 on the tiny preset, whose matmuls gain nothing from a
+    second thread, which stalls whenever another process holds a core: several times slower on 2
+    shared cores)."""
     threads = cfg.threads or (1 if cfg.preset == "tiny" else None)
     if cfg.device == "cpu" and threads:
         torch.set_num_threads(threads)
 
 
 def interrupted_before_rl():
-    """Ctrl-C before the RL loop (warm-start, loading, the step-0 evaluation): one line, exit 130."""
+    """Ctrl-C before the RL loop (warm-start, loading, the step-0 evaluation): one line of its own
+    (below the warm-start's progress bar), exit 130."""
     print(
-        "\ninterrupted before the first RL step: no checkpoint written, and the warm-start is cached only "
-        "once complete; run the command again to start",
+        "\ninterrupted before the first RL step: no checkpoint written, and the warm-start is "
+        "cached only once complete; run the command again to start",
         file=sys.stderr,
     )
     sys.exit(130)

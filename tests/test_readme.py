@@ -41,14 +41,15 @@ def quick_start_commands():
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
         for line in block.splitlines():
-            command = line.split("  #", 1)[0].strip()
-            if command:
-                commands.append(command)
+            line = line.split("  #", 1)[0].strip()
+            for command in line.split("&&"):
+                if command.strip():
+                    commands.append(command.strip())
     return commands
 
 
 def skipped(command):
-    if command.startswith("pip ") or command.startswith("python -m pytest"):
+    if command.startswith(("pip ", "ruff ", "python -m pytest")):
         return True
     if "path/to/" in command:
         return True

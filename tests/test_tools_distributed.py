@@ -21,10 +21,7 @@ def test_one_process_is_the_identity():
     x = torch.arange(6.0).view(2, 3)
     assert distributed.gather_rows(x, distributed.SINGLE) is x
     assert distributed.all_sum([1.0, 2.0], distributed.SINGLE).tolist() == [1.0, 2.0]
-    share, stats = distributed.loss_share(
-        torch.tensor(3.0), {"ratio/min": 1.0}, None, distributed.SINGLE
-    )
-    assert share == 1.0 and stats == {"loss": torch.tensor(3.0), "ratio/min": 1.0}
+    assert distributed.token_share(None, distributed.SINGLE) == 1.0
 
 
 def _reduce_stats_on_rank(rank, init_file, results):

@@ -29,7 +29,9 @@ def arith_run(tmp_path_factory):
     torch.manual_seed(0)
     model = moe.MoETransformer(moe.MoEConfig.from_preset("tiny", vocab_size=VOCAB))
     model.init_weights(std=0.3)
-    cfg = train.TrainConfig(device="cpu", out_dir=str(directory.parent), max_new_tokens=12)
+    cfg = train.TrainConfig(
+        device="cpu", out_dir=str(directory.parent), difficulty=1, max_new_tokens=12
+    )
     ckpt = {"step": 5, "trainer": model.state_dict(), "optimizer": {}}
     torch.save(
         {**ckpt, "config": dataclasses.asdict(cfg)}, os.path.join(directory, "checkpoint.pt")

@@ -646,6 +646,7 @@ class MoETransformer(nn.Module):
         targets: Tensor | None = None,
         temperature: float = 1.0,
         grad_checkpoint: bool = False,
+        return_entropy: bool = False,
     ):
         """tokens (B, T) int64 -> logits (B, T, V) in the model's dtype (upcast before a
         log-softmax).
@@ -664,6 +665,8 @@ class MoETransformer(nn.Module):
         targets (B, T) int64: return the log-probs of these tokens instead of the logits, (B, T)
             fp32, of logits / temperature, computed LOGPROB_CHUNK_ELEMENTS entries at a time
             (token_logprobs): the full-vocabulary fp32 logits never exist at once.
+        return_entropy: with targets, return (log-probs, entropy) instead: each position's entropy
+            of softmax(logits / temperature), (B, T) fp32, without gradient.
         grad_checkpoint: keep only each block's input for the backward and recompute the block
             there (activation checkpointing); the gradients are those of the plain forward.
         """
@@ -721,7 +724,8 @@ class MoETransformer(nn.Module):
             routes.append(layer_routes)  # (B, T, A)
         hidden = self.norm(x)  # (B, T, D)
         if targets is not None:
-            out = self.token_logprobs(hidden, targets, temperature, hand_offs)  # (B, T) fp32
+            # (B, T) fp32, and (B, T) fp32 entropies with return_entropy
+            out = self.token_logprobs(hidden, targets, temperature, hand_offs, return_entropy)
         else:
             out = call_layer(self.lm_head, hand_offs, "lm_head", hidden)  # (B, T, V)
         if return_routes:
@@ -729,14 +733,21 @@ class MoETransformer(nn.Module):
         return out
 
     def token_logprobs(
-        self, hidden: Tensor, targets: Tensor, temperature: float = 1.0, hand_offs=None
-    ) -> Tensor:
+        self,
+        hidden: Tensor,
+        targets: Tensor,
+        temperature: float = 1.0,
+        hand_offs=None,
+        return_entropy: bool = False,
+    ):
         """log softmax(lm_head(hidden) / temperature)[target], (B, T) fp32, from hidden (B, T, D).
 
         The positions are taken logprob_chunk_tokens(V) at a time, so one chunk's fp32 logits are
         the most that exists; with a gradient each chunk is recomputed in the backward (checkpoint),
         so the chunks' logits are not kept for it either. Each token's value is its own row's
-        logit minus its row's logsumexp: the same as on the whole tensor."""
+        logit minus its row's logsumexp: the same as on the whole tensor. return_entropy: also each
+        position's entropy H = logsumexp(z) - sum softmax(z) z of z = logits / temperature, without
+        gradient: -> (log-probs, entropies)."""
         B, T, D = hidden.shape
         check(
             targets.shape == (B, T),
@@ -745,24 +756,35 @@ class MoETransformer(nn.Module):
         flat_hidden = hidden.reshape(B * T, D)
         flat_targets = targets.reshape(B * T)
         chunk = logprob_chunk_tokens(self.config.vocab_size)
-        pieces = []
+        logprobs = []
+        entropies = []
         for start in range(0, B * T, chunk):
             rows = (flat_hidden[start : start + chunk], flat_targets[start : start + chunk])
             if B * T > chunk and torch.is_grad_enabled():
-                piece = checkpoint(
+                piece, entropy = checkpoint(
                     self._chunk_logprobs, *rows, temperature, hand_offs, use_reentrant=False
                 )
             else:
-                piece = self._chunk_logprobs(*rows, temperature, hand_offs)
-            pieces.append(piece)
-        return torch.cat(pieces).view(B, T)
+                piece, entropy = self._chunk_logprobs(*rows, temperature, hand_offs)
+            logprobs.append(piece)
+            entropies.append(entropy)
+        logprobs = torch.cat(logprobs).view(B, T)
+        if return_entropy:
+            return logprobs, torch.cat(entropies).view(B, T)
+        return logprobs
 
     def _chunk_logprobs(self, hidden, targets, temperature, hand_offs):
-        """(n, D), (n,) -> (n,) fp32: one chunk's log-probs (token_logprobs)."""
+        """(n, D), (n,) -> ((n,) fp32 log-probs, (n,) fp32 entropies): one chunk's."""
         logits = call_layer(self.lm_head, hand_offs, "lm_head", hidden)  # (n, V)
         logits = logits.float() / max(temperature, 1e-6)
         chosen = logits.gather(-1, targets[:, None]).squeeze(-1)
-        return chosen - logits.logsumexp(-1)
+        log_normalizer = logits.logsumexp(-1)
+        with torch.no_grad():
+            probs = torch.softmax(logits, dim=-1)
+            # -inf logits have p = 0: their terms are 0, not NaN
+            expected = torch.where(probs > 0, probs * logits, 0.0).sum(-1)
+            entropy = log_normalizer - expected
+        return chosen - log_normalizer, entropy
 
 
 def swappable_layers(model: nn.Module, include_router: bool = False, include_lm_head: bool = False):

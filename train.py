@@ -508,7 +508,8 @@ def build_recipe(cfg, model, recipe, rac_ratio):
 # ----------------------------------------------------------------------------- the policy update
 def trainer_logprobs(cfg, trainer, seq, share=None, rows=slice(None)):
     """The trainer's log-probs of the sampled tokens of `rows`, tempered as the rollout sampled
-    them: (n, W-1) fp32, aligned with seq.logprobs[:, 1:]; and the experts it chose, (L, n, W, A).
+    them: (n, W-1) fp32, aligned with seq.logprobs[:, 1:]; the experts it chose, (L, n, W, A); and
+    its policy's entropy at each of those positions, (n, W-1) fp32, without gradient.
 
     The model returns the log-probs of its targets rather than its logits (moe.py computes them a
     chunk of positions at a time: the fp32 logits of the whole batch never exist at once); the last
@@ -528,7 +529,7 @@ def trainer_logprobs(cfg, trainer, seq, share=None, rows=slice(None)):
         model = getattr(trainer, "module", trainer)  # DDP wraps the trainer; paths are the model's
         hand_offs = share.hand_offs(model)
     with autocast(cfg):
-        logprobs, routes = trainer(
+        (logprobs, entropy), routes = trainer(
             tokens,
             forced_routes=forced_routes,
             return_routes=True,
@@ -536,8 +537,9 @@ def trainer_logprobs(cfg, trainer, seq, share=None, rows=slice(None)):
             targets=targets,
             temperature=cfg.temperature,
             grad_checkpoint=cfg.grad_checkpoint,
+            return_entropy=True,
         )
-    return logprobs[:, :-1], routes
+    return logprobs[:, :-1], routes, entropy[:, :-1]
 
 
 def micro_batches(rows, n_rows, size):
@@ -599,7 +601,7 @@ def policy_update(
         optimizer.zero_grad(set_to_none=True)
         stats = {}
         for piece in pieces:
-            new_logp, routes = trainer_logprobs(cfg, trainer, seq, rollout_share, piece)
+            new_logp, routes, entropy = trainer_logprobs(cfg, trainer, seq, rollout_share, piece)
             if cfg.minibatches == 1 and len(pieces) == 1:
                 old_logp = new_logp.detach()
                 old_routes = routes
@@ -631,6 +633,10 @@ def policy_update(
             if distributed.all_sum([not_finite], ranks)[0] > 0:
                 raise FloatingPointError(f"non-finite loss ({loss.item()})")
             (loss * loss_weight).backward()
+            # the trainer policy's entropy, a token mean over the piece like the other statistics
+            piece_mask = mask[piece].float()
+            entropy_sum = (entropy * piece_mask).sum()
+            piece_stats["entropy"] = entropy_sum / piece_mask.sum().clamp(min=1.0)
             fraction = 1.0
             if tokens is not None:
                 fraction = mask[piece].sum().item() / max(tokens, 1)
@@ -657,8 +663,8 @@ def no_grad_logprobs(cfg, trainer, seq, rollout_share):
     """trainer_logprobs of every row without a gradient, cfg.micro_batch rows at a time."""
     pieces = micro_batches(slice(None), seq.tokens.shape[0], cfg.micro_batch)
     results = [trainer_logprobs(cfg, trainer, seq, rollout_share, piece) for piece in pieces]
-    logp = torch.cat([logp for logp, _ in results])
-    routes = torch.cat([routes for _, routes in results], dim=1)
+    logp = torch.cat([result[0] for result in results])
+    routes = torch.cat([result[1] for result in results], dim=1)
     return logp, routes
 
 
@@ -693,6 +699,8 @@ def update_metrics(cfg, minibatch_stats):
         return sum(s[key] for s in minibatch_stats) / len(minibatch_stats)
 
     record = {"loss": mean("loss"), "grad_norm": mean("grad_norm")}
+    # the trainer policy's mean token entropy in the update's forwards (verl's actor/entropy)
+    record["entropy/trainer"] = mean("entropy")
     clip_keys = [key for key in minibatch_stats[0] if key.startswith("clip_ratio/")]
     record.update({key: mean(key) for key in clip_keys})
     if "kl" in minibatch_stats[0]:  # --kl-coef: K3 KL(new || the starting policy)
@@ -1156,8 +1164,6 @@ def step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_roll
         "reward": gather(rewards, ranks).mean().item(),
         # the rollout policy's entropy, estimated from the log-probs of the tokens it sampled
         "entropy/rollout": grpo.sampled_entropy(rollout_logp, valid).item(),
-        # the trainer's -log p of those tokens: its entropy plus KL(rollout || trainer), expected
-        "entropy/trainer_sampled": grpo.sampled_entropy(gather(old_logp, ranks), valid).item(),
         **update_metrics(s.cfg, minibatch_stats),
         "completion_len": n_tokens / n_rows,
         "routing_disagreement": disagreement,

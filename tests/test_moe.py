@@ -595,3 +595,23 @@ BAD_CALLS = [  # (id, call given a scratch directory, what the message names, th
 )
 def test_bad_input_raises_one_line_naming_the_field_and_the_problem(tmp_path, call, names, problem):
     raises_one_line(lambda: call(tmp_path), names, problem)
+
+
+def test_target_log_probs_and_entropies_are_the_float64_softmaxs(monkeypatch):
+    """forward(targets=..., return_entropy=True), in chunks of 5 positions: each position's
+    log-prob of its target and entropy H = -sum p log p of softmax(logits / temperature), against a
+    float64 oracle on the whole logits; the entropy carries no gradient."""
+    torch.manual_seed(0)
+    model = moe.MoETransformer(moe.MoEConfig.from_preset("tiny", vocab_size=96))
+    tokens = torch.randint(96, (3, 11))
+    targets = torch.randint(96, (3, 11))
+    with torch.no_grad():
+        z = model(tokens).double() / 0.7
+    log_p = torch.log_softmax(z, dim=-1)
+    expected_logp = log_p.gather(-1, targets[..., None]).squeeze(-1)
+    expected_entropy = -(log_p.exp() * log_p).sum(-1)
+    monkeypatch.setattr(moe, "LOGPROB_CHUNK_ELEMENTS", 96 * 5)
+    logp, entropy = model(tokens, targets=targets, temperature=0.7, return_entropy=True)
+    assert report_diff(logp.double(), expected_logp, "log-probs")[0] < 1e-5
+    assert report_diff(entropy.double(), expected_entropy, "entropies")[0] < 1e-5
+    assert logp.requires_grad and not entropy.requires_grad

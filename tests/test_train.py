@@ -1019,7 +1019,7 @@ def test_several_minibatches_move_the_ratio_after_the_first_and_the_clip_respond
     for clip_high in (1e-3, 10.0):
         cfg, trainer, seq, advantages = update_fixture(minibatches=4, clip_high=clip_high)
         with torch.no_grad():
-            sampling_weights_logp, _ = train.trainer_logprobs(cfg, trainer, seq)
+            sampling_weights_logp = train.trainer_logprobs(cfg, trainer, seq)[0]
         old, _, stats = train.policy_update(cfg, trainer, adamw(cfg, trainer), seq, advantages, 0)
         assert torch.equal(old, sampling_weights_logp)  # old: before the first step, not after
         assert len(stats) == 4
@@ -1557,7 +1557,7 @@ def test_grad_checkpointing_gives_the_plain_runs_gradients_bit_for_bit(mode):
     for checkpointed in (False, True):
         run_cfg = dataclasses.replace(cfg, grad_checkpoint=checkpointed)
         trainer.zero_grad(set_to_none=True)
-        logp, _ = train.trainer_logprobs(run_cfg, trainer, seq, share)
+        logp = train.trainer_logprobs(run_cfg, trainer, seq, share)[0]
         (logp * seq.loss_mask[:, 1:]).sum().backward()
         grads.append([p.grad.clone() for p in trainer.parameters()])
     for (name, _), plain, checkpointed in zip(trainer.named_parameters(), *grads):
@@ -1585,7 +1585,7 @@ def test_grad_checkpointing_keeps_only_the_blocks_inputs(monkeypatch):
     for checkpointed, expected in ((False, 2), (True, 4)):
         calls.clear()
         run_cfg = dataclasses.replace(cfg, grad_checkpoint=checkpointed)
-        logp, _ = train.trainer_logprobs(run_cfg, model, seq)
+        logp = train.trainer_logprobs(run_cfg, model, seq)[0]
         logp.sum().backward()
         assert len(calls) == expected
 

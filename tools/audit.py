@@ -140,7 +140,7 @@ def audit(
         rescored = rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:]  # B
         replayed = rollout.score(rollout_model, seq.tokens, cfg.temperature)[:, 1:]  # B'
         with torch.no_grad():
-            trainer_logp, _ = train.trainer_logprobs(cfg, trainer, seq, rollout_share)  # C
+            trainer_logp = train.trainer_logprobs(cfg, trainer, seq, rollout_share)[0]  # C
         name = spec + (f" (batch {batch + 1})" if batches > 1 else "")
         results[name] = {
             "tokens": int(mask.sum()),

@@ -31,7 +31,15 @@ rounding).
 Routes can be forced (R3, "rollout routing replay"): the trainer replays the experts the rollout
 chose, while the mixing weights still come from its own router, so the router keeps receiving
 gradients. The KV cache belongs to the sampler (rollout.py, read after grpo.py); each Attention
-layer only calls `k, v = kv_cache.update(layer_idx, k, v)`.
+layer only calls `k, v = kv_cache.update(layer_idx, k, v)`. What a swapped-in layer needs for one
+call beside its input (a symmetric trainer's share of the rollout, a rollout's recorder, met after
+train.py) is an argument too: `hand_offs`, {module path: object}, threaded down like forced routes,
+so that the layer at a named path is called `layer(x, hand_off)`; nothing is set on a layer.
+
+For real checkpoints: `targets=` makes the forward return the targets' log-probs instead of the
+logits, a chunk of positions at a time (each recomputed in the backward), so no whole fp32 logits
+tensor exists; `grad_checkpoint=True` keeps only each block's input and recomputes the block in the
+backward (torch.utils.checkpoint), with the plain forward's gradients.
 
 Left out on purpose: quantization (the quantized layers of rac.py and qat.py, read after train.py,
 replace these layers in place), dropout, attention bias, sliding windows, RoPE scaling, dense-MLP

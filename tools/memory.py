@@ -30,8 +30,8 @@ experts), B a block's, R the root's (embeddings, final norm, LM head), M the nn.
     weight casts     2 (M + X)      autocast's BF16 copies of the weights, saved for backward
                                     (whole, under FSDP too); checkpointed 2 (M + X / L): the
                                     experts of one block (autocast caches M for the whole forward)
-    QAT weights      4Q             fake-quantized weights of every layer, made together at the
-                                    first layer and held for the forward (qat.py); not in bf16
+    QAT weights      4Q             fake-quantized weights of every layer, each made in its
+                                    layer's forward and saved for the backward (qat.py); not bf16
     gathered         4R + 12B       FSDP2: the root's parameters, unsharded for the whole pass;
                                     the computing and the prefetched block; a block's unsharded
                                     gradient before its reduce-scatter

@@ -1045,6 +1045,7 @@ def test_update_metrics_average_over_minibatches_and_keep_the_extremes():
             "clip_ratio/high_mean": 0.0,
             "clip_ratio/region_mean": 0.0,
             "approx_kl": 0.0,
+            "entropy": 0.5,
         },
         {
             "loss": 3.0,
@@ -1056,6 +1057,7 @@ def test_update_metrics_average_over_minibatches_and_keep_the_extremes():
             "clip_ratio/high_mean": 0.3,
             "clip_ratio/region_mean": 0.4,
             "approx_kl": 0.2,
+            "entropy": 0.7,
         },
     ]
     record = train.update_metrics(tiny_config("unused", minibatches=2), stats)
@@ -1070,12 +1072,14 @@ def test_update_metrics_average_over_minibatches_and_keep_the_extremes():
             "clip_ratio/high_mean": 0.15,
             "clip_ratio/region_mean": 0.2,
             "approx_kl": 0.1,
+            "entropy/trainer": 0.6,
         }
     )
     # on policy (one mini-batch, ratio 1) the clipped fractions are logged, the ratio's are not
     assert train.update_metrics(tiny_config("unused"), stats[:1]) == {
         "loss": 1.0,
         "grad_norm": 2.0,
+        "entropy/trainer": 0.5,
         "clip_ratio/low_mean": 0.0,
         "clip_ratio/high_mean": 0.0,
         "clip_ratio/region_mean": 0.0,

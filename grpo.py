@@ -1,6 +1,6 @@
 """GRPO on tensors: group advantages, the clipped token-level loss, truncated importance sampling,
 the MIPU acceptance proxy and the train/rollout mismatch metrics. Pure functions of tensors:
-train.py runs the models and hands the log-probs over.
+train.py (read after rollout.py) runs the models and hands the log-probs over.
 
 Group advantages. Each prompt is sampled G times; a completion is measured against its own group,
     A_i = (r_i - mean_g(r)) / (std_g(r) + eps)          population std (unbiased=False)

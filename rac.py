@@ -23,10 +23,11 @@ reference path, NVFP4 activations).
 
 Reading order: the references (plain PyTorch, fp32), block selection, the layers (an attention's
 q/k/v_proj read one input: NVFP4Attention quantizes it once for the three), conversion, sync and
-calibration, what TRACE's trainer takes from the rollout (InputRecorder, rac_masks: symmetric.py
-uses them), the fast path (gpu_kernels/w4a4_*.py), and `backend`, the one place a path is chosen.
-Hopper: fp16 MMAs on the FP4 weight decoded in registers. Blackwell: `tl.dot_scaled` on the codes,
-numerics UNTESTED, checked against the Hopper kernels on first use.
+calibration, what the symmetric trainers take from the rollout (InputRecorder, rac_masks; their
+consumer, symmetric.py, is read after qat.py), the fast path (gpu_kernels/w4a4_*.py), and
+`backend`, the one place a path is chosen. Hopper: fp16 MMAs on the FP4 weight decoded in
+registers. Blackwell: `tl.dot_scaled` on the codes, numerics UNTESTED, checked against the Hopper
+kernels on first use.
 
 Nothing of a rollout's data is set on a layer from outside: what a layer records (TRACE) is handed
 to its forward as an argument (moe.py's hand_offs). Two pieces of state are kept on purpose, each by

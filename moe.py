@@ -795,6 +795,24 @@ class MoETransformer(nn.Module):
         return chosen - log_normalizer, entropy
 
 
+def same_state_as(cls: type, module: nn.Module) -> nn.Module:
+    """A `cls` (a subclass of module's class) holding module's own plain attributes, Parameter
+    objects, buffers and submodules, not copies: how a swapped-in layer takes over the one it
+    replaces, so that an optimizer built before the swap and the state dict's keys keep working."""
+    twin = cls.__new__(cls)
+    nn.Module.__init__(twin)
+    for name, value in vars(module).items():  # plain attributes such as n_experts, layer_idx
+        if not name.startswith("_") and name != "training":
+            setattr(twin, name, value)
+    for name, param in module.named_parameters(recurse=False):
+        setattr(twin, name, param)
+    for name, buffer in module.named_buffers(recurse=False):
+        twin.register_buffer(name, buffer)
+    for name, child in module.named_children():
+        setattr(twin, name, child)
+    return twin.train(module.training)
+
+
 def swappable_layers(model: nn.Module, include_router: bool = False, include_lm_head: bool = False):
     """[(parent, attribute, module)] for every layer the quantized recipes replace in place (rac.py,
     qat.py: read after train.py): each Attention's nn.Linear projections and every Experts block,

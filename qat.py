@@ -130,14 +130,7 @@ class QATExperts(moe.Experts):
     def from_float(cls, experts):
         """A QATExperts holding `experts`' own Parameter objects (an existing optimizer keeps
         working)."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        for name, value in vars(experts).items():  # plain attributes such as n_experts
-            if not name.startswith("_") and name != "training":
-                setattr(layer, name, value)
-        for name, param in experts.named_parameters(recurse=False):
-            setattr(layer, name, param)
-        return layer.train(experts.training)
+        return moe.same_state_as(cls, experts)
 
     def master_weights(self):
         return (self.gate_up_proj, self.down_proj)

@@ -370,13 +370,7 @@ class NVFP4Attention(moe.Attention):
     @classmethod
     def from_float(cls, attention):
         """A twin of `attention` whose q/k/v_proj are already NVFP4Linear; the same submodules."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        for name, value in vars(attention).items():  # plain attributes such as layer_idx
-            if not name.startswith("_") and name != "training":
-                setattr(layer, name, value)
-        for name, child in attention.named_children():
-            setattr(layer, name, child)
+        layer = moe.same_state_as(cls, attention)
         layer.qkv = (layer.q_proj, layer.k_proj, layer.v_proj)
         layer.splits = [proj.out_features for proj in layer.qkv]
         layer.weight_q = stack_weights([proj.weight_q for proj in layer.qkv])
@@ -384,7 +378,7 @@ class NVFP4Attention(moe.Attention):
         views = zip(q.data.split(layer.splits), q.block_scale.split(layer.splits), q.global_scale)
         for proj, weight_views in zip(layer.qkv, views):
             proj.share_input(layer.q_proj.rac, weight_views)
-        return layer.train(attention.training)
+        return layer
 
     def _stacked(self):
         """The stacked weight; None if a layer's buffers are no longer views of it (moved or

@@ -134,7 +134,7 @@ def bench_gemm(args):
     1. dense decode (M = 1, 16, 64, 256), the whole layer: W4A4 = rac.nvfp4_linear_triton (its
        activation quantization included: one quantizer launch, then the tiled GEMM,
        gpu_kernels/w4a4_dense.py); W4A4 RAC 0.5 = the same with half the blocks compensated;
-       FP8 = fp8.linear (per-token quantization and the W8A8 GEMM, gpu_kernels/w8a8.py);
+       FP8 = fp8.linear (per-token quantization and the W8A8 GEMM, gpu_kernels/w8a8_dense.py);
        int4 = torch._weight_int4pack_mm (W4A16, group 128, gpt-fast's kernel); BF16 F.linear.
        "% floor": the NVFP4 weight bytes over the measured copy bandwidth, divided by the time.
        "q/k/v stacked": the rollout's attention input projections as one GEMM (each weight its own
@@ -143,8 +143,9 @@ def bench_gemm(args):
        autotuning configuration forced in turn.
     3. expert layer decode (64, 128 and 256 tokens routed top-8 at random): quantize x, grouped
        gate/up (SwiGLU in its epilogue), quantize h, grouped down with the router weights; FP8 = the
-       same steps in fp8.FP8Experts (gpu_kernels/w8a8.py); BF16 = torch._grouped_mm. Floor: bytes of
-       the experts hit. Also each grouped configuration forced in turn, and each GEMM alone.
+       same steps in fp8.FP8Experts (gpu_kernels/w8a8_experts.py); BF16 = torch._grouped_mm.
+       Floor: bytes of the experts hit. Also each grouped configuration forced in turn, and each
+       GEMM alone.
     4. prefill (M = 4096), dense shapes.
     Timing: each op is captured in a CUDA graph and the replays are timed (do_bench, median): GPU
     time without Python launch gaps (a decode step runs as a graph). Each graph calls the op on
@@ -491,7 +492,7 @@ def _config_label(config, sep):
 def _print_autotuned():
     """The configurations the W4A4 and W8A8 kernels' autotuner chose in this process, per key (shape
     bucket, N, K, ...)."""
-    from gpu_kernels import w4a4_dense, w4a4_experts, w8a8
+    from gpu_kernels import w4a4_dense, w4a4_experts, w8a8_dense, w8a8_experts
 
     try:
         from gpu_kernels.w4a4_experts_gluon import grouped_gluon_kernel
@@ -505,8 +506,8 @@ def _print_autotuned():
         w4a4_dense.dense_kernel,
         w4a4_experts.grouped_kernel,
         *gluon,
-        w8a8.dense_kernel,
-        w8a8.grouped_kernel,
+        w8a8_dense.dense_kernel,
+        w8a8_experts.grouped_kernel,
     ):
         for key, config in kernel.cache.items():
             print(f"  {kernel.fn.fn.__name__} {key[:5]} -> {_config_label(config, ', ')}")

@@ -16,11 +16,11 @@ define the numbers: dequantize, multiply in fp32, round to BF16 (the experts' al
 the router weights in fp32 first, as their GEMMs' epilogues do). FP8Linear and FP8Experts replace
 moe.py's layers in the rollout model through rac.py's conversion (mode "fp8"), like its NVFP4 ones.
 
-Where it runs (`use_kernels`, the one place a path is chosen): gpu_kernels/w8a8.py's Triton kernels
-on CUDA GPUs with FP8 tensor cores when Triton imports (one quantizer launch, or none: at decode
-sizes the dense GEMM quantizes x itself; the experts as two grouped GEMMs, no host sync), the
-references elsewhere. The kernels equal the references up to fp32 accumulation order (the
-quantizer bit for bit).
+Where it runs (`use_kernels`, the one place a path is chosen): the Triton kernels of
+gpu_kernels/w8a8_quantize.py, w8a8_dense.py and w8a8_experts.py on CUDA GPUs with FP8 tensor cores
+when Triton imports (one quantizer launch, or none: at decode sizes the dense GEMM quantizes x
+itself; the experts as two grouped GEMMs, no host sync), the references elsewhere. The kernels
+equal the references up to fp32 accumulation order (the quantizer bit for bit).
 
 Shape letters: M rows (tokens, or assignments R), K reduction dim, N output features, E experts,
 D model dim, I expert hidden dim. Left out: per-tensor or block-wise scales, E5M2, q/k/v stacking.
@@ -35,9 +35,11 @@ import torch.nn.functional as F
 import moe
 
 try:  # triton ships with CUDA builds of torch on Linux; without it the references run
-    from gpu_kernels import w8a8
+    from gpu_kernels import w8a8_dense, w8a8_experts, w8a8_quantize
 except ImportError:
-    w8a8 = None
+    w8a8_dense = None
+    w8a8_experts = None
+    w8a8_quantize = None
 
 E4M3_MAX = 448.0
 KERNEL_CAPABILITY = (8, 9)  # FP8 tensor cores: sm_89 (Ada) and later
@@ -91,10 +93,10 @@ def grouped_linear_reference(
 
 
 def use_kernels(x):
-    """Do the FP8 layers run gpu_kernels/w8a8.py on x? Yes on CUDA GPUs with FP8 tensor cores
-    (sm_89+) when Triton imports; the references elsewhere (the kernel tests run the kernels on the
-    CPU themselves)."""
-    return w8a8 is not None and x.is_cuda and _capability(x.device) >= KERNEL_CAPABILITY
+    """Do the FP8 layers run the gpu_kernels/w8a8_*.py kernels on x? Yes on CUDA GPUs with FP8
+    tensor cores (sm_89+) when Triton imports; the references elsewhere (the kernel tests run the
+    kernels on the CPU themselves)."""
+    return w8a8_dense is not None and x.is_cuda and _capability(x.device) >= KERNEL_CAPABILITY
 
 
 _capability = functools.lru_cache(maxsize=None)(torch.cuda.get_device_capability)
@@ -103,7 +105,7 @@ _capability = functools.lru_cache(maxsize=None)(torch.cuda.get_device_capability
 def linear(x, w_codes, w_scale):
     """x (M, K) @ (w_codes * w_scale[:, None]).T, x quantized per token -> (M, N) BF16."""
     if use_kernels(x):
-        return w8a8.linear(x, w_codes, w_scale)
+        return w8a8_dense.linear(x, w_codes, w_scale)
     return linear_reference(*quantize_rowwise(x), w_codes, w_scale)
 
 
@@ -114,8 +116,8 @@ def grouped_linear(
     each, times weight (E, N, K) -> (R, N or N/2) BF16. swiglu and row_weights (read at
     row_weight_ids if given) as in grouped_linear_reference."""
     if use_kernels(x):
-        return w8a8.grouped_linear(
-            *w8a8.quantize_rows(x),
+        return w8a8_experts.grouped_linear(
+            *w8a8_quantize.quantize_rows(x),
             w_codes,
             w_scale,
             counts,

@@ -1,7 +1,7 @@
 """fp8.py: row-wise FP8 quantization against a float64 oracle, the layers against full precision,
-the grouped experts against a per-expert loop, the layers' dispatch to gpu_kernels/w8a8.py (forced
-on the CPU, under the interpreter; natively on a GPU) against their reference path, and clear
-errors."""
+the grouped experts against a per-expert loop, the layers' dispatch to the gpu_kernels/w8a8_*.py
+kernels (forced on the CPU, under the interpreter; natively on a GPU) against their reference path,
+and clear errors."""
 
 import pytest
 import torch
@@ -89,8 +89,8 @@ def test_layers_dispatch_to_the_kernels_and_agree_with_their_references(
     kernel_device, monkeypatch, tokens
 ):
     # The kernels run where use_kernels says (CUDA sm_89+); on the CPU it says no. Forced on, the
-    # same layers run gpu_kernels/w8a8.py (under the interpreter on the CPU) and agree with their
-    # reference path.
+    # same layers run the gpu_kernels/w8a8_*.py kernels (under the interpreter on the CPU) and agree
+    # with their reference path.
     assert fp8.use_kernels(torch.zeros(1)) is False
     torch.manual_seed(tokens)
     linear = fp8.FP8Linear.from_float(nn.Linear(64, 48, bias=False).to(kernel_device))
@@ -105,13 +105,18 @@ def test_layers_dispatch_to_the_kernels_and_agree_with_their_references(
     monkeypatch.setattr(fp8, "use_kernels", lambda x: False)
     references = linear(x), layer(x, expert_ids, weights)
     monkeypatch.setattr(fp8, "use_kernels", lambda x: True)
-    calls = _counting(monkeypatch, fp8.w8a8, ["linear", "grouped_linear", "quantize_rows"])
+    dense_calls = _counting(monkeypatch, fp8.w8a8_dense, ["linear", "quantize_rows"])
+    experts_calls = _counting(monkeypatch, fp8.w8a8_experts, ["grouped_linear"])
+    quantizer_calls = _counting(monkeypatch, fp8.w8a8_quantize, ["quantize_rows"])
     fast = linear(x), layer(x, expert_ids, weights)
-    assert calls == {
+    # the experts quantize x and h through fp8.py; the dense layer quantizes inside its launcher
+    # unless it fuses the quantization into the GEMM
+    assert dense_calls == {
         "linear": 1,
-        "grouped_linear": 2,
-        "quantize_rows": 2 + (tokens > fp8.w8a8.FUSE_MAX_ROWS),
+        "quantize_rows": int(tokens > fp8.w8a8_dense.FUSE_MAX_ROWS),
     }
+    assert experts_calls == {"grouped_linear": 2}
+    assert quantizer_calls == {"quantize_rows": 2}
     # the dense layer: the same codes, sums in another order (one BF16 ulp at most)
     dense_gap = (fast[0].float() - references[0].float()).abs()
     assert (dense_gap <= 2**-7 * references[0].float().abs()).all()

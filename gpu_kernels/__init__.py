@@ -12,6 +12,7 @@ What more than one kernel file uses lives in a shared module, and a kernel file 
   - gemm_common.py: the GEMMs' autotuning by bucket of rows, epilogue stores and grouped
     (experts) scheduling (W4A4 Hopper, W4A4 Blackwell, FP8 W8A8);
   - w4a4_common.py: the W4A4 Hopper GEMMs' fp16 operand, their weight decode and main loop;
+  - w8a8_common.py: the FP8 GEMMs' x tile, main loop (with its fp32 promotion) and configurations;
   - expert_layout.py: the experts' blocked weight layout (torch only).
 
 INTERPRET: Triton runs the kernels in its CPU interpreter (TRITON_INTERPRET=1, set by the tests

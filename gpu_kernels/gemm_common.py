@@ -1,6 +1,6 @@
 """What the GEMM kernels share around their main loops: the W4A4 Hopper kernels (w4a4_dense.py,
 w4a4_experts.py, w4a4_experts_gluon.py), the native Blackwell ones (w4a4_blackwell.py) and the FP8
-ones (w8a8.py). Each kernel file keeps its own main loop and tables; this is the rest.
+ones (w8a8_*.py). Each kernel file keeps its own main loop and tables; this is the rest.
 
 Autotuning by bucket of rows. A kernel's table lists a few configurations per bucket of M (rows, or
 rows per expert for the grouped kernels); a call passes its bucket (m_bucket) as the autotuning key,

@@ -563,6 +563,7 @@ def policy_update(
     rollout_share=None,
     ranks=SINGLE,
     reference_logp=None,
+    clock=None,
 ):
     """GRPO on one rollout batch: cfg.minibatches optimizer steps, each on a shuffled 1/N of its
     rows.
@@ -578,15 +579,20 @@ def policy_update(
     mini-batch's (to fp32 summation order) and the optimizer still steps once per mini-batch.
     rollout_share: what a symmetric trainer takes from the rollout (trainer_logprobs).
     reference_logp (N, W-1): the starting policy's log-probs for --kl-coef's K3 term, else None.
+    clock: a StepClock, charged with "logprobs" (the forwards) and "update" (loss, backward, step).
     Returns old (N, W-1), the trainer's routes under the sampling weights (L, N, W, A) and per
     mini-batch a dict of floats (loss, grad_norm and grpo.policy_loss's statistics)."""
+    if clock is None:
+        clock = StepClock("cpu")
     mask = seq.loss_mask[:, 1:]
     rollout_logp = seq.logprobs[:, 1:]
     n_rows = seq.tokens.shape[0]
+    clock.lap("logprobs")  # the reference policy's forward (--kl-coef), if any
     minibatches = [slice(None)]
     if cfg.minibatches > 1:
         with torch.no_grad():
             old_logp, old_routes = no_grad_logprobs(cfg, trainer, seq, rollout_share)
+        clock.lap("logprobs")
         generator = torch.Generator().manual_seed(shuffle_seed + 7919 * ranks.rank)
         order = torch.randperm(n_rows, generator=generator).to(seq.tokens.device)
         minibatches = order.chunk(cfg.minibatches)
@@ -602,6 +608,7 @@ def policy_update(
         stats = {}
         for piece in pieces:
             new_logp, routes, entropy = trainer_logprobs(cfg, trainer, seq, rollout_share, piece)
+            clock.lap("logprobs")
             if cfg.minibatches == 1 and len(pieces) == 1:
                 old_logp = new_logp.detach()
                 old_routes = routes
@@ -641,12 +648,14 @@ def policy_update(
             if tokens is not None:
                 fraction = mask[piece].sum().item() / max(tokens, 1)
             accumulate_stats(stats, {"loss": loss.detach(), **piece_stats}, fraction)
+            clock.lap("update")
         if ranks.enabled:
             stats = distributed.reduce_stats(stats, loss_weight / ranks.world_size, ranks)
         grad_norm = torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
         optimizer.step()
+        clock.lap("update")
         stats = {"loss": stats.pop("loss"), "grad_norm": grad_norm.detach(), **stats}
         minibatch_stats.append(stats)
     # every statistic to the host in one sync
@@ -740,6 +749,8 @@ class Setup:
     ranks: distributed.Distributed = SINGLE
     # --kl-coef: the starting policy, frozen, in the rollout's dtype (else None)
     reference_model: torch.nn.Module | None = None
+    # tools/memory.py's plan of one GPU, made before the models were built (None on a CPU)
+    memory_plan: memory.Plan | None = None
 
     def __post_init__(self):
         self.ckpt_path = os.path.join(self.run_dir, "checkpoint.pt")
@@ -769,8 +780,9 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
     free_bytes = memory.free_memory(cfg.device)  # before this run's models take any
     task = build_task(cfg)
     model, tokenizer = build_model(cfg, task)
+    memory_plan = None
     if free_bytes is not None:
-        check_memory_plan(cfg, task, model.config, free_bytes, ranks)
+        memory_plan = check_memory_plan(cfg, task, model.config, free_bytes, ranks)
     # arith: a char a token
     prompt = getattr(task, "max_prompt_chars", 0)
     completion = max_new_tokens(cfg, task)
@@ -830,6 +842,7 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
         0,
         ranks,
         reference_model,
+        memory_plan,
     )
     if ckpt is not None:
         distributed.load_trainer_state(trainer, optimizer, ckpt["trainer"], ckpt["optimizer"])
@@ -872,6 +885,7 @@ def check_memory_plan(cfg, task, model_config, free_bytes, ranks):
     problem = memory.fitting_flags(model_config, layout, free_bytes)
     if problem is not None and cfg.memory_check:
         raise ConfigError(f"{problem} (or --no-memory-check to try anyway)")
+    return plan
 
 
 def sync(s, step):
@@ -1032,6 +1046,40 @@ def loop(s, metric_logger):
     bar.close()
 
 
+class StepClock:
+    """Wall time and peak GPU memory of each phase of a step, for metrics.jsonl: `<phase>_s` (the
+    phases add up to the step) and, on a GPU, `memory/<phase>_peak_gb` (torch's
+    max_memory_allocated within the phase). A phase ends at its lap(); on a GPU a lap waits for
+    the queued kernels first, so a phase is charged with its kernels' time, not their launch's."""
+
+    def __init__(self, device):
+        self.cuda = device.startswith("cuda")
+        self.seconds = {}
+        self.peak_gb = {}
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self.last = time.perf_counter()
+
+    def lap(self, phase):
+        """Charge the time since the last lap (and its memory peak) to `phase`."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated() / memory.GB
+            self.peak_gb[phase] = max(self.peak_gb.get(phase, 0.0), peak)
+            torch.cuda.reset_peak_memory_stats()
+
+    def metrics(self):
+        record = {f"{phase}_s": seconds for phase, seconds in self.seconds.items()}
+        for phase, peak in self.peak_gb.items():
+            record[f"memory/{phase}_peak_gb"] = peak
+        return record
+
+
 def rl_step(s, step, interrupt, accepted, metric_logger=None):
     """One RL step (the module docstring): rollout, reward, policy update, metrics, sync (MIPU's
     decision), log (metrics.jsonl and --log-to's logger; every eval_every steps pass@k and
@@ -1040,6 +1088,7 @@ def rl_step(s, step, interrupt, accepted, metric_logger=None):
     cfg, ranks = s.cfg, s.ranks
     interrupt.step, interrupt.holding = step, False
     t0 = time.perf_counter()
+    clock = StepClock(cfg.device)
     # 1-2. this rank's whole groups of the step's prompts (a function of seed and step), rolled out
     problems = s.task.sample(
         cfg.prompts_per_step, "train", random.Random(cfg.seed * 1_000_003 + step)
@@ -1047,11 +1096,12 @@ def rl_step(s, step, interrupt, accepted, metric_logger=None):
     first, last = distributed.shard(cfg.prompts_per_step, ranks)
     problems = problems[first:last]
     out, rollout_share = sample(s, problems, first, step)
-    t_rollout = time.perf_counter() - t0
+    clock.lap("rollout")
     # 3. rewards and group advantages
     rewards = score(s.task, s.tokenizer, problems, out, cfg.group_size).to(cfg.device)
     advantages = grpo.group_advantages(rewards, cfg.group_size)
     seq = out.sequences()
+    clock.lap("reward")
     before = mipu_before(s, seq) if cfg.mipu else None
     # 4-5. trainer log-probs, loss, cfg.minibatches optimizer steps; a Ctrl-C is held from here
     interrupt.holding = True
@@ -1066,6 +1116,7 @@ def rl_step(s, step, interrupt, accepted, metric_logger=None):
             rollout_share,
             ranks,
             reference_logprobs(s, seq),
+            clock,
         )
     except FloatingPointError as error:
         raise FloatingPointError(
@@ -1074,21 +1125,56 @@ def rl_step(s, step, interrupt, accepted, metric_logger=None):
         ) from None
     record = {
         "step": step + 1,
-        **step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_rollout),
+        **step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, clock),
     }
+    clock.lap("metrics")
     # 6. sync the rollout's weights through nvfp4; MIPU keeps them only if the rollout improved
     sync(s, step + 1)
     if cfg.mipu:
         decision = mipu_decide(s, step, seq, advantages, old_logp, rollout_share, before, accepted)
         record.update(decision)
+    clock.lap("sync")
     # 7. evaluate, log
     if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
         metrics, samples = evaluation(s)
         record.update(metrics)
         write_samples(s, step + 1, samples)
+        clock.lap("eval")
+    record.update(clock.metrics())
     record["step_s"] = time.perf_counter() - t0
+    if step == s.start_step and clock.cuda and ranks.main:
+        print(measured_memory(s, clock))
     write_record(s, record, metric_logger)
     return record
+
+
+def measured_memory(s, clock):
+    """One line for the log after a process's first step on a GPU: the GB its held tensors take
+    (the plan's first rows, counted from the tensors themselves), each phase's peak, and the plan's
+    total beside them."""
+
+    def gb(tensors):
+        total = 0
+        for tensor in tensors:
+            if hasattr(tensor, "to_local"):  # FSDP2's DTensor: this rank's shard
+                tensor = tensor.to_local()
+            total += tensor.numel() * tensor.element_size()
+        return f"{total / memory.GB:.2f}"
+
+    parameters = list(s.trainer.parameters())
+    gradients = [p.grad for p in parameters if p.grad is not None]
+    moments = [v for state in s.optimizer.state.values() for v in state.values() if v.dim() > 0]
+    rollout_tensors = [*s.rollout_model.parameters(), *s.rollout_model.buffers()]
+    held = (
+        f"trainer weights {gb(parameters)}, gradients {gb(gradients)}, optimizer "
+        f"{gb(moments)}, rollout model {gb(rollout_tensors)}, eval copy "
+        f"{gb(s.eval_model.parameters())}"
+    )
+    peaks = ", ".join(f"{phase} {peak:.2f}" for phase, peak in clock.peak_gb.items())
+    planned = "no plan"
+    if s.memory_plan is not None:
+        planned = f"plan {s.memory_plan.total() / memory.GB:.2f}"
+    return f"memory, GB: held {held}; peak by phase {peaks}; {planned}"
 
 
 def sample(s, problems, first, step):
@@ -1143,7 +1229,7 @@ def share_of_rollout(cfg, rollout_model, out, recorder=None):
     return None
 
 
-def step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_rollout):
+def step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, clock):
     """The step's metrics over the whole batch, from every rank's per-token tensors."""
     ranks, mask = s.ranks, seq.loss_mask[:, 1:]
     gather = distributed.gather_rows
@@ -1167,8 +1253,7 @@ def step_metrics(s, out, seq, rewards, old_logp, routes, minibatch_stats, t_roll
         **update_metrics(s.cfg, minibatch_stats),
         "completion_len": n_tokens / n_rows,
         "routing_disagreement": disagreement,
-        "rollout_s": t_rollout,
-        "rollout_tokens_per_s": n_tokens / t_rollout,
+        "rollout_tokens_per_s": n_tokens / clock.seconds["rollout"],
         **{f"mismatch/{k}": v for k, v in mismatch.items()},
     }
 

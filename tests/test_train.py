@@ -1033,6 +1033,43 @@ def test_several_minibatches_move_the_ratio_after_the_first_and_the_clip_respond
     assert sum(clipped_high[10.0]) == 0.0
 
 
+class RecordingClock:
+    """A StepClock stand-in that keeps the order of the phases charged."""
+
+    def __init__(self):
+        self.laps = []
+
+    def lap(self, phase):
+        self.laps.append(phase)
+
+
+def test_the_update_charges_each_forward_to_logprobs_and_each_backward_and_step_to_update():
+    cfg, trainer, seq, advantages = update_fixture(micro_batch=8)  # 16 rows: two pieces
+    clock = RecordingClock()
+    train.policy_update(cfg, trainer, adamw(cfg, trainer), seq, advantages, 0, clock=clock)
+    # the reference forward (none here), then per piece its forward and its backward, then the step
+    assert clock.laps == ["logprobs", "logprobs", "update", "logprobs", "update", "update"]
+    cfg, trainer, seq, advantages = update_fixture(minibatches=2)
+    clock = RecordingClock()
+    train.policy_update(cfg, trainer, adamw(cfg, trainer), seq, advantages, 0, clock=clock)
+    # the forward without gradient over every row first (old), then two mini-batches
+    expected = ["logprobs", "logprobs"] + ["logprobs", "update", "update"] * 2
+    assert clock.laps == expected
+
+
+def test_a_step_logs_the_time_of_each_phase_adding_up_to_the_step(recipe_runs):
+    for recipe, run_dir in recipe_runs.items():
+        records = read_metrics(run_dir)[1:]
+        phases = ("rollout", "reward", "logprobs", "update", "metrics", "sync")
+        for record in records:
+            seconds = [record[f"{phase}_s"] for phase in phases]
+            assert all(s >= 0 for s in seconds), (recipe, record)
+            total = sum(seconds) + record.get("eval_s", 0.0)
+            # the phases cover the step but for the prompts' sampling and the record's assembly
+            assert 0.9 * record["step_s"] <= total <= record["step_s"], (recipe, record)
+        assert "eval_s" in records[-1] and "eval_s" not in records[0]
+
+
 def test_update_metrics_average_over_minibatches_and_keep_the_extremes():
     stats = [
         {

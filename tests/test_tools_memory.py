@@ -98,6 +98,8 @@ def test_checkpointing_micro_batches_chunks_qat_and_precision_change_their_terms
     assert of(minibatches=2).activations == 60 * (2 * PER_LAYER + PER_FORWARD)
     assert of(logprob_chunk=8).logits == 14 * 48 * 8
     assert of(trainer_mode="qat").qat_weights == 4 * Q
+    # checkpointed, a block's fake-quantized weights live only while it is recomputed
+    assert of(trainer_mode="qat", grad_checkpoint=True).qat_weights == 4 * Q / 2
     assert of(rollout_precision="bf16").rollout_model == 2 * P
     assert of(rollout_precision="w16a4").rollout_model == 4.5625 * Q + 2 * (P - Q)
     assert of(eval_copy=False).eval_copy == 0
@@ -249,3 +251,11 @@ def test_command_line_prints_the_plan_and_the_flags(capsys):
     out = capsys.readouterr().out
     assert isinstance(result, memory.Plan) and "trainer weights" in out
     assert "the memory plan needs" in out and "the most layers of these shapes that fit" in out
+
+
+def test_command_line_chunks_the_log_probs_as_train_py_does():
+    # Qwen3's vocabulary: 441 positions a chunk (moe.logprob_chunk_tokens), not the whole forward's
+    result = memory.main(["--prompts", "8", "--completion-tokens", "1024"])
+    assert result.logits == 14 * 151_936 * 441
+    whole = memory.main(["--prompts", "8", "--completion-tokens", "1024", "--logprob-chunk", "0"])
+    assert whole.logits == 14 * 151_936 * 64 * (256 + 1024)

@@ -31,7 +31,8 @@ experts), B a block's, R the root's (embeddings, final norm, LM head), M the nn.
                                     (whole, under FSDP too); checkpointed 2 (M + X / L): the
                                     experts of one block (autocast caches M for the whole forward)
     QAT weights      4Q             fake-quantized weights of every layer, each made in its
-                                    layer's forward and saved for the backward (qat.py); not bf16
+                                    layer's forward and saved for the backward (qat.py); not bf16;
+                                    checkpointed 4Q / L: one block's, remade in its recomputation
     gathered         4R + 12B       FSDP2: the root's parameters, unsharded for the whole pass;
                                     the computing and the prefetched block; a block's unsharded
                                     gradient before its reduce-scatter
@@ -290,8 +291,10 @@ def plan(config: moe.MoEConfig, layout: Layout) -> Plan:
     saved_inputs = tokens * (config.n_layers * 4 * config.dim + per_layer + per_forward)
     logit_tokens = layout.logprob_chunk or tokens
     cast_weights = counts.linear + counts.experts
-    if layout.grad_checkpoint:  # the experts' casts of one block at a time
+    qat_bytes = 4 * Q
+    if layout.grad_checkpoint:  # the experts' casts and the QAT weights of one block at a time
         cast_weights = counts.linear + counts.experts / config.n_layers
+        qat_bytes = 4 * Q / config.n_layers
     return Plan(
         trainer_weights=4 * P / shards,
         gradients=4 * P / shards + (4 * P if ddp else 0),
@@ -303,7 +306,7 @@ def plan(config: moe.MoEConfig, layout: Layout) -> Plan:
         activations_other=saved_all if layout.grad_checkpoint else saved_inputs,
         logits=14 * config.vocab_size * logit_tokens,
         weight_casts=2 * cast_weights,
-        qat_weights=4 * Q if layout.trainer_mode != "bf16" else 0,
+        qat_weights=qat_bytes if layout.trainer_mode != "bf16" else 0,
         gathered=4 * counts.root + 12 * counts.block if sharded else 0,
         optimizer_step=4 * P / shards,
     )
@@ -417,6 +420,9 @@ def main(argv=None):
         flag = "--" + field.name.replace("_", "-")
         if isinstance(field.default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        elif field.name == "logprob_chunk":  # train.py chunks the log-probs by the vocabulary
+            help_text = "tokens a log-prob chunk (default: train.py's, moe.logprob_chunk_tokens)"
+            parser.add_argument(flag, type=int, default=None, help=help_text)
         else:
             parser.add_argument(flag, type=type(field.default), default=field.default)
     parser.add_argument("--gpu-gb", type=float, help="free memory a GPU, in GB (1e9 bytes)")
@@ -425,6 +431,8 @@ def main(argv=None):
         runs.require(args["preset"] in moe.PRESETS, "preset", args["preset"], "not a preset")
         overrides = runs.preset_overrides(args["preset"], args["preset_overrides"])
         config = moe.MoEConfig.from_preset(args["preset"], **overrides)
+        if args["logprob_chunk"] is None:
+            args["logprob_chunk"] = moe.logprob_chunk_tokens(config.vocab_size)
         layout = Layout(**{field.name: args[field.name] for field in dataclasses.fields(Layout)})
     except ValueError as error:  # a ConfigError, or a Layout value
         parser.error(str(error))

@@ -351,7 +351,10 @@ def autocast(cfg):
 # ----------------------------------------------------------------------------- warm-start
 def warmstart(cfg, model, task, tokenizer):
     """Supervised fine-tuning on demonstrations (loss on completion + EOS tokens), cached on disk
-    (runs.warmstart_path: one cache for every out_dir)."""
+    (runs.warmstart_path: one cache for every out_dir). No steps: the model as built or loaded,
+    with nothing written (a real checkpoint is not copied into the cache)."""
+    if cfg.warmstart_steps == 0:
+        return model
     path = runs.warmstart_path(cfg)
     if os.path.exists(path):
         model.load_state_dict(

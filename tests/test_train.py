@@ -1877,3 +1877,14 @@ def test_the_update_hands_the_loss_dual_clip_and_the_reference_kl(monkeypatch):
     no_kl = dataclasses.replace(cfg, kl_coef=0.0)
     train.policy_update(no_kl, trainer, adamw(cfg, trainer), seq, advantages, 0)
     assert seen[0]["ref_logprobs"] is None and seen[0]["kl_coef"] == 0.0
+
+
+def test_no_warm_start_steps_keep_the_model_as_built_and_write_no_cache(tmp_path):
+    cfg = tiny_config(tmp_path, warmstart_steps=0)
+    task = train.build_task(cfg)
+    model, tokenizer = train.build_model(cfg, task)
+    before = copy.deepcopy(model.state_dict())
+    train.warmstart(cfg, model, task, tokenizer)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    assert not os.path.exists(cfg.warmstart_dir)  # a real checkpoint is not copied into the cache

@@ -155,6 +155,8 @@ class TrainConfig:
     eval_every: int | None = None  # steps between evaluations (default steps // 5; also 0, last)
     eval_prompts: int | None = None  # held-out prompts for pass@k (default 128 on CPU, 512 on GPU)
     eval_samples: int | None = None  # completions per eval prompt, for pass@k (default G; CPU 1)
+    # pass@k also of the trainer's weights, from a BF16 copy of them (2 bytes a parameter a GPU)
+    eval_trainer: bool = True
     # recipe switches
     recipe: str = "quads"  # the trainer's and the rollout's precision (RECIPES)
     tis: float = 0.0  # truncated importance sampling cap C (0 = off; verl uses 2)
@@ -739,8 +741,8 @@ class Setup:
     train_forward: torch.nn.Module
     # the recipe's rollout precision; sync() loads it from the trainer
     rollout_model: torch.nn.Module
-    # a BF16 copy of the trainer's weights, for the trainer's own pass@1
-    eval_model: torch.nn.Module
+    # a BF16 copy of the trainer's weights, for the trainer's own pass@1 (None: --no-eval-trainer)
+    eval_model: torch.nn.Module | None
     optimizer: torch.optim.Optimizer
     rac_ratio: float  # 0 when the recipe has no RAC
     # (16, W) prompts + demonstrations that choose RAC's compensated blocks
@@ -818,7 +820,10 @@ def setup(cfg, base_state=None, ckpt=None, ranks=SINGLE):
     else:
         model.load_state_dict(base_state)  # a comparison: every recipe from the one warm-start
     rac_ratio = cfg.rac_ratio if RECIPES[cfg.recipe][2] else 0.0
-    eval_model = rac.convert_for_rollout(copy.deepcopy(model).to(rollout_dtype(cfg)), "bf16")
+    eval_model = None
+    if cfg.eval_trainer:
+        eval_model = copy.deepcopy(model).to(rollout_dtype(cfg))
+        eval_model = rac.convert_for_rollout(eval_model, "bf16")
     reference_model = None
     if cfg.kl_coef > 0:  # the starting policy: the warm-start, before any checkpoint is loaded
         reference_model = copy.deepcopy(model).to(rollout_dtype(cfg)).requires_grad_(False)
@@ -881,6 +886,7 @@ def check_memory_plan(cfg, task, model_config, free_bytes, ranks):
         minibatches=cfg.minibatches,
         logprob_chunk=moe.logprob_chunk_tokens(model_config.vocab_size),
         eval_prompts=cfg.eval_prompts,
+        eval_copy=cfg.eval_trainer,
     )
     plan = memory.plan(model_config, layout)
     if ranks.main:
@@ -925,16 +931,18 @@ SHOWN_SAMPLES = 4  # evaluation completions of the rollout model kept in samples
 
 def evaluation(s):
     """evaluate_both's metrics ("pass@k" of the rollout model, "pass@k_bf16_trainer" of the
-    trainer's weights), and the rollout model's first completions of the first held-out prompts."""
-    distributed.sync_from_trainer(s.eval_model, s.trainer)
+    trainer's weights unless --no-eval-trainer), and the rollout model's first completions of the
+    first held-out prompts."""
     rollout_metrics, samples = evaluate(
         s.cfg, s.rollout_model, s.task, s.tokenizer, s.eval_problems, s.ranks, SHOWN_SAMPLES
     )
-    trainer_metrics, _ = evaluate(
-        s.cfg, s.eval_model, s.task, s.tokenizer, s.eval_problems, s.ranks
-    )
     metrics = dict(rollout_metrics)
-    metrics.update({f"{name}_bf16_trainer": value for name, value in trainer_metrics.items()})
+    if s.eval_model is not None:
+        distributed.sync_from_trainer(s.eval_model, s.trainer)
+        trainer_metrics, _ = evaluate(
+            s.cfg, s.eval_model, s.task, s.tokenizer, s.eval_problems, s.ranks
+        )
+        metrics.update({f"{name}_bf16_trainer": value for name, value in trainer_metrics.items()})
     return metrics, samples
 
 
@@ -1001,7 +1009,9 @@ def loop(s, metric_logger):
     )
     # the bar shows the last pass@1
     evals = [r for r in read_metrics(s.metrics_path) if "pass@1" in r]
-    last_eval = {k: evals[-1][k] for k in ("pass@1", "pass@1_bf16_trainer")} if evals else {}
+    last_eval = {}
+    if evals:
+        last_eval = {"pass@1": evals[-1]["pass@1"]}
     accepted = [
         r["mipu/accepted"] > 0 for r in read_metrics(s.metrics_path) if "mipu/accepted" in r
     ]
@@ -1168,10 +1178,12 @@ def measured_memory(s, clock):
     gradients = [p.grad for p in parameters if p.grad is not None]
     moments = [v for state in s.optimizer.state.values() for v in state.values() if v.dim() > 0]
     rollout_tensors = [*s.rollout_model.parameters(), *s.rollout_model.buffers()]
+    eval_copy = []
+    if s.eval_model is not None:
+        eval_copy = list(s.eval_model.parameters())
     held = (
         f"trainer weights {gb(parameters)}, gradients {gb(gradients)}, optimizer "
-        f"{gb(moments)}, rollout model {gb(rollout_tensors)}, eval copy "
-        f"{gb(s.eval_model.parameters())}"
+        f"{gb(moments)}, rollout model {gb(rollout_tensors)}, eval copy {gb(eval_copy)}"
     )
     peaks = ", ".join(f"{phase} {peak:.2f}" for phase, peak in clock.peak_gb.items())
     planned = "no plan"

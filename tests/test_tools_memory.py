@@ -221,6 +221,27 @@ def test_fitting_flags_prefers_fsdp_and_says_when_nothing_fits():
     assert "nothing tried fits" in line and "more GPUs, or a smaller model" in line
 
 
+def test_fitting_flags_drops_the_evaluation_copy_before_it_takes_prompts_away():
+    """Qwen3-30B-A3B on 8 GPUs of 141 GB, already sharded, checkpointed and in micro-batches: the
+    BF16 evaluation copy (2 bytes a parameter on every GPU) is what does not fit."""
+    config = moe.MoEConfig.from_preset("qwen3-30b-a3b")
+    layout = memory.Layout(
+        prompts=64,
+        completion_tokens=1024,
+        world_size=8,
+        fsdp=True,
+        grad_checkpoint=True,
+        micro_batch=8,
+        trainer_mode="qat",
+        logprob_chunk=moe.logprob_chunk_tokens(config.vocab_size),
+    )
+    with_copy = memory.plan(config, layout)
+    without = memory.plan(config, dataclasses.replace(layout, eval_copy=False))
+    assert with_copy.total() - without.total() == 2 * memory.parameter_counts(config).total
+    line = memory.fitting_flags(config, layout, 141e9)
+    assert line.endswith(f"it fits with --no-eval-trainer ({memory.gb(without.total())})"), line
+
+
 def test_max_layers_is_the_last_that_fits():
     layout = dataclasses.replace(LAYOUT, completion_tokens=200)
     free = memory.plan(dataclasses.replace(CONFIG, n_layers=5), layout).total() / 0.9 + 1

@@ -1888,3 +1888,14 @@ def test_no_warm_start_steps_keep_the_model_as_built_and_write_no_cache(tmp_path
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before[name]), name
     assert not os.path.exists(cfg.warmstart_dir)  # a real checkpoint is not copied into the cache
+
+
+def test_no_eval_trainer_logs_the_rollouts_pass_at_1_alone_and_holds_no_copy(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, eval_trainer=False, steps=2, eval_every=2)
+    s = train.setup(cfg)
+    assert s.eval_model is None
+    run_dir = train.run(cfg)
+    evals = [r for r in read_metrics(run_dir) if "pass@1" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    assert not any("bf16_trainer" in key for r in evals for key in r)
+    assert "pass@1        rollout" in capsys.readouterr().out  # the summary without the copy

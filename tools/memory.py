@@ -17,6 +17,7 @@ experts), B a block's, R the root's (embeddings, final norm, LM head), M the nn.
                                     0.5625 (4-bit codes, an E4M3 scale per 16), w16a4 4.5625 (it
                                     keeps the FP32 weight); the rest in BF16; whole on every rank
     eval copy        2P             the BF16 copy the trainer's own pass@1 is sampled from
+                                    (train.py --no-eval-trainer: none)
     KV cache         4 L Hkv hd n S BF16 keys and values of n rows (a rank's rollout rows and its
                                     held-out prompts) and S slots: the prompt width rounded up to
                                     16, plus the completion, rounded up to 16 (rollout.py's)
@@ -66,6 +67,7 @@ Measured against torch.cuda.max_memory_allocated on a GPU: the README's scale-ou
 
 import argparse
 import dataclasses
+import itertools
 import math
 import os
 import sys
@@ -95,6 +97,7 @@ FLAG_FSDP = "--fsdp"
 FLAG_CHECKPOINT = "--grad-checkpoint"
 FLAG_MICRO_BATCH = "--micro-batch"
 FLAG_PROMPTS = "--prompts-per-step"
+FLAG_NO_EVAL_COPY = "--no-eval-trainer"
 
 
 @dataclass
@@ -315,8 +318,9 @@ def plan(config: moe.MoEConfig, layout: Layout) -> Plan:
 # ----------------------------------------------------------------------------- what would fit
 def candidate_layouts(layout: Layout):
     """(flags, layout) for every combination of the flags that shrink a plan, the layout's own
-    first: --fsdp (with several ranks), --grad-checkpoint, --micro-batch halved down to 1, and fewer
-    --prompts-per-step (halved, at least one a rank)."""
+    first: --fsdp (with several ranks), --grad-checkpoint, --micro-batch halved down to 1,
+    --no-eval-trainer (no BF16 evaluation copy), and fewer --prompts-per-step (halved, at least one
+    a rank)."""
     fsdp = [layout.fsdp]
     if layout.world_size > 1 and not layout.fsdp:
         fsdp.append(True)
@@ -327,33 +331,38 @@ def candidate_layouts(layout: Layout):
     while rows > 1:
         rows = rows // 2
         micro.append(rows)
+    eval_copy = [layout.eval_copy]
+    if layout.eval_copy:
+        eval_copy.append(False)
     prompts, count = [layout.prompts], layout.prompts
     while count // 2 >= layout.world_size:
         count = count // 2
         prompts.append(count)
-    for shard in fsdp:
-        for recompute in checkpoint:
-            for rows in micro:
-                for count in prompts:
-                    flags = []
-                    if shard != layout.fsdp:
-                        flags.append(FLAG_FSDP)
-                    if recompute != layout.grad_checkpoint:
-                        flags.append(FLAG_CHECKPOINT)
-                    if rows != layout.micro_batch:
-                        flags.append(f"{FLAG_MICRO_BATCH} {rows}")
-                    if count != layout.prompts:
-                        flags.append(f"{FLAG_PROMPTS} {count}")
-                    candidate = dataclasses.replace(
-                        layout, fsdp=shard, grad_checkpoint=recompute, micro_batch=rows
-                    )
-                    yield flags, dataclasses.replace(candidate, prompts=count)
+    for shard, recompute, rows, copy, count in itertools.product(
+        fsdp, checkpoint, micro, eval_copy, prompts
+    ):
+        flags = []
+        if shard != layout.fsdp:
+            flags.append(FLAG_FSDP)
+        if recompute != layout.grad_checkpoint:
+            flags.append(FLAG_CHECKPOINT)
+        if rows != layout.micro_batch:
+            flags.append(f"{FLAG_MICRO_BATCH} {rows}")
+        if copy != layout.eval_copy:
+            flags.append(FLAG_NO_EVAL_COPY)
+        if count != layout.prompts:
+            flags.append(f"{FLAG_PROMPTS} {count}")
+        candidate = dataclasses.replace(
+            layout, fsdp=shard, grad_checkpoint=recompute, micro_batch=rows, eval_copy=copy
+        )
+        yield flags, dataclasses.replace(candidate, prompts=count)
 
 
 def fitting_flags(config: moe.MoEConfig, layout: Layout, free_bytes: float) -> str | None:
     """None when the plan fits in free_bytes; else one line: the plan's total and largest parts,
     and the flags that make it fit, found by trying them in the plan (fewer prompts only when
-    nothing else fits; the fewest flags; the largest micro-batch), or that nothing tried fits."""
+    nothing else fits, then no evaluation copy only when nothing else does; the fewest flags; the
+    largest micro-batch), or that nothing tried fits."""
     current = plan(config, layout)
     if current.fits(free_bytes):
         return None
@@ -368,15 +377,17 @@ def fitting_flags(config: moe.MoEConfig, layout: Layout, free_bytes: float) -> s
         candidate_plan = plan(config, candidate)
         if candidate_plan.fits(free_bytes):
             shrunk = candidate.prompts < layout.prompts
-            order = (shrunk, len(flags), -candidate.prompts, -candidate.forward_rows())
+            no_copy = candidate.eval_copy != layout.eval_copy
+            order = (shrunk, no_copy, len(flags), -candidate.prompts, -candidate.forward_rows())
             fitting.append((order, flags, candidate_plan.total()))
     if fitting:
         _, flags, total = min(fitting)
         return f"{head}: it fits with {' '.join(flags)} ({gb(total)})"
     smallest = min(plan(config, candidate).total() for _, candidate in candidate_layouts(layout))
     return (
-        f"{head}; nothing tried fits ({FLAG_FSDP}, {FLAG_CHECKPOINT}, {FLAG_MICRO_BATCH} 1, fewer "
-        f"{FLAG_PROMPTS}: at least {gb(smallest)}): more GPUs, or a smaller model"
+        f"{head}; nothing tried fits ({FLAG_FSDP}, {FLAG_CHECKPOINT}, {FLAG_MICRO_BATCH} 1, "
+        f"{FLAG_NO_EVAL_COPY}, fewer {FLAG_PROMPTS}: at least {gb(smallest)}): more GPUs, or a "
+        "smaller model"
     )
 
 

@@ -155,7 +155,8 @@ def summarize(run_dirs, checkpoints=(50, 100)):
         rows.append(
             [
                 os.path.basename(os.path.normpath(run_dir)),
-                f"{evals[-1]['pass@1']:.3f} / {evals[-1]['pass@1_bf16_trainer']:.3f} "
+                f"{evals[-1]['pass@1']:.3f} / "
+                f"{evals[-1].get('pass@1_bf16_trainer', math.nan):.3f} "
                 f"(step {evals[-1]['step']})",
             ]
             + [

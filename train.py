@@ -261,8 +261,13 @@ def build_task(cfg):
         return tasks.make_task(
             "arith", difficulty=cfg.difficulty, demo_error_rate=cfg.demo_error_rate, seed=cfg.seed
         )
-    import datasets
-
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(
+            f"argument --task: {cfg.task} loads its problems with the `datasets` package, which "
+            "is not installed (pip install datasets)"
+        ) from None
     source = cfg.task_source or "openai/gsm8k"
     try:
         return tasks.make_task(cfg.task, source=source, seed=cfg.seed)

@@ -1899,3 +1899,16 @@ def test_no_eval_trainer_logs_the_rollouts_pass_at_1_alone_and_holds_no_copy(tmp
     assert [r["step"] for r in evals] == [0, 2]
     assert not any("bf16_trainer" in key for r in evals for key in r)
     assert "pass@1        rollout" in capsys.readouterr().out  # the summary without the copy
+
+
+def test_gsm8k_without_the_datasets_package_is_one_error_line_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets raises ImportError
+    cfg = train.TrainConfig(
+        task="gsm8k", task_source="gsm8k.jsonl", model=str(tmp_path), device="cpu"
+    )
+    with pytest.raises(train.ConfigError) as error:
+        train.build_task(cfg)
+    assert str(error.value) == (
+        "argument --task: gsm8k loads its problems with the `datasets` package, which is not "
+        "installed (pip install datasets)"
+    )

@@ -892,6 +892,7 @@ def check_memory_plan(cfg, task, model_config, free_bytes, ranks):
         logprob_chunk=moe.logprob_chunk_tokens(model_config.vocab_size),
         eval_prompts=cfg.eval_prompts,
         eval_copy=cfg.eval_trainer,
+        reference_model=cfg.kl_coef > 0,
     )
     plan = memory.plan(model_config, layout)
     if ranks.main:
@@ -1186,9 +1187,13 @@ def measured_memory(s, clock):
     eval_copy = []
     if s.eval_model is not None:
         eval_copy = list(s.eval_model.parameters())
+    reference = []
+    if s.reference_model is not None:
+        reference = list(s.reference_model.parameters())
     held = (
         f"trainer weights {gb(parameters)}, gradients {gb(gradients)}, optimizer "
-        f"{gb(moments)}, rollout model {gb(rollout_tensors)}, eval copy {gb(eval_copy)}"
+        f"{gb(moments)}, rollout model {gb(rollout_tensors)}, eval copy {gb(eval_copy)}, "
+        f"reference model {gb(reference)}"
     )
     peaks = ", ".join(f"{phase} {peak:.2f}" for phase, peak in clock.peak_gb.items())
     planned = "no plan"

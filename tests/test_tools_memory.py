@@ -67,6 +67,7 @@ def test_plan_of_one_gpu_against_hand_computed_bytes():
         optimizer=8 * P,
         rollout_model=0.5625 * Q + 2 * (P - Q),  # 10368 + 7040
         eval_copy=2 * P,
+        reference_model=0,
         kv_cache=kv_cache,
         activations=tokens * (2 * PER_LAYER + PER_FORWARD),
         activations_other=tokens * (2 * 4 * 32 + PER_LAYER + PER_FORWARD),
@@ -103,6 +104,7 @@ def test_checkpointing_micro_batches_chunks_qat_and_precision_change_their_terms
     assert of(rollout_precision="bf16").rollout_model == 2 * P
     assert of(rollout_precision="w16a4").rollout_model == 4.5625 * Q + 2 * (P - Q)
     assert of(eval_copy=False).eval_copy == 0
+    assert of().reference_model == 0 and of(reference_model=True).reference_model == 2 * P
     # 3 held-out prompts: one more row each in the evaluation's own cache
     assert of(eval_prompts=3).kv_cache == 48 * 128 * (4 + 3)
 

@@ -18,6 +18,7 @@ experts), B a block's, R the root's (embeddings, final norm, LM head), M the nn.
                                     keeps the FP32 weight); the rest in BF16; whole on every rank
     eval copy        2P             the BF16 copy the trainer's own pass@1 is sampled from
                                     (train.py --no-eval-trainer: none)
+    reference model  2P             --kl-coef: the starting policy, frozen, in BF16
     KV cache         4 L Hkv hd n S BF16 keys and values of n rows (a rank's rollout rows and its
                                     held-out prompts) and S slots: the prompt width rounded up to
                                     16, plus the completion, rounded up to 16 (rollout.py's)
@@ -119,6 +120,7 @@ class Layout:
     logprob_chunk: int = 0  # tokens whose full-vocabulary logits exist at once (0: a forward's)
     eval_prompts: int = 0  # held-out prompts sampled by the BF16 eval copy, one row each (0: none)
     eval_copy: bool = True  # the BF16 copy of the trainer for its own pass@1
+    reference_model: bool = False  # --kl-coef: the starting policy, frozen, in BF16
 
     def __post_init__(self):
         at_least = dict(
@@ -221,6 +223,7 @@ class Plan:
     optimizer: float
     rollout_model: float
     eval_copy: float
+    reference_model: float
     kv_cache: float
     # held from a trainer forward to the end of its backward
     activations: float  # with the layout's checkpointing
@@ -269,7 +272,15 @@ class Plan:
         return "\n".join(lines)
 
 
-HELD = ("trainer_weights", "gradients", "optimizer", "rollout_model", "eval_copy", "kv_cache")
+HELD = (
+    "trainer_weights",
+    "gradients",
+    "optimizer",
+    "rollout_model",
+    "eval_copy",
+    "reference_model",
+    "kv_cache",
+)
 TRAINING_PASS = ("activations", "logits", "weight_casts", "qat_weights", "gathered")
 
 
@@ -304,6 +315,7 @@ def plan(config: moe.MoEConfig, layout: Layout) -> Plan:
         optimizer=8 * P / shards,
         rollout_model=ROLLOUT_BYTES[layout.rollout_precision] * Q + 2 * (P - Q),
         eval_copy=2 * P if layout.eval_copy else 0,
+        reference_model=2 * P if layout.reference_model else 0,
         kv_cache=kv_cache,
         activations=saved_inputs if layout.grad_checkpoint else saved_all,
         activations_other=saved_all if layout.grad_checkpoint else saved_inputs,

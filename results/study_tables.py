@@ -724,6 +724,19 @@ GPU_CONDITIONS = (
 )
 
 
+def no_signal_seeds(folders):
+    """The seeds whose warm-start solved none of the held-out problems (step-0 pass@1 of the BF16
+    trainer is 0, in any of the seed's runs): every reward of every recipe is then 0, and nothing
+    is learned or compared. By the rule fixed in results/LOG.md before the later seeds ran, such a
+    seed is named and replaced, not averaged."""
+    seeds = set()
+    for (recipe, seed), path in folders.items():
+        records = records_of(path)
+        if records and records[0]["step"] == 0 and records[0].get("pass@1_bf16_trainer") == 0:
+            seeds.add(seed)
+    return sorted(seeds)
+
+
 def gpu_study(base=GPU_STUDY):
     """The GPU regime: per recipe its collapsed seeds, late reward and final pass@1 (mean and
     median) and mean |delta logp|; then nvfp4 - bf16 and quads - nvfp4 paired per seed, with 95%
@@ -733,15 +746,32 @@ def gpu_study(base=GPU_STUDY):
     if not os.path.isdir(base):
         return f"not run: {name} does not exist yet.", []
     folders = run_folders(base)
-    runs = {r: v for r, v in finished_runs(base).items() if r in GPU_RECIPES}
+    replaced = no_signal_seeds(folders)
+    runs = {}
+    for recipe, seeds in finished_runs(base).items():
+        kept = {seed: records for seed, records in seeds.items() if seed not in replaced}
+        if recipe in GPU_RECIPES and kept:
+            runs[recipe] = kept
     if not runs:
         return f"not run: {name} holds no run that reached step 600 ({len(folders)} started).", []
     values = run_values(runs, GPU_METRICS, GPU_RECIPES)
     paths = paths_of(base, runs)
     lines = [conditions(paths)]
-    unfinished = sorted(f"{r}_s{s}" for r, s in folders if s not in runs.get(r, {}))
+    unfinished = sorted(
+        f"{r}_s{s}" for r, s in folders if s not in runs.get(r, {}) and s not in replaced
+    )
     if unfinished:
         lines.append(paragraph(f"Left out, not at step 600: {', '.join(unfinished)}."))
+    if replaced:
+        named = ", ".join(str(seed) for seed in replaced)
+        label = "seeds" if len(replaced) > 1 else "seed"
+        lines.append(
+            paragraph(
+                f"Replaced, by the rule in results/LOG.md: {label} {named}. A warm-start that "
+                "solved none of the held-out problems (the BF16 trainer's step-0 pass@1 is 0) "
+                "leaves no recipe a reward to learn from; the runs stay in the folder."
+            )
+        )
     rows = []
     for recipe, v in values.items():
         late = column(values, recipe, 0)

@@ -54,12 +54,14 @@ def test_a_seed_collapses_below_a_late_reward_of_one_tenth_only():
     assert study.collapse_cell({0: 0.7}) == "0"
 
 
-def write_run(path, late, final_pass, gap, commit="a" * 40, dirty=False, steps=600, seed=0):
+def write_run(
+    path, late, final_pass, gap, commit="a" * 40, dirty=False, steps=600, seed=0, start_pass=0.2
+):
     """A run folder as train.py writes it: steps 1-300 at reward 0.25, steps 301-`steps` at `late`,
     pass@1 `final_pass` at the last step, a constant mean |delta logp|, and a config.json with one
     provenance entry."""
     os.makedirs(path)
-    records = [{"step": 0, "pass@1": 0.2, "pass@1_bf16_trainer": 0.2}]
+    records = [{"step": 0, "pass@1": start_pass, "pass@1_bf16_trainer": start_pass}]
     for step in range(1, steps + 1):
         records.append(
             {
@@ -147,12 +149,17 @@ def test_the_gpu_study_tables_on_a_synthetic_folder(tmp_path):
                 base / f"{recipe}_s{seed}", late[recipe][seed], final[recipe][seed], gap[recipe]
             )
     write_run(base / "quads_s3", 0.8, 0.8, 1e-3, steps=300)  # stopped early: left out
+    for recipe in late:  # a warm-start that solved nothing: every reward 0, the seed replaced
+        write_run(base / f"{recipe}_s4", 0.0, 0.0, 1e-3, start_pass=0.0, steps=500)
+    write_run(base / "bf16_s5", 0.0, 0.0, 1e-3, start_pass=0.0)  # finished, still replaced
     text, paths = study.gpu_study(str(base))
     prose = " ".join(text.split())
     assert len(paths) == 9
     assert "difficulty 15" in prose and "lr 2e-05" in prose
     assert "Left out, not at step 600: quads_s3." in prose
+    assert "Replaced, by the rule in results/LOG.md: seeds 4, 5. A warm-start that" in prose
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 0 1 2 |" in rows["bf16"]  # not seed 5, though it reached step 600
     nvfp4 = [cell.strip() for cell in rows["nvfp4"].split("|")[1:-1]]
     assert nvfp4[1:7] == ["0 1 2", "1 (seed 1)", "0.383", "0.500", "0.300", "0.400"]
     assert nvfp4[7] == "3.00e-03"

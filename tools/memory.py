@@ -400,11 +400,14 @@ def fitting_flags(config: moe.MoEConfig, layout: Layout, free_bytes: float) -> s
     if fitting:
         _, flags, total = min(fitting)
         return f"{head}: it fits with {' '.join(flags)} ({gb(total)})"
-    smallest = min(plan(config, candidate).total() for _, candidate in candidate_layouts(layout))
+    tried = [
+        (plan(config, candidate).total(), flags) for flags, candidate in candidate_layouts(layout)
+    ]
+    total, flags = min(tried)
+    smallest = " ".join(flags) if flags else "the layout as given: no flag shrinks it"
     return (
-        f"{head}; nothing tried fits ({FLAG_FSDP}, {FLAG_CHECKPOINT}, {FLAG_MICRO_BATCH} 1, "
-        f"{FLAG_NO_EVAL_COPY}, fewer {FLAG_PROMPTS}: at least {gb(smallest)}): more GPUs, or a "
-        "smaller model"
+        f"{head}; nothing tried fits (the smallest plan, {gb(total)}, is {smallest}): more GPUs, "
+        "or a smaller model"
     )
 
 

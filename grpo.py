@@ -52,9 +52,10 @@ Shapes: N = P prompts x G samples, prompt-major (rows p*G .. p*G+G-1 are one gro
 length (padded), mask (N, T) the valid tokens; V vocabulary; L MoE layers; A active experts per
 token.
 
-Entropy, for logging only: from the logits, H = -sum_v p_v log p_v (entropy_from_logits); from the
-sampled tokens' log-probs alone (all the rollout engine reports), the Monte-Carlo estimate
-mean_t(-log p(y_t)), unbiased since E_{y ~ p}[-log p(y)] = H(p) (sampled_entropy).
+Entropy, for logging only: from the sampled tokens' log-probs alone (all the rollout engine
+reports), the Monte-Carlo estimate mean_t(-log p(y_t)), unbiased since E_{y ~ p}[-log p(y)] = H(p)
+(sampled_entropy). The exact H = -sum_v p_v log p_v needs the logits: the trainer's pass computes it
+beside its log-probs (moe.py's token_logprobs, return_entropy), in chunks of positions.
 
 Left out: value functions and GAE (no critic), sequence-level ratios (GSPO), masking tokens by ratio
 (IcePop and other rejection variants), entropy bonuses. Loss statistics are 0-d detached tensors
@@ -101,54 +102,7 @@ def group_advantages(
 
 
 # -----------------------------------------------------------------------------
-# Log-probs and entropy from logits
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] in fp32: (N, T, V), (N, T) -> (N, T) fp32, differentiable.
-
-    Computed as logits[token] - logsumexp(logits) on an fp32 copy, which is log_softmax followed by
-    a gather without materializing the (N, T, V) log_softmax output. fp32 matters: BF16 keeps 8
-    mantissa bits, so a log-prob near -5 is rounded by up to 0.016, the order of the train/rollout
-    mismatch being measured. The fp32 copy of
-    the logits (N*T*V*4 bytes) is kept for backward; callers bound it by micro-batching over N.
-    """
-    if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
-        raise ValueError(
-            f"expected logits (N, T, V) and tokens (N, T), got logits "
-            f"{tuple(logits.shape)} and tokens {tuple(tokens.shape)}"
-        )
-    logits = logits.float()
-    picked = logits.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)  # (N, T)
-    return picked - torch.logsumexp(logits, dim=-1)  # (N, T)
-
-
-@torch.no_grad()
-def entropy_from_logits(
-    logits: torch.Tensor, mask: torch.Tensor, chunk_tokens: int = 1024
-) -> torch.Tensor:
-    """Mean token entropy over valid tokens, H = -sum_v p_v log p_v, for logging: 0-d fp32 tensor.
-
-    The logits are walked `chunk_tokens` positions at a time and only the valid rows of a chunk are
-    upcast, so the extra memory is a few chunk_tokens x V fp32 buffers, never a full fp32 copy of
-    the logits. Tokens with p = 0 (logits of -inf) contribute 0, not NaN. An empty mask gives NaN.
-    No gradient: an entropy bonus is deliberately not part of the loss.
-    """
-    if logits.dim() != 3 or mask.shape != logits.shape[:2]:
-        raise ValueError(
-            f"expected logits (N, T, V) and mask (N, T), got logits "
-            f"{tuple(logits.shape)} and mask {tuple(mask.shape)}"
-        )
-    flat_logits = logits.reshape(-1, logits.shape[-1])  # (N*T, V)
-    flat_valid = mask.reshape(-1).bool()  # (N*T,)
-    total = torch.zeros((), dtype=torch.float64, device=logits.device)
-    for start in range(0, flat_logits.shape[0], chunk_tokens):
-        rows = flat_logits[start : start + chunk_tokens][flat_valid[start : start + chunk_tokens]]
-        logp = torch.log_softmax(rows.float(), dim=-1)  # (rows, V)
-        p = logp.exp()
-        p_log_p = torch.where(p > 0, p * logp, torch.zeros_like(p))
-        total -= p_log_p.sum(dim=-1).double().sum()
-    return (total / flat_valid.sum()).float()  # 0/0 = NaN when empty
+# Entropy from the sampled tokens
 
 
 def sampled_entropy(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

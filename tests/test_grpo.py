@@ -8,14 +8,12 @@ import torch
 from conftest import raises_one_line
 from grpo import (
     LOG_RATIO_LIMIT,
-    entropy_from_logits,
     group_advantages,
     mipu_proxy,
     mismatch_metrics,
     policy_loss,
     routing_disagreement,
     sampled_entropy,
-    token_logprobs,
 )
 
 
@@ -307,46 +305,7 @@ def test_extreme_reference_and_rollout_log_ratios_give_a_finite_kl_and_weight():
 
 
 # -----------------------------------------------------------------------------
-# token_logprobs, entropy_from_logits
-
-
-def test_token_logprobs_matches_log_softmax_gather_in_fp32():
-    torch.manual_seed(0)
-    logits = (torch.randn(2, 5, 11) * 4).bfloat16().requires_grad_()
-    tokens = torch.randint(0, 11, (2, 5))
-    logp = token_logprobs(logits, tokens)
-    assert logp.dtype == torch.float32 and logp.shape == (2, 5)
-    expected = (
-        torch.log_softmax(logits.detach().float(), dim=-1)
-        .gather(-1, tokens.unsqueeze(-1))
-        .squeeze(-1)
-    )
-    torch.testing.assert_close(logp.detach(), expected)
-    logp.sum().backward()
-    assert logits.grad is not None and logits.grad.shape == logits.shape
-
-
-def test_entropy_from_logits():
-    vocab = 8
-    logits = torch.zeros(2, 3, vocab)  # uniform: entropy log V
-    logits[1, 2] = torch.tensor([0.0] + [float("-inf")] * (vocab - 1))  # one-hot: entropy 0
-    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
-    logits[0, 2] = torch.randn(vocab) * 10  # masked out: must not count
-    expected = (3 * math.log(vocab) + 0.0) / 4
-    assert entropy_from_logits(logits, mask).item() == pytest.approx(expected, rel=1e-6)
-    chunked_bf16 = entropy_from_logits(logits.bfloat16(), mask, chunk_tokens=1)
-    assert chunked_bf16.item() == pytest.approx(expected, rel=1e-5)
-    assert math.isnan(entropy_from_logits(logits, torch.zeros(2, 3)).item())
-
-
-def test_entropy_from_logits_at_extreme_logits():
-    # two equal logits of 1e30: H = log 2 exactly; logits 0 and 1000: p = (e^-1000, 1) in float64,
-    # H = 1000 e^-1000 + ~0 = 0 to fp32; a row of -1e30 and one finite logit: H = 0. No inf, no NaN.
-    logits = torch.tensor([[[1e30, 1e30, -math.inf], [0.0, 1000.0, -1e30], [-1e30, 7.0, -1e30]]])
-    mask = torch.ones(1, 3)
-    assert entropy_from_logits(logits[:, :1], mask[:, :1]).item() == pytest.approx(math.log(2))
-    assert entropy_from_logits(logits[:, 1:], mask[:, 1:]).item() == pytest.approx(0.0, abs=1e-30)
-    assert entropy_from_logits(logits, mask).item() == pytest.approx(math.log(2) / 3)
+# sampled_entropy
 
 
 def test_sampled_entropy_is_the_mean_negative_logprob_and_estimates_the_entropy():
@@ -533,12 +492,6 @@ BAD_CALLS = [  # (id, call, what the message names, the problem it states)
         lambda: policy_loss(LOGPROBS, LOGPROBS, torch.zeros(2), MASK, kl_coef=0.1),
         "ref_logprobs",
         "kl_coef > 0 needs",
-    ),
-    (
-        "tokens vs logits",
-        lambda: token_logprobs(torch.zeros(2, 5, 11), torch.zeros(2, 4, dtype=torch.long)),
-        "tokens",
-        "got logits (2, 5, 11) and tokens (2, 4)",
     ),
     (
         "mismatch shapes",

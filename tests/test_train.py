@@ -49,6 +49,12 @@ TINY = dict(
 )
 
 
+def log_softmax_gather(logits, tokens):
+    """The oracle for a model's token log-probs: one log-softmax over the whole vocabulary in fp32,
+    then each position's token (not moe.py's chunked logit-minus-logsumexp)."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
 def tiny_config(out_dir, **overrides):
     return train.TrainConfig(**{**TINY, **in_dir(out_dir), **overrides})
 
@@ -988,9 +994,10 @@ def test_one_minibatch_is_the_plain_on_policy_update_bit_for_bit():
         cfg, trainer, adamw(cfg, trainer), seq, advantages, shuffle_seed=0
     )
     # the update before mini-batches existed: one forward, old = its own detached log-probs, one
-    # step
+    # step (the log-probs as the trainer computes them: bit for bit needs the same formula)
     optimizer = adamw(cfg, reference)
-    logp = grpo.token_logprobs(reference(seq.tokens)[:, :-1].float(), seq.tokens[:, 1:])
+    targets = torch.nn.functional.pad(seq.tokens[:, 1:], (0, 1))  # the last column has none
+    logp = reference(seq.tokens, targets=targets)[:, :-1]
     loss, _ = grpo.policy_loss(
         logp,
         logp.detach(),
@@ -1380,7 +1387,7 @@ def demonstration_loss(cfg, model, task, tokenizer):
             [prompt + tokenizer.encode(task.demonstration(p, rng)) + [tokenizer.eos_id]]
         )
         with torch.no_grad():
-            logp = grpo.token_logprobs(model(row[:, :-1]).float(), row[:, 1:])[0, len(prompt) - 1 :]
+            logp = log_softmax_gather(model(row[:, :-1]).float(), row[:, 1:])[0, len(prompt) - 1 :]
         total, count = total - logp.sum().item(), count + logp.numel()
     return total / count
 
@@ -1632,13 +1639,13 @@ def test_grad_checkpointing_keeps_only_the_blocks_inputs(monkeypatch):
 
 
 def test_chunked_logprobs_equal_the_whole_logits_values_and_gradients(monkeypatch):
-    """token_logprobs a few positions at a time equals grpo.token_logprobs of the whole logits
+    """token_logprobs a few positions at a time equals log_softmax_gather of the whole logits
     (the oracle: one log-softmax over every position), values and gradients, to fp32 order."""
     torch.manual_seed(0)
     model = moe.MoETransformer(moe.MoEConfig.from_preset("tiny", vocab_size=96))
     tokens = torch.randint(96, (3, 11))
     targets = torch.randint(96, (3, 11))
-    whole = grpo.token_logprobs(model(tokens).float() / 0.7, targets)
+    whole = log_softmax_gather(model(tokens).float() / 0.7, targets)
     whole.sum().backward()
     expected_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -1693,8 +1700,6 @@ def test_micro_batches_accumulate_the_whole_batch_update(overrides):
         assert report_diff(p_m, p_w, name)[0] < 1e-6, name  # lr 1: the gradients themselves
     moved = any(not torch.equal(p, q) for p, q in zip(whole.parameters(), trainer.parameters()))
     assert moved
-
-
 
 
 # ----------------------------------------------------------------------------- pass@k, samples, and

@@ -25,7 +25,10 @@ def assert_close_to_reference(y, reference, name, fp32_pair=None, tolerance=1e-5
     """The kernel's BF16 output against the reference's, element by element: the two fp32 sums
     differ in accumulation order only (by at most `tolerance` of the largest magnitude, checked on
     the unrounded pair (kernel fp32 output, reference fp32) when given), and rounding each to BF16
-    adds at most one ulp (2^-7 of the value)."""
+    adds at most one ulp (2^-7 of the value). On a GPU the fp32 sums are only as close as Hopper's
+    FP8 MMA allows (GPU_TOLERANCE), whatever `tolerance` the interpreter's sums are held to."""
+    if y.is_cuda:
+        tolerance = max(tolerance, GPU_TOLERANCE)
     reference = reference.float()
     slack = tolerance * reference.abs().max().item()
     max_diff, _ = report_diff(y.float(), reference, name)

@@ -768,25 +768,29 @@ class MoETransformer(nn.Module):
         entropies = []
         for start in range(0, B * T, chunk):
             rows = (flat_hidden[start : start + chunk], flat_targets[start : start + chunk])
+            args = (*rows, temperature, hand_offs, return_entropy)
             if B * T > chunk and torch.is_grad_enabled():
-                piece, entropy = checkpoint(
-                    self._chunk_logprobs, *rows, temperature, hand_offs, use_reentrant=False
-                )
+                piece = checkpoint(self._chunk_logprobs, *args, use_reentrant=False)
             else:
-                piece, entropy = self._chunk_logprobs(*rows, temperature, hand_offs)
+                piece = self._chunk_logprobs(*args)
+            if return_entropy:
+                piece, entropy = piece
+                entropies.append(entropy)
             logprobs.append(piece)
-            entropies.append(entropy)
         logprobs = torch.cat(logprobs).view(B, T)
         if return_entropy:
             return logprobs, torch.cat(entropies).view(B, T)
         return logprobs
 
-    def _chunk_logprobs(self, hidden, targets, temperature, hand_offs):
-        """(n, D), (n,) -> ((n,) fp32 log-probs, (n,) fp32 entropies): one chunk's."""
+    def _chunk_logprobs(self, hidden, targets, temperature, hand_offs, with_entropy):
+        """(n, D), (n,) -> (n,) fp32 log-probs, one chunk's; with_entropy: and (n,) fp32
+        entropies (a softmax over the vocabulary more, so only when asked)."""
         logits = call_layer(self.lm_head, hand_offs, "lm_head", hidden)  # (n, V)
         logits = logits.float() / max(temperature, 1e-6)
         chosen = logits.gather(-1, targets[:, None]).squeeze(-1)
         log_normalizer = logits.logsumexp(-1)
+        if not with_entropy:
+            return chosen - log_normalizer
         with torch.no_grad():
             probs = torch.softmax(logits, dim=-1)
             # -inf logits have p = 0: their terms are 0, not NaN

@@ -682,8 +682,8 @@ def no_grad_logprobs(cfg, trainer, seq, rollout_share):
     """trainer_logprobs of every row without a gradient, cfg.micro_batch rows at a time."""
     pieces = micro_batches(slice(None), seq.tokens.shape[0], cfg.micro_batch)
     results = [trainer_logprobs(cfg, trainer, seq, rollout_share, piece) for piece in pieces]
-    logp = torch.cat([result[0] for result in results])
-    routes = torch.cat([result[1] for result in results], dim=1)
+    logp = torch.cat([logp for logp, _, _ in results])
+    routes = torch.cat([routes for _, routes, _ in results], dim=1)
     return logp, routes
 
 

@@ -185,16 +185,19 @@ def collapsed_seeds(late_rewards):
 
 
 # ----------------------------------------------------------------------------- reading runs
-def records_of(run_dir):
-    """The run's metrics.jsonl as train.py wrote it, or gzipped (metrics.jsonl.gz: the studies')."""
+def open_metrics(run_dir):
+    """The run's metrics.jsonl as train.py wrote it, or gzipped (metrics.jsonl.gz: the studies'),
+    open for reading text."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.isfile(path):
-        with open(path) as f:
-            lines = f.readlines()
-    else:
-        with gzip.open(path + ".gz", "rt") as f:
-            lines = f.readlines()
-    return [json.loads(line) for line in lines if line.strip()]
+        return open(path)
+    return gzip.open(path + ".gz", "rt")
+
+
+def records_of(run_dir):
+    """Every record of the run's metrics."""
+    with open_metrics(run_dir) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def steps_of(records):
@@ -731,8 +734,10 @@ def no_signal_seeds(folders):
     seed is named and replaced, not averaged."""
     seeds = set()
     for (recipe, seed), path in folders.items():
-        records = records_of(path)
-        if records and records[0]["step"] == 0 and records[0].get("pass@1_bf16_trainer") == 0:
+        with open_metrics(path) as f:
+            line = f.readline()  # the first record is enough: the step-0 evaluation
+        first = json.loads(line) if line.strip() else {}
+        if first.get("step") == 0 and first.get("pass@1_bf16_trainer") == 0:
             seeds.add(seed)
     return sorted(seeds)
 

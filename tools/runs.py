@@ -466,17 +466,12 @@ def report(cfg, run_dir, warmstart, start_step=None):
         lines[0] += f"; RL steps {ran[0]['step']}-{ran[-1]['step']} took {seconds:.0f} s{resumed}"
     if evals:
         first, last = evals[0], evals[-1]
-        if "pass@1_bf16_trainer" in last:
-            lines.append(
-                f"  pass@1        rollout {last['pass@1']:.3f}, BF16 trainer "
-                f"{last['pass@1_bf16_trainer']:.3f} at step {last['step']} (step "
-                f"{first['step']}: {first['pass@1']:.3f}, {first['pass@1_bf16_trainer']:.3f})"
-            )
-        else:  # --no-eval-trainer
-            lines.append(
-                f"  pass@1        rollout {last['pass@1']:.3f} at step {last['step']} (step "
-                f"{first['step']}: {first['pass@1']:.3f})"
-            )
+        now = f"rollout {last['pass@1']:.3f}"
+        then = f"{first['pass@1']:.3f}"
+        if "pass@1_bf16_trainer" in last:  # absent under --no-eval-trainer
+            now += f", BF16 trainer {last['pass@1_bf16_trainer']:.3f}"
+            then += f", {first['pass@1_bf16_trainer']:.3f}"
+        lines.append(f"  pass@1        {now} at step {last['step']} (step {first['step']}: {then})")
         more = [key for key in pass_at_k_keys(last) if key != "pass@1"]
         if more:
             values = ", ".join(f"{key} {last[key]:.3f}" for key in more)

@@ -278,9 +278,7 @@ class DecodeState:
         self.capture_tried = False
 
 
-def decode_step(
-    model: MoETransformer, state: DecodeState, hand_offs: dict | None = None
-) -> None:
+def decode_step(model: MoETransformer, state: DecodeState, hand_offs: dict | None = None) -> None:
     """Feed every row's next_input, record its routes, sample the following token. Only device
     tensors and in-place writes to `state`: capturable as a CUDA graph, no host sync. hand_offs:
     passed to the model's forward (moe.py), for layers that take something per call (TRACE)."""

@@ -305,8 +305,9 @@ class SymmetricExperts(qat.QATExperts):
 
 
 # ----------------------------------------------------------------------------- conversion
-def convert_for_training(model, mode, act_scale="tensor", *, quantize_router=False,
-                         quantize_lm_head=False):
+def convert_for_training(
+    model, mode, act_scale="tensor", *, quantize_router=False, quantize_lm_head=False
+):
     """Swap moe.py's layers (or qat.py's) for symmetric layers in mode `mode` (MODES) in place;
     returns the model. The same layers as qat.convert_for_training, the same Parameter objects;
     act_scale: the activations' global scale, per "tensor" or per "row", as the rollout's."""

@@ -397,9 +397,7 @@ def warmstart(cfg, model, task, tokenizer):
         tokens, target_mask = tokens.to(cfg.device), target_mask.to(cfg.device)
         with autocast(cfg):
             # the targets' log-probs, a chunk of positions at a time (moe.py): (N, W-1) fp32
-            logp = model(
-                tokens[:, :-1], targets=tokens[:, 1:], grad_checkpoint=cfg.grad_checkpoint
-            )
+            logp = model(tokens[:, :-1], targets=tokens[:, 1:], grad_checkpoint=cfg.grad_checkpoint)
         mask = target_mask[:, 1:]
         loss = -(logp * mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)

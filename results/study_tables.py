@@ -10,7 +10,7 @@ The study folders, each with a README.md that gives the command, the commits and
                               short probes of other shapes, one folder per run
     h200_audit                the log-prob audit and the outlier report of one small-preset
                               checkpoint on the H200, as tools.audit wrote them
-    gpu_small_600steps        bf16, nvfp4 and quads on the small preset on a GPU, seeds 0-2, 600
+    gpu_small_600steps        bf16, nvfp4 and quads on the small preset on a GPU, seeds 0-3, 600
                               steps: its tables print once the folder exists, "not run" before
 
 Statistics. A seed fixes the warm-start, the prompts and the sampling noise, so two recipes are
